@@ -1,0 +1,38 @@
+"""MLX backend (Apple Silicon with Metal; also runs on Linux CPU through ``mlx[cpu]``).
+
+Registered as the ``mlx`` entry point.  Importing this package does not import mlx; the
+backend reports whether mlx can be used through ``available()``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from typing import Any
+
+from swiftlm.backend import Availability
+from swiftlm.registry import ModelSpec
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def available(self) -> Availability:
+        for mod, pkg in (("mlx", "mlx"), ("mlx_lm", "mlx-lm")):
+            if importlib.util.find_spec(mod) is None:
+                return Availability(False, reason=f"{pkg} is not installed (pip install 'swiftlm[mlx]')")
+        try:
+            import mlx.core as mx
+        except Exception as exc:  # e.g. a wheel for the wrong platform
+            return Availability(False, reason=f"mlx failed to import: {exc}")
+        dev = mx.default_device()
+        kind = "gpu (Metal)" if dev.type == mx.DeviceType.gpu else f"cpu ({platform.machine()})"
+        return Availability(True, device=kind)
+
+    def load(self, spec: ModelSpec, cfg: Any) -> Any:
+        from .model import load_model
+
+        return load_model(spec, cfg)
+
+
+__all__ = ["MLXBackend"]

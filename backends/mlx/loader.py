@@ -1,0 +1,120 @@
+"""Loading weights into mlx-lm model classes: HF directories and llama-family GGUF."""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+import re
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from swiftlm.errors import CorruptModel, UnsupportedArchitecture
+from swiftlm.registry import ModelSpec
+from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+log = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = ("llama",)
+
+# GGUF tensor names -> mlx-lm llama parameter names
+_GGUF_NAMES = [
+    (r"^token_embd\.", "model.embed_tokens."),
+    (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^blk\.(\d+)\.attn_q\.", r"model.layers.\1.self_attn.q_proj."),
+    (r"^blk\.(\d+)\.attn_k\.", r"model.layers.\1.self_attn.k_proj."),
+    (r"^blk\.(\d+)\.attn_v\.", r"model.layers.\1.self_attn.v_proj."),
+    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^blk\.(\d+)\.ffn_gate\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
+]
+
+
+@lru_cache(maxsize=1)
+def supported_architectures() -> frozenset[str]:
+    import mlx_lm.models
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    names = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)}
+    names -= {"base", "cache", "rope_utils", "switch_layers", "activations", "pipeline", "bitlinear_layers"}
+    return frozenset(names | set(MODEL_REMAPPING))
+
+
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _to_compute_dtype(model: nn.Module) -> None:
+    """On the CPU, compute in float32: MLX's CPU kernels are fastest in fp32 and its
+    ``gather_mm`` (MoE layers) accepts only fp32.  Metal keeps the checkpoint's dtype."""
+    if _on_cpu():
+        model.set_dtype(mx.float32)
+
+
+def load_hf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(spec.path)
+    except (ValueError, KeyError) as exc:
+        raise CorruptModel(f"{spec.path}: mlx-lm could not build the model from its weights: {exc}") from exc
+    _to_compute_dtype(model)
+    mx.eval(model.parameters())
+    return model, load_hf_tokenizer(spec.path, config), config
+
+
+def gguf_name_to_mlx(name: str) -> str:
+    for pat, rep in _GGUF_NAMES:
+        new, n = re.subn(pat, rep, name)
+        if n:
+            return new
+    raise CorruptModel(f"unexpected tensor {name!r} in a llama GGUF")
+
+
+def load_gguf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
+    from mlx_lm.models import llama
+
+    if spec.arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {spec.arch!r} is not supported by the mlx backend; supported GGUF architectures: "
+            f"{', '.join(GGUF_ARCHITECTURES)} (for others, give an HF-format directory)")
+    try:
+        raw = mx.load(str(spec.path))
+    except Exception as exc:
+        raise CorruptModel(f"{spec.path} could not be read by mlx: {exc}") from exc
+    weights = {gguf_name_to_mlx(k): v for k, v in raw.items()}
+    config = dict(spec.config)
+    # llama.cpp stores Q/K rows permuted for interleaved ("traditional") RoPE.
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=config["hidden_size"], num_hidden_layers=config["num_hidden_layers"],
+        intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+        rms_norm_eps=config["rms_norm_eps"], vocab_size=config["vocab_size"], head_dim=config["head_dim"],
+        max_position_embeddings=config["max_position_embeddings"],
+        num_key_value_heads=config["num_key_value_heads"], rope_theta=config["rope_theta"],
+        rope_traditional=True, tie_word_embeddings=config["tie_word_embeddings"])
+    model = llama.Model(args)
+    quant = {}
+    for k, w in weights.items():
+        if k.endswith(".scales"):
+            base = k[: -len(".scales")]
+            packed = weights[base + ".weight"]
+            group = 32  # every GGUF block type MLX reads natively (Q4_0, Q4_1, Q8_0) has 32-wide blocks
+            bits = packed.shape[-1] * 32 // (w.shape[-1] * group)
+            quant[base] = {"group_size": group, "bits": int(bits)}
+    if quant:
+        nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise CorruptModel(f"{spec.path}: weights do not match a llama model: {exc}") from exc
+    _to_compute_dtype(model)
+    mx.eval(model.parameters())
+    tokenizer = load_gguf_tokenizer(spec.gguf_meta or {})
+    config["quantization"] = quant
+    return model, tokenizer, config

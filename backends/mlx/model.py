@@ -1,0 +1,118 @@
+"""The MLX ``Model``: mlx-lm model classes and KV caches behind the batched step protocol.
+
+Each sequence owns an mlx-lm prompt cache.  This first version runs the sequences of a
+step one after another inside ``step`` (the protocol is already batched, so the
+continuous-batching work changes this file and the scheduler, not the seam).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from swiftlm.backend import ModelInfo, SampledToken, StepBatch, StepResult
+from swiftlm.errors import UnsupportedArchitecture
+from swiftlm.registry import ModelSpec
+from swiftlm.sampling import sample_row
+
+from .loader import load_gguf, load_hf, supported_architectures
+from .ops import MLXOps
+
+log = logging.getLogger(__name__)
+
+
+class MLXModel:
+    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.module = module
+        self.tokenizer = tokenizer
+        self.info = info
+        self._make_cache = lambda: make_prompt_cache(module)
+        self.caches: dict[int, list[Any]] = {}
+        self.ops = MLXOps()
+
+    def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
+        cache = self.caches.get(seq_id)
+        if cache is None:
+            cache = self.caches[seq_id] = self._make_cache()
+        offset = cache[0].offset if cache else 0
+        if offset > start_pos:  # recompute after preemption / rollback: drop the extra positions
+            for c in cache:
+                c.trim(offset - start_pos)
+        elif offset < start_pos:
+            raise RuntimeError(f"sequence {seq_id}: KV cache holds {offset} positions, step starts at {start_pos}")
+        return cache
+
+    def _feed(self, seq_id: int, tokens: list[int], start_pos: int) -> mx.array:
+        cache = self._cache_for(seq_id, start_pos)
+        return self.module(mx.array([tokens], dtype=mx.int32), cache=cache)
+
+    def logits(self, seq_id: int, tokens: list[int], start_pos: int) -> mx.array:
+        """Feed ``tokens`` and return the last position's logits (1-D).
+
+        Like mlx-lm, a multi-token chunk is fed as ``tokens[:-1]`` evaluating only the
+        KV state (so the lazy graph never computes the LM head for those positions),
+        then the last token alone."""
+        if len(tokens) > 1:
+            self._feed(seq_id, tokens[:-1], start_pos)
+            mx.eval([c.state for c in self.caches[seq_id]])
+            start_pos += len(tokens) - 1
+            tokens = tokens[-1:]
+        return self._feed(seq_id, tokens, start_pos)[0, -1]
+
+    def step(self, batch: StepBatch) -> StepResult:
+        result = StepResult()
+        for w in batch.seqs:
+            if not w.sample:
+                self._feed(w.seq_id, w.tokens, w.start_pos)
+                mx.eval([c.state for c in self.caches[w.seq_id]])
+                continue
+            logits = self.logits(w.seq_id, w.tokens, w.start_pos)
+            token, lp, top = sample_row(self.ops, logits, w.params, w.state)
+            result.sampled.append(SampledToken(w.seq_id, token, lp, top))
+        return result
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        for s in seq_ids:
+            self.caches.pop(s, None)
+
+    def memory(self) -> dict[str, int]:
+        return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
+def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
+    if spec.format == "gguf":
+        module, tokenizer, config = load_gguf(spec)
+    else:
+        if spec.arch not in supported_architectures():
+            raise UnsupportedArchitecture(
+                f"architecture {spec.arch!r} is not supported by the mlx backend (mlx-lm {_mlx_lm_version()}); "
+                f"supported: {', '.join(sorted(supported_architectures()))}")
+        module, tokenizer, config = load_hf(spec)
+    n_layers = int(config.get("num_hidden_layers") or len(getattr(module, "layers", [])))
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // heads))
+    weight_bytes = sum(v.nbytes for _, v in _flatten(module.parameters()))
+    dt_bytes = 4 if mx.default_device().type == mx.DeviceType.cpu else 2
+    ctx = int(cfg.ctx_size or spec.context_length or 4096) if cfg is not None else int(spec.context_length or 4096)
+    info = ModelInfo(arch=spec.arch, num_layers=n_layers, context_length=min(ctx, spec.context_length or ctx),
+                     vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
+                     quantization=spec.quantization, is_moe=spec.is_moe, weight_bytes=weight_bytes,
+                     kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes)
+    return MLXModel(module, tokenizer, info)
+
+
+def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)
+
+
+def _mlx_lm_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")

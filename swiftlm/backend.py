@@ -1,0 +1,173 @@
+"""The seam between the core and a backend, and entry-point discovery.
+
+The core owns requests, scheduling, sampling parameters and the API; a backend owns
+arrays: weights, KV memory, forward passes and kernels.  A backend is a class registered
+under the ``swiftlm.backends`` entry-point group; nothing in the core names a backend.
+
+One forward step takes a *batch*: any mix of prefill chunks and decode rows of different
+sequences (``StepBatch``).  The first scheduler sends one sequence per step, continuous
+batching sends many; the protocol does not change.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from .errors import BackendUnavailable, SwiftLMError
+from .registry import ModelSpec
+from .sampling import SamplerState, SamplingParams
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "swiftlm.backends"
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    device: str = ""
+    reason: str = ""  # why not, when ok is False
+
+
+@dataclass
+class ModelInfo:
+    arch: str
+    num_layers: int
+    context_length: int
+    vocab_size: int
+    num_params: int
+    quantization: str
+    is_moe: bool = False
+    modalities: tuple[str, ...] = ("text",)
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a step.
+
+    ``tokens`` are fed at positions ``[start_pos, start_pos + len(tokens))``; the backend
+    keeps the KV state of earlier positions from previous steps.  A prefill chunk that is
+    not the last one has ``sample=False``; the last chunk and every decode row sample
+    one token with the sequence's sampler state.
+    """
+
+    seq_id: int
+    tokens: list[int]
+    start_pos: int
+    sample: bool
+    params: SamplingParams
+    state: SamplerState
+
+
+@dataclass
+class StepBatch:
+    seqs: list[SeqWork]
+
+
+@dataclass
+class SampledToken:
+    seq_id: int
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepResult:
+    sampled: list[SampledToken] = field(default_factory=list)
+
+
+@runtime_checkable
+class Model(Protocol):
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run one forward pass over the batch and sample where asked."""
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        """Drop the KV state of finished or cancelled sequences."""
+
+    def memory(self) -> dict[str, int]:
+        """Bytes: active, peak, cache (backend allocator figures)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def available(self) -> Availability: ...
+
+    def load(self, spec: ModelSpec, cfg: Any) -> Model: ...
+
+
+@dataclass
+class BackendEntry:
+    name: str
+    target: str
+    backend: Backend | None
+    availability: Availability
+
+
+def discover_backends() -> dict[str, BackendEntry]:
+    """Load every ``swiftlm.backends`` entry point.  A plugin that fails to import or
+    to report availability is logged and listed as unavailable, never fatal."""
+    found: dict[str, BackendEntry] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            continue
+        try:
+            cls = ep.load()
+            backend = cls()
+            avail = backend.available()
+        except Exception as exc:  # a broken plugin must not take the server down
+            log.warning("backend plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
+            found[ep.name] = BackendEntry(
+                ep.name, ep.value, None,
+                Availability(False, reason=f"plugin failed to load: {type(exc).__name__}: {exc}"),
+            )
+            continue
+        found[ep.name] = BackendEntry(ep.name, ep.value, backend, avail)
+    return found
+
+
+def preferred_order() -> list[str]:
+    """Auto choice: macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch, else mlx."""
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return ["mlx", "torch"]
+    return ["torch", "mlx"]
+
+
+def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | None = None
+                   ) -> tuple[Backend, str]:
+    """Return (backend, explanation)."""
+    backends = discover_backends() if backends is None else backends
+    if requested and requested != "auto":
+        entry = backends.get(requested)
+        if entry is None:
+            raise BackendUnavailable(
+                f"backend {requested!r} is not installed; found: {', '.join(sorted(backends)) or 'none'}"
+            )
+        if not entry.availability.ok or entry.backend is None:
+            raise BackendUnavailable(f"backend {requested!r} is not available: {entry.availability.reason}")
+        return entry.backend, f"{requested} (requested with --backend)"
+    order = preferred_order() + sorted(n for n in backends if n not in preferred_order())
+    for name in order:
+        entry = backends.get(name)
+        if entry and entry.availability.ok and entry.backend is not None:
+            return entry.backend, f"{name} (auto: first available of {', '.join(order)} on {platform.system()} {platform.machine()})"
+    reasons = "; ".join(f"{n}: {e.availability.reason}" for n, e in backends.items()) or "no backend plugins installed"
+    raise BackendUnavailable(f"no usable backend ({reasons}); install one, e.g. pip install 'swiftlm[mlx]'")
+
+
+__all__ = [
+    "Availability", "Backend", "BackendEntry", "Model", "ModelInfo", "SampledToken", "SeqWork",
+    "StepBatch", "StepResult", "SwiftLMError", "choose_backend", "discover_backends",
+]

@@ -1,0 +1,127 @@
+"""Every setting, defined once.
+
+Each field is a ``SWIFTLM_<NAME>`` environment variable and a ``--name`` CLI flag (flags
+override the environment); its ``description`` is the help text for both.  Features that
+are planned but not built yet are marked ``not_built``: setting them exits with a clear
+message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import NotSupportedYet
+
+
+def _f(default: Any, help: str, *, flag: str | None = None, group: str = "model", not_built: str | None = None,
+       nargs: str | None = None, const: Any = None) -> Any:
+    extra: dict[str, Any] = {"group": group}
+    if flag:
+        extra["flag"] = flag
+    if not_built:
+        extra["not_built"] = not_built
+    if nargs:
+        extra["nargs"] = nargs
+        extra["const"] = const
+    return Field(default, description=help, json_schema_extra=extra)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWIFTLM_", extra="ignore", protected_namespaces=())
+
+    # model and backend
+    model: str | None = _f(None, "Model: HF repo id (from the local HF cache), a local HF-format directory, a .gguf "
+                                 "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted).")
+    backend: str = _f("auto", "Backend plugin: 'auto' (macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch when "
+                              "installed, else mlx), or a name listed by `swiftlm info`.")
+    offline: bool = _f(False, "Never download from the Hugging Face hub (HF_HUB_OFFLINE=1 does the same).")
+    ctx_size: int | None = _f(None, "Context length in tokens (prompt + output); default: the model's own.",
+                              flag="--ctx-size")
+    prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
+                           group="engine")
+    parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
+    max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.",
+                        group="engine")
+
+    # sampling defaults (a request's own fields override them)
+    max_tokens: int = _f(2048, "Default maximum tokens to generate per request.", group="sampling")
+    temp: float = _f(0.6, "Default sampling temperature (0 = greedy).", group="sampling")
+    top_p: float = _f(1.0, "Default nucleus sampling threshold.", group="sampling")
+    top_k: int = _f(0, "Default top-k (0 = disabled).", group="sampling")
+    min_p: float = _f(0.0, "Default min-p (0 = disabled).", group="sampling")
+    repeat_penalty: float = _f(1.0, "Default repetition penalty (1.0 = off).", group="sampling")
+    repeat_last_n: int = _f(64, "Tokens of context the repetition penalty looks back over.", group="sampling")
+    seed: int | None = _f(None, "Default seed for requests that give none (none: a fresh random seed each).",
+                          group="sampling")
+    thinking: bool = _f(False, "Enable thinking/reasoning in chat templates that support it.", group="sampling")
+
+    # server
+    host: str = _f("127.0.0.1", "Address to bind.", group="server")
+    port: int = _f(5413, "Port to listen on.", group="server")
+    api_key: str | None = _f(None, "Require 'Authorization: Bearer <key>' on /v1 routes.", group="server")
+    metrics_need_key: bool = _f(False, "Also require the API key on /metrics (default: open, like /health, so "
+                                       "a local Prometheus can scrape it).", group="server")
+    cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
+    max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
+    info: bool = _f(False, "Print the model facts and memory plan, then exit.", group="server")
+    log_level: str = _f("info", "Log level: debug, info, warning, error.", group="server")
+
+    # planned features: accepted by the parser so that they fail loudly
+    mem_limit: str | None = _f(None, "Memory limit for the backend allocator.", group="planned",
+                               not_built="memory limits")
+    gpu_layers: int | None = _f(None, "Layers to place on the GPU.", group="planned", not_built="partial offload")
+    stream_experts: bool = _f(False, "Stream MoE expert weights from disk (SSD expert streaming).", group="planned",
+                              not_built="SSD expert streaming")
+    turbo_kv: str | None = _f(None, "TurboQuant KV-cache compression [PRESET].", group="planned",
+                              not_built="TurboQuant KV cache", nargs="?", const="default")
+    vision: bool = _f(False, "Accept image inputs (vision-language models).", group="planned",
+                      not_built="vision input")
+    audio: bool = _f(False, "Accept audio inputs (audio-language models).", group="planned",
+                     not_built="audio input")
+    draft_model: str | None = _f(None, "Draft model for speculative decoding.", group="planned",
+                                 not_built="speculative decoding")
+    num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="planned")
+
+    def check_supported(self) -> None:
+        for name, field in type(self).model_fields.items():
+            extra = field.json_schema_extra or {}
+            what = extra.get("not_built") if isinstance(extra, dict) else None
+            if what and getattr(self, name) not in (None, False):
+                raise NotSupportedYet(f"--{name.replace('_', '-')}: {what} is not supported yet in this version "
+                                      "of swiftlm")
+
+
+def flag_of(name: str) -> str:
+    extra = Settings.model_fields[name].json_schema_extra or {}
+    return extra.get("flag") or "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None) -> None:
+    """Add one flag per setting (default SUPPRESS, so only flags given override env)."""
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra or {}
+        if groups is not None and extra.get("group") not in groups:
+            continue
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                              "help": f"{field.description} [env SWIFTLM_{name.upper()}]"}
+        ann = field.annotation
+        if ann is bool:
+            kw["action"] = "store_true"
+        else:
+            base = {int: int, float: float}.get(ann) or (
+                int if ann == (int | None) else float if ann == (float | None) else str)
+            kw["type"] = base
+            kw["metavar"] = name.upper()
+            if extra.get("nargs"):
+                kw["nargs"] = extra["nargs"]
+                kw["const"] = extra["const"]
+        parser.add_argument(flag_of(name), **kw)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**given)

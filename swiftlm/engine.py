@@ -1,0 +1,292 @@
+"""The engine: request lifecycle on one background thread that owns the model.
+
+Callers (the Python API, the server) submit token prompts with sampling parameters and a
+*sink*; the engine thread runs scheduler steps, samples through the backend, detokenises,
+applies stop rules and pushes ``Event``s into the sink.  Sinks are thread-safe queues
+(sync) or an asyncio queue fed with ``call_soon_threadsafe`` (async), so no caller ever
+touches model state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import weakref
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .backend import Model, SampledToken
+from .chat.messages import normalize_messages
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .errors import InvalidRequest, SwiftLMError
+from .sampling import SamplerState, SamplingParams
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(SwiftLMError):
+    pass
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    seq_id: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+class SyncSink:
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def __call__(self, ev: Event) -> None:
+        self.q.put(ev)
+
+    def __iter__(self):
+        while True:
+            ev = self.q.get()
+            yield ev
+            if ev.finished:
+                return
+
+
+class AsyncSink:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        self.q: asyncio.Queue[Event] = asyncio.Queue()
+
+    def __call__(self, ev: Event) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ev)
+
+    async def __aiter__(self):
+        while True:
+            ev = await self.q.get()
+            yield ev
+            if ev.finished:
+                return
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    sink: Sink
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    submitted: float
+    first_token_at: float | None = None
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    requests_active: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    ttft: list[float] = field(default_factory=list)
+
+    @property
+    def avg_tokens_per_sec(self) -> float:
+        return self.tokens_generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
+                 ctx_size: int | None = None, default_max_tokens: int = 2048):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.info = model.info
+        self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
+        self.default_max_tokens = default_max_tokens
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(max_running, prefill_size)
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._ids = itertools.count(1)
+        self._pending = 0  # submitted, not yet finished (guarded by _lock)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="swiftlm-engine", daemon=True)
+        self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
+
+    # ------------------------------------------------------------------ prompts
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        msgs = normalize_messages(messages)
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_prompt(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest("'prompt' must be a string", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
+        params.validate(self.info.vocab_size)
+        if not prompt_tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt_tokens) >= self.ctx_size:
+            raise InvalidRequest(f"the prompt has {len(prompt_tokens)} tokens but the context is {self.ctx_size}",
+                                 param="messages")
+        if any(not 0 <= t < self.info.vocab_size for t in prompt_tokens):
+            raise InvalidRequest("the prompt contains token ids outside the vocabulary", param="prompt")
+        with self._lock:
+            if self._pending >= self.max_queue + self.scheduler.max_running:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._pending += 1
+        seq_id = next(self._ids)
+        if params.max_tokens is None:
+            params.max_tokens = self.default_max_tokens
+        state = SamplerState(seed=params.seed)
+        seq = Sequence(seq_id, list(prompt_tokens), params, state)
+        state.prompt_tokens = seq.prompt_tokens
+        state.output_tokens = seq.output_tokens
+        live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), time.perf_counter())
+        self._inbox.put(("add", live))
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        self._inbox.put(("cancel", seq_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ loop
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if cmd == "add":
+                self._live[arg.seq.seq_id] = arg
+                self.scheduler.add(arg.seq)
+                self.stats.requests_total += 1
+                self.stats.requests_active += 1
+            elif cmd == "cancel":
+                live = self._live.get(arg)
+                if live is not None:
+                    self._finish(live, "cancelled")
+            elif cmd == "stop":
+                for live in list(self._live.values()):
+                    self._finish(live, "cancelled")
+                return
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain(block=not self.scheduler.has_work())
+            if self._stopping or not self.scheduler.has_work():
+                continue
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = self.model.step(batch)
+            except Exception as exc:  # a failing step fails its sequences, not the engine
+                log.exception("engine step failed")
+                for w in batch.seqs:
+                    live = self._live.get(w.seq_id)
+                    if live is not None:
+                        self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
+                continue
+            dt = time.perf_counter() - t0
+            self.stats.steps += 1
+            for w in batch.seqs:
+                live = self._live.get(w.seq_id)
+                if live is not None:
+                    live.seq.num_computed += len(w.tokens)
+            if any(not w.tokens or len(w.tokens) == 1 for w in batch.seqs):
+                self.stats.decode_seconds += dt
+            for s in result.sampled:
+                live = self._live.get(s.seq_id)
+                if live is not None:
+                    self._on_token(live, s)
+        for live in list(self._live.values()):  # shutting down: release every waiter
+            self._finish(live, "cancelled")
+
+    def _on_token(self, live: _Live, s: SampledToken) -> None:
+        seq, params = live.seq, live.seq.params
+        now = time.perf_counter()
+        if live.first_token_at is None:
+            live.first_token_at = now
+            self.stats.ttft.append(now - live.submitted)
+            self.stats.prompt_tokens += len(seq.prompt_tokens)
+        seq.output_tokens.append(s.token)
+        self.stats.tokens_generated += 1
+        lps: list[TokenLogprob] = []
+        if s.logprob is not None:
+            tok = self.tokenizer
+            lps.append(TokenLogprob(s.token, tok.decode([s.token]), s.logprob,
+                                    [(i, tok.decode([i]), lp) for i, lp in (s.top_logprobs or [])]))
+        is_eos = (not params.ignore_eos and s.token in self.tokenizer.eos_token_ids) or s.token in params.stop_token_ids
+        reason = None
+        if is_eos:
+            text = live.stop.feed(live.detok.flush())[0] + live.stop.flush()
+            reason = "stop"
+        else:
+            text, stopped = live.stop.feed(live.detok.add(s.token))
+            if stopped:
+                reason = "stop"
+            elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
+                    len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
+                reason = "length"
+                text += live.stop.feed(live.detok.flush())[0] + live.stop.flush()
+        ev = Event(seq.seq_id, text, [s.token], lps, prompt_tokens=len(seq.prompt_tokens),
+                   completion_tokens=len(seq.output_tokens))
+        if reason is None:
+            live.sink(ev)
+        else:
+            self._finish(live, reason, last=ev)
+
+    def _finish(self, live: _Live, reason: str, last: Event | None = None, error: str | None = None) -> None:
+        seq = live.seq
+        self._live.pop(seq.seq_id, None)
+        self.scheduler.remove(seq)
+        try:
+            self.model.free([seq.seq_id])
+        except Exception:  # pragma: no cover - freeing must not kill the loop
+            log.exception("free failed")
+        self.stats.requests_active -= 1
+        with self._lock:
+            self._pending -= 1
+        ev = last or Event(seq.seq_id, prompt_tokens=len(seq.prompt_tokens), completion_tokens=len(seq.output_tokens))
+        ev.finished, ev.finish_reason, ev.error = True, reason, error
+        live.sink(ev)

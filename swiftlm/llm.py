@@ -1,0 +1,223 @@
+"""The Python API: ``LLM`` (blocking) and ``AsyncLLM`` (asyncio).
+
+    from swiftlm import LLM, SamplingParams
+    llm = LLM()                                   # bundled SmolLM2, auto backend
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    print(out.text)
+    for delta in llm.stream([{"role": "user", "content": "Hi"}]):
+        print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Union
+
+from .backend import choose_backend
+from .config import Settings
+from .engine import AsyncSink, Engine, Event, SyncSink, TokenLogprob
+from .registry import ModelSpec, resolve
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Chat = list[dict[str, Any]]
+PromptLike = Union[str, Chat, list[int]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(o.token_ids) for o in self.outputs)
+        prompt = len(self.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class StreamDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def _is_batch(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return False
+    if isinstance(prompts, list) and prompts:
+        first = prompts[0]
+        if isinstance(first, dict) or isinstance(first, int):
+            return False
+        return True
+    return False
+
+
+def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
+    """Resolve the model, choose the backend, load, and start an engine."""
+    settings.check_supported()
+    spec = resolve(settings.model, allow_download=False if settings.offline else None)
+    backend, why = choose_backend(settings.backend)
+    log.info("loading %s with backend %s", spec.name, why)
+    model = backend.load(spec, settings)
+    engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
+                    max_queue=settings.max_queue, ctx_size=settings.ctx_size,
+                    default_max_tokens=settings.max_tokens)
+    engine.backend_name = backend.name  # type: ignore[attr-defined]
+    return engine, spec, why
+
+
+class _Base:
+    def __init__(self, model: str | None = None, *, backend: str = "auto", **settings: Any):
+        self.settings = Settings(model=model, backend=backend, **settings)
+        self.engine, self.spec, self.backend_choice = build_engine(self.settings)
+        self.tokenizer = self.engine.tokenizer
+
+    def _tokens(self, prompt: PromptLike, chat_template_kwargs: dict | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.text_prompt(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs.setdefault("enable_thinking", self.settings.thinking)
+        return self.engine.chat_prompt(prompt, **kwargs)
+
+    @staticmethod
+    def _params(params: SamplingParams | None, i: int) -> SamplingParams:
+        p = SamplingParams() if params is None else params
+        q = SamplingParams(**{k: getattr(p, k) for k in p.__dataclass_fields__})
+        q.logit_bias = dict(p.logit_bias)
+        q.stop = list(p.stop)
+        if p.seed is not None:
+            q.seed = p.seed + i
+        q.n = 1
+        return q
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _collect(out: CompletionOutput, ev: Event) -> None:
+    out.text += ev.text
+    out.token_ids += ev.token_ids
+    out.logprobs += ev.logprobs
+    if ev.finished:
+        out.finish_reason = ev.finish_reason
+        if ev.error:
+            raise RuntimeError(f"generation failed: {ev.error}")
+
+
+class LLM(_Base):
+    """Blocking API.  The model runs on the engine's own background thread."""
+
+    def generate(self, prompts: PromptLike | list[PromptLike], params: SamplingParams | None = None,
+                 chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
+        batch = prompts if _is_batch(prompts) else [prompts]
+        n = params.n if params else 1
+        jobs = []
+        for prompt in batch:
+            toks = self._tokens(prompt, chat_template_kwargs)
+            sinks = []
+            for i in range(n):
+                sink = SyncSink()
+                self.engine.submit(toks, self._params(params, i), sink)
+                sinks.append(sink)
+            jobs.append((toks, sinks))
+        results = []
+        for toks, sinks in jobs:
+            outs = []
+            for i, sink in enumerate(sinks):
+                out = CompletionOutput(i)
+                for ev in sink:
+                    _collect(out, ev)
+                outs.append(out)
+            results.append(RequestOutput(toks, outs))
+        return results if _is_batch(prompts) else results[0]
+
+    def chat(self, messages: Chat, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
+        return self.generate(messages, params, **kw)  # type: ignore[return-value]
+
+    def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
+               chat_template_kwargs: dict | None = None) -> Iterator[StreamDelta]:
+        toks = self._tokens(prompt, chat_template_kwargs)
+        sink = SyncSink()
+        seq_id = self.engine.submit(toks, self._params(params, 0), sink)
+        finished = False
+        try:
+            for ev in sink:
+                if ev.error:
+                    raise RuntimeError(f"generation failed: {ev.error}")
+                finished = ev.finished
+                yield StreamDelta(0, ev.text, ev.token_ids, ev.finish_reason, ev.logprobs)
+        finally:
+            if not finished:  # the caller stopped iterating: free the slot
+                self.engine.cancel(seq_id)
+
+
+class AsyncLLM(_Base):
+    """asyncio API: ``await llm.generate(...)`` and ``async for d in llm.stream(...)``."""
+
+    async def generate(self, prompt: PromptLike, params: SamplingParams | None = None,
+                       chat_template_kwargs: dict | None = None) -> RequestOutput:
+        toks = self._tokens(prompt, chat_template_kwargs)
+        n = params.n if params else 1
+        sinks = []
+        for i in range(n):
+            sink = AsyncSink()
+            self.engine.submit(toks, self._params(params, i), sink)
+            sinks.append(sink)
+        outs = []
+        for i, sink in enumerate(sinks):
+            out = CompletionOutput(i)
+            async for ev in sink:
+                _collect(out, ev)
+            outs.append(out)
+        return RequestOutput(toks, outs)
+
+    async def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
+                     chat_template_kwargs: dict | None = None) -> AsyncIterator[StreamDelta]:
+        toks = self._tokens(prompt, chat_template_kwargs)
+        sink = AsyncSink()
+        seq_id = self.engine.submit(toks, self._params(params, 0), sink)
+        finished = False
+        try:
+            async for ev in sink:
+                if ev.error:
+                    raise RuntimeError(f"generation failed: {ev.error}")
+                finished = ev.finished
+                yield StreamDelta(0, ev.text, ev.token_ids, ev.finish_reason, ev.logprobs)
+        finally:
+            if not finished:
+                self.engine.cancel(seq_id)
