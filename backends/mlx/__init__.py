@@ -34,5 +34,11 @@ class MLXBackend:
 
         return load_model(spec, cfg)
 
+    def export_quantized_gguf(self, spec: ModelSpec, out: Any, dtype: str) -> dict:
+        """Used by `swiftlm convert --keep-quantized`."""
+        from .export import export_quantized_gguf
+
+        return export_quantized_gguf(spec, out, dtype)
+
 
 __all__ = ["MLXBackend"]

@@ -18,6 +18,8 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 log = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = ("llama",)
+# every GGUF block type MLX reads natively (Q4_0, Q4_1, Q8_0) has 32-wide blocks
+GGUF_GROUP_SIZE = 32
 
 # GGUF tensor names -> mlx-lm llama parameter names
 _GGUF_NAMES = [
@@ -104,7 +106,7 @@ def load_gguf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
         if k.endswith(".scales"):
             base = k[: -len(".scales")]
             packed = weights[base + ".weight"]
-            group = 32  # every GGUF block type MLX reads natively (Q4_0, Q4_1, Q8_0) has 32-wide blocks
+            group = GGUF_GROUP_SIZE
             bits = packed.shape[-1] * 32 // (w.shape[-1] * group)
             quant[base] = {"group_size": group, "bits": int(bits)}
     if quant:

@@ -1,0 +1,138 @@
+"""``swiftlm convert``: a llama-family GGUF -> an HF-format directory.
+
+The output loads with mlx-lm's ``load`` and with transformers: config.json, tokenizer.json
+and tokenizer_config.json (with the chat template), and safetensors weights either
+dequantized to fp16/bf16/fp32 (numpy + gguf-py, no mlx or torch needed) or kept 4/8-bit in
+MLX's quantized layout (delegated to the mlx backend, which owns that format).
+
+llama.cpp stores the Q and K projections with their rows permuted for interleaved
+("traditional") RoPE; HF checkpoints use the rotate-half layout, so those rows are put back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import SwiftLMError, UnsupportedArchitecture
+from .registry import ModelSpec, resolve
+from .tokenizer import load_gguf_tokenizer
+
+HF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{HF_NAMES[parts[2]]}.{'.'.join(parts[3:])}"
+    return f"{HF_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
+
+
+def unpermute_rows(w: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation (axis 0 = output rows; works for packed
+    quantized rows and their scales too, since groups run along the input axis)."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape((n_heads, rows // n_heads // 2, 2) + rest).swapaxes(1, 2).reshape((rows,) + rest)
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    cfg = dict(spec.config)
+    cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": dtype,
+                "hidden_act": "silu", "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True})
+    return cfg
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise SwiftLMError(f"{out} exists and is not empty (use --force to overwrite)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantized: bool = False,
+                 force: bool = False) -> Path:
+    spec = resolve(source)
+    if spec.format != "gguf":
+        raise SwiftLMError(f"{source} is not a GGUF model; convert takes a .gguf file")
+    if spec.arch != "llama":
+        raise UnsupportedArchitecture(f"convert supports llama-family GGUF files; this one is {spec.arch!r}")
+    out = Path(out_dir)
+    _prepare_out(out, force)
+    config = hf_config(spec, dtype)
+    if keep_quantized:
+        from .backend import discover_backends
+
+        entry = discover_backends().get("mlx")
+        if entry is None or entry.backend is None or not entry.availability.ok:
+            raise SwiftLMError("--keep-quantized writes MLX's quantized format and needs the mlx backend "
+                               "(pip install 'swiftlm[mlx]')")
+        config["quantization"] = entry.backend.export_quantized_gguf(spec, out, dtype)  # type: ignore[attr-defined]
+    else:
+        _write_dequantized(spec, out, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2))
+    load_gguf_tokenizer(spec.gguf_meta or {}).save_pretrained(out)
+    return out
+
+
+def _write_dequantized(spec: ModelSpec, out: Path, dtype: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+
+    from .gguf_file import read_gguf_header
+
+    np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.float32}[dtype]
+    _, tensors = read_gguf_header(spec.path)
+    raw = np.memmap(spec.path, dtype=np.uint8, mode="r")
+    heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
+    weights: dict[str, np.ndarray] = {}
+    for t in tensors:
+        shape = tuple(reversed(t.shape))  # numpy order: rows first
+        data = np.asarray(raw[t.offset:t.offset + t.n_bytes])
+        arr = dequantize(data, GGMLQuantizationType(t.type_id)).reshape(shape).astype(np.float32)
+        name = hf_name(t.name)
+        if ".self_attn.q_proj." in name:
+            arr = unpermute_rows(arr, heads)
+        elif ".self_attn.k_proj." in name:
+            arr = unpermute_rows(arr, kv_heads)
+        weights[name] = np.ascontiguousarray(arr.astype(np_dtype))
+    if dtype == "bfloat16":
+        _save_bf16(weights, out / "model.safetensors")
+    else:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _save_bf16(weights: dict[str, np.ndarray], path: Path) -> None:
+    """numpy has no bfloat16: write the safetensors file by hand (round to nearest even)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
+    for name, arr in weights.items():
+        bits = arr.astype(np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        blob = rounded.tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(h).to_bytes(8, "little"))
+        fh.write(h)
+        for b in blobs:
+            fh.write(b)
