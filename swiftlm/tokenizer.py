@@ -128,16 +128,16 @@ def load_hf_tokenizer(path: Path, config: dict | None = None) -> HFTokenizer:
         eos_ids.update(int(i) for i in cfg_eos)
     if eos and tok.token_to_id(eos) is not None:
         eos_ids.add(tok.token_to_id(eos))
-    special = {t.id for t in _added_tokens(tok) if t.special}
+    special = _special_ids(tok)
     return HFTokenizer(tok, eos_ids, bos, eos, bool(tcfg.get("add_bos_token", False)),
                        ChatTemplate(template) if template else None, special)
 
 
-def _added_tokens(tok: Any) -> list[Any]:
+def _special_ids(tok: Any) -> set[int]:
     try:
-        return list(tok.get_added_tokens_decoder().values())
+        return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     except AttributeError:  # older tokenizers
-        return []
+        return set()
 
 
 def load_gguf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
