@@ -1,0 +1,59 @@
+"""One settings class: env vars, CLI flags over env, help text per field, loud unsupported flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from conftest import run_cli
+from swiftlm.config import Settings, add_settings_arguments, settings_from_args
+from swiftlm.errors import NotSupportedYet
+
+
+def _parse(argv, groups=None):
+    p = argparse.ArgumentParser()
+    add_settings_arguments(p, groups)
+    return settings_from_args(p.parse_args(argv))
+
+
+def test_env_sets_and_flag_overrides(monkeypatch):
+    monkeypatch.setenv("SWIFTLM_PORT", "6000")
+    monkeypatch.setenv("SWIFTLM_TEMP", "0.25")
+    s = _parse([])
+    assert s.port == 6000 and s.temp == 0.25
+    s = _parse(["--port", "7000"])
+    assert s.port == 7000 and s.temp == 0.25
+
+
+def test_defaults_follow_swiftlm():
+    s = Settings()
+    assert (s.port, s.host, s.max_tokens, s.prefill_size, s.num_draft_tokens) == (5413, "127.0.0.1", 2048, 512, 4)
+
+
+def test_every_setting_has_help_and_a_flag():
+    p = argparse.ArgumentParser()
+    add_settings_arguments(p)
+    helps = {a.dest: a.help for a in p._actions if a.dest in Settings.model_fields}
+    assert set(helps) == set(Settings.model_fields)
+    for name, h in helps.items():
+        assert h and f"SWIFTLM_{name.upper()}" in h
+
+
+def test_turbo_kv_takes_optional_preset():
+    assert _parse(["--turbo-kv"]).turbo_kv == "default"
+    assert _parse(["--turbo-kv", "k4v3"]).turbo_kv == "k4v3"
+
+
+@pytest.mark.parametrize("flag", ["--stream-experts", "--vision", "--audio", "--turbo-kv"])
+def test_unbuilt_features_are_refused(flag):
+    s = _parse([flag])
+    with pytest.raises(NotSupportedYet, match="not supported yet"):
+        s.check_supported()
+
+
+def test_unbuilt_flag_exits_2_from_cli():
+    r = run_cli("generate", "-p", "hi", "--draft-model", "x")
+    assert r.returncode == 2
+    assert "speculative decoding is not supported yet" in r.stderr
+    assert "Traceback" not in r.stderr
