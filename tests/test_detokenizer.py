@@ -1,0 +1,67 @@
+"""Streaming detokenisation (never broken UTF-8) and stop strings across token boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from swiftlm.detokenizer import IncrementalDetokenizer, StopMatcher
+from swiftlm.registry import resolve
+from swiftlm.tokenizer import load_gguf_tokenizer
+
+TEXTS = [
+    "Hello, world! Ünïcödé — naïve café.",
+    "Emoji: 🦙🚀👩‍👩‍👧 and CJK: 你好，世界。日本語のテキスト。",
+    "  leading spaces\n\ttabs and 12345 digits\r\n",
+    "مرحبا بالعالم 🌍 Здравствуй мир",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_gguf_tokenizer(resolve(None).gguf_meta)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_equals_full_decode_and_is_valid_utf8(tok, text):
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.add(i) for i in ids] + [d.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    for p in pieces:
+        assert "\ufffd" not in p
+        p.encode("utf-8")
+
+
+def test_multibyte_char_split_over_tokens_is_held_back(tok):
+    ids = tok.encode("🦙")
+    assert len(ids) > 1  # byte-level BPE splits this emoji
+    d = IncrementalDetokenizer(tok)
+    assert [d.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert d.add(ids[-1]) == "🦙"
+
+
+def _run(stops, chunks):
+    m = StopMatcher(stops)
+    out, stopped = "", False
+    for c in chunks:
+        t, stopped = m.feed(c)
+        out += t
+        if stopped:
+            break
+    if not stopped:
+        out += m.flush()
+    return out, stopped
+
+
+@pytest.mark.parametrize("chunks", [["Hello EN", "D there"], ["Hello E", "N", "D", " there"], ["Hello END there"]])
+def test_stop_string_across_chunks(chunks):
+    assert _run(["END"], chunks) == ("Hello ", True)
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_match():
+    assert _run(["END"], ["Hello E", "nd of it"]) == ("Hello End of it", False)
+    assert _run(["END"], ["tail E"]) == ("tail E", False)
+
+
+def test_earliest_of_several_stops_wins():
+    assert _run(["xyz", "b"], ["a", "bcxyz"]) == ("a", True)
