@@ -15,7 +15,7 @@ import mlx.core as mx
 from swiftlm.backend import ModelInfo, SampledToken, StepBatch, StepResult
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
-from swiftlm.sampling import sample_row
+from swiftlm.sampling import SamplingParams, apply_penalties, sample_row, truncate
 
 from .loader import load_gguf, load_hf, supported_architectures
 from .ops import MLXOps
@@ -32,9 +32,11 @@ class MLXModel:
         self.info = info
         self._make_cache = lambda: make_prompt_cache(module)
         self.caches: dict[int, list[Any]] = {}
+        self._ahead: dict[int, tuple[tuple[int, int], mx.array]] = {}
         self.ops = MLXOps()
 
     def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
+        self._ahead.pop(seq_id, None)
         cache = self.caches.get(seq_id)
         if cache is None:
             cache = self.caches[seq_id] = self._make_cache()
@@ -63,21 +65,57 @@ class MLXModel:
             tokens = tokens[-1:]
         return self._feed(seq_id, tokens, start_pos)[0, -1]
 
+    # ---------------------------------------------------------------- decode pipelining
+    # Like mlx-lm's generate_step: for a decode row whose sample does not depend on the
+    # host (no history penalties, no logprobs), the sampled token stays a lazy array, the
+    # next position's forward pass is built on it and started with async_eval *before*
+    # the token is read back; the next step finds those logits already computed.  The
+    # RNG is split exactly as in the synchronous path, so outputs are identical.
+    @staticmethod
+    def _lazy_ok(p: SamplingParams) -> bool:
+        return (not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty)
+
+    def _lazy_token(self, logits: mx.array, w: Any) -> mx.array:
+        x = apply_penalties(self.ops, logits.astype(mx.float32), w.params, w.state)  # logit_bias only
+        if w.params.greedy:
+            return mx.argmax(x)
+        x = truncate(self.ops, x / w.params.temperature, w.params)
+        if w.state.rng is None:
+            w.state.rng = mx.random.key(w.state.seed & 0xFFFFFFFF)
+        w.state.rng, sub = mx.random.split(w.state.rng)
+        return mx.random.categorical(x, key=sub)
+
     def step(self, batch: StepBatch) -> StepResult:
         result = StepResult()
         for w in batch.seqs:
             if not w.sample:
+                self._ahead.pop(w.seq_id, None)
                 self._feed(w.seq_id, w.tokens, w.start_pos)
                 mx.eval([c.state for c in self.caches[w.seq_id]])
                 continue
-            logits = self.logits(w.seq_id, w.tokens, w.start_pos)
-            token, lp, top = sample_row(self.ops, logits, w.params, w.state)
-            result.sampled.append(SampledToken(w.seq_id, token, lp, top))
+            ahead = self._ahead.pop(w.seq_id, None)
+            if ahead is not None and len(w.tokens) == 1 and ahead[0] == (w.start_pos, w.tokens[0]):
+                logits = ahead[1]
+            else:
+                logits = self.logits(w.seq_id, w.tokens, w.start_pos)
+            if self._lazy_ok(w.params):
+                tok = self._lazy_token(logits, w)
+                cache = self.caches[w.seq_id]
+                nxt = self.module(tok.reshape(1, 1).astype(mx.int32), cache=cache)[0, -1]
+                mx.async_eval(nxt)
+                token = int(tok.item())
+                self._ahead[w.seq_id] = ((w.start_pos + len(w.tokens), token), nxt)
+                result.sampled.append(SampledToken(w.seq_id, token))
+            else:
+                token, lp, top = sample_row(self.ops, logits, w.params, w.state)
+                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
         return result
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             self.caches.pop(s, None)
+            self._ahead.pop(s, None)
 
     def memory(self) -> dict[str, int]:
         return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
