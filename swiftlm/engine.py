@@ -53,6 +53,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    progress: tuple[int, int] | None = None  # (prompt tokens processed, prompt tokens) during prefill
 
 
 Sink = Callable[[Event], None]
@@ -233,6 +234,8 @@ class Engine:
                 live = self._live.get(w.seq_id)
                 if live is not None:
                     live.seq.num_computed += len(w.tokens)
+                    if not w.sample:
+                        live.sink(Event(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
             if any(not w.tokens or len(w.tokens) == 1 for w in batch.seqs):
                 self.stats.decode_seconds += dt
             for s in result.sampled:

@@ -1,0 +1,184 @@
+"""The Starlette app and ``serve``: wiring, auth, CORS, health, metrics, OpenAPI."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..config import Settings
+from ..memory import system_memory
+from .errors import APIError, error_response
+from .metrics import Metrics
+from .openai_routes import OpenAIRoutes
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+def _authorized(request: Request, key: str | None) -> bool:
+    if not key:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
+           ) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        try:
+            if needs_key() and not _authorized(request, state.settings.api_key):
+                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+            return await fn(request)
+        except APIError as exc:
+            state.metrics.errors.labels(str(exc.status)).inc()
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+    return handler
+
+
+def openapi_schema() -> dict:
+    defs: dict[str, Any] = {}
+
+    def ref(model: type) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs.update(schema.pop("$defs", {}))
+        defs[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    err = {"description": "OpenAI-style error", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"error": {"type": "object"}}}}}}
+
+    def post(model: type, summary: str) -> dict:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ref(model)}}},
+            "responses": {"200": {"description": "completion (JSON, or SSE when stream is true)"},
+                          "400": err, "401": err, "413": err, "429": err, "503": err}}}
+
+    def get(summary: str) -> dict:
+        return {"get": {"summary": summary, "responses": {"200": {"description": "ok"}, "503": err}}}
+
+    paths = {"/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
+             "/v1/completions": post(CompletionRequest, "Text completion"),
+             "/v1/models": get("Models served"), "/health": get("Health and stats"),
+             "/metrics": get("Prometheus metrics")}
+    return {"openapi": "3.0.3", "info": {"title": "SwiftLM", "version": "0.1.0"}, "paths": paths,
+            "components": {"schemas": defs}}
+
+
+def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend: str | None = None) -> Starlette:
+    state = SimpleNamespace(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
+                            started=time.time(), load_error=None)
+    routes_impl = OpenAIRoutes(state)
+    always = lambda: True  # noqa: E731
+    never = lambda: False  # noqa: E731
+
+    async def health(request: Request) -> Response:
+        eng = state.engine
+        status = "ok" if eng is not None else ("error" if state.load_error else "loading")
+        body: dict[str, Any] = {"status": status, "model": state.spec.name if state.spec else None,
+                                "backend": state.backend}
+        if state.load_error:
+            body["error"] = state.load_error
+        if eng is not None:
+            mem = eng.model.memory()
+            st = eng.stats
+            body["memory"] = {"active": mem.get("active", 0), "peak": mem.get("peak", 0),
+                              "cache": mem.get("cache", 0), "total_system": system_memory()}
+            body["stats"] = {"requests_total": st.requests_total, "requests_active": st.requests_active,
+                             "tokens_generated": st.tokens_generated,
+                             "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
+                             "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running)}
+        return JSONResponse(body, status_code=200 if eng is not None else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(state.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_schema())
+
+    v1_key = lambda: bool(settings.api_key)  # noqa: E731
+    metrics_key = lambda: bool(settings.api_key and settings.metrics_need_key)  # noqa: E731
+    routes = [
+        Route("/v1/chat/completions", _guard(state, routes_impl.chat, v1_key), methods=["POST"]),
+        Route("/v1/completions", _guard(state, routes_impl.completions, v1_key), methods=["POST"]),
+        Route("/v1/models", _guard(state, routes_impl.models, v1_key), methods=["GET"]),
+        Route("/health", _guard(state, health, never), methods=["GET"]),
+        Route("/metrics", _guard(state, metrics, metrics_key), methods=["GET"]),
+        Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
+    ]
+    del always
+    middleware = []
+    if settings.cors:
+        origins = [o.strip() for o in settings.cors.split(",") if o.strip()]
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["*"], max_age=600))
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return error_response(exc.status_code, msg.get(exc.status_code, exc.detail or "error"))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.swiftlm = state
+    return app
+
+
+def serve(settings: Settings) -> int:
+    """Resolve the model (fail fast), start listening, load in the background (503 until
+    ready), print the ready line, and run until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from ..backend import choose_backend
+    from ..engine import Engine
+    from ..registry import resolve
+
+    spec = resolve(settings.model, allow_download=False if settings.offline else None)
+    backend, why = choose_backend(settings.backend)
+    app = create_app(settings, spec=spec, backend=backend.name)
+    state = app.state.swiftlm
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    outcome: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            model = backend.load(spec, settings)
+            state.engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
+                                  max_queue=settings.max_queue, ctx_size=settings.ctx_size,
+                                  default_max_tokens=settings.max_tokens)
+        except Exception as exc:
+            state.load_error = str(exc)
+            outcome["error"] = exc
+            print(f"swiftlm: error: {exc}", file=sys.stderr)
+            server.should_exit = True
+            return
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        print(json.dumps({"event": "ready", "host": settings.host, "port": settings.port, "model": spec.name,
+                          "backend": backend.name, "backend_choice": why}), flush=True)
+
+    threading.Thread(target=load, name="swiftlm-load", daemon=True).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 2 if "error" in outcome else 0

@@ -1,0 +1,40 @@
+"""Prometheus metrics (prometheus-client), all prefixed ``swiftlm_``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.started = time.time()
+        self.requests = Counter("swiftlm_requests", "Requests accepted by the OpenAI routes", ["route"], registry=r)
+        self.errors = Counter("swiftlm_request_errors", "Requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("swiftlm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.gen_tokens = Counter("swiftlm_generation_tokens", "Tokens generated", registry=r)
+        self.active = Gauge("swiftlm_requests_active", "Requests being generated or waiting", registry=r)
+        self.queue = Gauge("swiftlm_queue_depth", "Sequences waiting for a slot", registry=r)
+        self.running = Gauge("swiftlm_running_sequences", "Sequences being decoded", registry=r)
+        self.tps = Gauge("swiftlm_avg_tokens_per_second", "Average decode throughput", registry=r)
+        self.uptime = Gauge("swiftlm_uptime_seconds", "Seconds since the server started", registry=r)
+        self.mem = Gauge("swiftlm_memory_bytes", "Backend memory", ["kind"], registry=r)
+        self.ttft = Histogram("swiftlm_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.itl = Histogram("swiftlm_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+
+    def render(self, engine: Any | None) -> bytes:
+        self.uptime.set(time.time() - self.started)
+        if engine is not None:
+            st = engine.stats
+            self.active.set(st.requests_active)
+            self.queue.set(len(engine.scheduler.waiting))
+            self.running.set(len(engine.scheduler.running))
+            self.tps.set(st.avg_tokens_per_sec)
+            for k, v in engine.model.memory().items():
+                self.mem.labels(k).set(v)
+        return generate_latest(self.registry)

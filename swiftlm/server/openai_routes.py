@@ -1,0 +1,411 @@
+"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import Event, QueueFull, TokenLogprob
+from ..errors import InvalidRequest
+from ..sampling import SamplingParams
+from .errors import APIError
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+PROGRESS_HEADER = "x-swiftlm-prefill-progress"
+PROGRESS_INTERVAL_S = 2.0
+
+
+def sse(obj: Any, event: str | None = None) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise APIError(413, f"request body is larger than {limit} bytes")
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def parse(model_cls: type, body: dict) -> Any:
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        raise APIError(400, f"'{where}': {err.get('msg', 'invalid value')}", param=param) from None
+
+
+class OpenAIRoutes:
+    def __init__(self, state: Any):
+        self.state = state  # holds engine, settings, spec, metrics
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def engine(self):
+        eng = self.state.engine
+        if eng is None:
+            raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
+        return eng
+
+    def _params(self, req: Any, prompt_len: int, max_tokens: int | None, logprobs: bool, top: int) -> SamplingParams:
+        s = self.state.settings
+        ctx = self.engine.ctx_size
+        if max_tokens is not None and max_tokens >= ctx:
+            raise APIError(400, f"'max_tokens' is {max_tokens} but the context is {ctx} tokens", param="max_tokens")
+        room = ctx - prompt_len
+        if room <= 0:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but the context is {ctx}", param="messages")
+        bias: dict[int, float] = {}
+        for k, v in (req.logit_bias or {}).items():
+            try:
+                bias[int(k)] = float(v)
+            except ValueError:
+                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        p = SamplingParams(
+            max_tokens=min(max_tokens or s.max_tokens, room),
+            temperature=s.temp if req.temperature is None else req.temperature,
+            top_p=s.top_p if req.top_p is None else req.top_p,
+            top_k=s.top_k if req.top_k is None else req.top_k,
+            min_p=s.min_p if req.min_p is None else req.min_p,
+            repetition_penalty=s.repeat_penalty if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_context_size=s.repeat_last_n,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias, seed=req.seed if req.seed is not None else s.seed, stop=stop,
+            logprobs=logprobs, top_logprobs=top)
+        try:
+            return p.validate(self.engine.info.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+
+    def _submit(self, prompt: list[int], params: SamplingParams, n: int, sink: Any) -> list[int]:
+        ids = []
+        try:
+            for i in range(n):
+                p = SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
+                if params.seed is not None:
+                    p.seed = params.seed + i
+                ids.append(self.engine.submit(prompt, p, sink))
+        except QueueFull as exc:
+            for sid in ids:
+                self.engine.cancel(sid)
+            raise APIError(429, str(exc), code="queue_full") from None
+        except InvalidRequest as exc:
+            for sid in ids:
+                self.engine.cancel(sid)
+            raise APIError(400, str(exc), param=exc.param) from None
+        return ids
+
+    async def _events(self, ids: list[int], q: asyncio.Queue) -> AsyncIterator[tuple[int, Event]]:
+        index = {sid: i for i, sid in enumerate(ids)}
+        left = set(ids)
+        try:
+            while left:
+                ev = await q.get()
+                if ev.seq_id not in index:
+                    continue
+                if ev.finished:
+                    left.discard(ev.seq_id)
+                yield index[ev.seq_id], ev
+        finally:
+            for sid in left:  # client went away or we stopped early: free the slots
+                self.engine.cancel(sid)
+
+    def _sink(self) -> tuple[Any, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        return (lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)), q
+
+    def _observe(self, ev: Event, clock: dict) -> None:
+        m = self.state.metrics
+        if ev.token_ids:
+            now = time.perf_counter()
+            m.gen_tokens.inc(len(ev.token_ids))
+            last = clock.get(ev.seq_id)
+            if last is None:
+                m.ttft.observe(now - clock["start"])
+            else:
+                m.itl.observe(now - last)
+            clock[ev.seq_id] = now
+
+    @staticmethod
+    def _chat_logprobs(lps: list[TokenLogprob]) -> dict:
+        def item(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(x.text, x.logprob), "top_logprobs": [item(t, v) for _, t, v in x.top]}
+                            for x in lps]}
+
+    @staticmethod
+    def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for x in lps:
+            out["tokens"].append(x.text)
+            out["token_logprobs"].append(x.logprob)
+            out["top_logprobs"].append({t: v for _, t, v in x.top})
+            out["text_offset"].append(offset)
+            offset += len(x.text)
+        return out
+
+    def _check_stream_opts(self, req: Any) -> bool:
+        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    # ------------------------------------------------------------------ /v1/models
+    async def models(self, request: Request) -> Response:
+        name = self.state.spec.name if self.state.spec else None
+        data = [{"id": name, "object": "model", "created": int(self.state.started), "owned_by": "swiftlm"}] if name else []
+        return JSONResponse({"object": "list", "data": data})
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, request: Request) -> Response:
+        body = await read_json(request, self.state.settings.max_body_bytes)
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
+        engine = self.engine
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet "
+                                "(constrained decoding is planned)", param="response_format")
+        kwargs = dict(req.chat_template_kwargs or {})
+        thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.get(
+            "enable_thinking", self.state.settings.thinking)
+        kwargs["enable_thinking"] = thinking
+        if req.tools:
+            kwargs["tools"] = req.tools
+        try:
+            prompt = engine.chat_prompt(req.messages, **kwargs)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=exc.param or "messages") from None
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        params = self._params(req, len(prompt), req.max_completion_tokens or req.max_tokens, req.logprobs, top)
+        self.state.metrics.requests.labels("chat").inc()
+        self.state.metrics.prompt_tokens.inc(len(prompt))
+        sink, q = self._sink()
+        ids = self._submit(prompt, params, req.n, sink)
+        cid = "chatcmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        model = self.state.spec.name
+        if req.stream:
+            return StreamingResponse(self._chat_stream(req, ids, q, cid, created, model, len(prompt),
+                                                       request.headers.get(PROGRESS_HEADER) == "1"),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(req.n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+        completion = 0
+        clock = {"start": time.perf_counter()}
+        async for i, ev in self._events(ids, q):
+            self._observe(ev, clock)
+            choices[i]["message"]["content"] += ev.text
+            lps[i] += ev.logprobs
+            if ev.finished:
+                if ev.error:
+                    raise APIError(500, f"generation failed: {ev.error}")
+                choices[i]["finish_reason"] = ev.finish_reason
+                completion += ev.completion_tokens
+        if req.logprobs:
+            for i in range(req.n):
+                choices[i]["logprobs"] = self._chat_logprobs(lps[i])
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices, "system_fingerprint": "swiftlm",
+                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
+                                       "total_tokens": len(prompt) + completion}})
+
+    async def _chat_stream(self, req: ChatCompletionRequest, ids: list[int], q: asyncio.Queue, cid: str,
+                           created: int, model: str, n_prompt: int, progress: bool) -> AsyncIterator[str]:
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": "swiftlm"}
+        usage_on = self._check_stream_opts(req)
+        started = [False] * req.n
+        completion = 0
+        t0 = time.perf_counter()
+        last_progress = -1e9
+        clock = {"start": t0}
+
+        def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+            c = {**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if usage_on:
+                c["usage"] = None
+            return sse(c)
+
+        async for i, ev in self._events(ids, q):
+            if ev.progress is not None:
+                now = time.perf_counter()
+                if progress and now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    n_past, n_total = ev.progress
+                    yield sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
+                               "elapsed_seconds": round(now - t0, 3)}, event="prefill_progress")
+                continue
+            self._observe(ev, clock)
+            if ev.error:
+                yield sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                     "param": None, "code": None}})
+                break
+            if not started[i]:
+                started[i] = True
+                yield chunk(i, {"role": "assistant", "content": ""})
+            if ev.text or ev.logprobs:
+                lp = self._chat_logprobs(ev.logprobs) if req.logprobs else None
+                yield chunk(i, {"content": ev.text}, logprobs=lp)
+            if ev.finished:
+                completion += ev.completion_tokens
+                yield chunk(i, {}, finish=ev.finish_reason)
+        if usage_on:
+            yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                                        "total_tokens": n_prompt + completion}})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, request: Request) -> Response:
+        body = await read_json(request, self.state.settings.max_body_bytes)
+        req: CompletionRequest = parse(CompletionRequest, body)
+        engine = self.engine
+        if req.suffix:
+            raise APIError(400, "'suffix' is not supported", param="suffix")
+        if req.echo and req.logprobs:
+            raise APIError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported yet",
+                           param="echo")
+        raw = req.prompt
+        if isinstance(raw, str):
+            prompts: list[Any] = [raw]
+        elif raw and all(isinstance(x, int) for x in raw):
+            prompts = [list(raw)]
+        else:
+            prompts = list(raw)
+        if not prompts or len(prompts) > 16:
+            raise APIError(400, "'prompt' must hold 1 to 16 prompts", param="prompt")
+        if req.stream and len(prompts) > 1:
+            raise APIError(400, "streaming takes a single prompt", param="prompt")
+        token_prompts = []
+        for p in prompts:
+            try:
+                toks = engine.text_prompt(p) if isinstance(p, str) else list(p)
+            except InvalidRequest as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            if not toks or any(not isinstance(t, int) or not 0 <= t < engine.info.vocab_size for t in toks):
+                raise APIError(400, "'prompt' is empty or has token ids outside the vocabulary", param="prompt")
+            token_prompts.append(toks)
+        top = req.logprobs or 0
+        plans = [(toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None, top))
+                 for toks in token_prompts]
+        self.state.metrics.requests.labels("completions").inc()
+        cid = "cmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        model = self.state.spec.name
+        sink, q = self._sink()
+        all_ids: list[int] = []
+        try:
+            for toks, params in plans:
+                all_ids += self._submit(toks, params, req.n, sink)
+                self.state.metrics.prompt_tokens.inc(len(toks))
+        except APIError:
+            for sid in all_ids:
+                engine.cancel(sid)
+            raise
+        n_prompt = sum(len(t) for t, _ in plans)
+        echo = [engine.tokenizer.decode(t) if req.echo else "" for t, _ in plans]
+        if req.stream:
+            return StreamingResponse(self._completion_stream(req, all_ids, q, cid, created, model, n_prompt,
+                                                             echo[0], request.headers.get(PROGRESS_HEADER) == "1"),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        choices = [{"index": i, "text": echo[i // req.n], "logprobs": None, "finish_reason": None}
+                   for i in range(len(all_ids))]
+        lps: list[list[TokenLogprob]] = [[] for _ in all_ids]
+        completion = 0
+        clock = {"start": time.perf_counter()}
+        async for i, ev in self._events(all_ids, q):
+            self._observe(ev, clock)
+            choices[i]["text"] += ev.text
+            lps[i] += ev.logprobs
+            if ev.finished:
+                if ev.error:
+                    raise APIError(500, f"generation failed: {ev.error}")
+                choices[i]["finish_reason"] = ev.finish_reason
+                completion += ev.completion_tokens
+        if req.logprobs is not None:
+            for i, c in enumerate(choices):
+                c["logprobs"] = self._completion_logprobs(lps[i], len(echo[i // req.n]))
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "system_fingerprint": "swiftlm",
+                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                       "total_tokens": n_prompt + completion}})
+
+    async def _completion_stream(self, req: CompletionRequest, ids: list[int], q: asyncio.Queue, cid: str,
+                                 created: int, model: str, n_prompt: int, echo: str, progress: bool
+                                 ) -> AsyncIterator[str]:
+        base = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": "swiftlm"}
+        usage_on = self._check_stream_opts(req)
+        completion = 0
+        t0 = time.perf_counter()
+        last_progress = -1e9
+        offsets = [len(echo)] * len(ids)
+        clock = {"start": t0}
+
+        def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+            c = {**base, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            if usage_on:
+                c["usage"] = None
+            return sse(c)
+
+        if echo:
+            for i in range(len(ids)):
+                yield chunk(i, echo)
+        async for i, ev in self._events(ids, q):
+            if ev.progress is not None:
+                now = time.perf_counter()
+                if progress and now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    n_past, n_total = ev.progress
+                    yield sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
+                               "elapsed_seconds": round(now - t0, 3)}, event="prefill_progress")
+                continue
+            self._observe(ev, clock)
+            if ev.error:
+                yield sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                     "param": None, "code": None}})
+                break
+            if ev.text or ev.logprobs:
+                lp = self._completion_logprobs(ev.logprobs, offsets[i]) if req.logprobs is not None else None
+                offsets[i] += len(ev.text)
+                yield chunk(i, ev.text, logprobs=lp)
+            if ev.finished:
+                completion += ev.completion_tokens
+                yield chunk(i, "", finish=ev.finish_reason)
+        if usage_on:
+            yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                                        "total_tokens": n_prompt + completion}})
+        yield "data: [DONE]\n\n"
