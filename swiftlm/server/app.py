@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -157,7 +158,15 @@ def serve(settings: Settings) -> int:
     state = app.state.swiftlm
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    class _Server(uvicorn.Server):
+        # SIGINT/SIGTERM: shut down gracefully and return (exit code 0) instead of
+        # re-raising the signal after shutdown as uvicorn does by default.
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    server = _Server(config)
     outcome: dict[str, Any] = {}
 
     def load() -> None:
