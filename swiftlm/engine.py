@@ -58,6 +58,12 @@ class Event:
 
 Sink = Callable[[Event], None]
 
+LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as: JSON has no infinities
+
+
+def _finite(x: float) -> float:
+    return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 class SyncSink:
     def __init__(self) -> None:
@@ -257,8 +263,8 @@ class Engine:
         lps: list[TokenLogprob] = []
         if s.logprob is not None:
             tok = self.tokenizer
-            lps.append(TokenLogprob(s.token, tok.decode([s.token]), s.logprob,
-                                    [(i, tok.decode([i]), lp) for i, lp in (s.top_logprobs or [])]))
+            lps.append(TokenLogprob(s.token, tok.decode([s.token]), _finite(s.logprob),
+                                    [(i, tok.decode([i]), _finite(lp)) for i, lp in (s.top_logprobs or [])]))
         is_eos = (not params.ignore_eos and s.token in self.tokenizer.eos_token_ids) or s.token in params.stop_token_ids
         reason = None
         if is_eos:

@@ -80,8 +80,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if not 0.01 <= self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", "must be in [0.01, 10]")
         if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:
             raise bad("repetition_context_size", "must be a positive integer")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -77,7 +77,7 @@ def openapi_schema() -> dict:
              "/v1/completions": post(CompletionRequest, "Text completion"),
              "/v1/models": get("Models served"), "/health": get("Health and stats"),
              "/metrics": get("Prometheus metrics")}
-    return {"openapi": "3.0.3", "info": {"title": "SwiftLM", "version": "0.1.0"}, "paths": paths,
+    return {"openapi": "3.1.0", "info": {"title": "SwiftLM", "version": "0.1.0"}, "paths": paths,
             "components": {"schemas": defs}}
 
 

@@ -52,6 +52,10 @@ async def read_json(request: Request, limit: int) -> dict:
         raise APIError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    try:  # JSON escapes can encode lone surrogates, which no tokenizer accepts
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "request body contains invalid Unicode (a lone surrogate escape)") from None
     return body
 
 
