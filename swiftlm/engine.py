@@ -173,6 +173,10 @@ class Engine:
         if params.max_tokens is None:
             params.max_tokens = self.default_max_tokens
         state = SamplerState(seed=params.seed)
+        if params.grammar is not None:
+            from .chat.structured import Constraint
+
+            state.constraint = Constraint(self.tokenizer, params.grammar, self.info.vocab_size)
         seq = Sequence(seq_id, list(prompt_tokens), params, state)
         state.prompt_tokens = seq.prompt_tokens
         state.output_tokens = seq.output_tokens

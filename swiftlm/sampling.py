@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    grammar: str | None = None  # llguidance grammar (from response_format): constrained decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +117,7 @@ class SamplerState:
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     rng: Any = None  # created lazily by the backend's ops
+    constraint: Any = None  # chat.structured.Constraint when the request constrains its output
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -136,6 +138,7 @@ class ArrayOps(Protocol):
     def cumsum(self, x: Any) -> Any: ...
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
     def kth_largest(self, x: Any, k: int) -> Any: ...
+    def from_numpy(self, a: np.ndarray) -> Any: ...
     def max(self, x: Any) -> Any: ...
     def item(self, x: Any) -> float: ...
     def tolist(self, x: Any) -> list: ...
@@ -187,6 +190,8 @@ def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sample
                ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs)."""
     x = apply_penalties(ops, ops.float32(logits), params, state)
+    if state.constraint is not None:  # only tokens that keep the output valid under the grammar
+        x = ops.where(ops.from_numpy(state.constraint.allowed()), x, NEG_INF)
     if params.greedy:
         token = ops.argmax(x)
     else:
@@ -199,6 +204,8 @@ def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sample
             idx = ops.tolist(ops.argsort_desc(lp)[: params.top_logprobs])
             vals = ops.tolist(ops.take(lp, ops.asarray(idx, "int32")))
             top = list(zip((int(i) for i in idx), (float(v) for v in vals)))
+    if state.constraint is not None:
+        state.constraint.consume(token)
     return token, logprob, top
 
 
@@ -243,6 +250,9 @@ class NumpyOps:
     def kth_largest(self, x, k):
         k = min(k, x.shape[-1])
         return np.partition(x, -k)[-k]
+
+    def from_numpy(self, a):
+        return a
 
     def max(self, x):
         return np.max(x)

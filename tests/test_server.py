@@ -332,3 +332,16 @@ def test_schemathesis_no_5xx(tiny_llama, tmp_path):
         assert s.proc.poll() is None  # still alive
     finally:
         s.stop()
+
+
+def test_response_format_json_object_and_bad_schema(client, tiny_server):
+    r = client.chat.completions.create(model="x", messages=MSGS, max_tokens=64, temperature=0.5, seed=3,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    bad = httpx.post(tiny_server.base + "/v1/chat/completions", timeout=30, json={
+        "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                     "schema": {"type": 5}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"

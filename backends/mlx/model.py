@@ -73,7 +73,7 @@ class MLXModel:
     # RNG is split exactly as in the synchronous path, so outputs are identical.
     @staticmethod
     def _lazy_ok(p: SamplingParams) -> bool:
-        return (not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
+        return (not p.logprobs and p.grammar is None and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty)
 
     def _lazy_token(self, logits: mx.array, w: Any) -> mx.array:

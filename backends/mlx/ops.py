@@ -46,6 +46,9 @@ class MLXOps:
         k = min(k, x.shape[-1])
         return mx.min(mx.topk(x, k))
 
+    def from_numpy(self, a):
+        return mx.array(a)
+
     def max(self, x):
         return mx.max(x)
 

@@ -196,9 +196,14 @@ class OpenAIRoutes:
         body = await read_json(request, self.state.settings.max_body_bytes)
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         engine = self.engine
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet "
-                                "(constrained decoding is planned)", param="response_format")
+        grammar = None
+        if req.response_format is not None:
+            from ..chat.structured import grammar_for
+
+            try:
+                grammar = grammar_for(req.response_format.model_dump())
+            except InvalidRequest as exc:
+                raise APIError(400, str(exc), param="response_format") from None
         kwargs = dict(req.chat_template_kwargs or {})
         thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.get(
             "enable_thinking", self.state.settings.thinking)
@@ -213,6 +218,7 @@ class OpenAIRoutes:
         if top and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         params = self._params(req, len(prompt), req.max_completion_tokens or req.max_tokens, req.logprobs, top)
+        params.grammar = grammar
         self.state.metrics.requests.labels("chat").inc()
         self.state.metrics.prompt_tokens.inc(len(prompt))
         sink, q = self._sink()
