@@ -18,7 +18,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
+HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="mlx / mlx-lm not installed on this machine")
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed on this machine")
+
+# Behaviour tests run once per backend; a backend whose package is absent is skipped with the reason.
+BACKENDS = [pytest.param("mlx", marks=needs_mlx), pytest.param("torch", marks=needs_torch)]
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -66,13 +71,22 @@ def mlx_llm():
     llm.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_mlx_llm(tiny_llama):
-    if not HAS_MLX:
-        pytest.skip("mlx / mlx-lm not installed on this machine")
+@pytest.fixture(scope="session", params=BACKENDS)
+def tiny_llm(request, tiny_llama):
     from swiftlm import LLM
 
-    llm = LLM(str(tiny_llama), backend="mlx", parallel=4)
+    llm = LLM(str(tiny_llama), backend=request.param, parallel=4)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def torch_llm():
+    if not HAS_TORCH:
+        pytest.skip("torch not installed on this machine")
+    from swiftlm import LLM
+
+    llm = LLM(backend="torch", parallel=4)
     yield llm
     llm.close()
 

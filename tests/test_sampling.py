@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import HAS_MLX
+from conftest import HAS_MLX, HAS_TORCH
 from swiftlm.errors import InvalidRequest
 from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams, sample_row
 
-OPS = ["numpy"] + (["mlx"] if HAS_MLX else [])
+OPS = ["numpy"] + (["mlx"] if HAS_MLX else []) + (["torch"] if HAS_TORCH else [])
 V = 50
 
 
@@ -20,6 +20,12 @@ V = 50
 def ops(request):
     if request.param == "numpy":
         return NumpyOps(), np.asarray
+    if request.param == "torch":
+        import torch
+
+        from swiftlm.backends.torch.ops import TorchOps
+
+        return TorchOps(torch.device("cpu")), lambda a: torch.tensor(np.asarray(a, dtype=np.float32))
     from swiftlm.backends.mlx.ops import MLXOps
     import mlx.core as mx
 

@@ -12,16 +12,20 @@ import time
 import httpx
 import pytest
 
-from conftest import needs_mlx
+from conftest import BACKENDS
 from server_util import ServerProc
 
-pytestmark = needs_mlx
 openai = pytest.importorskip("openai")
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tiny_server(tiny_llama):
-    s = ServerProc("--model", str(tiny_llama), "--backend", "mlx", "--parallel", "4", "--max-tokens", "32")
+def tiny_server(tiny_llama, backend):
+    s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--parallel", "4", "--max-tokens", "32")
     yield s
     assert s.stop() == 0  # SIGTERM stops cleanly
 
@@ -41,9 +45,9 @@ def tiny_tok(tiny_llama):
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
 
 
-def test_ready_line_and_models(tiny_server, client, tiny_llama):
+def test_ready_line_and_models(tiny_server, client, tiny_llama, backend):
     assert tiny_server.ready["event"] == "ready" and tiny_server.ready["port"] == tiny_server.port
-    assert tiny_server.ready["backend"] == "mlx"
+    assert tiny_server.ready["backend"] == backend
     assert [m.id for m in client.models.list().data] == [str(tiny_llama)]
 
 
@@ -187,9 +191,9 @@ def test_disconnect_cancels_generation(tiny_server):
     assert stopped_at - before < 3000
 
 
-def test_health_and_metrics(tiny_server):
+def test_health_and_metrics(tiny_server, backend):
     h = _health(tiny_server)
-    assert h["status"] == "ok" and h["backend"] == "mlx"
+    assert h["status"] == "ok" and h["backend"] == backend
     assert set(h["memory"]) == {"active", "peak", "cache", "total_system"} and h["memory"]["total_system"] > 0
     assert {"requests_total", "requests_active", "tokens_generated", "avg_tokens_per_sec"} <= set(h["stats"])
     m = httpx.get(tiny_server.base + "/metrics", timeout=10).text
@@ -248,8 +252,8 @@ def test_unknown_fields_are_ignored(client):
     assert r.choices
 
 
-def test_auth_cors_and_loading(tiny_llama):
-    s = ServerProc("--model", str(tiny_llama), "--backend", "mlx", "--api-key", "sekret", "--cors",
+def test_auth_cors_and_loading(tiny_llama, backend):
+    s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--api-key", "sekret", "--cors",
                    "http://example.test")
     try:
         url = s.base + "/v1/chat/completions"
@@ -269,7 +273,7 @@ def test_auth_cors_and_loading(tiny_llama):
     finally:
         s.stop()
     # without --cors: no CORS headers
-    s2 = ServerProc("--model", str(tiny_llama), "--backend", "mlx")
+    s2 = ServerProc("--model", str(tiny_llama), "--backend", backend)
     try:
         r = httpx.get(s2.base + "/health", headers={"Origin": "http://example.test"})
         assert "access-control-allow-origin" not in r.headers
@@ -277,7 +281,7 @@ def test_auth_cors_and_loading(tiny_llama):
         s2.stop()
 
 
-def test_health_is_503_while_loading(tiny_llama):
+def test_health_is_503_while_loading(tiny_llama, backend):
     import os
     import subprocess as sp
     import sys
@@ -286,7 +290,7 @@ def test_health_is_503_while_loading(tiny_llama):
     from server_util import free_port
 
     port = free_port()
-    p = sp.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--model", str(tiny_llama), "--backend", "mlx",
+    p = sp.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--model", str(tiny_llama), "--backend", backend,
                   "--port", str(port)], stdout=sp.PIPE, stderr=sp.PIPE, cwd=ROOT, env=dict(os.environ))
     seen = []
     try:
@@ -306,10 +310,10 @@ def test_health_is_503_while_loading(tiny_llama):
     assert (503, "loading") in seen  # the port opens before the weights are loaded
 
 
-def test_schemathesis_no_5xx(tiny_llama, tmp_path):
+def test_schemathesis_no_5xx(tiny_llama, tmp_path, backend):
     import sys
 
-    s = ServerProc("--model", str(tiny_llama), "--backend", "mlx", "--ctx-size", "96", "--max-tokens", "8",
+    s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--ctx-size", "96", "--max-tokens", "8",
                    "--parallel", "4")
     try:
         r = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", s.base + "/openapi.json",

@@ -1,0 +1,36 @@
+"""torch backend: NVIDIA GPUs (bf16) and the fast CPU path on Linux (fp32).
+
+Registered as the ``torch`` entry point.  Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from swiftlm.backend import Availability
+from swiftlm.registry import ModelSpec
+
+
+class TorchBackend:
+    name = "torch"
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("torch") is None:
+            return Availability(False, reason="torch is not installed (pip install 'swiftlm[torch]'; on a CPU-only "
+                                              "Linux machine pin the CPU wheel, e.g. torch==2.13.0)")
+        try:
+            import torch
+        except Exception as exc:
+            return Availability(False, reason=f"torch failed to import: {exc}")
+        if torch.cuda.is_available():
+            return Availability(True, device=f"cuda ({torch.cuda.get_device_name(0)})")
+        return Availability(True, device=f"cpu ({torch.get_num_threads()} threads)")
+
+    def load(self, spec: ModelSpec, cfg: Any) -> Any:
+        from .runner import load_model
+
+        return load_model(spec, cfg)
+
+
+__all__ = ["TorchBackend"]
