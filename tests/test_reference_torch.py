@@ -1,0 +1,69 @@
+"""torch backend on the SmolLM2 GGUF: against transformers' GGUF reference, and against MLX."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import CHAT_PROMPTS, needs_mlx, needs_torch
+from test_reference_mlx import _ref_greedy
+
+pytestmark = [needs_torch, pytest.mark.slow]
+
+N_TOKENS = 32
+# Both sides hold the same fp32 weights (gguf-py's dequantization, Q/K rows un-permuted by
+# us and by transformers); only the kernels and summation order differ, so logits agree to
+# fp32 rounding (measured max ~2e-5).
+TORCH_ATOL = 1e-3
+# MLX multiplies the 4-bit codes with fp16 scales in its quantized kernel; torch multiplies
+# pre-dequantized fp32 weights.  Same numbers, different order: measured max ~1e-4.
+CROSS_ATOL = 2e-3
+
+
+def _torch_greedy(llm, ids, n):
+    from swiftlm.sampling import SamplingParams
+
+    out = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return out.token_ids
+
+
+def _torch_logits(llm, ids):
+    model = llm.engine.model
+    model.free([-1])
+    x = model.logits(-1, ids, 0).float().numpy()
+    model.free([-1])
+    return x
+
+
+def test_torch_matches_transformers_reference(torch_llm, hf_reference):
+    worst = 0.0
+    for prompt in CHAT_PROMPTS:
+        ids = torch_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
+        ref_tokens, ref_logits = _ref_greedy(hf_reference, ids, N_TOKENS)
+        assert _torch_greedy(torch_llm, ids, N_TOKENS) == ref_tokens, prompt
+        diff = float(np.max(np.abs(_torch_logits(torch_llm, ids) - ref_logits)))
+        worst = max(worst, diff)
+        assert diff < TORCH_ATOL, (prompt, diff)
+    print(f"torch vs transformers: max |logit diff| {worst:.2e}")
+
+
+@needs_mlx
+def test_mlx_and_torch_agree(torch_llm, mlx_llm):
+    import mlx.core as mx
+
+    worst = 0.0
+    for prompt in CHAT_PROMPTS:
+        ids = torch_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
+        assert ids == mlx_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
+        mm = mlx_llm.engine.model
+        mm.free([-1])
+        mlx_logits = np.array(mm.logits(-1, ids, 0).astype(mx.float32))
+        mm.free([-1])
+        diff = float(np.max(np.abs(_torch_logits(torch_llm, ids) - mlx_logits)))
+        worst = max(worst, diff)
+        assert diff < CROSS_ATOL, (prompt, diff)
+        from swiftlm.sampling import SamplingParams
+
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert torch_llm.generate(ids, p).token_ids == mlx_llm.generate(ids, p).token_ids, prompt
+    print(f"mlx vs torch: max |logit diff| {worst:.2e}")
