@@ -108,13 +108,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.eps)
             self.k_norm = RMSNorm(a.head_dim, a.eps)
 
+    def fuse(self) -> None:
+        """One [q; k; v] matmul instead of three (fewer, larger GEMVs per decode step)."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.a.attn_bias else None)
+        self.qkv = (w, b)
+        self.splits = (self.a.heads * self.a.head_dim, self.a.kv_heads * self.a.head_dim,
+                       self.a.kv_heads * self.a.head_dim)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "SeqCache", layer: int,
                 start: int) -> torch.Tensor:
         a = self.a
         T = x.shape[0]
-        q = self.q_proj(x).view(T, a.heads, a.head_dim)
-        k = self.k_proj(x).view(T, a.kv_heads, a.head_dim)
-        v = self.v_proj(x).view(T, a.kv_heads, a.head_dim)
+        q, k, v = F.linear(x, *self.qkv).split(self.splits, dim=-1)
+        q = q.view(T, a.heads, a.head_dim)
+        k = k.view(T, a.kv_heads, a.head_dim)
+        v = v.view(T, a.kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
@@ -148,7 +158,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def fuse(self) -> None:
+        """One [gate; up] matmul instead of two."""
+        self.gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up"):
+            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -296,8 +314,19 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     model.init_rope()
     model.to(device)
     model.eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
     return model
 
 
 def param_bytes(model: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for layer in model.layers:  # fused weights are plain tensors, not parameters
+        w, b = layer.self_attn.qkv
+        n += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+        if hasattr(layer.mlp, "gate_up"):
+            n += layer.mlp.gate_up.numel() * layer.mlp.gate_up.element_size()
+    return n
