@@ -13,23 +13,43 @@ from swiftlm.sampling import sample_row
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from .loader import load_state
+from .graphs import GraphDecoder, graphable
 from .model import SeqCache, build, param_bytes
 from .ops import TorchOps
 
 log = logging.getLogger(__name__)
 
 
+CUDA_DEFAULT_CTX = 8192
+
+
 class TorchModel:
-    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype):
+    """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
+    reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
+    On CPU, caches grow on demand and every step runs eagerly."""
+
+    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
+                 use_graphs: bool | None = None):
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
+        self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
+        self.static = device.type == "cuda"
+        if use_graphs is None:
+            use_graphs = self.static and graphable(module)
+        self.graphs = GraphDecoder(module, device) if use_graphs else None
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
         if c is None:
-            c = self.caches[seq_id] = SeqCache(self.module.a, self.dtype, self.device)
+            if self.static:
+                c = self.free_slots.pop() if self.free_slots else SeqCache(
+                    self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                c.length = 0
+            else:
+                c = SeqCache(self.module.a, self.dtype, self.device)
+            self.caches[seq_id] = c
         if c.length > start:  # recompute / rollback: later positions are simply overwritten
             c.length = start
         elif c.length < start:
@@ -39,6 +59,10 @@ class TorchModel:
     @torch.inference_mode()
     def logits(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
         cache = self._cache(seq_id, start)
+        if len(tokens) == 1 and self.graphs is not None:
+            out = self.graphs.run(cache, tokens[0], start)
+            cache.length = start + 1
+            return out
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.module(ids, cache, start)[-1]
 
@@ -54,7 +78,9 @@ class TorchModel:
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
-            self.caches.pop(s, None)
+            c = self.caches.pop(s, None)
+            if c is not None and self.static:
+                self.free_slots.append(c)
 
     def memory(self) -> dict[str, int]:
         if self.device.type == "cuda":
@@ -80,7 +106,9 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                  else load_hf_tokenizer(spec.path, spec.config))
     a = module.a
     ctx_cfg = getattr(cfg, "ctx_size", None) if cfg is not None else None
-    ctx = min(int(ctx_cfg or a.ctx), a.ctx)
+    # On CUDA every running sequence holds a preallocated cache of the full context, so the
+    # default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more.
+    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
                      is_moe=bool(a.experts), weight_bytes=param_bytes(module),
