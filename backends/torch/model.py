@@ -313,6 +313,7 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
     model.init_rope()
     model.to(device)
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)  # as HF: rope in the model's dtype
     model.eval()
     with torch.no_grad():
         for layer in model.layers:
