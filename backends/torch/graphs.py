@@ -21,23 +21,23 @@ BUCKET_MIN = 256
 
 
 def _attn_static(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SeqCache, layer: int,
-                 pos: torch.Tensor, L: int, arange: torch.Tensor) -> torch.Tensor:
+                 pos: torch.Tensor, L: int, valid: torch.Tensor) -> torch.Tensor:
     a = attn.a
     D, H, KVH = a.head_dim, a.heads, a.kv_heads
-    q, k, v = F.linear(x, *attn.qkv).split(attn.splits, dim=-1)
-    q, k, v = q.view(1, H, D), k.view(1, KVH, D), v.view(1, KVH, D)
+    qkv = F.linear(x, *attn.qkv)
+    q, k, v = qkv.split(attn.splits, dim=-1)
     if a.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rope(q.transpose(0, 1), cos, sin)
-    k = apply_rope(k.transpose(0, 1), cos, sin)
+        q = attn.q_norm(q.view(H, D)).view(1, H * D)
+        k = attn.k_norm(k.view(KVH, D)).view(1, KVH * D)
+    # q and k are rotated together: one pass of rope kernels instead of two
+    qk = apply_rope(torch.cat([q, k], dim=-1).view(H + KVH, 1, D), cos, sin)
+    q, k = qk[:H], qk[H:]
     kv.k[layer].index_copy_(1, pos, k)
-    kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+    kv.v[layer].index_copy_(1, pos, v.view(KVH, 1, D))
     keys, values = kv.k[layer][:, :L], kv.v[layer][:, :L]
-    scores = torch.matmul(q.reshape(KVH, H // KVH, D), keys.transpose(1, 2)) * (D ** -0.5)
-    scores = scores.float().masked_fill(arange[:L] > pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values).reshape(H, 1, D)
-    return attn.o_proj(out.transpose(0, 1).reshape(1, H * D))
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=valid, enable_gqa=H != KVH)  # [1, H, 1, D]
+    return attn.o_proj(out.reshape(1, H * D))
 
 
 def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
@@ -45,8 +45,9 @@ def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: to
     """Logits [V] for one token at position ``pos`` (device tensors of shape [1])."""
     x = model.embed_tokens(token)
     cos, sin = model.cos[pos], model.sin[pos]
+    valid = (arange[:L] <= pos).view(1, 1, 1, L)  # rows this token may attend to; shared by all layers
     for i, blk in enumerate(model.layers):
-        x = x + _attn_static(blk.self_attn, blk.input_layernorm(x), cos, sin, kv, i, pos, L, arange)
+        x = x + _attn_static(blk.self_attn, blk.input_layernorm(x), cos, sin, kv, i, pos, L, valid)
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -223,8 +223,10 @@ class SeqCache:
         self.a, self.dtype, self.device = a, dtype, device
         self.capacity = min(capacity, a.ctx)
         shape = (a.kv_heads, self.capacity, a.head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(a.layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        # zeros, not empty: the fixed-shape decode reads rows past the position (masked out,
+        # but 0 * NaN garbage would still be NaN)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
         self.length = 0
 
     def _grow(self, need: int) -> None:
@@ -234,7 +236,7 @@ class SeqCache:
         cap = min(max(cap, need), self.a.ctx)
         for lst in (self.k, self.v):
             for i, t in enumerate(lst):
-                n = torch.empty((t.shape[0], cap, t.shape[2]), dtype=t.dtype, device=t.device)
+                n = torch.zeros((t.shape[0], cap, t.shape[2]), dtype=t.dtype, device=t.device)
                 n[:, : self.length] = t[:, : self.length]
                 lst[i] = n
         self.capacity = cap
