@@ -24,8 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import backends  # noqa: E402  (installed as swiftlm.backends; alias it for a source checkout)
+import cuda_ext  # noqa: E402
 
 sys.modules.setdefault("swiftlm.backends", backends)
+sys.modules.setdefault("swiftlm.cuda_ext", cuda_ext)
 
 import torch  # noqa: E402
 
@@ -87,10 +89,14 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 128000, (prompt_len,), generator=g).tolist()
 
-    def ours_decode(use_graphs: bool) -> tuple[float, float, list[int]]:
-        saved = tm.graphs
-        if not use_graphs:
-            tm.graphs = None
+    from swiftlm.backends.torch.graphs import GraphDecoder
+
+    variants = {"graph+triton": GraphDecoder(ours, torch.device("cuda"), fused=True),
+                "graph, plain torch": GraphDecoder(ours, torch.device("cuda"), fused=False),
+                "no graph, triton": GraphDecoder(ours, torch.device("cuda"), use_graph=False, fused=True)}
+
+    def ours_decode(variant: str) -> tuple[float, float, list[int]]:
+        tm.graphs = variants[variant]
         p = SamplingParams(temperature=0, max_tokens=new)
         st = SamplerState(seed=0)
         torch.cuda.synchronize()
@@ -104,7 +110,6 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         tm.free([1])
-        tm.graphs = saved
         return t1 - t0, (new - 1) / (t2 - t1), toks
 
     class Timer(transformers.generation.streamers.BaseStreamer):
@@ -135,24 +140,25 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
         tm.free([99])
         lr = ref(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
     rel = float((lo - lr).norm() / lr.norm())
-    ours_decode(True)  # warm-up + graph capture
-    eager = ours_decode(False)
-    runs = [ours_decode(True) for _ in range(3)]
-    graph_tokens = runs[0][2]
+    results = {}
+    for v in variants:
+        ours_decode(v)  # warm-up (+ graph capture)
+        results[v] = [ours_decode(v) for _ in range(3)]
+    graph_tokens = results["graph+triton"][0][2]
     ref_decode()  # warm-up
     ref_runs = [ref_decode() for _ in range(2)]
-    tps = statistics.median(r[1] for r in runs)
+    tps = {v: statistics.median(r[1] for r in rs) for v, rs in results.items()}
     ref_tps = statistics.median(r[1] for r in ref_runs)
     roof = bw / weight_bytes
-    out = {"shape": name, "weight_bytes": weight_bytes, "roofline_tok_s": roof, "swiftlm_tok_s": tps,
-           "swiftlm_eager_tok_s": eager[1], "transformers_tok_s": ref_tps,
-           "fraction_of_roofline": tps / roof, "speedup_vs_transformers": tps / ref_tps,
-           "swiftlm_ttft_s": statistics.median(r[0] for r in runs),
+    out = {"shape": name, "weight_bytes": weight_bytes, "roofline_tok_s": roof, "swiftlm_tok_s": tps["graph+triton"],
+           "variants_tok_s": tps, "transformers_tok_s": ref_tps,
+           "fraction_of_roofline": tps["graph+triton"] / roof, "speedup_vs_transformers": tps["graph+triton"] / ref_tps,
+           "swiftlm_ttft_s": statistics.median(r[0] for r in results["graph+triton"]),
            "transformers_ttft_s": statistics.median(r[0] for r in ref_runs),
-           "graph_equals_eager_tokens": graph_tokens == eager[2],
+           "graph_equals_eager_tokens": graph_tokens == results["no graph, triton"][0][2],
            "greedy_agree_with_transformers_prefix": next(
                (i for i, (a, b) in enumerate(zip(graph_tokens, ref_runs[0][2])) if a != b), new),
-           "first_step_logits_rel_err": rel, "graph_captures": tm.graphs.captures if tm.graphs else 0}
+           "first_step_logits_rel_err": rel, "graph_captures": variants["graph+triton"].captures}
     del ref, ours, tm, state
     torch.cuda.empty_cache()
     return out
@@ -167,21 +173,26 @@ def main() -> None:
     a = ap.parse_args()
     import transformers
 
+    from swiftlm.cuda_ext.selfcheck import check_all
+
+    kernel_errs = {dt: check_all("cuda", getattr(torch, dt), seed=s_) for dt in ("float32", "bfloat16") for s_ in (0,)}
+    print("kernel vs reference relative errors:", json.dumps(kernel_errs))
     bw = copy_bandwidth()
     rows = [run_shape(s, a.prompt, a.new, bw) for s in a.shapes.split(",")]
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "copy_bandwidth_GBps": bw / 1e9,
-            "prompt_tokens": a.prompt, "new_tokens": a.new}
+            "prompt_tokens": a.prompt, "new_tokens": a.new, "kernel_rel_errors": kernel_errs}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "bench_torch_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
-    print(f"{'shape':5} {'roofline':>9} {'swiftlm':>9} {'eager':>8} {'hf':>8} {'%roof':>6} {'x hf':>6} "
-          f"{'graph=eager':>11} {'agree':>5} {'relerr':>8}")
+    print(f"{'shape':5} {'roofline':>8} {'g+triton':>8} {'g+torch':>8} {'eager':>7} {'hf':>6} {'%roof':>6} "
+          f"{'x hf':>5} {'g=eager':>7} {'agree':>5} {'relerr':>7}")
     for r in rows:
-        print(f"{r['shape']:5} {r['roofline_tok_s']:9.1f} {r['swiftlm_tok_s']:9.1f} {r['swiftlm_eager_tok_s']:8.1f} "
-              f"{r['transformers_tok_s']:8.1f} {100 * r['fraction_of_roofline']:5.1f}% "
-              f"{r['speedup_vs_transformers']:6.1f} {str(r['graph_equals_eager_tokens']):>11} "
-              f"{r['greedy_agree_with_transformers_prefix']:5d} {r['first_step_logits_rel_err']:8.1e}")
+        v = r["variants_tok_s"]
+        print(f"{r['shape']:5} {r['roofline_tok_s']:8.1f} {v['graph+triton']:8.1f} {v['graph, plain torch']:8.1f} "
+              f"{v['no graph, triton']:7.1f} {r['transformers_tok_s']:6.1f} {100 * r['fraction_of_roofline']:5.1f}% "
+              f"{r['speedup_vs_transformers']:5.1f} {str(r['graph_equals_eager_tokens']):>7} "
+              f"{r['greedy_agree_with_transformers_prefix']:5d} {r['first_step_logits_rel_err']:7.1e}")
 
 
 if __name__ == "__main__":

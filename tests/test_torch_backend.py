@@ -91,3 +91,43 @@ def test_our_model_file_matches_mlx_lm(tmp_path_factory, arch):
         t.close()
         m.close()
     del torch
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                    reason="triton not installed on this machine")
+def test_fused_decode_step_equals_plain_interpreted(tiny_llama):
+    """The decode step built on the Triton kernels (interpreted on CPU) against the plain one."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = f"""
+import torch
+from swiftlm import LLM
+from swiftlm.backends.torch.graphs import GraphDecoder
+from swiftlm.backends.torch.model import SeqCache
+llm = LLM({str(tiny_llama)!r}, backend="torch")
+m = llm.engine.model.module
+prompt = llm.engine.text_prompt("The quick brown fox")
+cpu = torch.device("cpu")
+plain, fused = GraphDecoder(m, cpu, fused=False), GraphDecoder(m, cpu, fused=True)
+with torch.inference_mode():
+    a, b = SeqCache(m.a, torch.float32, cpu, capacity=512), SeqCache(m.a, torch.float32, cpu, capacity=512)
+    m(torch.tensor(prompt), a, 0); m(torch.tensor(prompt), b, 0)
+    b.k = [t.clone() for t in a.k]; b.v = [t.clone() for t in a.v]
+    ta = tb = 7
+    worst = 0.0
+    for i in range(6):
+        la, lb = plain.eager(a, ta, len(prompt) + i), fused.eager(b, tb, len(prompt) + i)
+        worst = max(worst, float((la - lb).abs().max()))
+        ta, tb = int(la.argmax()), int(lb.argmax())
+        assert ta == tb
+print(worst)
+llm.close()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.strip().splitlines()[-1]) < 1e-4  # fp32 both ways; rope/norm summed in another order

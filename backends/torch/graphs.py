@@ -54,6 +54,33 @@ def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: to
     return F.linear(x, w)[0]
 
 
+def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
+                        arange: torch.Tensor) -> torch.Tensor:
+    """``decode_static`` with the Triton kernels of ``swiftlm.cuda_ext`` for the elementwise
+    stages (rope + KV write, residual add + RMSNorm, SiLU * up); dense, non-qk-norm models."""
+    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write, silu_mul
+
+    a = model.a
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    x = model.embed_tokens(token)
+    cos, sin = model.cos[pos], model.sin[pos]
+    valid = (arange[:L] <= pos).view(1, 1, 1, L)
+    blocks = list(model.layers)
+    h = blocks[0].input_layernorm(x)
+    for i, blk in enumerate(blocks):
+        attn = blk.self_attn
+        q = rope_kv_write(F.linear(h, *attn.qkv), cos, sin, pos, kv.k[i], kv.v[i], H, KVH, D)
+        o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
+                                           kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
+        o = attn.o_proj(o.reshape(1, H * D))
+        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
+        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up)))
+        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
+        h = add_rmsnorm(x, d, nxt.weight, a.eps)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(h, w)[0]
+
+
 def graphable(model: Transformer) -> bool:
     return all(isinstance(b.mlp, MLP) for b in model.layers)
 
@@ -68,9 +95,16 @@ def bucket_for(pos: int, capacity: int) -> int:
 class GraphDecoder:
     """CUDA graphs of ``decode_static``, one per (cache slot, bucket), sharing one memory pool."""
 
-    def __init__(self, model: Transformer, device: torch.device):
+    def __init__(self, model: Transformer, device: torch.device, use_graph: bool = True,
+                 fused: bool | None = None):
+        from swiftlm.cuda_ext import enabled
+
         self.model = model
         self.device = device
+        self.use_graph = use_graph and device.type == "cuda"
+        if fused is None:
+            fused = enabled(device.type) and not model.a.qk_norm
+        self.fn = decode_static_fused if fused else decode_static
         self.arange = torch.arange(model.a.ctx, device=device)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -79,9 +113,11 @@ class GraphDecoder:
     def eager(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         t = torch.tensor([token], device=self.device)
         p = torch.tensor([pos], device=self.device)
-        return decode_static(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
+        return self.fn(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
 
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
+        if not self.use_graph:
+            return self.eager(kv, token, pos)
         L = bucket_for(pos, kv.capacity)
         key = (id(kv), L)
         entry = self.graphs.get(key)
@@ -91,11 +127,11 @@ class GraphDecoder:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm up (also computes this very step)
-                decode_static(self.model, kv, tok, p, L, self.arange)
+                self.fn(self.model, kv, tok, p, L, self.arange)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = decode_static(self.model, kv, tok, p, L, self.arange)
+                out = self.fn(self.model, kv, tok, p, L, self.arange)
             self.graphs[key] = entry = (g, tok, p, out)
             self.captures += 1
         g, tok, p, out = entry

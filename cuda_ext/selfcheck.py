@@ -1,0 +1,54 @@
+"""Run every kernel once against its reference on random data (used by ``enabled``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / (b.float().norm() + 1e-12))
+
+
+def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int = 64, N: int = 320,
+              I: int = 1500, C: int = 16, seed: int = 0) -> dict[str, float]:
+    """Relative errors kernel vs reference for each kernel (fresh random inputs)."""
+    from .decode_kernels import (add_rmsnorm, add_rmsnorm_ref, rope_kv_write, rope_kv_write_ref, silu_mul,
+                                 silu_mul_ref)
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    errs = {}
+    qkv = rnd(1, (H + 2 * KVH) * D)
+    ang = torch.rand(1, D // 2, generator=g) * 6.28
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(device=device, dtype=dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(device=device, dtype=dtype)
+    pos = torch.tensor([5], device=device)
+    kc, vc = rnd(KVH, C, D), rnd(KVH, C, D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q1 = rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, D)
+    q2 = rope_kv_write_ref(qkv, cos, sin, pos, kc2, vc2, H, KVH, D)
+    errs["rope_kv_write"] = max(_rel(q1, q2), _rel(kc, kc2), _rel(vc, vc2))
+    x, d, w = rnd(1, N), rnd(1, N), rnd(N)
+    x2 = x.clone()
+    y1 = add_rmsnorm(x, d, w, 1e-5)
+    y2 = add_rmsnorm_ref(x2, d, w, 1e-5)
+    errs["add_rmsnorm"] = max(_rel(y1, y2), _rel(x, x2))
+    gu = rnd(1, 2 * I)
+    errs["silu_mul"] = _rel(silu_mul(gu), silu_mul_ref(gu))
+    return errs
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def selfcheck(device_type: str) -> tuple[bool, str]:
+    try:
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+        errs = check_all(device_type, dtype)
+    except Exception as exc:  # a kernel that fails to compile or launch
+        return False, f"{type(exc).__name__}: {exc}"
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    return (not bad), (f"relative errors {bad}" if bad else "ok")
