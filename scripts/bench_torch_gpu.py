@@ -164,6 +164,47 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
     return out
 
 
+def fp32_agreement(new: int = 32) -> dict:
+    """1B shape in fp32 on both sides (TF32 off): our graph+triton decode against transformers
+    token for token; bf16 runs differ in rounding, so exactness is shown here."""
+    import transformers
+
+    from swiftlm.backend import ModelInfo, SeqWork, StepBatch
+    from swiftlm.backends.torch.model import build
+    from swiftlm.backends.torch.runner import TorchModel
+    from swiftlm.sampling import SamplerState, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = dict(SHAPES["1b"], model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=8192, attention_bias=False, mlp_bias=False, hidden_act="silu")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**cfg),
+                                                            dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5) if p.dim() == 2 else p.normal_(1.0, 0.05)
+    ours = build(cfg, dict(ref.state_dict()), torch.float32, torch.device("cuda"))
+    tm = TorchModel(ours, _Tok(), ModelInfo("llama", 16, 1024, 128256, 0, "fp32"), torch.device("cuda"),
+                    torch.float32)
+    prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(2)).tolist()
+    p, st = SamplingParams(temperature=0, max_tokens=new), SamplerState(seed=0)
+    with torch.inference_mode():
+        toks = [tm.step(StepBatch([SeqWork(1, prompt, 0, True, p, st)])).sampled[0].token]
+        for i in range(new - 1):
+            toks.append(tm.step(StepBatch([SeqWork(1, [toks[-1]], 128 + i, True, p, st)])).sampled[0].token)
+        x = torch.tensor([prompt], device="cuda")
+        hf = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0)[0, 128:].tolist()
+    agree = next((i for i, (a, b) in enumerate(zip(toks, hf)) if a != b), new)
+    out = {"fp32_tokens_compared": new, "fp32_greedy_agree_prefix": agree,
+           "fp32_fused_kernels": tm.graphs.fn.__name__ if tm.graphs else None}
+    del ref, ours, tm
+    torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1b,8b")
@@ -178,10 +219,12 @@ def main() -> None:
     kernel_errs = {dt: check_all("cuda", getattr(torch, dt), seed=s_) for dt in ("float32", "bfloat16") for s_ in (0,)}
     print("kernel vs reference relative errors:", json.dumps(kernel_errs))
     bw = copy_bandwidth()
+    fp32 = fp32_agreement()
+    print("fp32 check:", json.dumps(fp32))
     rows = [run_shape(s, a.prompt, a.new, bw) for s in a.shapes.split(",")]
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "copy_bandwidth_GBps": bw / 1e9,
-            "prompt_tokens": a.prompt, "new_tokens": a.new, "kernel_rel_errors": kernel_errs}
+            "prompt_tokens": a.prompt, "new_tokens": a.new, "kernel_rel_errors": kernel_errs, **fp32}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "bench_torch_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
