@@ -29,7 +29,7 @@ from swiftlm.convert import _save_bf16  # noqa: E402
 from swiftlm.registry import resolve  # noqa: E402
 from swiftlm.tokenizer import load_gguf_tokenizer  # noqa: E402
 
-ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma")
 
 
 def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
@@ -43,7 +43,11 @@ def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
         "attention_bias": False,
     }
     cfg["architectures"] = {"llama": ["LlamaForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                            "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}[a.arch]
+                            "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"],
+                            "gemma": ["GemmaForCausalLM"]}[a.arch]
+    if a.arch == "gemma":
+        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True})
     if a.arch == "qwen3_moe":
         cfg.update({"num_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
                     "moe_intermediate_size": a.moe_intermediate, "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -62,8 +66,9 @@ def make_weights(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     def lin(out_f: int, in_f: int) -> np.ndarray:
         return (rng.standard_normal((out_f, in_f), dtype=np.float32) / np.sqrt(in_f)).astype(np.float32)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+    def norm(n: int) -> np.ndarray:  # Gemma stores w where the norm multiplies by (1 + w)
+        base = 0.0 if arch == "gemma" else 1.0
+        return (base + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
     w = {"model.embed_tokens.weight": rng.standard_normal((V, H), dtype=np.float32) * 0.5,
          "model.norm.weight": norm(H)}

@@ -63,7 +63,7 @@ def test_cuda_graph_replay_equals_eager(tiny_llama):
     assert a == b
 
 
-ARCHES = ["llama", "qwen3", "qwen3_moe", "mixtral"]
+ARCHES = ["llama", "qwen3", "qwen3_moe", "mixtral", "gemma"]
 
 
 @needs_mlx

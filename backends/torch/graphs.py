@@ -43,7 +43,7 @@ def _attn_static(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
                   arange: torch.Tensor) -> torch.Tensor:
     """Logits [V] for one token at position ``pos`` (device tensors of shape [1])."""
-    x = model.embed_tokens(token)
+    x = model.embed(token)
     cos, sin = model.cos[pos], model.sin[pos]
     valid = (arange[:L] <= pos).view(1, 1, 1, L)  # rows this token may attend to; shared by all layers
     for i, blk in enumerate(model.layers):
@@ -103,7 +103,7 @@ class GraphDecoder:
         self.device = device
         self.use_graph = use_graph and device.type == "cuda"
         if fused is None:
-            fused = enabled(device.type) and not model.a.qk_norm
+            fused = enabled(device.type) and not model.a.qk_norm and not model.a.gemma
         self.fn = decode_static_fused if fused else decode_static
         self.arange = torch.arange(model.a.ctx, device=device)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma")
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Args:
     norm_topk: bool = True
     shared_intermediate: int = 0
     rope_scaling: dict | None = None
+    gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
 
     @classmethod
     def from_config(cls, c: dict) -> "Args":
@@ -60,7 +61,7 @@ class Args:
                    moe_intermediate=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
                    norm_topk=c.get("norm_topk_prob", arch == "mixtral"),
                    shared_intermediate=c.get("shared_expert_intermediate_size", 0),
-                   rope_scaling=c.get("rope_scaling"))
+                   rope_scaling=c.get("rope_scaling"), gemma=arch == "gemma")
 
 
 class RMSNorm(nn.Module):
@@ -152,8 +153,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, gelu: bool = False):
         super().__init__()
+        self.act = (lambda t: F.gelu(t, approximate="tanh")) if gelu else F.silu
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
@@ -166,8 +168,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up"):
             g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(g) * u)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(g) * u)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -209,7 +211,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden, a.eps)
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
         self.self_attn = Attention(a)
-        self.mlp = MoE(a) if a.experts else MLP(a.hidden, a.intermediate)
+        self.mlp = MoE(a) if a.experts else MLP(a.hidden, a.intermediate, gelu=a.gemma)
 
     def forward(self, x, cos, sin, kv, layer, start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, start)
@@ -269,8 +271,14 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         self.cos, self.sin = rope_tables(self.a, self.embed_tokens.weight.device)
 
-    def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
+        if self.a.gemma:  # Gemma scales embeddings by sqrt(hidden), in the model's dtype
+            x = x * torch.tensor(self.a.hidden ** 0.5, dtype=x.dtype)
+        return x
+
+    def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
+        x = self.embed(tokens)
         T = tokens.shape[0]
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         for i, layer in enumerate(self.layers):
@@ -312,6 +320,8 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     with torch.device("meta"):
         model = Transformer(a)
     sd = hf_state_to_ours(a, state)
+    if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
+        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
     model.init_rope()
     model.to(device)
