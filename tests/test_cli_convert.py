@@ -89,3 +89,17 @@ def test_convert_refuses_non_empty_output(tmp_path):
     (tmp_path / "x").write_text("keep me")
     r = run_cli("convert", "smollm2-135m-instruct", str(tmp_path))
     assert r.returncode == 2 and "--force" in r.stderr
+
+
+@pytest.mark.skipif(not __import__("conftest").HAS_TORCH, reason="torch not installed on this machine")
+def test_chat_repl_multi_turn(tiny_llama):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "swiftlm.cli", "chat", "--model", str(tiny_llama), "--backend", "torch",
+                        "--max-tokens", "5", "--temp", "0"], input="hello\n/reset\nagain\n\n", capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "swiftlm chat" in r.stdout and r.stdout.count("> ") >= 3
