@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -89,18 +89,17 @@ def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantiz
     return out
 
 
-def _write_dequantized(spec: ModelSpec, out: Path, dtype: str) -> None:
+def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, fp32 array) for every tensor of a llama GGUF: dequantized with gguf-py,
+    Q/K rows put back in HF order.  Shared by `convert` and the torch backend's loader."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from safetensors.numpy import save_file
 
     from .gguf_file import read_gguf_header
 
-    np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.float32}[dtype]
     _, tensors = read_gguf_header(spec.path)
     raw = np.memmap(spec.path, dtype=np.uint8, mode="r")
     heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
-    weights: dict[str, np.ndarray] = {}
     for t in tensors:
         shape = tuple(reversed(t.shape))  # numpy order: rows first
         data = np.asarray(raw[t.offset:t.offset + t.n_bytes])
@@ -110,7 +109,14 @@ def _write_dequantized(spec: ModelSpec, out: Path, dtype: str) -> None:
             arr = unpermute_rows(arr, heads)
         elif ".self_attn.k_proj." in name:
             arr = unpermute_rows(arr, kv_heads)
-        weights[name] = np.ascontiguousarray(arr.astype(np_dtype))
+        yield name, np.ascontiguousarray(arr)
+
+
+def _write_dequantized(spec: ModelSpec, out: Path, dtype: str) -> None:
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float16": np.float16, "float32": np.float32, "bfloat16": np.float32}[dtype]
+    weights = {name: arr.astype(np_dtype) for name, arr in iter_dequantized(spec)}
     if dtype == "bfloat16":
         _save_bf16(weights, out / "model.safetensors")
     else:

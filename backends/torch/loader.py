@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from swiftlm.convert import hf_name, unpermute_rows
+from swiftlm.convert import iter_dequantized
 from swiftlm.errors import CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
@@ -30,27 +29,8 @@ def load_hf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 def load_gguf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to fp32 (gguf-py) and put Q/K rows back in HF order."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from swiftlm.gguf_file import read_gguf_header
-
-    _, tensors = read_gguf_header(spec.path)
-    raw = np.memmap(spec.path, dtype=np.uint8, mode="r")
-    heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
-    state: dict[str, torch.Tensor] = {}
-    for t in tensors:
-        shape = tuple(reversed(t.shape))
-        arr = dequantize(np.asarray(raw[t.offset:t.offset + t.n_bytes]), GGMLQuantizationType(t.type_id))
-        arr = arr.reshape(shape).astype(np.float32)
-        name = hf_name(t.name)
-        if ".self_attn.q_proj." in name:
-            arr = unpermute_rows(arr, heads)
-        elif ".self_attn.k_proj." in name:
-            arr = unpermute_rows(arr, kv_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(arr))
-    return state
+    """Every tensor dequantized to fp32 (gguf-py), Q/K rows back in HF order."""
+    return {name: torch.from_numpy(arr) for name, arr in iter_dequantized(spec)}
 
 
 def check_arch(spec: ModelSpec) -> None:

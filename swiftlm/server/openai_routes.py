@@ -70,6 +70,27 @@ def parse(model_cls: type, body: dict) -> Any:
         raise APIError(400, f"'{where}': {err.get('msg', 'invalid value')}", param=param) from None
 
 
+class _ProgressPacer:
+    """``event: prefill_progress`` frames, at most one per PROGRESS_INTERVAL_S."""
+
+    def __init__(self, t0: float):
+        self.t0, self.last = t0, -1e9
+
+    def frame(self, ev: Event) -> str | None:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_INTERVAL_S:
+            return None
+        self.last = now
+        n_past, n_total = ev.progress
+        return sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
+                    "elapsed_seconds": round(now - self.t0, 3)}, event="prefill_progress")
+
+
+def _stream_error(error: str) -> str:
+    return sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "param": None,
+                          "code": None}})
+
+
 class OpenAIRoutes:
     def __init__(self, state: Any):
         self.state = state  # holds engine, settings, spec, metrics
@@ -261,7 +282,7 @@ class OpenAIRoutes:
         started = [False] * req.n
         completion = 0
         t0 = time.perf_counter()
-        last_progress = -1e9
+        pacer = _ProgressPacer(t0)
         clock = {"start": t0}
 
         def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
@@ -272,17 +293,13 @@ class OpenAIRoutes:
 
         async for i, ev in self._events(ids, q):
             if ev.progress is not None:
-                now = time.perf_counter()
-                if progress and now - last_progress >= PROGRESS_INTERVAL_S:
-                    last_progress = now
-                    n_past, n_total = ev.progress
-                    yield sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
-                               "elapsed_seconds": round(now - t0, 3)}, event="prefill_progress")
+                frame = pacer.frame(ev) if progress else None
+                if frame:
+                    yield frame
                 continue
             self._observe(ev, clock)
             if ev.error:
-                yield sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                     "param": None, "code": None}})
+                yield _stream_error(ev.error)
                 break
             if not started[i]:
                 started[i] = True
@@ -381,7 +398,7 @@ class OpenAIRoutes:
         usage_on = self._check_stream_opts(req)
         completion = 0
         t0 = time.perf_counter()
-        last_progress = -1e9
+        pacer = _ProgressPacer(t0)
         offsets = [len(echo)] * len(ids)
         clock = {"start": t0}
 
@@ -396,17 +413,13 @@ class OpenAIRoutes:
                 yield chunk(i, echo)
         async for i, ev in self._events(ids, q):
             if ev.progress is not None:
-                now = time.perf_counter()
-                if progress and now - last_progress >= PROGRESS_INTERVAL_S:
-                    last_progress = now
-                    n_past, n_total = ev.progress
-                    yield sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
-                               "elapsed_seconds": round(now - t0, 3)}, event="prefill_progress")
+                frame = pacer.frame(ev) if progress else None
+                if frame:
+                    yield frame
                 continue
             self._observe(ev, clock)
             if ev.error:
-                yield sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                     "param": None, "code": None}})
+                yield _stream_error(ev.error)
                 break
             if ev.text or ev.logprobs:
                 lp = self._completion_logprobs(ev.logprobs, offsets[i]) if req.logprobs is not None else None
