@@ -290,6 +290,38 @@ class Transformer(nn.Module):
         return F.linear(x, w)
 
 
+def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
+    MLP / experts, LM head) run on [B, hidden] rows, so the weights are read once per step
+    instead of once per sequence; attention runs per sequence over its own cache.
+    Returns logits [B, V]."""
+    a = model.a
+    B, H, KVH, D = len(tokens), a.heads, a.kv_heads, a.head_dim
+    dev = model.embed_tokens.weight.device
+    x = model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
+    pos = torch.tensor(positions, dtype=torch.long, device=dev)
+    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
+    rep, scale = H // KVH, D ** -0.5
+    for i, blk in enumerate(model.layers):
+        attn = blk.self_attn
+        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
+        q, k, v = q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
+        if a.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for b in range(B):
+            keys, values = caches[b].update(i, positions[b], k[b].unsqueeze(1), v[b].unsqueeze(1))
+            scores = torch.matmul(q[b].reshape(KVH, rep, D), keys.transpose(1, 2)) * scale
+            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+            outs.append(torch.matmul(probs, values).reshape(1, H * D))
+        x = x + attn.o_proj(torch.cat(outs))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    x = model.norm(x)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(x, w)
+
+
 def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF checkpoint names -> this module's names (strip 'model.', stack experts)."""
     out: dict[str, torch.Tensor] = {}

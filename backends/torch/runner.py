@@ -14,7 +14,7 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from .loader import load_state
 from .graphs import GraphDecoder, graphable
-from .model import SeqCache, build, param_bytes
+from .model import SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,19 @@ class TorchModel:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> StepResult:
+        """Decode rows of several sequences go through one batched pass (``decode_batch``);
+        a lone decode row uses the CUDA graph (on GPU) and prefill chunks run per sequence."""
         result = StepResult()
+        decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
+        rows: dict[int, torch.Tensor] = {}
+        if len(decode) > 1:
+            caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
+            logits = decode_batch(self.module, caches, [w.tokens[0] for w in decode], [w.start_pos for w in decode])
+            rows = {w.seq_id: logits[j] for j, w in enumerate(decode)}
         for w in batch.seqs:
-            logits = self.logits(w.seq_id, w.tokens, w.start_pos)
+            logits = rows.get(w.seq_id)
+            if logits is None:
+                logits = self.logits(w.seq_id, w.tokens, w.start_pos)
             if w.sample:
                 token, lp, top = sample_row(self.ops, logits, w.params, w.state)
                 result.sampled.append(SampledToken(w.seq_id, token, lp, top))
