@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
                            group="engine")
     parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
+    prompt_cache_bytes: int = _f(1 << 30, "Bytes of KV state kept for prompt (prefix) reuse across requests, LRU "
+                                          "(0 disables the prompt cache).", group="engine")
     max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.",
                         group="engine")
 

@@ -24,6 +24,7 @@ from .backend import Model, SampledToken
 from .chat.messages import normalize_messages
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .errors import InvalidRequest, SwiftLMError
+from .prefix_cache import PrefixCache
 from .sampling import SamplerState, SamplingParams
 from .scheduler import Scheduler, Sequence
 
@@ -54,6 +55,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     progress: tuple[int, int] | None = None  # (prompt tokens processed, prompt tokens) during prefill
+    cached_tokens: int = 0  # prompt tokens served from the prompt cache
 
 
 Sink = Callable[[Event], None]
@@ -104,6 +106,7 @@ class _Live:
     stop: StopMatcher
     submitted: float
     first_token_at: float | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -123,7 +126,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
-                 ctx_size: int | None = None, default_max_tokens: int = 2048):
+                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0):
         self.model = model
         self.tokenizer = model.tokenizer
         self.info = model.info
@@ -132,6 +135,9 @@ class Engine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(max_running, prefill_size)
         self.stats = EngineStats()
+        # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
+        can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
+        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count(1)
@@ -208,6 +214,11 @@ class Engine:
             block = False
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
+                if self.prefix_cache.enabled:
+                    n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
+                    if n:
+                        self.model.restore_prefix(arg.seq.seq_id, payload, n)  # type: ignore[attr-defined]
+                        arg.seq.num_computed = arg.cached_tokens = n
                 self.scheduler.add(arg.seq)
                 self.stats.requests_total += 1
                 self.stats.requests_active += 1
@@ -283,7 +294,7 @@ class Engine:
                 reason = "length"
                 text += live.stop.feed(live.detok.flush())[0] + live.stop.flush()
         ev = Event(seq.seq_id, text, [s.token], lps, prompt_tokens=len(seq.prompt_tokens),
-                   completion_tokens=len(seq.output_tokens))
+                   completion_tokens=len(seq.output_tokens), cached_tokens=live.cached_tokens)
         if reason is None:
             live.sink(ev)
         else:
@@ -293,6 +304,14 @@ class Engine:
         seq = live.seq
         self._live.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
+        if self.prefix_cache.enabled and reason != "error":
+            try:
+                snap = self.model.snapshot_prefix(seq.seq_id)  # type: ignore[attr-defined]
+                if snap is not None:
+                    payload, nbytes, n = snap
+                    self.prefix_cache.insert(seq.all_tokens[:n], payload, nbytes)
+            except Exception:  # pragma: no cover - caching must never fail a request
+                log.exception("prompt cache snapshot failed")
         try:
             self.model.free([seq.seq_id])
         except Exception:  # pragma: no cover - freeing must not kill the loop
@@ -300,6 +319,7 @@ class Engine:
         self.stats.requests_active -= 1
         with self._lock:
             self._pending -= 1
-        ev = last or Event(seq.seq_id, prompt_tokens=len(seq.prompt_tokens), completion_tokens=len(seq.output_tokens))
+        ev = last or Event(seq.seq_id, prompt_tokens=len(seq.prompt_tokens), completion_tokens=len(seq.output_tokens),
+                           cached_tokens=live.cached_tokens)
         ev.finished, ev.finish_reason, ev.error = True, reason, error
         live.sink(ev)

@@ -33,6 +33,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
 
 
 @dataclass
@@ -56,7 +57,8 @@ class RequestOutput:
     def usage(self) -> dict[str, int]:
         completion = sum(len(o.token_ids) for o in self.outputs)
         prompt = len(self.prompt_token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "cached_tokens": max((o.cached_tokens for o in self.outputs), default=0)}
 
 
 @dataclass
@@ -88,7 +90,7 @@ def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
     model = backend.load(spec, settings)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
-                    default_max_tokens=settings.max_tokens)
+                    default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes)
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     return engine, spec, why
 
@@ -133,6 +135,7 @@ def _collect(out: CompletionOutput, ev: Event) -> None:
     out.text += ev.text
     out.token_ids += ev.token_ids
     out.logprobs += ev.logprobs
+    out.cached_tokens = max(out.cached_tokens, ev.cached_tokens)
     if ev.finished:
         out.finish_reason = ev.finish_reason
         if ev.error:
@@ -177,6 +180,8 @@ class LLM(_Base):
         finished = False
         try:
             for ev in sink:
+                if ev.progress is not None:  # prefill progress: nothing to hand out
+                    continue
                 if ev.error:
                     raise RuntimeError(f"generation failed: {ev.error}")
                 finished = ev.finished
@@ -214,6 +219,8 @@ class AsyncLLM(_Base):
         finished = False
         try:
             async for ev in sink:
+                if ev.progress is not None:
+                    continue
                 if ev.error:
                     raise RuntimeError(f"generation failed: {ev.error}")
                 finished = ev.finished

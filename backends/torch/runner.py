@@ -86,6 +86,33 @@ class TorchModel:
                 result.sampled.append(SampledToken(w.seq_id, token, lp, top))
         return result
 
+    # ---------------------------------------------------------------- prompt cache hooks
+    def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
+        """The KV rows this sequence computed, as an immutable copy: (payload, bytes, positions)."""
+        c = self.caches.get(seq_id)
+        if c is None or c.length == 0:
+            return None
+        n = c.length
+        if self.static:  # the slot goes back to the pool: keep a compact copy
+            k = [t[:, :n].clone() for t in c.k]
+            v = [t[:, :n].clone() for t in c.v]
+        else:  # the growable cache is dropped by free(): take it over without copying
+            k = [t[:, :n] for t in c.k]
+            v = [t[:, :n] for t in c.v]
+        nbytes = sum(t.numel() * t.element_size() for t in k + v)
+        return (k, v), nbytes, n
+
+    def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
+        """Start ``seq_id`` with a copy of the first ``n`` cached rows (never shared)."""
+        k, v = payload
+        c = self._cache(seq_id, 0)
+        if not self.static and c.capacity < n:
+            c._grow(n)
+        for layer in range(len(k)):
+            c.k[layer][:, :n].copy_(k[layer][:, :n])
+            c.v[layer][:, :n].copy_(v[layer][:, :n])
+        c.length = n
+
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             c = self.caches.pop(s, None)

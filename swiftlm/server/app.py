@@ -103,7 +103,11 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
             body["stats"] = {"requests_total": st.requests_total, "requests_active": st.requests_active,
                              "tokens_generated": st.tokens_generated,
                              "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
-                             "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running)}
+                             "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
+                             "prompt_cache": {"entries": len(eng.prefix_cache), "bytes": eng.prefix_cache.bytes,
+                                              "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
+                                              "hit_rate": round(eng.prefix_cache.hit_rate, 4),
+                                              "tokens_reused": eng.prefix_cache.tokens_reused}}
         return JSONResponse(body, status_code=200 if eng is not None else 503)
 
     async def metrics(request: Request) -> Response:
@@ -174,7 +178,8 @@ def serve(settings: Settings) -> int:
             model = backend.load(spec, settings)
             state.engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                                   max_queue=settings.max_queue, ctx_size=settings.ctx_size,
-                                  default_max_tokens=settings.max_tokens)
+                                  default_max_tokens=settings.max_tokens,
+                                  prompt_cache_bytes=settings.prompt_cache_bytes)
         except Exception as exc:
             state.load_error = str(exc)
             outcome["error"] = exc

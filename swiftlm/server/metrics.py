@@ -22,6 +22,14 @@ class Metrics:
         self.tps = Gauge("swiftlm_avg_tokens_per_second", "Average decode throughput", registry=r)
         self.uptime = Gauge("swiftlm_uptime_seconds", "Seconds since the server started", registry=r)
         self.mem = Gauge("swiftlm_memory_bytes", "Backend memory", ["kind"], registry=r)
+        self.pc_hits = Gauge("swiftlm_prompt_cache_hits", "Requests that reused a cached prefix", registry=r)
+        self.pc_misses = Gauge("swiftlm_prompt_cache_misses", "Requests that found no cached prefix", registry=r)
+        self.pc_hit_rate = Gauge("swiftlm_prompt_cache_hit_rate", "Prompt cache hit rate", registry=r)
+        self.pc_bytes = Gauge("swiftlm_prompt_cache_bytes", "Bytes held by the prompt cache", registry=r)
+        self.pc_tokens = Gauge("swiftlm_prompt_cache_tokens_reused", "Prompt tokens served from the cache",
+                               registry=r)
+        self.kv_bytes = Gauge("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (16-bit or model dtype)",
+                              registry=r)
         self.ttft = Histogram("swiftlm_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.itl = Histogram("swiftlm_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
@@ -37,4 +45,11 @@ class Metrics:
             self.tps.set(st.avg_tokens_per_sec)
             for k, v in engine.model.memory().items():
                 self.mem.labels(k).set(v)
+            pc = engine.prefix_cache
+            self.pc_hits.set(pc.hits)
+            self.pc_misses.set(pc.misses)
+            self.pc_hit_rate.set(pc.hit_rate)
+            self.pc_bytes.set(pc.bytes)
+            self.pc_tokens.set(pc.tokens_reused)
+            self.kv_bytes.set(engine.info.kv_bytes_per_token)
         return generate_latest(self.registry)

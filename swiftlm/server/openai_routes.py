@@ -256,9 +256,11 @@ class OpenAIRoutes:
                     "finish_reason": None} for i in range(req.n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         completion = 0
+        cached = 0
         clock = {"start": time.perf_counter()}
         async for i, ev in self._events(ids, q):
             self._observe(ev, clock)
+            cached = max(cached, ev.cached_tokens)
             choices[i]["message"]["content"] += ev.text
             lps[i] += ev.logprobs
             if ev.finished:
@@ -272,7 +274,8 @@ class OpenAIRoutes:
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
                              "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                                       "total_tokens": len(prompt) + completion}})
+                                       "total_tokens": len(prompt) + completion,
+                                       "prompt_tokens_details": {"cached_tokens": cached}}})
 
     async def _chat_stream(self, req: ChatCompletionRequest, ids: list[int], q: asyncio.Queue, cid: str,
                            created: int, model: str, n_prompt: int, progress: bool) -> AsyncIterator[str]:
@@ -281,6 +284,7 @@ class OpenAIRoutes:
         usage_on = self._check_stream_opts(req)
         started = [False] * req.n
         completion = 0
+        cached = 0
         t0 = time.perf_counter()
         pacer = _ProgressPacer(t0)
         clock = {"start": t0}
@@ -307,12 +311,14 @@ class OpenAIRoutes:
             if ev.text or ev.logprobs:
                 lp = self._chat_logprobs(ev.logprobs) if req.logprobs else None
                 yield chunk(i, {"content": ev.text}, logprobs=lp)
+            cached = max(cached, ev.cached_tokens)
             if ev.finished:
                 completion += ev.completion_tokens
                 yield chunk(i, {}, finish=ev.finish_reason)
         if usage_on:
             yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                                        "total_tokens": n_prompt + completion}})
+                                                        "total_tokens": n_prompt + completion,
+                                                        "prompt_tokens_details": {"cached_tokens": cached}}})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ completions

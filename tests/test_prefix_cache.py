@@ -1,0 +1,86 @@
+"""Prompt (prefix) reuse: the store's policy, and the engine + backend end to end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import needs_torch
+from swiftlm import SamplingParams
+from swiftlm.prefix_cache import PrefixCache
+
+
+def test_longest_prefix_lru_and_byte_bound():
+    pc = PrefixCache(max_bytes=100, min_tokens=2)
+    pc.insert([1, 2, 3, 4], "a", 40)
+    pc.insert([1, 2, 9], "b", 40)
+    assert pc.lookup([1, 2, 3, 4, 5]) == (4, "a")
+    assert pc.lookup([1, 2, 9, 9]) == (3, "b")
+    assert pc.lookup([1, 2, 3, 4]) == (3, "a")  # one prompt token is always left to compute
+    assert pc.lookup([7, 7, 7]) == (0, None)
+    pc.lookup([1, 2, 9, 1])  # touch "b": "a" is now least recently used
+    pc.insert([5, 6, 7], "c", 40)  # 120 bytes > 100: evicts "a"
+    assert pc.lookup([1, 2, 3, 4, 5])[1] == "b" and pc.bytes == 80
+    pc.insert([5, 6, 7, 8], "d", 40)  # supersedes its own prefix "c"
+    assert len(pc) == 2 and pc.lookup([5, 6, 7, 8, 0]) == (4, "d")
+    assert pc.hits == 6 and pc.misses == 1
+
+
+@needs_torch
+@pytest.mark.slow
+def test_shared_system_prompt_ttft_and_identical_outputs():
+    from swiftlm import LLM
+
+    system = " ".join(f"Rule {i}: answer politely and cite the relevant section number." for i in range(170))
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is rule 3 about?", "Summarise the rules in one line.")]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    cached = LLM(backend="torch")
+    plain = LLM(backend="torch", prompt_cache_bytes=0)
+    try:
+        n_prompt = len(cached.engine.chat_prompt(chats[0]))
+        assert n_prompt >= 2000
+
+        def ttft(llm, chat):
+            t0 = time.perf_counter()
+            it = llm.stream(chat, p)
+            first = next(it)
+            dt = time.perf_counter() - t0
+            rest = list(it)
+            return dt, first.token_ids + sum((d.token_ids for d in rest), [])
+
+        t_first, out_first = ttft(cached, chats[0])
+        t_second, out_second = ttft(cached, chats[1])
+        res = cached.generate(chats[1], p)
+        assert res.usage["cached_tokens"] >= n_prompt - 20  # the whole system prompt was reused
+        print(f"TTFT first {t_first:.3f}s, second (cached) {t_second:.3f}s, ratio {t_second / t_first:.3f}")
+        assert t_second <= 0.2 * t_first
+        # identical outputs with and without the cache
+        assert out_first == plain.generate(chats[0], p).token_ids
+        assert out_second == plain.generate(chats[1], p).token_ids
+        assert cached.engine.prefix_cache.hits >= 2
+    finally:
+        cached.close()
+        plain.close()
+
+
+@needs_torch
+def test_multi_turn_reuses_the_previous_turn(tiny_llama):
+    from swiftlm import LLM
+
+    llm = LLM(str(tiny_llama), backend="torch")
+    try:
+        p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        history = [{"role": "user", "content": "Tell me something about the weather in spring, please."}]
+        first = llm.generate(history, p)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And in autumn?"}]
+        second = llm.generate(history, p)
+        # everything the first turn computed (its prompt and the fed part of its answer) that the
+        # re-rendered history still starts with is reused, exactly
+        computed = first.prompt_token_ids + first.token_ids[:-1]
+        common = next((i for i, (a, b) in enumerate(zip(computed, second.prompt_token_ids)) if a != b),
+                      min(len(computed), len(second.prompt_token_ids)))
+        assert second.usage["cached_tokens"] == min(common, len(second.prompt_token_ids) - 1) > 16
+    finally:
+        llm.close()
