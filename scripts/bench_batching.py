@@ -37,7 +37,8 @@ def main() -> None:
     from swiftlm import LLM, SamplingParams
 
     counts = [int(x) for x in a.streams.split(",")]
-    llm = LLM(a.model, backend=a.backend, parallel=max(counts), max_queue=256)
+    # the prompt cache is off so that the ratio measures batching alone (the prompts share the template prefix)
+    llm = LLM(a.model, backend=a.backend, parallel=max(counts), max_queue=256, prompt_cache_bytes=0)
     p = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
     chats = [[{"role": "user", "content": f"Write a paragraph about {t}."}] for t in TOPICS]
     llm.generate(chats[0], p)  # warm-up
