@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import needs_torch
+from conftest import BACKENDS, needs_torch
 from swiftlm import SamplingParams
 from swiftlm.prefix_cache import PrefixCache
 
@@ -65,11 +65,11 @@ def test_shared_system_prompt_ttft_and_identical_outputs():
         plain.close()
 
 
-@needs_torch
-def test_multi_turn_reuses_the_previous_turn(tiny_llama):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_turn_reuses_the_previous_turn(tiny_llama, backend):
     from swiftlm import LLM
 
-    llm = LLM(str(tiny_llama), backend="torch")
+    llm = LLM(str(tiny_llama), backend=backend)
     try:
         p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         history = [{"role": "user", "content": "Tell me something about the weather in spring, please."}]
@@ -84,3 +84,18 @@ def test_multi_turn_reuses_the_previous_turn(tiny_llama):
         assert second.usage["cached_tokens"] == min(common, len(second.prompt_token_ids) - 1) > 16
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_and_uncached_outputs_are_identical(tiny_llama, backend):
+    """Same greedy tokens whether the prefix comes from the cache or is computed (fp32)."""
+    from swiftlm import LLM
+
+    sys_msg = {"role": "system", "content": "You are a terse assistant. " * 12}
+    chats = [[sys_msg, {"role": "user", "content": q}] for q in ("One?", "Two, please.", "Three!")]
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend=backend) as cached, LLM(str(tiny_llama), backend=backend,
+                                                              prompt_cache_bytes=0) as plain:
+        got = [cached.generate(c, p) for c in chats]
+        assert [o.usage["cached_tokens"] > 0 for o in got] == [False, True, True]
+        assert [o.token_ids for o in got] == [plain.generate(c, p).token_ids for c in chats]

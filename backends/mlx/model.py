@@ -112,6 +112,26 @@ class MLXModel:
                 result.sampled.append(SampledToken(w.seq_id, token, lp, top))
         return result
 
+    # ---------------------------------------------------------------- prompt cache hooks
+    def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
+        """(per-layer (keys, values) up to the offset, bytes, positions); plain KV caches only."""
+        cache = self.caches.get(seq_id)
+        if not cache or any(type(c).__name__ != "KVCache" or c.keys is None for c in cache):
+            return None
+        n = cache[0].offset
+        payload = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+        mx.eval(payload)
+        return payload, sum(k.nbytes + v.nbytes for k, v in payload), n
+
+    def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
+        """Start ``seq_id`` from the first ``n`` cached positions.  MLX arrays are immutable
+        (a cache update makes a new array), so the entry is never modified through this one."""
+        self._ahead.pop(seq_id, None)
+        cache = self._make_cache()
+        for c, (k, v) in zip(cache, payload):
+            c.keys, c.values, c.offset = k[..., :n, :], v[..., :n, :], n
+        self.caches[seq_id] = cache
+
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             self.caches.pop(s, None)
