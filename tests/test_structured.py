@@ -60,3 +60,13 @@ def test_smollm2_json_schema_validates(mlx_llm):
         out = mlx_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=seed, grammar=g))
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_twenty_of_twenty_on_torch(torch_llm):
+    g = grammar_for({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}})
+    msgs = [{"role": "user", "content": "Invent a person. Answer in JSON with a name and an age."}]
+    for seed in range(20):
+        out = torch_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=seed, grammar=g))
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
