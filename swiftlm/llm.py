@@ -112,14 +112,7 @@ class _Base:
 
     @staticmethod
     def _params(params: SamplingParams | None, i: int) -> SamplingParams:
-        p = SamplingParams() if params is None else params
-        q = SamplingParams(**{k: getattr(p, k) for k in p.__dataclass_fields__})
-        q.logit_bias = dict(p.logit_bias)
-        q.stop = list(p.stop)
-        if p.seed is not None:
-            q.seed = p.seed + i
-        q.n = 1
-        return q
+        return (SamplingParams() if params is None else params).for_choice(i)
 
     def close(self) -> None:
         self.engine.shutdown()

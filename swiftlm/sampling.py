@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,6 +103,14 @@ class SamplingParams:
             if not -100 <= bias <= 100:
                 raise bad("logit_bias", "values must be in [-100, 100]")
         return self
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """An independent copy for choice ``i`` of an n>1 request: seed + i (when seeded), n = 1."""
+        q = replace(self, logit_bias=dict(self.logit_bias), stop=list(self.stop),
+                    stop_token_ids=list(self.stop_token_ids), n=1)
+        if self.seed is not None:
+            q.seed = self.seed + i
+        return q
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from swiftlm.backend import ModelInfo, SampledToken, StepBatch, StepResult
 from swiftlm.errors import UnsupportedArchitecture
@@ -154,7 +155,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
     heads = int(config.get("num_attention_heads") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // heads))
-    weight_bytes = sum(v.nbytes for _, v in _flatten(module.parameters()))
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
     dt_bytes = 4 if mx.default_device().type == mx.DeviceType.cpu else 2
     ctx = int(cfg.ctx_size or spec.context_length or 4096) if cfg is not None else int(spec.context_length or 4096)
     info = ModelInfo(arch=spec.arch, num_layers=n_layers, context_length=min(ctx, spec.context_length or ctx),
@@ -162,12 +163,6 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                      quantization=spec.quantization, is_moe=spec.is_moe, weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes)
     return MLXModel(module, tokenizer, info)
-
-
-def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)
 
 
 def _mlx_lm_version() -> str:

@@ -85,7 +85,6 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     state = SimpleNamespace(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
                             started=time.time(), load_error=None)
     routes_impl = OpenAIRoutes(state)
-    always = lambda: True  # noqa: E731
     never = lambda: False  # noqa: E731
 
     async def health(request: Request) -> Response:
@@ -126,7 +125,6 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/metrics", _guard(state, metrics, metrics_key), methods=["GET"]),
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
     ]
-    del always
     middleware = []
     if settings.cors:
         origins = [o.strip() for o in settings.cors.split(",") if o.strip()]

@@ -138,10 +138,7 @@ class OpenAIRoutes:
         ids = []
         try:
             for i in range(n):
-                p = SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
-                if params.seed is not None:
-                    p.seed = params.seed + i
-                ids.append(self.engine.submit(prompt, p, sink))
+                ids.append(self.engine.submit(prompt, params.for_choice(i), sink))
         except QueueFull as exc:
             for sid in ids:
                 self.engine.cancel(sid)
@@ -166,6 +163,26 @@ class OpenAIRoutes:
         finally:
             for sid in left:  # client went away or we stopped early: free the slots
                 self.engine.cancel(sid)
+
+    async def _gather(self, ids: list[int], q: asyncio.Queue
+                      ) -> tuple[list[str], list[str | None], list[list[TokenLogprob]], int, int]:
+        """Collect a non-streamed request: per choice text, finish reason and logprobs; total
+        completion tokens; prompt tokens served from the prompt cache."""
+        texts, reasons = [""] * len(ids), [None] * len(ids)
+        lps: list[list[TokenLogprob]] = [[] for _ in ids]
+        completion = cached = 0
+        clock = {"start": time.perf_counter()}
+        async for i, ev in self._events(ids, q):
+            self._observe(ev, clock)
+            cached = max(cached, ev.cached_tokens)
+            texts[i] += ev.text
+            lps[i] += ev.logprobs
+            if ev.finished:
+                if ev.error:
+                    raise APIError(500, f"generation failed: {ev.error}")
+                reasons[i] = ev.finish_reason
+                completion += ev.completion_tokens
+        return texts, reasons, lps, completion, cached
 
     def _sink(self) -> tuple[Any, asyncio.Queue]:
         loop = asyncio.get_running_loop()
@@ -252,25 +269,10 @@ class OpenAIRoutes:
                                                        request.headers.get(PROGRESS_HEADER) == "1"),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for i in range(req.n)]
-        lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
-        completion = 0
-        cached = 0
-        clock = {"start": time.perf_counter()}
-        async for i, ev in self._events(ids, q):
-            self._observe(ev, clock)
-            cached = max(cached, ev.cached_tokens)
-            choices[i]["message"]["content"] += ev.text
-            lps[i] += ev.logprobs
-            if ev.finished:
-                if ev.error:
-                    raise APIError(500, f"generation failed: {ev.error}")
-                choices[i]["finish_reason"] = ev.finish_reason
-                completion += ev.completion_tokens
-        if req.logprobs:
-            for i in range(req.n):
-                choices[i]["logprobs"] = self._chat_logprobs(lps[i])
+        texts, reasons, lps, completion, cached = await self._gather(ids, q)
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": self._chat_logprobs(lps[i]) if req.logprobs else None,
+                    "finish_reason": reasons[i]} for i in range(req.n)]
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
                              "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
@@ -374,23 +376,11 @@ class OpenAIRoutes:
             return StreamingResponse(self._completion_stream(req, all_ids, q, cid, created, model, n_prompt,
                                                              echo[0], request.headers.get(PROGRESS_HEADER) == "1"),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = [{"index": i, "text": echo[i // req.n], "logprobs": None, "finish_reason": None}
-                   for i in range(len(all_ids))]
-        lps: list[list[TokenLogprob]] = [[] for _ in all_ids]
-        completion = 0
-        clock = {"start": time.perf_counter()}
-        async for i, ev in self._events(all_ids, q):
-            self._observe(ev, clock)
-            choices[i]["text"] += ev.text
-            lps[i] += ev.logprobs
-            if ev.finished:
-                if ev.error:
-                    raise APIError(500, f"generation failed: {ev.error}")
-                choices[i]["finish_reason"] = ev.finish_reason
-                completion += ev.completion_tokens
-        if req.logprobs is not None:
-            for i, c in enumerate(choices):
-                c["logprobs"] = self._completion_logprobs(lps[i], len(echo[i // req.n]))
+        texts, reasons, lps, completion, _ = await self._gather(all_ids, q)
+        choices = [{"index": i, "text": echo[i // req.n] + texts[i],
+                    "logprobs": (self._completion_logprobs(lps[i], len(echo[i // req.n]))
+                                 if req.logprobs is not None else None),
+                    "finish_reason": reasons[i]} for i in range(len(all_ids))]
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
