@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import NotSupportedYet
@@ -59,7 +59,10 @@ class Settings(BaseSettings):
     repeat_last_n: int = _f(64, "Tokens of context the repetition penalty looks back over.", group="sampling")
     seed: int | None = _f(None, "Default seed for requests that give none (none: a fresh random seed each).",
                           group="sampling")
-    thinking: bool = _f(False, "Enable thinking/reasoning in chat templates that support it.", group="sampling")
+    thinking: bool = _f(False, "Enable thinking/reasoning in chat templates that support it; the reasoning comes "
+                               "back as reasoning_content.", group="sampling")
+    tool_parser: str = _f("auto", "Tool-call format to parse: auto (from the chat template), hermes, llama3, "
+                                  "mistral, gemma, or none.", group="sampling")
 
     # server
     host: str = _f("127.0.0.1", "Address to bind.", group="server")
@@ -84,9 +87,33 @@ class Settings(BaseSettings):
                       not_built="vision input")
     audio: bool = _f(False, "Accept audio inputs (audio-language models).", group="planned",
                      not_built="audio input")
-    draft_model: str | None = _f(None, "Draft model for speculative decoding.", group="planned",
-                                 not_built="speculative decoding")
-    num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="planned")
+    speculative: str | None = _f(None, "Speculative decoding: 'ngram' (prompt lookup: drafts copied from the prompt "
+                                       "and output, no second model) or 'draft' (a draft model; implied by "
+                                       "--draft-model).", group="engine")
+    draft_model: str | None = _f(None, "Draft model for speculative decoding (any source --model takes; it must "
+                                       "share the target's tokenizer).", group="engine")
+    num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="engine")
+
+    @field_validator("speculative")
+    @classmethod
+    def _known_spec(cls, v: str | None) -> str | None:
+        if v not in (None, "ngram", "draft", "off"):
+            raise ValueError("must be ngram, draft or off")
+        return None if v == "off" else v
+
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _positive_drafts(cls, v: int) -> int:
+        if not 1 <= v <= 64:
+            raise ValueError("must be between 1 and 64")
+        return v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, v: str) -> str:
+        if v not in ("auto", "none", "hermes", "llama3", "mistral", "gemma"):
+            raise ValueError("must be auto, none, hermes, llama3, mistral or gemma")
+        return v
 
     def check_supported(self) -> None:
         for name, field in type(self).model_fields.items():

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .backend import Model, SampledToken
+from .backend import Model, SampledToken, StepBatch
 from .chat.messages import normalize_messages
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .errors import InvalidRequest, SwiftLMError
@@ -126,7 +126,8 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
-                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0):
+                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
+                 speculator: Any = None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.info = model.info
@@ -137,6 +138,8 @@ class Engine:
         self.stats = EngineStats()
         # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
         can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
+        self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
+        self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
         self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
@@ -155,6 +158,13 @@ class Engine:
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def plan_chat(self, messages: Any, **kw: Any) -> Any:
+        """Render a chat request with tools / tool_choice / thinking: see chat.plan."""
+        from .chat.plan import plan_chat
+
+        kw.setdefault("tool_parser", self.tool_parser)
+        return plan_chat(self.tokenizer, normalize_messages(messages), **kw)
 
     def text_prompt(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -239,6 +249,8 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 continue
+            if self.speculator is not None and self._speculate(batch):
+                continue
             t0 = time.perf_counter()
             try:
                 result = self.model.step(batch)
@@ -265,6 +277,37 @@ class Engine:
                     self._on_token(live, s)
         for live in list(self._live.values()):  # shutting down: release every waiter
             self._finish(live, "cancelled")
+
+    def _speculate(self, batch: StepBatch) -> bool:
+        """Draft and verify when a single sequence is decoding (with several, the batched
+        plain step is used: per-sequence acceptance would split the batch).  True if done."""
+        from .speculative import eligible
+
+        if len(batch.seqs) != 1:
+            return False
+        w = batch.seqs[0]
+        live = self._live.get(w.seq_id)
+        if live is None or not w.sample or len(w.tokens) != 1 or not live.seq.output_tokens or not eligible(w.params):
+            return False
+        seq = live.seq
+        room = min((w.params.max_tokens or 0) - len(seq.output_tokens), self.ctx_size - len(seq.all_tokens))
+        t0 = time.perf_counter()
+        try:
+            sampled = self.speculator.step(w, seq, room)
+        except Exception as exc:  # fail this sequence, keep the engine
+            log.exception("speculative step failed")
+            self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
+            return True
+        if sampled is None:
+            return False
+        self.stats.steps += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        seq.num_computed = w.start_pos + len(sampled)
+        for s in sampled:
+            if w.seq_id not in self._live:  # finished (stop, length) part-way: the rest is dropped
+                break
+            self._on_token(live, s)
+        return True
 
     def _on_token(self, live: _Live, s: SampledToken) -> None:
         seq, params = live.seq, live.seq.params
@@ -312,6 +355,11 @@ class Engine:
                     self.prefix_cache.insert(seq.all_tokens[:n], payload, nbytes)
             except Exception:  # pragma: no cover - caching must never fail a request
                 log.exception("prompt cache snapshot failed")
+        if self.speculator is not None:
+            try:
+                self.speculator.drafter.free(seq.seq_id)
+            except Exception:  # pragma: no cover
+                log.exception("freeing draft state failed")
         try:
             self.model.free([seq.seq_id])
         except Exception:  # pragma: no cover - freeing must not kill the loop

@@ -33,3 +33,7 @@ class InvalidRequest(SwiftLMError, ValueError):
 
 class NotSupportedYet(SwiftLMError):
     pass
+
+
+class ConfigError(SwiftLMError):
+    """Settings that do not fit together (exit code 2)."""

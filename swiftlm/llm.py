@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator, Union
 
 from .backend import choose_backend
 from .config import Settings
+from .errors import ConfigError
 from .engine import AsyncSink, Engine, Event, SyncSink, TokenLogprob
 from .registry import ModelSpec, resolve
 from .sampling import SamplingParams
@@ -34,6 +35,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
+    # chat() only: the text split into answer, reasoning and tool calls
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -88,11 +93,45 @@ def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
     backend, why = choose_backend(settings.backend)
     log.info("loading %s with backend %s", spec.name, why)
     model = backend.load(spec, settings)
+    speculator = _speculator(settings, backend, model)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
-                    default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes)
+                    default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
+                    speculator=speculator)
     engine.backend_name = backend.name  # type: ignore[attr-defined]
+    engine.tool_parser = settings.tool_parser
     return engine, spec, why
+
+
+def _speculator(settings: Settings, backend: Any, model: Any) -> Any:
+    from .speculative import ModelDrafter, NgramDrafter, Speculator
+
+    mode = settings.speculative or ("draft" if settings.draft_model else None)
+    if mode is None:
+        return None
+    if not hasattr(model, "score"):
+        raise ConfigError(f"speculative decoding: backend {backend.name!r} cannot verify drafts (no Model.score)")
+    if mode == "ngram":
+        drafter: Any = NgramDrafter()
+    else:
+        if not settings.draft_model:
+            raise ConfigError("--speculative draft needs --draft-model")
+        dspec = resolve(settings.draft_model, allow_download=False if settings.offline else None)
+        log.info("loading draft model %s", dspec.name)
+        dmodel = backend.load(dspec, settings)
+        check_same_tokenizer(model.tokenizer, dmodel.tokenizer, dspec.name)
+        drafter = ModelDrafter(dmodel)
+    log.info("speculative decoding: %s, %d draft tokens per step", drafter.name, settings.num_draft_tokens)
+    return Speculator(model, drafter, settings.num_draft_tokens)
+
+
+def check_same_tokenizer(target: Any, draft: Any, name: str) -> None:
+    """A draft proposes token ids: they must mean the same text for both models."""
+    tv, dv = target.tok.get_vocab(with_added_tokens=True), draft.tok.get_vocab(with_added_tokens=True)
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise ConfigError(f"draft model {name} has a different tokenizer from the target ({len(dv)} vs {len(tv)} "
+                          f"tokens, {diff} entries differ); speculative decoding needs the same vocabulary")
 
 
 class _Base:
@@ -109,6 +148,12 @@ class _Base:
         kwargs = dict(chat_template_kwargs or {})
         kwargs.setdefault("enable_thinking", self.settings.thinking)
         return self.engine.chat_prompt(prompt, **kwargs)
+
+    def _plan(self, messages: Chat, tools: Any, tool_choice: Any, chat_template_kwargs: dict | None) -> Any:
+        kwargs = dict(chat_template_kwargs or {})
+        thinking = bool(kwargs.pop("enable_thinking", self.settings.thinking))
+        return self.engine.plan_chat(messages, tools=tools, tool_choice=tool_choice, thinking=thinking,
+                                     template_kwargs=kwargs)
 
     @staticmethod
     def _params(params: SamplingParams | None, i: int) -> SamplingParams:
@@ -133,6 +178,18 @@ def _collect(out: CompletionOutput, ev: Event) -> None:
         out.finish_reason = ev.finish_reason
         if ev.error:
             raise RuntimeError(f"generation failed: {ev.error}")
+
+
+def _split(out: CompletionOutput, plan: Any) -> None:
+    parser = plan.parser()
+    pieces = parser.feed(out.text) + parser.finish()
+    content = "".join(v for k, v in pieces if k == "content")
+    reasoning = "".join(v for k, v in pieces if k == "reasoning")
+    out.content = content if content or not parser.calls else None
+    out.reasoning_content = reasoning or None
+    out.tool_calls = list(parser.calls)
+    if parser.calls and out.finish_reason in ("stop", "length"):
+        out.finish_reason = "tool_calls"
 
 
 class LLM(_Base):
@@ -162,8 +219,19 @@ class LLM(_Base):
             results.append(RequestOutput(toks, outs))
         return results if _is_batch(prompts) else results[0]
 
-    def chat(self, messages: Chat, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
-        return self.generate(messages, params, **kw)  # type: ignore[return-value]
+    def chat(self, messages: Chat, params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             tool_choice: Any = None, chat_template_kwargs: dict | None = None) -> RequestOutput:
+        """One chat turn.  Each output's ``text`` is the raw model text; ``content``,
+        ``reasoning_content`` and ``tool_calls`` (chat.tool_calls.ToolCall) are the parsed parts."""
+        plan = self._plan(messages, tools, tool_choice, chat_template_kwargs)
+        params = params or SamplingParams()
+        if plan.grammar is not None:
+            params = replace(params, grammar=plan.grammar)
+        toks = self.engine.tokenizer.encode(plan.text, add_special_tokens=False)
+        out = self.generate(toks, params)
+        for o in out.outputs:  # type: ignore[union-attr]
+            _split(o, plan)
+        return out  # type: ignore[return-value]
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
                chat_template_kwargs: dict | None = None) -> Iterator[StreamDelta]:

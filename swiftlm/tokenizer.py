@@ -33,6 +33,9 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
+KEPT_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<think>", "</think>",
+                "[THINK]", "[/THINK]", "◁think▷", "◁/think▷", "<seed:think>", "</seed:think>")
+
 
 @dataclass
 class HFTokenizer:
@@ -45,6 +48,7 @@ class HFTokenizer:
     add_bos_token: bool = False
     chat_template: ChatTemplate | None = None
     special_ids: set[int] = field(default_factory=set)
+    _kept: set[int] | None = field(default=None, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -59,7 +63,27 @@ class HFTokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        keep = self.kept_special_ids
+        if not skip_special_tokens or not keep or keep.isdisjoint(ids):
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # tool-call and thinking markers are special tokens in some vocabularies (Mistral's
+        # [TOOL_CALLS], Llama's <|python_tag|>): keep them so the output parser can see them
+        parts, start = [], 0
+        for i, t in enumerate(ids):
+            if t in keep:
+                parts.append(self.tok.decode(ids[start:i], skip_special_tokens=True))
+                parts.append(self.tok.id_to_token(t))
+                start = i + 1
+        parts.append(self.tok.decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
+
+    @property
+    def kept_special_ids(self) -> set[int]:
+        if self._kept is None:
+            found = {self.tok.token_to_id(m) for m in KEPT_MARKERS}
+            self._kept = {i for i in found if i is not None and i in self.special_ids}
+        return self._kept
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)

@@ -53,7 +53,7 @@ def test_unbuilt_features_are_refused(flag):
 
 
 def test_unbuilt_flag_exits_2_from_cli():
-    r = run_cli("generate", "-p", "hi", "--draft-model", "x")
+    r = run_cli("generate", "-p", "hi", "--vision")
     assert r.returncode == 2
-    assert "speculative decoding is not supported yet" in r.stderr
+    assert "vision input is not supported yet" in r.stderr
     assert "Traceback" not in r.stderr

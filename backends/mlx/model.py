@@ -66,6 +66,12 @@ class MLXModel:
             tokens = tokens[-1:]
         return self._feed(seq_id, tokens, start_pos)[0, -1]
 
+    def score(self, seq_id: int, tokens: list[int], start_pos: int) -> mx.array:
+        """Every fed position's logits [len(tokens), vocab] (speculative verification)."""
+        out = self._feed(seq_id, tokens, start_pos)[0]
+        mx.eval(out)
+        return out
+
     # ---------------------------------------------------------------- decode pipelining
     # Like mlx-lm's generate_step: for a decode row whose sample does not depend on the
     # host (no history penalties, no logprobs), the sampled token stays a lazy array, the

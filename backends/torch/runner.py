@@ -67,6 +67,14 @@ class TorchModel:
         return self.module(ids, cache, start)[-1]
 
     @torch.inference_mode()
+    def score(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Feed ``tokens`` at ``start`` and return every position's logits [len(tokens), vocab]
+        (speculative verification)."""
+        cache = self._cache(seq_id, start)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.module(ids, cache, start, last_only=False)
+
+    @torch.inference_mode()
     def step(self, batch: StepBatch) -> StepResult:
         """Decode rows of several sequences go through one batched pass (``decode_batch``);
         a lone decode row uses the CUDA graph (on GPU) and prefill chunks run per sequence."""

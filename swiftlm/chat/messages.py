@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -55,5 +56,39 @@ def normalize_messages(messages: Any) -> list[dict]:
         msg = {k: v for k, v in m.items() if v is not None}
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = _content_text(m.get("content"), where)
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise InvalidRequest(f"{where} has role 'tool' but no 'tool_call_id' string",
+                                     param=f"{where}.tool_call_id")
+        if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
+            raise InvalidRequest(f"{where}.reasoning_content must be a string", param=f"{where}.reasoning_content")
         out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """Check an assistant message's ``tool_calls`` and turn each ``arguments`` JSON string into
+    the object chat templates expect (they write it back with ``tojson``)."""
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"{where}.tool_calls[{j}] must have a 'function' with a 'name'",
+                                 param=f"{where}.tool_calls")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise InvalidRequest(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
+                                     param=f"{where}.tool_calls") from None
+        if not isinstance(args, dict):
+            raise InvalidRequest(f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
+                                 param=f"{where}.tool_calls")
+        out.append({"id": c.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out

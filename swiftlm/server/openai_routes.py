@@ -91,6 +91,34 @@ def _stream_error(error: str) -> str:
                           "code": None}})
 
 
+def _finish_reason(reason: str | None, parser: Any) -> str | None:
+    return "tool_calls" if parser.calls and reason in ("stop", "length") else reason
+
+
+def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
+    """OpenAI chat deltas for one parsed piece of output."""
+    if kind == "content":
+        return [{"content": val}]
+    if kind == "reasoning":
+        return [{"reasoning_content": val}]
+    index = parser.calls.index(val)
+    return [{"tool_calls": [{"index": index, "id": val.id, "type": "function",
+                             "function": {"name": val.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": val.arguments}}]}]
+
+
+def _chat_message(parser: Any, text: str, reason: str | None) -> tuple[dict, str | None]:
+    pieces = parser.feed(text) + parser.finish()
+    content = "".join(v for k, v in pieces if k == "content")
+    reasoning = "".join(v for k, v in pieces if k == "reasoning")
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if parser.calls:
+        message["tool_calls"] = [c.to_openai() for c in parser.calls]
+    return message, _finish_reason(reason, parser)
+
+
 class OpenAIRoutes:
     def __init__(self, state: Any):
         self.state = state  # holds engine, settings, spec, metrics
@@ -243,20 +271,22 @@ class OpenAIRoutes:
             except InvalidRequest as exc:
                 raise APIError(400, str(exc), param="response_format") from None
         kwargs = dict(req.chat_template_kwargs or {})
-        thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.get(
+        thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.pop(
             "enable_thinking", self.state.settings.thinking)
-        kwargs["enable_thinking"] = thinking
-        if req.tools:
-            kwargs["tools"] = req.tools
+        kwargs.pop("enable_thinking", None)
         try:
-            prompt = engine.chat_prompt(req.messages, **kwargs)
+            plan = engine.plan_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
+                                    parallel_tool_calls=req.parallel_tool_calls,
+                                    thinking=bool(thinking), template_kwargs=kwargs,
+                                    response_format_grammar=grammar)
+            prompt = engine.tokenizer.encode(plan.text, add_special_tokens=False)
         except InvalidRequest as exc:
             raise APIError(400, str(exc), param=exc.param or "messages") from None
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         params = self._params(req, len(prompt), req.max_completion_tokens or req.max_tokens, req.logprobs, top)
-        params.grammar = grammar
+        params.grammar = plan.grammar
         self.state.metrics.requests.labels("chat").inc()
         self.state.metrics.prompt_tokens.inc(len(prompt))
         sink, q = self._sink()
@@ -265,26 +295,30 @@ class OpenAIRoutes:
         created = int(time.time())
         model = self.state.spec.name
         if req.stream:
-            return StreamingResponse(self._chat_stream(req, ids, q, cid, created, model, len(prompt),
+            return StreamingResponse(self._chat_stream(req, plan, ids, q, cid, created, model, len(prompt),
                                                        request.headers.get(PROGRESS_HEADER) == "1"),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts, reasons, lps, completion, cached = await self._gather(ids, q)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": self._chat_logprobs(lps[i]) if req.logprobs else None,
-                    "finish_reason": reasons[i]} for i in range(req.n)]
+        choices = []
+        for i in range(req.n):
+            message, reason = _chat_message(plan.parser(), texts[i], reasons[i])
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._chat_logprobs(lps[i]) if req.logprobs else None,
+                            "finish_reason": reason})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
                              "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
                                        "total_tokens": len(prompt) + completion,
                                        "prompt_tokens_details": {"cached_tokens": cached}}})
 
-    async def _chat_stream(self, req: ChatCompletionRequest, ids: list[int], q: asyncio.Queue, cid: str,
+    async def _chat_stream(self, req: ChatCompletionRequest, plan: Any, ids: list[int], q: asyncio.Queue, cid: str,
                            created: int, model: str, n_prompt: int, progress: bool) -> AsyncIterator[str]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": "swiftlm"}
         usage_on = self._check_stream_opts(req)
         started = [False] * req.n
+        parsers = [plan.parser() for _ in range(req.n)]
         completion = 0
         cached = 0
         t0 = time.perf_counter()
@@ -310,13 +344,19 @@ class OpenAIRoutes:
             if not started[i]:
                 started[i] = True
                 yield chunk(i, {"role": "assistant", "content": ""})
-            if ev.text or ev.logprobs:
-                lp = self._chat_logprobs(ev.logprobs) if req.logprobs else None
-                yield chunk(i, {"content": ev.text}, logprobs=lp)
+            lp = self._chat_logprobs(ev.logprobs) if req.logprobs and ev.logprobs else None
+            pieces = parsers[i].feed(ev.text) if ev.text else []
+            if ev.finished:
+                pieces += parsers[i].finish()
+            deltas = [d for kind, val in pieces for d in _deltas(kind, val, parsers[i])]
+            if lp is not None and not deltas:
+                deltas = [{"content": ""}]
+            for k, d in enumerate(deltas):
+                yield chunk(i, d, logprobs=lp if k == 0 else None)
             cached = max(cached, ev.cached_tokens)
             if ev.finished:
                 completion += ev.completion_tokens
-                yield chunk(i, {}, finish=ev.finish_reason)
+                yield chunk(i, {}, finish=_finish_reason(ev.finish_reason, parsers[i]))
         if usage_on:
             yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                                                         "total_tokens": n_prompt + completion,

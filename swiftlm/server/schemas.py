@@ -49,6 +49,7 @@ class ChatCompletionRequest(_Sampling):
     enable_thinking: bool | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):
