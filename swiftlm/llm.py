@@ -92,18 +92,26 @@ def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
     spec = resolve(settings.model, allow_download=False if settings.offline else None)
     backend, why = choose_backend(settings.backend)
     log.info("loading %s with backend %s", spec.name, why)
+    return make_engine(settings, backend, spec), spec, why
+
+
+def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
+    """Load the model (and a draft model) with ``backend`` and start the engine."""
+    draft_spec = None
+    if settings.draft_model and settings.speculative in (None, "draft"):  # a bad draft fails before the big load
+        draft_spec = resolve(settings.draft_model, allow_download=False if settings.offline else None)
     model = backend.load(spec, settings)
-    speculator = _speculator(settings, backend, model)
+    speculator = _speculator(settings, backend, model, draft_spec)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
                     speculator=speculator)
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     engine.tool_parser = settings.tool_parser
-    return engine, spec, why
+    return engine
 
 
-def _speculator(settings: Settings, backend: Any, model: Any) -> Any:
+def _speculator(settings: Settings, backend: Any, model: Any, dspec: ModelSpec | None) -> Any:
     from .speculative import ModelDrafter, NgramDrafter, Speculator
 
     mode = settings.speculative or ("draft" if settings.draft_model else None)
@@ -114,9 +122,8 @@ def _speculator(settings: Settings, backend: Any, model: Any) -> Any:
     if mode == "ngram":
         drafter: Any = NgramDrafter()
     else:
-        if not settings.draft_model:
+        if dspec is None:
             raise ConfigError("--speculative draft needs --draft-model")
-        dspec = resolve(settings.draft_model, allow_download=False if settings.offline else None)
         log.info("loading draft model %s", dspec.name)
         dmodel = backend.load(dspec, settings)
         check_same_tokenizer(model.tokenizer, dmodel.tokenizer, dspec.name)

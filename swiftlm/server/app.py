@@ -107,6 +107,13 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                                               "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
                                               "hit_rate": round(eng.prefix_cache.hit_rate, 4),
                                               "tokens_reused": eng.prefix_cache.tokens_reused}}
+            if eng.speculator is not None:
+                sp = eng.speculator.stats
+                body["stats"]["speculative"] = {
+                    "drafter": eng.speculator.drafter.name, "num_draft_tokens": eng.speculator.k,
+                    "verify_steps": sp.steps, "drafted": sp.drafted, "accepted": sp.accepted,
+                    "acceptance_rate": round(sp.acceptance_rate, 4),
+                    "tokens_per_target_step": round(sp.tokens_per_step, 3)}
         return JSONResponse(body, status_code=200 if eng is not None else 503)
 
     async def metrics(request: Request) -> Response:
@@ -173,11 +180,9 @@ def serve(settings: Settings) -> int:
 
     def load() -> None:
         try:
-            model = backend.load(spec, settings)
-            state.engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
-                                  max_queue=settings.max_queue, ctx_size=settings.ctx_size,
-                                  default_max_tokens=settings.max_tokens,
-                                  prompt_cache_bytes=settings.prompt_cache_bytes)
+            from ..llm import make_engine
+
+            state.engine = make_engine(settings, backend, spec)
         except Exception as exc:
             state.load_error = str(exc)
             outcome["error"] = exc

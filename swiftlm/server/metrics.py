@@ -30,6 +30,10 @@ class Metrics:
                                registry=r)
         self.kv_bytes = Gauge("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (16-bit or model dtype)",
                               registry=r)
+        self.spec_drafted = Gauge("swiftlm_spec_drafted_tokens", "Speculative tokens drafted", registry=r)
+        self.spec_accepted = Gauge("swiftlm_spec_accepted_tokens", "Speculative drafts accepted", registry=r)
+        self.spec_rate = Gauge("swiftlm_spec_acceptance_rate", "Accepted / drafted", registry=r)
+        self.spec_tps = Gauge("swiftlm_spec_tokens_per_target_step", "Tokens emitted per verify pass", registry=r)
         self.ttft = Histogram("swiftlm_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.itl = Histogram("swiftlm_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
@@ -52,4 +56,10 @@ class Metrics:
             self.pc_bytes.set(pc.bytes)
             self.pc_tokens.set(pc.tokens_reused)
             self.kv_bytes.set(engine.info.kv_bytes_per_token)
+            if engine.speculator is not None:
+                sp = engine.speculator.stats
+                self.spec_drafted.set(sp.drafted)
+                self.spec_accepted.set(sp.accepted)
+                self.spec_rate.set(sp.acceptance_rate)
+                self.spec_tps.set(sp.tokens_per_step)
         return generate_latest(self.registry)
