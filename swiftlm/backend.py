@@ -69,6 +69,7 @@ class SeqWork:
 @dataclass
 class StepBatch:
     seqs: list[SeqWork]
+    preempted: list[int] = field(default_factory=list)  # sequences whose KV the engine must free first
 
 
 @dataclass

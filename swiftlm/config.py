@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
     prompt_cache_bytes: int = _f(1 << 30, "Bytes of KV state kept for prompt (prefix) reuse across requests, LRU "
                                           "(0 disables the prompt cache).", group="engine")
+    kv_budget_bytes: int = _f(0, "KV-cache bytes that running sequences may use together (0: no limit beyond "
+                                 "--parallel). Admission waits for room; when running sequences outgrow it, the "
+                                 "newest is preempted and later recomputed.", group="engine")
     max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.",
                         group="engine")
 

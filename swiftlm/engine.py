@@ -127,14 +127,21 @@ class EngineStats:
 class Engine:
     def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
                  ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
-                 speculator: Any = None):
+                 speculator: Any = None, kv_budget_bytes: int = 0):
         self.model = model
         self.tokenizer = model.tokenizer
         self.info = model.info
         self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
         self.default_max_tokens = default_max_tokens
         self.max_queue = max_queue
-        self.scheduler = Scheduler(max_running, prefill_size)
+        kv_tokens = None
+        if kv_budget_bytes and model.info.kv_bytes_per_token:
+            kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
+            if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
+                log.warning("--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
+                            kv_budget_bytes, kv_tokens, self.ctx_size)
+                kv_tokens = self.ctx_size + 1
+        self.scheduler = Scheduler(max_running, prefill_size, kv_budget_tokens=kv_tokens)
         self.stats = EngineStats()
         # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
         can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
@@ -249,6 +256,8 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 continue
+            for sid in batch.preempted:  # recompute later: drop the KV state now
+                self.model.free([sid])
             if self.speculator is not None and self._speculate(batch):
                 continue
             t0 = time.perf_counter()
@@ -267,7 +276,7 @@ class Engine:
                 live = self._live.get(w.seq_id)
                 if live is not None:
                     live.seq.num_computed += len(w.tokens)
-                    if not w.sample:
+                    if not w.sample and not live.seq.output_tokens:
                         live.sink(Event(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
             if any(not w.tokens or len(w.tokens) == 1 for w in batch.seqs):
                 self.stats.decode_seconds += dt

@@ -1,9 +1,15 @@
 """Which sequences run in the next engine step.
 
-FCFS: a waiting sequence is admitted when fewer than ``max_running`` are running.  Each
-step carries every running sequence's decode row plus prefill chunks of at most
+FCFS: a waiting sequence is admitted when fewer than ``max_running`` are running and, with
+a KV budget (in tokens), when the KV its whole context needs fits beside the running ones.
+Each step carries every running sequence's decode row plus prefill chunks of at most
 ``prefill_size`` tokens per sequence, within ``token_budget`` tokens per step (decode rows
 first, so running streams are never stalled by a long prompt).
+
+When the running sequences outgrow the KV budget, the most recently admitted one is
+preempted: its KV state is dropped (the engine frees it), it goes back to the front of the
+queue with the tokens it has generated, and when readmitted it recomputes its KV from
+prompt + output (recompute, not swap) and continues where it stopped.
 """
 
 from __future__ import annotations
@@ -24,19 +30,34 @@ class Sequence:
     output_tokens: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose KV the backend holds
     cancelled: bool = False
+    preemptions: int = 0
 
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt_tokens + self.output_tokens
 
     @property
+    def prefill_target(self) -> int:
+        """Positions to compute before decoding: the prompt, or after a preemption everything
+        but the last generated token (which the next decode row feeds)."""
+        return len(self.prompt_tokens) + max(0, len(self.output_tokens) - 1)
+
+    @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_tokens)
+        return self.num_computed < self.prefill_target
+
+    @property
+    def kv_demand(self) -> int:
+        """KV positions this sequence holds after its next step."""
+        return len(self.prompt_tokens) + len(self.output_tokens) + 1
 
 
 class Scheduler:
-    def __init__(self, max_running: int = 1, prefill_size: int = 512, token_budget: int | None = None):
+    def __init__(self, max_running: int = 1, prefill_size: int = 512, token_budget: int | None = None,
+                 kv_budget_tokens: int | None = None):
         self.max_running = max(1, max_running)
+        self.kv_budget = kv_budget_tokens or None
+        self.preemptions = 0
         self.prefill_size = max(1, prefill_size)
         self.token_budget = token_budget or max(self.prefill_size, self.max_running) + self.max_running
         self.waiting: deque[Sequence] = deque()
@@ -54,9 +75,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def kv_in_use(self) -> int:
+        return sum(s.num_computed for s in self.running)
+
     def schedule(self) -> StepBatch:
         while self.waiting and len(self.running) < self.max_running:
+            if self.kv_budget and self.running and \
+                    sum(s.kv_demand for s in self.running) + self.waiting[0].kv_demand > self.kv_budget:
+                break  # FCFS: nobody overtakes the head of the queue
             self.running.append(self.waiting.popleft())
+        preempted: list[int] = []
+        while self.kv_budget and len(self.running) > 1 and sum(s.kv_demand for s in self.running) > self.kv_budget:
+            victim = self.running.pop()  # the most recently admitted
+            victim.num_computed = 0
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted.append(victim.seq_id)
         budget = self.token_budget
         work: list[SeqWork] = []
         for seq in self.running:  # decode rows first
@@ -66,9 +101,11 @@ class Scheduler:
                 budget -= 1
         for seq in self.running:  # then prefill chunks, oldest first
             if seq.in_prefill and budget > 0:
-                n = min(self.prefill_size, budget, len(seq.prompt_tokens) - seq.num_computed)
+                target = seq.prefill_target
+                n = min(self.prefill_size, budget, target - seq.num_computed)
                 end = seq.num_computed + n
-                work.append(SeqWork(seq.seq_id, seq.prompt_tokens[seq.num_computed:end], seq.num_computed,
-                                    end == len(seq.prompt_tokens), seq.params, seq.state))
+                resumed = bool(seq.output_tokens)  # a preempted sequence samples from its decode row
+                work.append(SeqWork(seq.seq_id, seq.all_tokens[seq.num_computed:end], seq.num_computed,
+                                    end == target and not resumed, seq.params, seq.state))
                 budget -= n
-        return StepBatch(work)
+        return StepBatch(work, preempted)

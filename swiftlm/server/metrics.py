@@ -30,6 +30,8 @@ class Metrics:
                                registry=r)
         self.kv_bytes = Gauge("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (16-bit or model dtype)",
                               registry=r)
+        self.kv_in_use = Gauge("swiftlm_kv_cache_bytes_in_use", "KV bytes held by running sequences", registry=r)
+        self.preemptions = Gauge("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed", registry=r)
         self.spec_drafted = Gauge("swiftlm_spec_drafted_tokens", "Speculative tokens drafted", registry=r)
         self.spec_accepted = Gauge("swiftlm_spec_accepted_tokens", "Speculative drafts accepted", registry=r)
         self.spec_rate = Gauge("swiftlm_spec_acceptance_rate", "Accepted / drafted", registry=r)
@@ -56,6 +58,8 @@ class Metrics:
             self.pc_bytes.set(pc.bytes)
             self.pc_tokens.set(pc.tokens_reused)
             self.kv_bytes.set(engine.info.kv_bytes_per_token)
+            self.kv_in_use.set(engine.scheduler.kv_in_use() * engine.info.kv_bytes_per_token)
+            self.preemptions.set(engine.scheduler.preemptions)
             if engine.speculator is not None:
                 sp = engine.speculator.stats
                 self.spec_drafted.set(sp.drafted)
