@@ -366,7 +366,7 @@ class Engine:
                 log.exception("prompt cache snapshot failed")
         if self.speculator is not None:
             try:
-                self.speculator.drafter.free(seq.seq_id)
+                self.speculator.free(seq.seq_id)
             except Exception:  # pragma: no cover
                 log.exception("freeing draft state failed")
         try:

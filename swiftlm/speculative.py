@@ -51,7 +51,7 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams, state: SamplerState
@@ -146,14 +146,23 @@ class SpecStats:
 
 
 class Speculator:
+    """Drafts and verifies for one sequence at a time (the engine calls it for a lone decode row)."""
+
     def __init__(self, model: Any, drafter: Any, num_draft_tokens: int = 4):
         self.model, self.drafter, self.k = model, drafter, max(1, num_draft_tokens)
         self.stats = SpecStats()
+        # per-sequence draft length: halved when a whole draft is rejected, doubled (up to k)
+        # when all of it is kept, so text that prompt lookup cannot predict costs little
+        self.budget: dict[int, int] = {}
+
+    def free(self, seq_id: int) -> None:
+        self.budget.pop(seq_id, None)
+        self.drafter.free(seq_id)
 
     def step(self, w: SeqWork, seq: Any, room: int) -> list[SampledToken] | None:
         """One speculative decode step for a lone decode row; None when there is nothing to
         draft (the caller runs the plain step).  ``room``: tokens the sequence may still emit."""
-        k = min(self.k, room - 1)
+        k = min(self.budget.get(w.seq_id, self.k), room - 1)
         if k < 1:
             return None
         params, state = w.params, w.state
@@ -182,6 +191,9 @@ class Speculator:
                 history.append(token)
         finally:
             del history[base:]
+        kept = len(out) - 1
+        cur = self.budget.get(w.seq_id, self.k)
+        self.budget[w.seq_id] = min(self.k, cur * 2) if kept == len(drafts) else max(1, cur // 2) if kept == 0 else cur
         self.stats.steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += len(out) - 1

@@ -27,13 +27,14 @@ def _llm(model, backend, **kw):
 
 
 def test_ngram_proposals():
-    d = NgramDrafter(max_ngram=3)
+    d = NgramDrafter(max_ngram=3, min_ngram=1)
     p = SamplingParams()
     toks = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
     assert d.propose(0, toks, 3, p, None)[0] == [8, 9, 1]        # 3-gram 5 6 7 seen before
     assert d.propose(0, toks + [4], 3, p, None)[0] == []        # 7 4 / 4 never seen
     assert d.propose(0, [1, 2, 1, 2, 1, 2], 4, p, None)[0] == [1, 2]  # most recent match, clipped at the end
     assert d.propose(0, [3, 9, 3, 8, 3], 2, p, None)[0] == [8, 3]     # 1-gram fallback, latest occurrence
+    assert NgramDrafter().propose(0, [3, 9, 3, 8, 3], 2, p, None)[0] == []  # default: 2-grams at least
 
 
 def _greedy(llm, prompts, max_tokens):
