@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine (no network): reassemble the bundled SmolLM2 GGUF carried in two
-# parts (.gg/part00, .gg/part01), install the carried wheels and swiftlm itself into /tmp/site,
+# parts (/tmp/part00 copied there by an earlier call, .gg/part01), install the carried wheels and swiftlm itself into /tmp/site,
 # then run the GPU benchmarks, writing JSON and logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-cat .gg/part00 .gg/part01 > /tmp/smollm2.gguf || exit 1
+cat /tmp/part00 .gg/part01 > /tmp/smollm2.gguf || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 cp scripts/bench_speculative.py scripts/bench_batching.py /tmp/ && cd /tmp  # import the installed copy
 python3 -c "import torch, swiftlm; print(torch.__version__, torch.cuda.get_device_name(0))"
-python3 /tmp/bench_speculative.py --model /tmp/smollm2.gguf --tokens 256 \
+timeout 280 python3 /tmp/bench_speculative.py --model /tmp/smollm2.gguf --tokens 256 \
     --json "$OUT/bench_speculative_gpu.json" 2>&1 | tee "$OUT/bench_speculative_gpu.log"
-python3 /tmp/bench_batching.py --model /tmp/smollm2.gguf --streams 1,4,8,16,64 --tokens 64 \
+timeout 280 python3 /tmp/bench_batching.py --model /tmp/smollm2.gguf --streams 1,4,8,16,64 --tokens 64 \
     --json "$OUT/bench_batching_gpu.json" 2>&1 | tee "$OUT/bench_batching_gpu.log"

@@ -234,8 +234,12 @@ class Engine:
                 if self.prefix_cache.enabled:
                     n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
                     if n:
-                        self.model.restore_prefix(arg.seq.seq_id, payload, n)  # type: ignore[attr-defined]
-                        arg.seq.num_computed = arg.cached_tokens = n
+                        try:
+                            self.model.restore_prefix(arg.seq.seq_id, payload, n)  # type: ignore[attr-defined]
+                            arg.seq.num_computed = arg.cached_tokens = n
+                        except Exception:  # a cache failure costs a full prefill, never the request
+                            log.exception("prompt cache restore failed; prefilling in full")
+                            self.model.free([arg.seq.seq_id])
                 self.scheduler.add(arg.seq)
                 self.stats.requests_total += 1
                 self.stats.requests_active += 1

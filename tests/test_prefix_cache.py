@@ -99,3 +99,23 @@ def test_cached_and_uncached_outputs_are_identical(tiny_llama, backend):
         got = [cached.generate(c, p) for c in chats]
         assert [o.usage["cached_tokens"] > 0 for o in got] == [False, True, True]
         assert [o.token_ids for o in got] == [plain.generate(c, p).token_ids for c in chats]
+
+
+@needs_torch
+def test_torch_static_slot_pool_on_cpu(tiny_llama):
+    """The CUDA layout (fixed-capacity slots from a pool, made under inference mode) run on
+    CPU: the prompt cache copies into and out of reused slots, outputs stay identical."""
+    from swiftlm import LLM
+
+    sys_msg = {"role": "system", "content": "You are a terse assistant. " * 12}
+    chats = [[sys_msg, {"role": "user", "content": q}] for q in ("One?", "Two, please.", "Three!")]
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=256) as cached, \
+            LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain:
+        m = cached.engine.model
+        m.static = True  # slots as on CUDA (no graphs: those need a GPU)
+        m.info.context_length = 256
+        got = [cached.generate(c, p) for c in chats]
+        assert [o.usage["cached_tokens"] > 0 for o in got] == [False, True, True]
+        assert [o.token_ids for o in got] == [plain.generate(c, p).token_ids for c in chats]
+        assert len(m.free_slots) == 1  # the one slot went back to the pool and was reused

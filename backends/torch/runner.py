@@ -95,6 +95,7 @@ class TorchModel:
         return result
 
     # ---------------------------------------------------------------- prompt cache hooks
+    @torch.inference_mode()  # cache slots are inference tensors: copies in and out must be too
     def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
         """The KV rows this sequence computed, as an immutable copy: (payload, bytes, positions)."""
         c = self.caches.get(seq_id)
@@ -110,6 +111,7 @@ class TorchModel:
         nbytes = sum(t.numel() * t.element_size() for t in k + v)
         return (k, v), nbytes, n
 
+    @torch.inference_mode()
     def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
         """Start ``seq_id`` with a copy of the first ``n`` cached rows (never shared)."""
         k, v = payload
