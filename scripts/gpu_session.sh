@@ -10,8 +10,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-cp scripts/bench_speculative.py scripts/bench_batching.py /tmp/ && cd /tmp  # import the installed copy
+cp scripts/bench_speculative.py scripts/bench_batching.py scripts/profile_torch_gpu.py /tmp/ && cd /tmp  # import the installed copy
 python3 -c "import torch, swiftlm; print(torch.__version__, torch.cuda.get_device_name(0))"
+timeout 120 python3 /tmp/profile_torch_gpu.py --model /tmp/smollm2.gguf > "$OUT/profile.log" 2>&1; head -8 "$OUT/profile.log"
 timeout 280 python3 /tmp/bench_speculative.py --model /tmp/smollm2.gguf --tokens 256 \
     --json "$OUT/bench_speculative_gpu.json" 2>&1 | tee "$OUT/bench_speculative_gpu.log"
 timeout 280 python3 /tmp/bench_batching.py --model /tmp/smollm2.gguf --streams 1,4,8,16,64 --tokens 64 \

@@ -169,7 +169,7 @@ class Speculator:
         drafts, qs = self.drafter.propose(w.seq_id, seq.all_tokens, k, params, state)
         if not drafts:
             return None
-        rows = self.model.score(w.seq_id, w.tokens + drafts, w.start_pos)
+        rows = self.model.score(w.seq_id, w.tokens + drafts, w.start_pos, pad_to=self.k + 1)
         ops = self.model.ops
         out: list[int] = []
         history = state.output_tokens  # the engine appends the kept tokens itself: restore after

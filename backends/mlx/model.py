@@ -66,7 +66,7 @@ class MLXModel:
             tokens = tokens[-1:]
         return self._feed(seq_id, tokens, start_pos)[0, -1]
 
-    def score(self, seq_id: int, tokens: list[int], start_pos: int) -> mx.array:
+    def score(self, seq_id: int, tokens: list[int], start_pos: int, pad_to: int | None = None) -> mx.array:
         """Every fed position's logits [len(tokens), vocab] (speculative verification)."""
         out = self._feed(seq_id, tokens, start_pos)[0]
         mx.eval(out)

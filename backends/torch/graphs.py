@@ -81,6 +81,101 @@ def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, p
     return F.linear(h, w)[0]
 
 
+def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int,
+                  arange: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] for ``T`` tokens at positions ``pos .. pos+T-1`` (speculative verification):
+    causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
+    a = model.a
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    T = tokens.shape[0]
+    positions = pos + arange[:T]
+    x = model.embed(tokens)
+    cos, sin = model.cos[positions], model.sin[positions]  # [T, D]
+    valid = (arange[:L].view(1, L) <= positions.view(T, 1)).view(1, 1, T, L)
+    for i, blk in enumerate(model.layers):
+        attn = blk.self_attn
+        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+        if a.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
+        k = apply_rope(k.transpose(0, 1), cos, sin)
+        kv.k[i].index_copy_(1, positions, k)
+        kv.v[i].index_copy_(1, positions, v.transpose(0, 1))
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), kv.k[i][:, :L].unsqueeze(0),
+                                             kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
+        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    x = model.norm(x)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(x, w)
+
+
+def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
+                        pos: torch.Tensor, L: int, arange: torch.Tensor) -> torch.Tensor:
+    """One decode token for each of B sequences whose caches are rows ``slots`` of the shared
+    slot tensors: every matmul and the attention run batched, shapes are static (B, L), so a
+    step is one graph replay.  Logits [B, V]."""
+    a = model.a
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    B = tokens.shape[0]
+    x = model.embed(tokens)
+    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
+    valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
+    for i, blk in enumerate(model.layers):
+        attn = blk.self_attn
+        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
+        q, k, v = q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
+        if a.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
+        K[slots, :, pos] = k
+        V[slots, :, pos] = v
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
+                                             enable_gqa=H != KVH)  # [B, H, 1, D]
+        x = x + attn.o_proj(out.reshape(B, H * D))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    x = model.norm(x)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(x, w)
+
+
+class SlotPool:
+    """Fixed-capacity KV caches for up to ``n`` sequences in one tensor per layer
+    ([n + 1, KVH, capacity, D]; the last row is scratch for padded batch rows).  A sequence's
+    ``SeqCache`` holds views of its row, so every path (eager, graphed, batched) writes the same
+    memory."""
+
+    def __init__(self, a: Any, n: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.a, self.n, self.capacity = a, n, capacity
+        shape = (n + 1, a.kv_heads, capacity, a.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.free = list(range(n - 1, -1, -1))
+        self.scratch = n
+        self._views: dict[int, SeqCache] = {}
+
+    def take(self) -> SeqCache | None:
+        """A slot's cache (the same object each time the slot is reused, so graphs keyed by it stay valid)."""
+        if not self.free:
+            return None
+        i = self.free.pop()
+        c = self._views.get(i)
+        if c is None:
+            c = SeqCache.__new__(SeqCache)
+            c.a, c.dtype, c.device = self.a, self.k[0].dtype, self.k[0].device
+            c.capacity, c.slot = self.capacity, i
+            c.k = [t[i] for t in self.k]
+            c.v = [t[i] for t in self.v]
+            self._views[i] = c
+        c.length = 0
+        return c
+
+    def give_back(self, c: SeqCache) -> None:
+        self.free.append(c.slot)
+
+
 def graphable(model: Transformer) -> bool:
     return all(isinstance(b.mlp, MLP) for b in model.layers)
 
@@ -106,7 +201,7 @@ class GraphDecoder:
             fused = enabled(device.type) and not model.a.qk_norm and not model.a.gemma
         self.fn = decode_static_fused if fused else decode_static
         self.arange = torch.arange(model.a.ctx, device=device)
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[Any, tuple[Any, tuple, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
 
@@ -114,6 +209,67 @@ class GraphDecoder:
         t = torch.tensor([token], device=self.device)
         p = torch.tensor([pos], device=self.device)
         return self.fn(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
+
+    def _capture(self, key: Any, fn: Any, inputs: tuple) -> tuple:
+        """Run ``fn(*inputs)`` once on a side stream (warm-up; also this step's result), then
+        capture it into a graph that replays on the same input tensors."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = fn(*inputs)
+        self.graphs[key] = entry = (g, inputs, out)
+        self.captures += 1
+        return entry
+
+    def verify(self, kv: SeqCache, tokens: list[int], pos: int) -> torch.Tensor:
+        """Logits [len(tokens), V] at positions pos.. (graphed per slot, bucket and length)."""
+        T = len(tokens)
+        L = bucket_for(pos + T - 1, kv.capacity)
+        if not self.use_graph:
+            return verify_static(self.model, kv, torch.tensor(tokens, device=self.device),
+                                 torch.tensor([pos], device=self.device), L, self.arange)
+        key = ("verify", id(kv), L, T)
+        entry = self.graphs.get(key)
+        if entry is None:
+            tok = torch.tensor(tokens, device=self.device)
+            p = torch.tensor([pos], device=self.device)
+            entry = self._capture(key, lambda t, q: verify_static(self.model, kv, t, q, L, self.arange), (tok, p))
+        g, (tok, p), out = entry
+        tok.copy_(torch.tensor(tokens), non_blocking=True)
+        p.fill_(pos)
+        g.replay()
+        return out
+
+    def run_batch(self, pool: SlotPool, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Batched decode over pool slots; the batch is padded to a power of two (scratch slot)
+        so that a few graphs per length bucket serve any number of streams.  Logits [B, V]."""
+        B = len(slots)
+        Bp = 1
+        while Bp < B:
+            Bp *= 2
+        L = bucket_for(max(positions), pool.capacity)
+        pad = Bp - B
+        host = torch.tensor([tokens + [0] * pad, slots + [pool.scratch] * pad, positions + [0] * pad])
+        if not self.use_graph:
+            t, s_, p = host.to(self.device).unbind(0)
+            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange)[:B]
+        key = ("batch", Bp, L)
+        entry = self.graphs.get(key)
+        if entry is None:
+            t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
+            entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange),
+                                  (t, s_, p))
+        g, (t, s_, p), out = entry
+        dev = host.to(self.device, non_blocking=True)
+        t.copy_(dev[0])
+        s_.copy_(dev[1])
+        p.copy_(dev[2])
+        g.replay()
+        return out[:B]
 
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         if not self.use_graph:
@@ -124,17 +280,8 @@ class GraphDecoder:
         if entry is None:
             tok = torch.tensor([token], device=self.device)
             p = torch.tensor([pos], device=self.device)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up (also computes this very step)
-                self.fn(self.model, kv, tok, p, L, self.arange)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.fn(self.model, kv, tok, p, L, self.arange)
-            self.graphs[key] = entry = (g, tok, p, out)
-            self.captures += 1
-        g, tok, p, out = entry
+            entry = self._capture(key, lambda t, q: self.fn(self.model, kv, t, q, L, self.arange), (tok, p))
+        g, (tok, p), out = entry
         tok.fill_(token)
         p.fill_(pos)
         g.replay()

@@ -13,7 +13,7 @@ from swiftlm.sampling import sample_row
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from .loader import load_state
-from .graphs import GraphDecoder, graphable
+from .graphs import GraphDecoder, SlotPool, graphable
 from .model import SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
 
@@ -23,13 +23,19 @@ log = logging.getLogger(__name__)
 CUDA_DEFAULT_CTX = 8192
 
 
+def _plain_greedy(p: Any, state: Any) -> bool:
+    """Rows whose token is the argmax of the raw logits."""
+    return (p.greedy and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and state.constraint is None)
+
+
 class TorchModel:
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
 
     def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, slots: int = 1):
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
@@ -39,13 +45,18 @@ class TorchModel:
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
         self.graphs = GraphDecoder(module, device) if use_graphs else None
+        # CUDA: all sequences' caches are rows of one tensor per layer, so decode rows of many
+        # sequences run as one batched, graphed step (graphs.decode_batch_static)
+        self.pool = SlotPool(module.a, slots, info.context_length, dtype, device) if self.static else None
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
         if c is None:
             if self.static:
-                c = self.free_slots.pop() if self.free_slots else SeqCache(
-                    self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                c = self.pool.take() if self.pool is not None else None
+                if c is None:  # more sequences than slots (or no pool): a standalone fixed cache
+                    c = self.free_slots.pop() if self.free_slots else SeqCache(
+                        self.module.a, self.dtype, self.device, capacity=self.info.context_length)
                 c.length = 0
             else:
                 c = SeqCache(self.module.a, self.dtype, self.device)
@@ -67,10 +78,18 @@ class TorchModel:
         return self.module(ids, cache, start)[-1]
 
     @torch.inference_mode()
-    def score(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
+    def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> torch.Tensor:
         """Feed ``tokens`` at ``start`` and return every position's logits [len(tokens), vocab]
-        (speculative verification)."""
+        (speculative verification).  On CUDA the block is padded to ``pad_to`` tokens and
+        replayed from a graph (the padding writes KV rows past the block, which the next step
+        overwrites: rollback is by position)."""
         cache = self._cache(seq_id, start)
+        T = len(tokens)
+        width = max(T, pad_to or T)
+        if self.graphs is not None and start + width <= cache.capacity:
+            out = self.graphs.verify(cache, tokens + [0] * (width - T), start)[:T]
+            cache.length = start + T
+            return out
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.module(ids, cache, start, last_only=False)
 
@@ -81,11 +100,27 @@ class TorchModel:
         result = StepResult()
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         rows: dict[int, torch.Tensor] = {}
+        done: set[int] = set()
         if len(decode) > 1:
             caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
-            logits = decode_batch(self.module, caches, [w.tokens[0] for w in decode], [w.start_pos for w in decode])
+            toks, positions = [w.tokens[0] for w in decode], [w.start_pos for w in decode]
+            if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches):
+                logits = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
+                for c, p in zip(caches, positions):
+                    c.length = p + 1
+            else:
+                logits = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: logits[j] for j, w in enumerate(decode)}
+            plain = [j for j, w in enumerate(decode) if _plain_greedy(w.params, w.state)]
+            if len(plain) > 1:  # one argmax and one device->host copy for all of them
+                best = torch.argmax(logits[plain].float(), dim=-1).tolist()
+                for j, t in zip(plain, best):
+                    result.sampled.append(SampledToken(decode[j].seq_id, int(t)))
+                    rows.pop(decode[j].seq_id)
+                    done.add(decode[j].seq_id)
         for w in batch.seqs:
+            if w.seq_id in done:
+                continue
             logits = rows.get(w.seq_id)
             if logits is None:
                 logits = self.logits(w.seq_id, w.tokens, w.start_pos)
@@ -127,7 +162,10 @@ class TorchModel:
         for s in seq_ids:
             c = self.caches.pop(s, None)
             if c is not None and self.static:
-                self.free_slots.append(c)
+                if getattr(c, "slot", None) is not None:
+                    self.pool.give_back(c)
+                else:
+                    self.free_slots.append(c)
 
     def memory(self) -> dict[str, int]:
         if self.device.type == "cuda":
@@ -160,4 +198,5 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
                      is_moe=bool(a.experts), weight_bytes=param_bytes(module),
                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8)
-    return TorchModel(module, tokenizer, info, device, dtype)
+    slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
+    return TorchModel(module, tokenizer, info, device, dtype, slots=slots)
