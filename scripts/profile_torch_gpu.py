@@ -20,6 +20,7 @@ def main() -> None:
 
     from swiftlm import LLM
 
+    torch.inference_mode().__enter__()
     llm = LLM(a.model, backend="torch", parallel=8, prompt_cache_bytes=0)
     m = llm.engine.model
     sync = torch.cuda.synchronize
@@ -38,7 +39,9 @@ def main() -> None:
     start = len(prompt)
     print(f"graph decode (1 token at {start}): {timed(lambda: m.logits(1, [5], start)):.3f} ms")
     for T in (1, 2, 5, 9):
-        print(f"eager score T={T} at {start}: {timed(lambda: m.score(1, [5] * T, start)):.3f} ms")
+        print(f"score T={T} at {start} (graphed): {timed(lambda: m.score(1, [5] * T, start)):.3f} ms")
+    ids = torch.tensor([5] * 5, device="cuda")
+    print(f"eager forward T=5 at {start}: {timed(lambda: m.module(ids, m._cache(1, start), start)):.3f} ms")
     caches = []
     for sid in range(10, 18):
         m.logits(sid, prompt, 0)
@@ -47,12 +50,13 @@ def main() -> None:
 
     for B in (1, 4, 8):
         ms = timed(lambda: decode_batch(m.module, caches[:B], [5] * B, [start] * B))
-        print(f"decode_batch B={B}: {ms:.3f} ms")
+        g = timed(lambda: m.graphs.run_batch(m.pool, [c.slot for c in caches[:B]], [5] * B, [start] * B))
+        print(f"decode_batch B={B}: eager {ms:.3f} ms, graphed {g:.3f} ms")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            m.score(1, [5] * 5, start)
+            m.module(ids, m._cache(1, start), start)
         sync()
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
