@@ -37,7 +37,7 @@ def run(llm, prompt: str, tokens: int):
 
     p = SamplingParams(max_tokens=tokens, temperature=0)
     msgs = [{"role": "user", "content": prompt}]
-    llm.generate(msgs, SamplingParams(max_tokens=4, temperature=0))  # warm-up (and prompt-cache fill)
+    llm.generate(msgs, p)  # warm-up: the same request (CUDA graphs captured, prompt cache filled)
     st = llm.engine.speculator.stats if llm.engine.speculator else None
     before = (st.steps, st.drafted, st.accepted, st.emitted) if st else None
     t0 = time.perf_counter()

@@ -40,31 +40,31 @@ def main() -> None:
     print(f"graph decode (1 token at {start}): {timed(lambda: m.logits(1, [5], start)):.3f} ms")
     for T in (1, 2, 5, 9):
         print(f"score T={T} at {start} (graphed): {timed(lambda: m.score(1, [5] * T, start)):.3f} ms")
-    ids = torch.tensor([5] * 5, device="cuda")
-    print(f"eager forward T=5 at {start}: {timed(lambda: m.module(ids, m._cache(1, start), start)):.3f} ms")
     caches = []
     for sid in range(10, 18):
         m.logits(sid, prompt, 0)
         caches.append(m._cache(sid, start))
-    from swiftlm.backends.torch.model import decode_batch
-
     for B in (1, 4, 8):
-        ms = timed(lambda: decode_batch(m.module, caches[:B], [5] * B, [start] * B))
         g = timed(lambda: m.graphs.run_batch(m.pool, [c.slot for c in caches[:B]], [5] * B, [start] * B))
-        print(f"decode_batch B={B}: eager {ms:.3f} ms, graphed {g:.3f} ms")
+        print(f"batched decode B={B} (graphed): {g:.3f} ms")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            m.module(ids, m._cache(1, start), start)
-        sync()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            decode_batch(m.module, caches[:4], [5] * 4, [start] * 4)
-        sync()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
     llm.close()
+    # a self-drafting request end to end, profiled across threads (the engine runs on its own)
+    from swiftlm import SamplingParams
+
+    spec = LLM(a.model, backend="torch", draft_model=a.model or "smollm2-135m-instruct", prompt_cache_bytes=0)
+    msgs = [{"role": "user", "content": "Write a short story about a robot who learns to bake bread."}]
+    sp = SamplingParams(max_tokens=64, temperature=0)
+    spec.generate(msgs, sp)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = spec.generate(msgs, sp)
+        sync()
+    print(f"self-draft: {len(out.token_ids)} tokens in {time.perf_counter() - t0:.3f} s, "
+          f"{spec.engine.speculator.stats}")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    spec.close()
 
 
 if __name__ == "__main__":

@@ -91,7 +91,11 @@ class ModelDrafter:
         while n < limit and fed[n] == tokens[n]:
             n += 1
         ops = self.model.ops
-        logits = self.model.logits(seq_id, tokens[n:], n)
+        if len(tokens) - n <= 2:  # the usual catch-up (last draft + the bonus token): single-token
+            for i in range(n, len(tokens)):  # steps, which replay CUDA graphs instead of an eager pass
+                logits = self.model.logits(seq_id, [tokens[i]], i)
+        else:
+            logits = self.model.logits(seq_id, tokens[n:], n)
         fed = list(tokens)
         drafts: list[int] = []
         qs: list[np.ndarray] = []
