@@ -290,6 +290,23 @@ class Transformer(nn.Module):
         return F.linear(x, w)
 
 
+def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
+    whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
+    project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms; one row is a GEMV either way)."""
+    if x.device.type == "cpu" and 3 <= x.shape[0] <= 64:
+        out = (w @ x.t()).t()
+        return out + b if b is not None else out
+    return F.linear(x, w, b)
+
+
+def _mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(mlp, MLP) or not hasattr(mlp, "gate_up"):
+        return mlp(x)
+    g, u = rows_linear(x, mlp.gate_up).chunk(2, dim=-1)
+    return rows_linear(mlp.act(g) * u, mlp.down_proj.weight)
+
+
 def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], positions: list[int]) -> torch.Tensor:
     """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
     MLP / experts, LM head) run on [B, hidden] rows, so the weights are read once per step
@@ -302,24 +319,33 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
     rep, scale = H // KVH, D ** -0.5
+    lmax = max(positions) + 1
+    pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
+        q, k, v = rows_linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
         q, k, v = q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
         if a.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
+        ks, vs = [], []
         for b in range(B):
             keys, values = caches[b].update(i, positions[b], k[b].unsqueeze(1), v[b].unsqueeze(1))
-            scores = torch.matmul(q[b].reshape(KVH, rep, D), keys.transpose(1, 2)) * scale
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            outs.append(torch.matmul(probs, values).reshape(1, H * D))
-        x = x + attn.o_proj(torch.cat(outs))
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
+            ks.append(keys.transpose(0, 1))  # [len_b, KVH, D]
+            vs.append(values.transpose(0, 1))
+        # padded batched attention: one matmul pair for all rows; padding is masked to -inf,
+        # so each row's softmax and weighted sum are those of its own length
+        K = torch.nn.utils.rnn.pad_sequence(ks, batch_first=True).permute(0, 2, 3, 1)  # [B, KVH, D, Lmax]
+        Vp = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True).transpose(1, 2)     # [B, KVH, Lmax, D]
+        scores = torch.matmul(q.view(B, KVH, rep, D), K) * scale                      # [B, KVH, rep, Lmax]
+        scores = scores.float().masked_fill(pad_mask.view(B, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(Vp.dtype)
+        out = torch.matmul(probs, Vp).reshape(B, H * D)
+        x = x + rows_linear(out, attn.o_proj.weight)
+        x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)
+    return rows_linear(x, w)
 
 
 def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
