@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BACKENDS, needs_torch
+from conftest import BACKENDS, HAS_MLX, needs_torch
 from swiftlm import SamplingParams
 
 TOPICS = ["cats", "the long history of ancient Rome and its emperors", "Python programming", "a long and winding road through the mountains",
@@ -72,3 +72,16 @@ def test_kv_budget_preempts_and_recomputes_exactly(tiny_llama, backend):
         llm.close()
     assert [o.token_ids for o in outs] == solo
     assert all(o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.skipif(not HAS_MLX, reason="mlx / mlx-lm not installed on this machine")
+def test_mlx_batched_decode_equals_solo(mlx_llm):
+    """MLX: decode rows of several sequences go through the model as one [B, 1] batch over
+    merged (left-padded) BatchKVCaches; SmolLM2 fp32 on CPU gives each request's solo tokens."""
+    chats = [[{"role": "user", "content": q}] for q in ("Hi.", "Name a color.", "What is two plus two?", "Yes?")]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    solo = [mlx_llm.generate(c, p).token_ids for c in chats]
+    steps = mlx_llm.engine.stats.steps
+    outs = mlx_llm.generate(chats, p)  # mlx_llm runs with --parallel 4
+    assert mlx_llm.engine.stats.steps - steps < 4 * 8  # decode rows shared steps
+    assert [o.token_ids for o in outs] == solo

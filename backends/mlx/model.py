@@ -1,8 +1,11 @@
 """The MLX ``Model``: mlx-lm model classes and KV caches behind the batched step protocol.
 
-Each sequence owns an mlx-lm prompt cache.  This first version runs the sequences of a
-step one after another inside ``step`` (the protocol is already batched, so the
-continuous-batching work changes this file and the scheduler, not the seam).
+Each sequence owns an mlx-lm prompt cache.  When several sequences decode in the same step,
+their caches are merged into mlx-lm ``BatchKVCache`` objects (left-padded, one per layer) and
+all decode rows go through the model as one [B, 1] batch; the merged "decode group" persists
+across steps and is rebuilt only when its membership changes (a sequence joins, finishes,
+rolls back or needs its own cache for a prefill chunk, speculation or the prompt cache).
+Prefill chunks and lone decode rows run per sequence.
 """
 
 from __future__ import annotations
@@ -35,8 +38,43 @@ class MLXModel:
         self.caches: dict[int, list[Any]] = {}
         self._ahead: dict[int, tuple[tuple[int, int], mx.array]] = {}
         self.ops = MLXOps()
+        self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
+        self.group_cache: list[Any] | None = None
+
+    # ---------------------------------------------------------------- decode group
+    def _ungroup(self) -> None:
+        """Give every member its own cache back (a copy of its rows of the batch caches)."""
+        if self.group_cache is None:
+            return
+        for j, sid in enumerate(self.group_ids):
+            self.caches[sid] = [bc.extract(j) for bc in self.group_cache]
+        self.group_ids, self.group_cache = [], None
+
+    def _batchable(self, sid: int) -> bool:
+        cache = self.caches.get(sid)
+        return bool(cache) and all(type(c).__name__ == "KVCache" and c.keys is not None for c in cache)
+
+    def _decode_batch(self, work: list[Any]) -> mx.array:
+        """Logits [B, V] for the decode rows ``work`` (in this order) through the decode group."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        ids = [w.seq_id for w in work]
+        if ids != self.group_ids:
+            self._ungroup()
+            for w in work:
+                self._ahead.pop(w.seq_id, None)
+                self._cache_for(w.seq_id, w.start_pos)  # trims a rolled-back cache
+            layers = len(self.caches[ids[0]])
+            self.group_cache = [BatchKVCache.merge([self.caches[sid][i] for sid in ids]) for i in range(layers)]
+            self.group_ids = ids
+            for sid in ids:
+                self.caches.pop(sid)
+        x = mx.array([[w.tokens[0]] for w in work], dtype=mx.int32)
+        return self.module(x, cache=self.group_cache)[:, -1, :]
 
     def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
+        if seq_id in self.group_ids:
+            self._ungroup()
         self._ahead.pop(seq_id, None)
         cache = self.caches.get(seq_id)
         if cache is None:
@@ -95,7 +133,19 @@ class MLXModel:
 
     def step(self, batch: StepBatch) -> StepResult:
         result = StepResult()
+        decode = [w for w in batch.seqs if w.sample and len(w.tokens) == 1]
+        if len(decode) > 1 and all(w.seq_id in self.group_ids or self._batchable(w.seq_id) for w in decode) \
+                and all(self._pos(w.seq_id) == w.start_pos for w in decode):
+            logits = self._decode_batch(decode)
+            for j, w in enumerate(decode):
+                token, lp, top = sample_row(self.ops, logits[j], w.params, w.state)
+                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
+            done = {w.seq_id for w in decode}
+        else:
+            done = set()
         for w in batch.seqs:
+            if w.seq_id in done:
+                continue
             if not w.sample:
                 self._ahead.pop(w.seq_id, None)
                 self._feed(w.seq_id, w.tokens, w.start_pos)
@@ -119,9 +169,23 @@ class MLXModel:
                 result.sampled.append(SampledToken(w.seq_id, token, lp, top))
         return result
 
+    def _pos(self, seq_id: int) -> int:
+        """Positions held for a sequence (in the group or its own cache, minus a pipelined step)."""
+        if seq_id in self.group_ids:
+            j = self.group_ids.index(seq_id)
+            bc = self.group_cache[0]
+            return bc._idx - int(bc.left_padding[j].item())
+        ahead = self._ahead.get(seq_id)
+        if ahead is not None:
+            return ahead[0][0]
+        cache = self.caches.get(seq_id)
+        return cache[0].offset if cache else 0
+
     # ---------------------------------------------------------------- prompt cache hooks
     def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
         """(per-layer (keys, values) up to the offset, bytes, positions); plain KV caches only."""
+        if seq_id in self.group_ids:
+            self._ungroup()
         cache = self.caches.get(seq_id)
         if not cache or any(type(c).__name__ != "KVCache" or c.keys is None for c in cache):
             return None
@@ -133,6 +197,8 @@ class MLXModel:
     def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
         """Start ``seq_id`` from the first ``n`` cached positions.  MLX arrays are immutable
         (a cache update makes a new array), so the entry is never modified through this one."""
+        if seq_id in self.group_ids:
+            self._ungroup()
         self._ahead.pop(seq_id, None)
         cache = self._make_cache()
         for c, (k, v) in zip(cache, payload):
@@ -141,6 +207,14 @@ class MLXModel:
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
+            if s in self.group_ids:  # drop its row; the others keep decoding as a group
+                keep = [j for j, g in enumerate(self.group_ids) if g != s]
+                if keep:
+                    for bc in self.group_cache:
+                        bc.filter(keep)
+                    self.group_ids = [self.group_ids[j] for j in keep]
+                else:
+                    self.group_ids, self.group_cache = [], None
             self.caches.pop(s, None)
             self._ahead.pop(s, None)
 
