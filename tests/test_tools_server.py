@@ -98,6 +98,10 @@ def test_sdk_tool_flow_non_streamed(client):
     r2 = client.chat.completions.create(model="x", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result were rendered
+    # the same final leg streamed: the deltas add up to the non-streamed answer (greedy)
+    _, content, _, finish = _stream_calls(client.chat.completions.create(
+        model="x", messages=history, tools=TOOLS, max_tokens=8, temperature=0, stream=True))
+    assert finish == r2.choices[0].finish_reason and content == (r2.choices[0].message.content or "")
 
 
 def test_streamed_tool_calls_equal_non_streamed(client):
