@@ -86,3 +86,37 @@ def test_bytes_per_vector_formula():
     assert v.bytes_per_vector() * 8 / 128 == pytest.approx(3.125)
     enc = TurboQuantMSE(128, 3).encode(_unit(10, 128, 0))
     assert enc.nbytes() == 10 * 50
+
+
+def _softmax_attend(q, K, V, scale):
+    s = K @ q * scale
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ V
+
+
+@pytest.mark.parametrize("d,window", [(64, 0), (128, 16), (96, 8)])
+def test_attention_over_codes_equals_dequantize_then_attend(d, window):
+    """Scoring the rotated query against centroids (and summing values in the rotated domain)
+    is the same arithmetic as decoding the history first: equal to float64 rounding."""
+    from swiftlm.turboquant.attention import CompressedHead
+
+    rng = np.random.default_rng(d)
+    head = CompressedHead(TurboQuantMSE(d, 4, seed=1), TurboQuantMSE(d, 3, seed=2), window=window)
+    K, V = rng.standard_normal((300, d)), rng.standard_normal((300, d))
+    for a in range(0, 300, 37):  # appended in uneven steps, as decode and prefill chunks do
+        head.append(K[a:a + 37], V[a:a + 37])
+    assert len(head) == 300 and len(head.recent_k) == window
+    q = rng.standard_normal(d)
+    Kd, Vd = head.dequantized()
+    assert np.allclose(head.attend(q), _softmax_attend(q, Kd, Vd, d ** -0.5), atol=1e-10)
+    # and it approximates exact attention (4-bit keys, 3-bit values; loose: a sanity bound)
+    exact = _softmax_attend(q, K, V, d ** -0.5)
+    assert np.linalg.norm(head.attend(q) - exact) < 0.35 * np.linalg.norm(exact) + 0.05
+
+
+def test_compressed_head_bytes_follow_the_layout():
+    from swiftlm.turboquant.attention import CompressedHead
+
+    head = CompressedHead(TurboQuantMSE(128, 4), TurboQuantMSE(128, 3), window=32)
+    head.append(np.ones((1000, 128)), np.ones((1000, 128)))
+    assert head.nbytes() == 968 * (66 + 50) + 32 * 2 * 128 * 2
