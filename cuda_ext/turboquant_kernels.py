@@ -1,0 +1,116 @@
+"""Decode attention over TurboQuant-packed keys and values (Triton), with a torch reference.
+
+One program per head: the query arrives already rotated (and scaled), keys and values are
+read as packed bit planes (``swiftlm.turboquant.packing``: a plane of width w holds 8/w codes
+per byte, little-end first; 3-bit codes are a 2-bit plane + a 1-bit plane), centroids are
+looked up from the codebooks, scores use the fp16 norms, and an online softmax accumulates
+``Σ p_i ‖v_i‖ c[v_i]`` in the rotated domain.  The kernel returns the running max, the
+softmax denominator and the unnormalised sum, so the caller can merge it with the 16-bit
+window (flash-decoding style) and rotate the result back once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_PLANES = {1: (1, 0), 2: (2, 0), 3: (2, 1), 4: (4, 0)}
+
+
+@triton.jit
+def _codes(p0, p1, row_bytes0, row_bytes1, n_idx, d_idx, W0: tl.constexpr, W1: tl.constexpr):
+    """[BLOCK_N, D] codes from one or two bit planes."""
+    per0: tl.constexpr = 8 // W0
+    b0 = tl.load(p0 + n_idx[:, None] * row_bytes0 + (d_idx // per0)[None, :])
+    c = (b0.to(tl.int32) >> ((d_idx % per0) * W0)[None, :]) & ((1 << W0) - 1)
+    if W1 > 0:
+        per1: tl.constexpr = 8 // W1
+        b1 = tl.load(p1 + n_idx[:, None] * row_bytes1 + (d_idx // per1)[None, :])
+        c = c | (((b1.to(tl.int32) >> ((d_idx % per1) * W1)[None, :]) & ((1 << W1) - 1)) << W0)
+    return c
+
+
+@triton.jit
+def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, m_out, l_out, acc_out, N,
+                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr):
+    h = tl.program_id(0)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)
+    l = tl.zeros((), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for start in range(0, N, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        ok = n < N
+        nn = tl.where(ok, n, 0)
+        kc = _codes(kp0 + h * head_k0, kp1 + h * head_k1, rk0, rk1, nn, d, KW0, KW1)
+        kvec = tl.load(kc_ptr + kc)                                   # centroids [BLOCK_N, D]
+        kn = tl.load(kn_ptr + h * N + nn).to(tl.float32)
+        s = tl.sum(kvec * q[None, :], axis=1) * kn
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        vc = _codes(vp0 + h * head_v0, vp1 + h * head_v1, rv0, rv1, nn, d, VW0, VW1)
+        vvec = tl.load(vc_ptr + vc)
+        vn = tl.load(vn_ptr + h * N + nn).to(tl.float32)
+        acc = acc * alpha + tl.sum((p * vn)[:, None] * vvec, axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(m_out + h, m)
+    tl.store(l_out + h, l)
+    tl.store(acc_out + h * D + d, acc)
+
+
+def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
+    w0, w1 = _PLANES[bits]
+    p0 = planes[0]
+    p1 = planes[1] if w1 else planes[0]
+    return p0, p1, p0.stride(0), p1.stride(0), p0.stride(1), p1.stride(1), w0, w1
+
+
+def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
+                        k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
+                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int = 32
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_rot [H, D] (rotated, scaled); planes [H, N, bytes]; norms [H, N]; centroids [2^bits].
+    Returns (m [H], l [H], acc [H, D]): softmax max, denominator and Σ p‖v‖c in the rotated domain."""
+    H, D = q_rot.shape
+    N = k_norms.shape[1]
+    kp0, kp1, hk0, hk1, rk0, rk1, kw0, kw1 = _planes(k_planes, k_bits)
+    vp0, vp1, hv0, hv1, rv0, rv1, vw0, vw1 = _planes(v_planes, v_bits)
+    m = torch.empty(H, dtype=torch.float32, device=q_rot.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(H, D, dtype=torch.float32, device=q_rot.device)
+    _tq_attn_kernel[(H,)](q_rot.float().contiguous(), kp0, kp1, k_norms.contiguous(), k_centroids.float(),
+                          vp0, vp1, v_norms.contiguous(), v_centroids.float(), m, l, acc, N,
+                          hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1,
+                          D=D, BLOCK_N=block_n, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1)
+    return m, l, acc
+
+
+def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits):
+    """Plain torch: unpack, look up, softmax; same (m, l, acc) contract."""
+    def unpack(planes, bits, D):
+        w0, w1 = _PLANES[bits]
+        out, shift = None, 0
+        for plane, w in ((planes[0], w0), (planes[1] if w1 else None, w1)):
+            if not w:
+                continue
+            per = 8 // w
+            parts = [(plane.to(torch.int64) >> (j * w)) & ((1 << w) - 1) for j in range(per)]
+            part = torch.stack(parts, dim=-1).reshape(*plane.shape[:-1], D)
+            out = part << shift if out is None else out | (part << shift)
+            shift += w
+        return out
+
+    D = q_rot.shape[1]
+    kc = k_centroids.float()[unpack(k_planes, k_bits, D)]               # [H, N, D]
+    s = torch.einsum("hnd,hd->hn", kc, q_rot.float()) * k_norms.float()
+    m = s.max(dim=1).values
+    p = torch.exp(s - m[:, None])
+    vc = v_centroids.float()[unpack(v_planes, v_bits, D)] * v_norms.float()[..., None]
+    return m, p.sum(dim=1), torch.einsum("hn,hnd->hd", p, vc)
