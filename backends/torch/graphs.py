@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .model import MLP, SeqCache, Transformer, apply_rope
+from .model import MLP, SeqCache, Transformer, apply_rope, project_qkv
 
 BUCKET_MIN = 256
 
@@ -94,10 +94,7 @@ def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: t
     valid = (arange[:L].view(1, L) <= positions.view(T, 1)).view(1, 1, T, L)
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
-        if a.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)
         kv.k[i].index_copy_(1, positions, k)
@@ -124,10 +121,7 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
     valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = F.linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
-        q, k, v = q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
-        if a.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
         K[slots, :, pos] = k

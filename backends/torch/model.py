@@ -290,6 +290,17 @@ class Transformer(nn.Module):
         return F.linear(x, w)
 
 
+def project_qkv(attn: "Attention", x: torch.Tensor, linear: Any = F.linear
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, H, D], k and v [n, KVH, D] for n rows (fused QKV matmul, then q/k norms if any)."""
+    a, n = attn.a, x.shape[0]
+    q, k, v = linear(x, *attn.qkv).split(attn.splits, dim=-1)
+    q, k, v = q.view(n, a.heads, a.head_dim), k.view(n, a.kv_heads, a.head_dim), v.view(n, a.kv_heads, a.head_dim)
+    if a.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
+
+
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
     whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
@@ -323,10 +334,7 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
     pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = rows_linear(blk.input_layernorm(x), *attn.qkv).split(attn.splits, dim=-1)
-        q, k, v = q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
-        if a.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = project_qkv(attn, blk.input_layernorm(x), rows_linear)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ks, vs = [], []
         for b in range(B):
