@@ -21,7 +21,7 @@ def main() -> None:
     from swiftlm import LLM
 
     torch.inference_mode().__enter__()
-    llm = LLM(a.model, backend="torch", parallel=8, prompt_cache_bytes=0)
+    llm = LLM(a.model, backend="torch", parallel=9, prompt_cache_bytes=0)  # sequence 1 + eight for batching
     m = llm.engine.model
     sync = torch.cuda.synchronize
 

@@ -27,6 +27,7 @@ from .errors import InvalidRequest, SwiftLMError
 from .prefix_cache import PrefixCache
 from .sampling import SamplerState, SamplingParams
 from .scheduler import Scheduler, Sequence
+from .speculative import eligible
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +295,6 @@ class Engine:
     def _speculate(self, batch: StepBatch) -> bool:
         """Draft and verify when a single sequence is decoding (with several, the batched
         plain step is used: per-sequence acceptance would split the batch).  True if done."""
-        from .speculative import eligible
-
         if len(batch.seqs) != 1:
             return False
         w = batch.seqs[0]

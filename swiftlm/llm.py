@@ -188,15 +188,8 @@ def _collect(out: CompletionOutput, ev: Event) -> None:
 
 
 def _split(out: CompletionOutput, plan: Any) -> None:
-    parser = plan.parser()
-    pieces = parser.feed(out.text) + parser.finish()
-    content = "".join(v for k, v in pieces if k == "content")
-    reasoning = "".join(v for k, v in pieces if k == "reasoning")
-    out.content = content if content or not parser.calls else None
-    out.reasoning_content = reasoning or None
-    out.tool_calls = list(parser.calls)
-    if parser.calls and out.finish_reason in ("stop", "length"):
-        out.finish_reason = "tool_calls"
+    out.content, out.reasoning_content, out.tool_calls, out.finish_reason = plan.parser().result(
+        out.text, out.finish_reason)
 
 
 class LLM(_Base):

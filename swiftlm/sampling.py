@@ -194,12 +194,18 @@ def truncate(ops: ArrayOps, x: Any, params: SamplingParams) -> Any:
     return x
 
 
-def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
-               ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs)."""
+def masked_logits(ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState) -> Any:
+    """Logits after bias and penalties, with tokens the grammar forbids at -inf."""
     x = apply_penalties(ops, ops.float32(logits), params, state)
     if state.constraint is not None:  # only tokens that keep the output valid under the grammar
         x = ops.where(ops.from_numpy(state.constraint.allowed()), x, NEG_INF)
+    return x
+
+
+def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
+               ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs)."""
+    x = masked_logits(ops, logits, params, state)
     if params.greedy:
         token = ops.argmax(x)
     else:

@@ -25,16 +25,13 @@ from typing import Any
 import numpy as np
 
 from .backend import SampledToken, SeqWork
-from .sampling import NEG_INF, SamplingParams, SamplerState, apply_penalties, sample_row, truncate
+from .sampling import SamplingParams, SamplerState, masked_logits, sample_row, truncate
 
 
 def probs(ops: Any, logits: Any, params: SamplingParams, state: SamplerState) -> np.ndarray:
     """The distribution ``sample_row`` draws from (penalties, grammar, temperature, top-k/p,
     min-p), as float64 numpy."""
-    x = apply_penalties(ops, ops.float32(logits), params, state)
-    if state.constraint is not None:
-        x = ops.where(ops.from_numpy(state.constraint.allowed()), x, NEG_INF)
-    x = truncate(ops, x / params.temperature, params)
+    x = truncate(ops, masked_logits(ops, logits, params, state) / params.temperature, params)
     lp = np.asarray(ops.tolist(ops.log_softmax(x)), dtype=np.float64)
     p = np.exp(lp)
     return p / p.sum()
@@ -207,7 +204,7 @@ class Speculator:
     @staticmethod
     def _sample(ops: Any, row: Any, params: SamplingParams, state: SamplerState, drafts: list[int],
                 qs: list[np.ndarray] | None, i: int) -> tuple[int, bool]:
-        """-> (token, whether it was the draft, kept)."""
+        """-> (token, whether it is the kept draft); a resampled or bonus token ends the step."""
         p = probs(ops, row, params, state)
         rng = _rng(state, "verify")
         if i == len(drafts):  # every draft kept: the bonus token comes from the target

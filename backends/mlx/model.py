@@ -39,6 +39,7 @@ class MLXModel:
         self._ahead: dict[int, tuple[tuple[int, int], mx.array]] = {}
         self.ops = MLXOps()
         self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
+        self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None
 
     # ---------------------------------------------------------------- decode group
@@ -48,7 +49,7 @@ class MLXModel:
             return
         for j, sid in enumerate(self.group_ids):
             self.caches[sid] = [bc.extract(j) for bc in self.group_cache]
-        self.group_ids, self.group_cache = [], None
+        self.group_ids, self.group_len, self.group_cache = [], [], None
 
     def _batchable(self, sid: int) -> bool:
         cache = self.caches.get(sid)
@@ -67,9 +68,9 @@ class MLXModel:
             layers = len(self.caches[ids[0]])
             self.group_cache = [BatchKVCache.merge([self.caches[sid][i] for sid in ids]) for i in range(layers)]
             self.group_ids = ids
-            for sid in ids:
-                self.caches.pop(sid)
+            self.group_len = [self.caches.pop(sid)[0].offset for sid in ids]
         x = mx.array([[w.tokens[0]] for w in work], dtype=mx.int32)
+        self.group_len = [n + 1 for n in self.group_len]
         return self.module(x, cache=self.group_cache)[:, -1, :]
 
     def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
@@ -172,9 +173,7 @@ class MLXModel:
     def _pos(self, seq_id: int) -> int:
         """Positions held for a sequence (in the group or its own cache, minus a pipelined step)."""
         if seq_id in self.group_ids:
-            j = self.group_ids.index(seq_id)
-            bc = self.group_cache[0]
-            return bc._idx - int(bc.left_padding[j].item())
+            return self.group_len[self.group_ids.index(seq_id)]
         ahead = self._ahead.get(seq_id)
         if ahead is not None:
             return ahead[0][0]
@@ -213,8 +212,9 @@ class MLXModel:
                     for bc in self.group_cache:
                         bc.filter(keep)
                     self.group_ids = [self.group_ids[j] for j in keep]
+                    self.group_len = [self.group_len[j] for j in keep]
                 else:
-                    self.group_ids, self.group_cache = [], None
+                    self.group_ids, self.group_len, self.group_cache = [], [], None
             self.caches.pop(s, None)
             self._ahead.pop(s, None)
 

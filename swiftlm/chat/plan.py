@@ -222,3 +222,15 @@ class ChatOutputParser:
     def finish(self) -> list[Piece]:
         pieces = self.reasoning.finish() if self.reasoning else []
         return self._route(pieces, final=True)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason in ("stop", "length") else reason
+
+    def result(self, text: str, reason: str | None) -> tuple[str | None, str | None, list[ToolCall], str | None]:
+        """A whole output at once -> (content, reasoning_content, tool_calls, finish_reason); content
+        is None when the answer is only tool calls (as in OpenAI's API)."""
+        pieces = self.feed(text) + self.finish()
+        content = "".join(v for k, v in pieces if k == "content")  # type: ignore[misc]
+        reasoning = "".join(v for k, v in pieces if k == "reasoning")  # type: ignore[misc]
+        return (content if content or not self.calls else None), (reasoning or None), list(self.calls), \
+            self.finish_reason(reason)

@@ -91,10 +91,6 @@ def _stream_error(error: str) -> str:
                           "code": None}})
 
 
-def _finish_reason(reason: str | None, parser: Any) -> str | None:
-    return "tool_calls" if parser.calls and reason in ("stop", "length") else reason
-
-
 def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
     """OpenAI chat deltas for one parsed piece of output."""
     if kind == "content":
@@ -108,15 +104,13 @@ def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
 
 
 def _chat_message(parser: Any, text: str, reason: str | None) -> tuple[dict, str | None]:
-    pieces = parser.feed(text) + parser.finish()
-    content = "".join(v for k, v in pieces if k == "content")
-    reasoning = "".join(v for k, v in pieces if k == "reasoning")
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
+    content, reasoning, calls, reason = parser.result(text, reason)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning:
         message["reasoning_content"] = reasoning
-    if parser.calls:
-        message["tool_calls"] = [c.to_openai() for c in parser.calls]
-    return message, _finish_reason(reason, parser)
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return message, reason
 
 
 class OpenAIRoutes:
@@ -356,7 +350,7 @@ class OpenAIRoutes:
             cached = max(cached, ev.cached_tokens)
             if ev.finished:
                 completion += ev.completion_tokens
-                yield chunk(i, {}, finish=_finish_reason(ev.finish_reason, parsers[i]))
+                yield chunk(i, {}, finish=parsers[i].finish_reason(ev.finish_reason))
         if usage_on:
             yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                                                         "total_tokens": n_prompt + completion,
