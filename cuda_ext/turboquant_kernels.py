@@ -33,10 +33,11 @@ def _codes(p0, p1, row_bytes0, row_bytes1, n_idx, d_idx, W0: tl.constexpr, W1: t
 
 @triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, m_out, l_out, acc_out, N,
-                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr):
-    h = tl.program_id(0)
+    h = tl.program_id(0)   # query head; its KV head is h // REP (grouped-query attention)
+    g = h // REP
     d = tl.arange(0, D)
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     m = tl.full((), float("-inf"), tl.float32)
@@ -46,17 +47,17 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, m
         n = start + tl.arange(0, BLOCK_N)
         ok = n < N
         nn = tl.where(ok, n, 0)
-        kc = _codes(kp0 + h * head_k0, kp1 + h * head_k1, rk0, rk1, nn, d, KW0, KW1)
+        kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, d, KW0, KW1)
         kvec = tl.load(kc_ptr + kc)                                   # centroids [BLOCK_N, D]
-        kn = tl.load(kn_ptr + h * N + nn).to(tl.float32)
+        kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
         s = tl.sum(kvec * q[None, :], axis=1) * kn
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
-        vc = _codes(vp0 + h * head_v0, vp1 + h * head_v1, rv0, rv1, nn, d, VW0, VW1)
+        vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, d, VW0, VW1)
         vvec = tl.load(vc_ptr + vc)
-        vn = tl.load(vn_ptr + h * N + nn).to(tl.float32)
+        vn = tl.load(vn_ptr + g * vn_head + nn).to(tl.float32)
         acc = acc * alpha + tl.sum((p * vn)[:, None] * vvec, axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
@@ -74,26 +75,36 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
 
 def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
                         k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
-                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int = 32
+                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int = 32, rep: int = 1
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q_rot [H, D] (rotated, scaled); planes [H, N, bytes]; norms [H, N]; centroids [2^bits].
+    """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
+    views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
+    centroids [2^bits].  Query head h reads KV head h // rep.
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and Σ p‖v‖c in the rotated domain."""
     H, D = q_rot.shape
-    N = k_norms.shape[1]
+    N = k_planes[0].shape[1]
+    assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
     kp0, kp1, hk0, hk1, rk0, rk1, kw0, kw1 = _planes(k_planes, k_bits)
     vp0, vp1, hv0, hv1, rv0, rv1, vw0, vw1 = _planes(v_planes, v_bits)
     m = torch.empty(H, dtype=torch.float32, device=q_rot.device)
     l = torch.empty_like(m)
     acc = torch.empty(H, D, dtype=torch.float32, device=q_rot.device)
-    _tq_attn_kernel[(H,)](q_rot.float().contiguous(), kp0, kp1, k_norms.contiguous(), k_centroids.float(),
-                          vp0, vp1, v_norms.contiguous(), v_centroids.float(), m, l, acc, N,
-                          hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1,
-                          D=D, BLOCK_N=block_n, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1)
+    _tq_attn_kernel[(H,)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
+                          vp0, vp1, v_norms, v_centroids.float(), m, l, acc, N,
+                          hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
+                          D=D, BLOCK_N=block_n, REP=rep, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1)
     return m, l, acc
 
 
-def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits):
+def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
+                            rep: int = 1):
     """Plain torch: unpack, look up, softmax; same (m, l, acc) contract."""
+    if rep > 1:
+        k_planes = [p.repeat_interleave(rep, 0) for p in k_planes]
+        v_planes = [p.repeat_interleave(rep, 0) for p in v_planes]
+        k_norms, v_norms = k_norms.repeat_interleave(rep, 0), v_norms.repeat_interleave(rep, 0)
+    N = k_planes[0].shape[1]
+    k_norms, v_norms = k_norms[:, :N], v_norms[:, :N]
     def unpack(planes, bits, D):
         w0, w1 = _PLANES[bits]
         out, shift = None, 0

@@ -49,6 +49,15 @@ class Settings(BaseSettings):
     kv_budget_bytes: int = _f(0, "KV-cache bytes that running sequences may use together (0: no limit beyond "
                                  "--parallel). Admission waits for room; when running sequences outgrow it, the "
                                  "newest is preempted and later recomputed.", group="engine")
+    turbo_kv: str | None = _f(None, "TurboQuant KV-cache compression for every request: --turbo-kv alone uses the "
+                                    "default preset k4v3; presets k4v3, k3qjl-v3, k3v2 or kXvY / kXqjl-vY (X, Y in "
+                                    "1..4). A request's 'turbo_kv' or 'kv_bits' field overrides it.",
+                              group="engine", nargs="?", const="default")
+    turbo_kv_window: int = _f(128, "Most recent positions kept in 16-bit by a TurboQuant cache.", group="engine")
+    turbo_kv_threshold: int = _f(0, "Positions a sequence holds before its TurboQuant cache starts compressing.",
+                                 group="engine")
+    turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.",
+                                   group="engine")
     max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.",
                         group="engine")
 
@@ -84,8 +93,6 @@ class Settings(BaseSettings):
     gpu_layers: int | None = _f(None, "Layers to place on the GPU.", group="planned", not_built="partial offload")
     stream_experts: bool = _f(False, "Stream MoE expert weights from disk (SSD expert streaming).", group="planned",
                               not_built="SSD expert streaming")
-    turbo_kv: str | None = _f(None, "TurboQuant KV-cache compression [PRESET].", group="planned",
-                              not_built="TurboQuant KV cache", nargs="?", const="default")
     vision: bool = _f(False, "Accept image inputs (vision-language models).", group="planned",
                       not_built="vision input")
     audio: bool = _f(False, "Accept audio inputs (audio-language models).", group="planned",
@@ -109,6 +116,23 @@ class Settings(BaseSettings):
     def _positive_drafts(cls, v: int) -> int:
         if not 1 <= v <= 64:
             raise ValueError("must be between 1 and 64")
+        return v
+
+    @field_validator("turbo_kv")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        from .turboquant.presets import parse_turbo
+
+        parse_turbo(v)  # ValueError names the presets
+        return None if v.strip().lower() in ("off", "none", "fp16") else v
+
+    @field_validator("turbo_kv_window", "turbo_kv_threshold", "turbo_kv_keep_layers")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0")
         return v
 
     @field_validator("tool_parser")

@@ -232,7 +232,7 @@ class Engine:
             block = False
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
-                if self.prefix_cache.enabled:
+                if self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params):
                     n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
                     if n:
                         try:
@@ -354,6 +354,13 @@ class Engine:
             live.sink(ev)
         else:
             self._finish(live, reason, last=ev)
+
+    def _compressed_kv(self, params: Any) -> bool:
+        """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,
+        whose entries hold 16-bit rows."""
+        from .turboquant.presets import KVFormat, request_format
+
+        return request_format(params, getattr(self.model, "kv_default", KVFormat())).compressed
 
     def _finish(self, live: _Live, reason: str, last: Event | None = None, error: str | None = None) -> None:
         seq = live.seq

@@ -50,6 +50,9 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     grammar: str | None = None  # llguidance grammar (from response_format): constrained decoding
+    turbo_kv: str | None = None  # KV-cache format for this request: a TurboQuant preset or "off"
+    kv_bits: int | None = None   # or affine-quantized KV (4 or 8 bits, kv_group_size coordinates per group)
+    kv_group_size: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +61,24 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.top_logprobs:
             self.logprobs = True
+
+    def _validate_kv(self, bad: Any) -> None:
+        from .turboquant.presets import GROUP_SIZES, parse_turbo
+
+        if self.kv_bits is not None:
+            if isinstance(self.kv_bits, bool) or self.kv_bits not in (4, 8):
+                raise bad("kv_bits", f"must be 4 or 8, got {self.kv_bits!r}")
+            if self.turbo_kv not in (None, "off", "none"):
+                raise bad("kv_bits", "cannot be combined with turbo_kv: choose one KV-cache format")
+        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in GROUP_SIZES:
+            raise bad("kv_group_size", f"must be one of {list(GROUP_SIZES)}, got {self.kv_group_size!r}")
+        if self.turbo_kv is not None:
+            if not isinstance(self.turbo_kv, str):
+                raise bad("turbo_kv", "must be a string: a preset name such as 'k4v3', or 'off'")
+            try:
+                parse_turbo(self.turbo_kv)
+            except ValueError as e:
+                raise bad("turbo_kv", str(e)) from None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(name: str, msg: str) -> InvalidRequest:
@@ -92,6 +113,7 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 16:
             raise bad("n", "must be an integer in [1, 16]")
+        self._validate_kv(bad)
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):

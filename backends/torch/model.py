@@ -130,6 +130,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)
+        if not isinstance(kv, SeqCache):  # a compressed cache attends over its own layout
+            return self.o_proj(kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
         keys, values = kv.update(layer, start, k, v.transpose(0, 1))  # [KVH, start+T, D]
         rep = a.heads // a.kv_heads
         if T == 1:
@@ -318,6 +320,18 @@ def _mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rows_linear(mlp.act(g) * u, mlp.down_proj.weight)
 
 
+def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+    """One sequence's decode-row attention (q [H, D], k/v [KVH, D]) -> [1, H*D]."""
+    a = attn.a
+    if not isinstance(cache, SeqCache):
+        return cache.update_attend(layer, pos, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+    keys, values = cache.update(layer, pos, k.unsqueeze(1), v.unsqueeze(1))
+    qg = q.reshape(a.kv_heads, a.heads // a.kv_heads, a.head_dim)
+    probs = torch.softmax((qg @ keys.transpose(1, 2) * a.head_dim ** -0.5).float(), dim=-1).to(values.dtype)
+    return (probs @ values).reshape(1, a.heads * a.head_dim)
+
+
 def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], positions: list[int]) -> torch.Tensor:
     """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
     MLP / experts, LM head) run on [B, hidden] rows, so the weights are read once per step
@@ -332,10 +346,16 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
     rep, scale = H // KVH, D ** -0.5
     lmax = max(positions) + 1
     pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
+    plain = all(isinstance(c, SeqCache) for c in caches)
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x), rows_linear)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not plain:  # compressed caches (possibly mixed with plain ones): attention per row
+            out = torch.cat([_row_attention(attn, caches[b], i, positions[b], q[b], k[b], v[b]) for b in range(B)])
+            x = x + rows_linear(out, attn.o_proj.weight)
+            x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
+            continue
         ks, vs = [], []
         for b in range(B):
             keys, values = caches[b].update(i, positions[b], k[b].unsqueeze(1), v[b].unsqueeze(1))

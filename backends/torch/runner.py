@@ -12,6 +12,9 @@ from swiftlm.registry import ModelSpec
 from swiftlm.sampling import sample_row
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
+from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
+
+from .compressed_cache import CompressedCache
 from .loader import load_state
 from .graphs import GraphDecoder, SlotPool, graphable
 from .model import SeqCache, build, decode_batch, param_bytes
@@ -35,8 +38,10 @@ class TorchModel:
     On CPU, caches grow on demand and every step runs eagerly."""
 
     def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 use_graphs: bool | None = None, slots: int = 1):
+                 use_graphs: bool | None = None, slots: int = 1, kv_default: KVFormat | None = None):
         self.module, self.tokenizer, self.info = module, tokenizer, info
+        self.kv_default = kv_default or KVFormat()
+        self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
@@ -51,6 +56,9 @@ class TorchModel:
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
+        fmt = self.kv_formats.get(seq_id, self.kv_default)
+        if c is None and fmt.compressed:
+            c = self.caches[seq_id] = self._compressed(fmt)
         if c is None:
             if self.static:
                 c = self.pool.take() if self.pool is not None else None
@@ -65,6 +73,15 @@ class TorchModel:
             c.length = start
         elif c.length < start:
             raise RuntimeError(f"sequence {seq_id}: KV cache holds {c.length} positions, step starts at {start}")
+        return c
+
+    def _compressed(self, fmt: KVFormat) -> CompressedCache:
+        from swiftlm import cuda_ext
+
+        # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
+        dense = self.dtype if self.dtype != torch.float32 else torch.float16
+        c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense)
+        c.use_triton = self.device.type == "cuda" and cuda_ext.enabled("cuda")
         return c
 
     @torch.inference_mode()
@@ -98,6 +115,9 @@ class TorchModel:
         """Decode rows of several sequences go through one batched pass (``decode_batch``);
         a lone decode row uses the CUDA graph (on GPU) and prefill chunks run per sequence."""
         result = StepResult()
+        for w in batch.seqs:
+            if w.seq_id not in self.caches:
+                self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         rows: dict[int, torch.Tensor] = {}
         done: set[int] = set()
@@ -134,8 +154,8 @@ class TorchModel:
     def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
         """The KV rows this sequence computed, as an immutable copy: (payload, bytes, positions)."""
         c = self.caches.get(seq_id)
-        if c is None or c.length == 0:
-            return None
+        if c is None or c.length == 0 or not isinstance(c, SeqCache):
+            return None  # compressed caches are not kept by the prompt cache
         n = c.length
         if self.static:  # the slot goes back to the pool: keep a compact copy
             k = [t[:, :n].clone() for t in c.k]
@@ -161,11 +181,24 @@ class TorchModel:
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             c = self.caches.pop(s, None)
-            if c is not None and self.static:
+            self.kv_formats.pop(s, None)
+            if c is not None and self.static and isinstance(c, SeqCache):
                 if getattr(c, "slot", None) is not None:
                     self.pool.give_back(c)
                 else:
                     self.free_slots.append(c)
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV storage the running sequences hold now, and what a 16-bit cache would need for them."""
+        held = fp16 = 0
+        per_tok16 = 2 * self.module.a.layers * self.module.a.kv_heads * self.module.a.head_dim * 2
+        for c in list(self.caches.values()):
+            if isinstance(c, CompressedCache):
+                held += c.nbytes()
+            else:
+                held += c.length * self.info.kv_bytes_per_token
+            fp16 += c.length * per_tok16
+        return {"bytes": held, "fp16_bytes": fp16}
 
     def memory(self) -> dict[str, int]:
         if self.device.type == "cuda":
@@ -199,4 +232,4 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                      is_moe=bool(a.experts), weight_bytes=param_bytes(module),
                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8)
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
-    return TorchModel(module, tokenizer, info, device, dtype, slots=slots)
+    return TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))

@@ -1,0 +1,273 @@
+"""Compressed per-sequence KV caches for the torch backend: TurboQuant and affine ``kv_bits``.
+
+Layout per compressed layer (positions are absolute; nothing is renumbered):
+
+- positions ``[0, n_code)``: codes.  TurboQuant: packed key/value bit planes, fp16 norms (plus QJL
+  sign bits and fp16 residual norms for QJL keys), allocated in steps of CODE_CAPACITY_STEP rows.
+  Affine: packed 4/8-bit codes with fp16 scale and bias per group.
+- positions ``[n_code, n_code + n_dense)``: 16-bit rows (the recent window and rows not yet
+  compressed), in a buffer of ``dense_capacity`` rows.
+
+A step writes its new rows to the dense part, attends (queries see the compressed rows through
+their codes, one block at a time, and the dense rows exactly), and then, once the sequence holds
+more than ``threshold`` positions and the dense part reaches ``window + COMPRESS_BLOCK`` rows,
+compresses all but the last ``window`` dense rows.  Rolling back to an earlier position (speculative
+decoding, recompute after preemption) just lowers the counters.  TurboQuant attention rotates the
+query once, scores it against centroids times norms, sums values in the rotated domain and rotates
+that sum back once; on CUDA a single decode row goes through the Triton kernel over packed codes.
+Layers listed by ``keep_layers`` stay entirely 16-bit.  Affine caches have no window (like MLX's
+QuantizedKVCache, every row is quantized as it arrives).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, dense_capacity
+
+from .kv_quant import AffineCodec, Encoded, TurboCodec, online_attention
+
+log = logging.getLogger(__name__)
+
+ATTN_BLOCK = 1024  # compressed rows decoded at a time by the plain-torch attention
+
+
+class _Layer:
+    __slots__ = ("compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb")
+
+    def __init__(self, compressed: bool):
+        self.compressed = compressed
+        self.n_code = self.n_dense = 0
+        self.dk = self.dv = None
+        self.kp = self.vp = None      # lists of uint8 planes [KVH, cap, bytes]
+        self.kn = self.vn = None      # fp16 norms / affine scales [KVH, cap(, groups)]
+        self.ks = self.kr = None      # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
+        self.vb = None                # affine value bias
+
+
+class CompressedCache:
+    """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
+
+    def __init__(self, a: Any, fmt: KVFormat, dtype: torch.dtype, device: torch.device,
+                 dense_dtype: torch.dtype | None = None):
+        self.a, self.fmt, self.dtype, self.device = a, fmt, dtype, device
+        self.dense_dtype = dense_dtype or dtype
+        d = a.head_dim
+        if fmt.kind == "turbo":
+            self.kc = TurboCodec(d, fmt.key_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
+            self.vc = TurboCodec(d, fmt.value_bits, fmt.seed * 2 + 2, device)
+            self.layers = [_Layer(fmt.layer_compressed(i, a.layers)) for i in range(a.layers)]
+        elif fmt.kind == "affine":
+            self.kc = self.vc = AffineCodec(d, fmt.key_bits, fmt.group_size)
+            self.layers = [_Layer(True) for _ in range(a.layers)]
+        else:
+            raise ValueError(f"not a compressed KV format: {fmt.name}")
+        self.window = fmt.window if fmt.kind == "turbo" else 0
+        self.length = 0
+        self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
+        self.use_triton = False
+
+    # ------------------------------------------------------------------ storage
+    def _dense_cap(self, L: _Layer, need: int) -> int:
+        if not L.compressed:
+            return dense_capacity(self.fmt, need)
+        if self.fmt.kind == "affine":
+            return -(-need // COMPRESS_BLOCK) * COMPRESS_BLOCK
+        return dense_capacity(self.fmt, need)
+
+    def _ensure_dense(self, L: _Layer, need: int) -> None:
+        have = 0 if L.dk is None else L.dk.shape[1]
+        if need <= have:
+            return
+        cap = self._dense_cap(L, need)
+        shape = (self.a.kv_heads, cap, self.a.head_dim)
+        dk = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
+        dv = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
+        if L.n_dense:
+            dk[:, :L.n_dense] = L.dk[:, :L.n_dense]
+            dv[:, :L.n_dense] = L.dv[:, :L.n_dense]
+        L.dk, L.dv = dk, dv
+
+    def _store(self, L: _Layer, k: Encoded, v: Encoded, at: int, n: int) -> None:
+        """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
+        have = 0 if L.kn is None else L.kn.shape[1]
+        if at + n > have:
+            cap = code_capacity(at + n)
+
+            def grow(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+                t = torch.zeros((new.shape[0], cap, *new.shape[2:]), dtype=new.dtype, device=self.device)
+                if old is not None and at:
+                    t[:, :at] = old[:, :at]
+                return t
+
+            L.kp = [grow(o, p) for o, p in zip(L.kp or [None] * len(k.planes), k.planes)]
+            L.vp = [grow(o, p) for o, p in zip(L.vp or [None] * len(v.planes), v.planes)]
+            L.kn, L.vn = grow(L.kn, k.norms), grow(L.vn, v.norms)
+            if k.signs is not None:
+                L.ks = grow(L.ks, k.signs)
+            if k.rnorms is not None:
+                L.kr = grow(L.kr, k.rnorms)
+            if v.signs is not None:
+                L.vb = grow(L.vb, v.signs)
+        for dst, src in zip(L.kp, k.planes):
+            dst[:, at:at + n] = src
+        for dst, src in zip(L.vp, v.planes):
+            dst[:, at:at + n] = src
+        L.kn[:, at:at + n] = k.norms
+        L.vn[:, at:at + n] = v.norms
+        if k.signs is not None:
+            L.ks[:, at:at + n] = k.signs
+        if k.rnorms is not None:
+            L.kr[:, at:at + n] = k.rnorms
+        if v.signs is not None:
+            L.vb[:, at:at + n] = v.signs
+
+    def _compress(self, L: _Layer) -> None:
+        if not L.compressed or L.n_code + L.n_dense <= self.fmt.threshold:
+            return
+        if L.n_dense < self.window + (COMPRESS_BLOCK if self.window or self.fmt.kind == "turbo" else 1):
+            return
+        c = L.n_dense - self.window
+        k = self.kc.encode(L.dk[:, :c])
+        v = self.vc.encode(L.dv[:, :c])
+        self._store(L, k, v, L.n_code, c)
+        rest_k, rest_v = L.dk[:, c:L.n_dense], L.dv[:, c:L.n_dense]
+        L.n_code += c
+        L.n_dense -= c
+        cap = self._dense_cap(L, L.n_dense)
+        if cap < L.dk.shape[1]:  # a large prefill chunk had grown it: give the memory back
+            L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
+            L.dv = torch.zeros_like(L.dk)
+        L.dk[:, :L.n_dense] = rest_k.clone()
+        L.dv[:, :L.n_dense] = rest_v.clone()
+
+    # ------------------------------------------------------------------ attention
+    def _code_blocks(self, L: _Layer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
+        """Score/value blocks over the compressed rows (qg: [KVH, M, D] fp32 queries)."""
+        n = L.n_code
+        if not n:
+            return
+        if self.fmt.kind == "affine":
+            for s in range(0, n, ATTN_BLOCK):
+                e = min(n, s + ATTN_BLOCK)
+                keys = self.kc.decode_planes([p[:, s:e] for p in L.kp], L.kn[:, s:e], L.ks[:, s:e])
+                vals = self.vc.decode_planes([p[:, s:e] for p in L.vp], L.vn[:, s:e], L.vb[:, s:e])
+                yield (qg @ keys.transpose(1, 2)) * scale, vals, None, 0
+            return
+        q_rot = qg @ self.kc.R.T                       # rotate the query once per step
+        sq = qg @ self.kc.S.T if self.kc.qjl else None
+        for s in range(0, n, ATTN_BLOCK):
+            e = min(n, s + ATTN_BLOCK)
+            ku = self.kc.unit([p[:, s:e] for p in L.kp])              # [KVH, b, D] centroids
+            sc = q_rot @ ku.transpose(1, 2)
+            if sq is not None:
+                signs = self._signs(L.ks[:, s:e])
+                sc = sc + (sq @ signs.transpose(1, 2)) * (L.kr[:, s:e].float() * self.kc.qjl_scale).unsqueeze(1)
+            sc = sc * (L.kn[:, s:e].float() * scale).unsqueeze(1)
+            vu = self.vc.unit([p[:, s:e] for p in L.vp]) * L.vn[:, s:e].float().unsqueeze(-1)
+            yield sc, vu, None, 1
+
+    def _signs(self, packed: torch.Tensor) -> torch.Tensor:
+        from .kv_quant import unpack
+
+        return unpack([packed], 1, self.a.head_dim).float() * 2 - 1
+
+    def _attend(self, L: _Layer, q: torch.Tensor, start: int) -> torch.Tensor:
+        """q [H, T, D] -> out [T, H*D] over this layer's codes + dense rows."""
+        a = self.a
+        H, T, D = q.shape
+        KVH, rep = a.kv_heads, H // a.kv_heads
+        scale = D ** -0.5
+        qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
+        if T == 1 and self.use_triton and L.n_code and self.fmt.kind == "turbo" and not self.kc.qjl:
+            return self._attend_triton(L, q, scale)
+
+        def blocks() -> Iterator[tuple]:
+            yield from self._code_blocks(L, qg, scale)
+            nd = L.n_dense
+            keys, vals = L.dk[:, :nd].float(), L.dv[:, :nd].float()
+            mask = None
+            if T > 1:  # causal inside the step's own rows: dense row j is position n_code + j
+                pos_q = torch.arange(start, start + T, device=q.device).repeat(rep)
+                pos_k = torch.arange(L.n_code, L.n_code + nd, device=q.device)
+                mask = (pos_k[None, :] <= pos_q[:, None]).unsqueeze(0)
+            yield (qg @ keys.transpose(1, 2)) * scale, vals, mask, 0
+
+        acc, l = online_attention(blocks())
+        out = acc.get(0, 0)
+        if 1 in acc:
+            out = out + acc[1] @ self.vc.R  # the rotated-domain sum, rotated back once
+        out = out / l
+        return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
+
+    def _attend_triton(self, L: _Layer, q: torch.Tensor, scale: float) -> torch.Tensor:
+        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention
+
+        a = self.a
+        H, _, D = q.shape
+        q_rot = (q[:, 0].float() @ self.kc.R.T) * scale
+        n = L.n_code
+        m, l, acc = tq_decode_attention(q_rot, [p[:, :n] for p in L.kp], L.kn[:, :n], self.kc.centroids,
+                                        self.kc.mse_bits, [p[:, :n] for p in L.vp], L.vn[:, :n],
+                                        self.vc.centroids, self.vc.bits, rep=H // a.kv_heads)
+        # merge with the dense rows (exact) in the original domain
+        rep = H // a.kv_heads
+        nd = L.n_dense
+        s = (q[:, 0].float().view(a.kv_heads, rep, D) @ L.dk[:, :nd].float().transpose(1, 2)).view(H, nd) * scale
+        m2 = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m2[:, None])
+        alpha = torch.exp(m - m2)
+        dense = (p.view(a.kv_heads, rep, nd) @ L.dv[:, :nd].float()).view(H, D)
+        out = (acc * alpha[:, None]) @ self.vc.R + dense
+        out = out / (l * alpha + p.sum(-1))[:, None]
+        return out.reshape(1, H * D).to(q.dtype)
+
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> torch.Tensor:
+        """Write k, v [KVH, T, D] at positions [start, start+T), attend q [H, T, D] to everything up
+        to each query's position, compress what left the window.  Returns [T, H*D]."""
+        L = self.layers[layer]
+        T = k.shape[1]
+        held = L.n_code + L.n_dense
+        if start < held:  # rollback / recompute
+            if start >= L.n_code:
+                L.n_dense = start - L.n_code
+            else:
+                L.n_code, L.n_dense = start, 0
+        elif start > held:
+            raise RuntimeError(f"KV cache holds {held} positions, step starts at {start}")
+        self._ensure_dense(L, L.n_dense + T)
+        L.dk[:, L.n_dense:L.n_dense + T] = k
+        L.dv[:, L.n_dense:L.n_dense + T] = v
+        L.n_dense += T
+        out = self._attend(L, q, start)
+        self._compress(L)
+        if layer == self.a.layers - 1:
+            self.length = start + T
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for L in self.layers:
+            for t in (L.dk, L.dv, L.kn, L.vn, L.ks, L.kr, L.vb, *(L.kp or []), *(L.vp or [])):
+                if t is not None:
+                    out.append(t)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of storage this cache holds (codes, norms, signs, 16-bit part: everything)."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def counts(self) -> tuple[int, int]:
+        """(compressed, 16-bit) positions of the first compressed layer."""
+        for L in self.layers:
+            if L.compressed:
+                return L.n_code, L.n_dense
+        return 0, self.layers[0].n_dense if self.layers else 0
+
+    def fp16_equivalent_bytes(self) -> int:
+        return 2 * self.a.layers * self.a.kv_heads * self.a.head_dim * 2 * self.length

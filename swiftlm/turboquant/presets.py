@@ -1,0 +1,156 @@
+"""KV-cache formats: the 16-bit default, TurboQuant presets and affine ``kv_bits`` quantization.
+
+A ``KVFormat`` is what a backend needs to build one sequence's cache.  It is chosen per request
+(``turbo_kv`` / ``kv_bits`` fields) or by the server default (``--turbo-kv [PRESET]``).
+
+TurboQuant presets (``k<bits>[qjl]-?v<bits>``):
+
+- ``k4v3`` (default): 4-bit keys, 3-bit values (MSE quantizer for both)
+- ``k3qjl-v3``: 3-bit keys made of a 2-bit MSE code + a 1-bit QJL sketch of the residual (with its fp16
+  norm: 4.25 bits/dim at d = 128), 3-bit values
+- ``k3v2``: aggressive; any ``kXvY`` / ``kXqjl-vY`` with 1 <= X, Y <= 4 is accepted as a custom preset
+
+Options shared by all presets: ``window`` recent positions stay 16-bit, compression starts only once a
+sequence holds more than ``threshold`` positions, and the first and last ``keep_layers`` layers keep a
+16-bit cache.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+DEFAULT_PRESET = "k4v3"
+NAMED_PRESETS = ("k4v3", "k3qjl-v3", "k3v2")
+GROUP_SIZES = (32, 64, 128)
+COMPRESS_BLOCK = 32      # dense rows beyond the window are compressed this many (or more) at a time
+CODE_CAPACITY_STEP = 1024  # compressed storage grows in steps of this many positions
+
+_PRESET = re.compile(r"^k([1-4])(qjl)?-?v([1-4])$")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    kind: str = "fp16"            # "fp16" | "turbo" | "affine"
+    key_bits: int = 16
+    value_bits: int = 16
+    key_qjl: bool = False         # turbo: the key's last bit is a QJL residual sign
+    window: int = 128
+    threshold: int = 0
+    keep_layers: int = 0
+    group_size: int = 64          # affine
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.kind == "turbo":
+            return f"k{self.key_bits}{'qjl-' if self.key_qjl else ''}v{self.value_bits}"
+        if self.kind == "affine":
+            return f"kv_bits={self.key_bits}/g{self.group_size}"
+        return "fp16"
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind != "fp16"
+
+    def layer_compressed(self, layer: int, layers: int) -> bool:
+        k = self.keep_layers
+        return self.kind == "turbo" and not (layer < k or layer >= layers - k)
+
+    # ----------------------------------------------------------------- byte formulas
+    def key_row_bytes(self, d: int) -> int:
+        """Bytes of one compressed key row of one head (codes + fp16 norm [+ QJL signs + fp16 residual norm])."""
+        if self.key_qjl:
+            return d * (self.key_bits - 1) // 8 + 2 + d // 8 + 2
+        return d * self.key_bits // 8 + 2
+
+    def value_row_bytes(self, d: int) -> int:
+        return d * self.value_bits // 8 + 2
+
+    def bits_per_dim(self, d: int) -> tuple[float, float]:
+        return self.key_row_bytes(d) * 8 / d, self.value_row_bytes(d) * 8 / d
+
+
+def parse_turbo(preset: str | None, *, window: int = 128, threshold: int = 0, keep_layers: int = 0,
+                seed: int = 0) -> KVFormat:
+    """'default' / None -> k4v3; 'off' / 'none' / 'fp16' -> the 16-bit format; raises ValueError."""
+    p = (preset or "default").strip().lower()
+    if p in ("off", "none", "fp16", "16", "16-bit"):
+        return KVFormat()
+    if p in ("default", "on", "true", "1"):
+        p = DEFAULT_PRESET
+    m = _PRESET.match(p)
+    if not m:
+        raise ValueError(f"unknown TurboQuant preset {preset!r}: use {', '.join(NAMED_PRESETS)}, kXvY or kXqjl-vY "
+                         "(X, Y in 1..4), or 'off'")
+    kb, qjl, vb = int(m.group(1)), bool(m.group(2)), int(m.group(3))
+    if qjl and kb < 2:
+        raise ValueError("a QJL key needs at least 2 bits (1 MSE + 1 QJL)")
+    if window < 0 or threshold < 0 or keep_layers < 0:
+        raise ValueError("window, threshold and keep_layers must be >= 0")
+    return KVFormat("turbo", kb, vb, qjl, window=window, threshold=threshold, keep_layers=keep_layers, seed=seed)
+
+
+def affine(bits: int, group_size: int = 64) -> KVFormat:
+    if bits not in (4, 8):
+        raise ValueError("kv_bits must be 4 or 8")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of {GROUP_SIZES}")
+    return KVFormat("affine", bits, bits, group_size=group_size, window=0)
+
+
+def with_options(fmt: KVFormat, **kw: int) -> KVFormat:
+    return replace(fmt, **kw)
+
+
+def dense_capacity(fmt: KVFormat, n_dense: int) -> int:
+    """Rows the 16-bit part of a compressed layer holds storage for: at least window + one
+    compression block, else the rows present rounded up to a block."""
+    need = -(-n_dense // COMPRESS_BLOCK) * COMPRESS_BLOCK
+    return max(fmt.window + COMPRESS_BLOCK, need)
+
+
+def code_capacity(n_code: int) -> int:
+    return -(-n_code // CODE_CAPACITY_STEP) * CODE_CAPACITY_STEP
+
+
+def turbo_layout_bytes(fmt: KVFormat, *, n_code: int, n_dense: int, layers: int, kv_heads: int, head_dim: int,
+                       dense_bytes: int = 2) -> dict[str, int]:
+    """Storage of a TurboQuant cache holding ``n_code`` compressed and ``n_dense`` 16-bit positions
+    per compressed layer, by the layout rules (what the cache's tensors must add up to): compressed
+    rows allocated in steps of CODE_CAPACITY_STEP positions (codes, fp16 norms, QJL signs and
+    residual norms), the 16-bit part per ``dense_capacity``, layers kept 16-bit at exactly
+    ``n_code + n_dense`` positions each."""
+    d = head_dim
+    comp_layers = sum(fmt.layer_compressed(i, layers) for i in range(layers))
+    per_row = fmt.key_row_bytes(d) + fmt.value_row_bytes(d)
+    dense_row = 2 * d * dense_bytes
+    return {
+        "codes_allocated": comp_layers * kv_heads * code_capacity(n_code) * per_row,
+        "codes_used": comp_layers * kv_heads * n_code * per_row,
+        "dense_allocated": comp_layers * kv_heads * dense_capacity(fmt, n_dense) * dense_row,
+        "dense_used": comp_layers * kv_heads * n_dense * dense_row,
+        "uncompressed_layers": (layers - comp_layers) * kv_heads * (n_code + n_dense) * dense_row,
+    }
+
+
+def settings_format(cfg: object | None) -> KVFormat:
+    """The server-wide default format from Settings (``--turbo-kv [PRESET]`` and its options)."""
+    if cfg is None or getattr(cfg, "turbo_kv", None) in (None, False):
+        return KVFormat(window=int(getattr(cfg, "turbo_kv_window", 128) or 0) if cfg is not None else 128)
+    return parse_turbo(str(cfg.turbo_kv), window=int(cfg.turbo_kv_window), threshold=int(cfg.turbo_kv_threshold),
+                       keep_layers=int(cfg.turbo_kv_keep_layers))
+
+
+def request_format(params: object, default: KVFormat) -> KVFormat:
+    """A request's KV format: its ``kv_bits`` or ``turbo_kv`` field, else the server default.
+    (The fields were validated with the request; window/threshold/keep options are the server's.)"""
+    bits = getattr(params, "kv_bits", None)
+    if bits:
+        return affine(bits, getattr(params, "kv_group_size", 64) or 64)
+    preset = getattr(params, "turbo_kv", None)
+    if preset is not None:
+        return parse_turbo(preset, window=default.window, threshold=default.threshold,
+                           keep_layers=default.keep_layers)
+    return default

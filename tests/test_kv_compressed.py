@@ -1,0 +1,204 @@
+"""Compressed KV caches in the torch backend (TurboQuant presets and affine kv_bits).
+
+The cache's attention (query rotated once, scored against centroids from packed codes, values
+summed in the rotated domain, 16-bit window exact) must equal plain attention over the history the
+codes stand for (each compressed row decoded), to fp32 rounding.  Storage must equal the layout's
+byte formula.  Rollback must restore the state that the accepted tokens alone would give."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from swiftlm.backends.torch.compressed_cache import CompressedCache  # noqa: E402
+from swiftlm.backends.torch.kv_quant import AffineCodec, TurboCodec, pack, unpack  # noqa: E402
+from swiftlm.turboquant import TurboQuantMSE, TurboQuantProd  # noqa: E402
+from swiftlm.turboquant.packing import pack as np_pack  # noqa: E402
+from swiftlm.turboquant.presets import (affine, parse_turbo, request_format, turbo_layout_bytes,  # noqa: E402
+                                        KVFormat)
+
+CPU = torch.device("cpu")
+
+
+def shape(layers=3, kv_heads=2, heads=4, d=64):
+    return SimpleNamespace(layers=layers, kv_heads=kv_heads, heads=heads, head_dim=d)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_pack_matches_numpy_layout(bits):
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, size=(5, 7, 64))
+    ours = pack(torch.from_numpy(codes), bits)
+    ref = np_pack(codes.astype(np.uint8), bits)
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        assert np.array_equal(a.numpy(), b)
+    assert torch.equal(unpack(ours, bits, 64), torch.from_numpy(codes))
+
+
+@pytest.mark.parametrize("d,bits,qjl", [(64, 4, False), (64, 3, False), (128, 2, False), (96, 3, False),
+                                        (64, 4, True), (128, 3, True)])
+def test_torch_codec_equals_numpy_reference(d, bits, qjl):
+    """Same rotation, codebook and planes as swiftlm.turboquant (float64 here, so codes are
+    identical; norms are fp16 in both)."""
+    x = np.random.default_rng(d + bits).standard_normal((200, d))
+    codec = TurboCodec(d, bits, 7, CPU, qjl=qjl, dtype=torch.float64)
+    enc = codec.encode(torch.from_numpy(x))
+    ref = TurboQuantProd(d, bits, 7) if qjl else TurboQuantMSE(d, bits, 7)
+    renc = ref.encode(x)
+    mse = renc.mse if qjl else renc
+    for a, b in zip(enc.planes, mse.planes):
+        assert np.array_equal(a.numpy(), b)
+    assert np.array_equal(enc.norms.numpy(), mse.norms)
+    if qjl:
+        assert np.array_equal(enc.signs.numpy(), renc.signs)
+        assert np.allclose(enc.rnorms.numpy().astype(np.float64), renc.residual_norms.astype(np.float64), rtol=1e-3)
+        # the effective key vector reproduces the unbiased inner-product estimator
+        q = np.random.default_rng(1).standard_normal(d)
+        est = codec.decode(enc).numpy() @ q
+        assert np.allclose(est, ref.inner(q, renc), rtol=1e-3, atol=1e-3)
+    else:
+        assert np.allclose(codec.decode(enc).numpy(), ref.decode(renc), atol=1e-12)
+
+
+def reference_attention(cache: CompressedCache, layer: int, q: torch.Tensor, start: int) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the decoded history, causal within [start, start+T)."""
+    L = cache.layers[layer]
+    a = cache.a
+    ks, vs = [], []
+    if L.n_code:
+        n = L.n_code
+        if cache.fmt.kind == "affine":
+            ks.append(cache.kc.decode_planes([p[:, :n] for p in L.kp], L.kn[:, :n], L.ks[:, :n]))
+            vs.append(cache.vc.decode_planes([p[:, :n] for p in L.vp], L.vn[:, :n], L.vb[:, :n]))
+        else:
+            from swiftlm.backends.torch.kv_quant import Encoded
+
+            ks.append(cache.kc.decode(Encoded([p[:, :n] for p in L.kp], L.kn[:, :n],
+                                              L.ks[:, :n] if L.ks is not None else None,
+                                              L.kr[:, :n] if L.kr is not None else None)))
+            vs.append(cache.vc.decode(Encoded([p[:, :n] for p in L.vp], L.vn[:, :n])))
+    ks.append(L.dk[:, :L.n_dense].float())
+    vs.append(L.dv[:, :L.n_dense].float())
+    K, V = torch.cat(ks, 1).float(), torch.cat(vs, 1).float()
+    H, T, D = q.shape
+    rep = H // a.kv_heads
+    K, V = K.repeat_interleave(rep, 0), V.repeat_interleave(rep, 0)
+    s = q.float() @ K.transpose(1, 2) * D ** -0.5
+    S = K.shape[1]
+    mask = torch.arange(S)[None, :] <= torch.arange(start, start + T)[:, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, -1) @ V).transpose(0, 1).reshape(T, H * D)
+
+
+@pytest.fixture
+def reference_hook(monkeypatch):
+    """Instrument CompressedCache._attend: compute the reference on exactly the state it attends to
+    (the cache compresses rows only after attending)."""
+    orig = CompressedCache._attend
+
+    def wrapped(self, L, q, start):
+        out = orig(self, L, q, start)
+        self.ref_out = reference_attention(self, self.layers.index(L), q, start).to(out.dtype)
+        return out
+
+    monkeypatch.setattr(CompressedCache, "_attend", wrapped)
+
+
+@pytest.mark.parametrize("fmt", [parse_turbo("k4v3", window=16), parse_turbo("k3qjl-v3", window=16),
+                                 parse_turbo("k3v2", window=0), parse_turbo("k4v3", window=8, keep_layers=1),
+                                 parse_turbo("k2v4", window=8, threshold=100), affine(4, 32), affine(8, 64)],
+                         ids=lambda f: f"{f.name}-w{f.window}-t{f.threshold}-keep{f.keep_layers}")
+def test_cache_attention_equals_attention_over_decoded_history(fmt, reference_hook):
+    a = shape()
+    cache = CompressedCache(a, fmt, torch.float32, CPU)
+    g = torch.Generator().manual_seed(0)
+    pos = 0
+    # prefill chunks, then decode rows: crosses the window, compression blocks and code capacity
+    for T in [70, 33, 1, 1, 5] + [1] * 40 + [300, 700, 1]:
+        q = torch.randn(a.heads, T, a.head_dim, generator=g)
+        k = torch.randn(a.kv_heads, T, a.head_dim, generator=g)
+        v = torch.randn(a.kv_heads, T, a.head_dim, generator=g)
+        for layer in range(a.layers):
+            out = cache.update_attend(layer, pos, q, k, v)
+            # fp32 sums in a different order (blockwise online softmax vs one softmax)
+            assert torch.allclose(out, cache.ref_out, atol=2e-5, rtol=1e-4), (T, layer)
+        pos += T
+    assert cache.length == pos
+    n_code, n_dense = cache.counts()
+    if fmt.kind == "turbo":
+        assert n_code > 0 and fmt.window <= n_dense < fmt.window + 32
+        if fmt.keep_layers:
+            assert cache.layers[0].n_code == 0 and cache.layers[0].n_dense == pos
+    else:
+        assert n_dense == 0 and n_code == pos
+
+
+def test_rollback_equals_feeding_only_accepted_rows():
+    a = shape(layers=2)
+    fmt = parse_turbo("k4v3", window=16)
+    g = torch.Generator().manual_seed(1)
+    rows = [(torch.randn(a.heads, 1, 64, generator=g), torch.randn(a.kv_heads, 1, 64, generator=g),
+             torch.randn(a.kv_heads, 1, 64, generator=g)) for _ in range(90)]
+    cat = lambda i, j, n: torch.cat([r[n] for r in rows[i:j]], 1)  # noqa: E731
+
+    def feed(c, i, j, at):
+        for layer in range(a.layers):
+            out = c.update_attend(layer, at, cat(i, j, 0), cat(i, j, 1), cat(i, j, 2))
+        return out
+
+    x = CompressedCache(a, fmt, torch.float32, CPU)
+    y = CompressedCache(a, fmt, torch.float32, CPU)
+    feed(x, 0, 60, 0)
+    feed(y, 0, 60, 0)
+    feed(x, 60, 65, 60)            # a verify block of 5 ...
+    out_x = feed(x, 62, 63, 62)    # ... of which 2 were accepted: continue at 62
+    feed(y, 60, 62, 60)
+    out_y = feed(y, 62, 63, 62)
+    assert torch.allclose(out_x, out_y, atol=1e-6)
+    assert x.length == y.length == 63
+
+
+def test_storage_equals_layout_formula_and_8k_ratio():
+    """8K positions, SmolLM2's KV shape (30 layers, 3 KV heads, d = 64), 16-bit rows: the tensors
+    the cache holds add up to the layout's formula, and k4v3 is <= 0.30x the 16-bit cache."""
+    a = shape(layers=30, kv_heads=3, heads=9, d=64)
+    for name in ("k4v3", "k3qjl-v3", "k3v2"):
+        fmt = parse_turbo(name)
+        c = CompressedCache(a, fmt, torch.float32, CPU, dense_dtype=torch.float16)
+        q = torch.zeros(a.heads, 1, 64)
+        pos = 0
+        for T in [512] * 16:
+            kv = torch.randn(a.kv_heads, T, 64)
+            for layer in range(a.layers):
+                c.update_attend(layer, pos, q.expand(a.heads, T, 64), kv, kv)
+            pos += T
+        n_code, n_dense = c.counts()
+        f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=30, kv_heads=3, head_dim=64)
+        assert c.nbytes() == f["codes_allocated"] + f["dense_allocated"] + f["uncompressed_layers"]
+        fp16 = 2 * 30 * 3 * 64 * 2 * 8192
+        if name == "k4v3":
+            assert n_dense == fmt.window
+            assert c.nbytes() / fp16 <= 0.30
+
+
+def test_request_format_and_validation():
+    from swiftlm.errors import InvalidRequest
+    from swiftlm.sampling import SamplingParams
+
+    default = parse_turbo("k4v3", window=64)
+    assert request_format(SamplingParams(), default) == default
+    assert request_format(SamplingParams(turbo_kv="off"), default) == KVFormat()
+    assert request_format(SamplingParams(turbo_kv="k3v2"), default).name == "k3v2"
+    assert request_format(SamplingParams(turbo_kv="k3v2"), default).window == 64
+    assert request_format(SamplingParams(kv_bits=8), KVFormat()).kind == "affine"
+    for bad, field in [({"kv_bits": 3}, "kv_bits"), ({"kv_bits": 16}, "kv_bits"), ({"kv_group_size": 48}, "kv_group_size"),
+                       ({"turbo_kv": "k5v3"}, "turbo_kv"), ({"turbo_kv": "q4"}, "turbo_kv"), ({"turbo_kv": 4}, "turbo_kv"),
+                       ({"turbo_kv": "k4v3", "kv_bits": 4}, "kv_bits")]:
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**bad).validate()
+        assert e.value.param == field
