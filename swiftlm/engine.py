@@ -355,6 +355,24 @@ class Engine:
         else:
             self._finish(live, reason, last=ev)
 
+    def kv_stats(self) -> dict[str, Any]:
+        """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
+        compression ratio achieved (16-bit bytes / bytes held)."""
+        from .turboquant.presets import KVFormat
+
+        fmt = getattr(self.model, "kv_default", KVFormat())
+        stats = getattr(self.model, "kv_stats", None)
+        try:
+            s = stats() if stats is not None else None
+        except Exception:  # pragma: no cover - a racing free() must not fail /health
+            s = None
+        if s is None:
+            n = self.scheduler.kv_in_use() * self.info.kv_bytes_per_token
+            s = {"bytes": n, "fp16_bytes": n}
+        ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
+        return {"default_format": fmt.name, "bytes": s["bytes"], "fp16_bytes": s["fp16_bytes"],
+                "compression_ratio": round(ratio, 4)}
+
     def _compressed_kv(self, params: Any) -> bool:
         """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,
         whose entries hold 16-bit rows."""

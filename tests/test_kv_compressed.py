@@ -170,12 +170,11 @@ def test_storage_equals_layout_formula_and_8k_ratio():
     for name in ("k4v3", "k3qjl-v3", "k3v2"):
         fmt = parse_turbo(name)
         c = CompressedCache(a, fmt, torch.float32, CPU, dense_dtype=torch.float16)
-        q = torch.zeros(a.heads, 1, 64)
         pos = 0
         for T in [512] * 16:
             kv = torch.randn(a.kv_heads, T, 64)
             for layer in range(a.layers):
-                c.update_attend(layer, pos, q.expand(a.heads, T, 64), kv, kv)
+                c.append(layer, pos, kv, kv)
             pos += T
         n_code, n_dense = c.counts()
         f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=30, kv_heads=3, head_dim=64)

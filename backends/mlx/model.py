@@ -21,6 +21,8 @@ from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.sampling import SamplingParams, apply_penalties, sample_row, truncate
 
+from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
+
 from .loader import load_gguf, load_hf, supported_architectures
 from .ops import MLXOps
 
@@ -28,19 +30,33 @@ log = logging.getLogger(__name__)
 
 
 class MLXModel:
-    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo):
-        from mlx_lm.models.cache import make_prompt_cache
-
+    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, kv_default: KVFormat | None = None,
+                 head_dim: int = 0):
         self.module = module
         self.tokenizer = tokenizer
         self.info = info
-        self._make_cache = lambda: make_prompt_cache(module)
+        self.head_dim = head_dim
+        self.kv_default = kv_default or KVFormat()
+        self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.caches: dict[int, list[Any]] = {}
         self._ahead: dict[int, tuple[tuple[int, int], mx.array]] = {}
         self.ops = MLXOps()
         self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
         self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None
+
+    def _make_cache(self, fmt: KVFormat | None = None) -> list[Any]:
+        from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+        fmt = fmt or KVFormat()
+        if fmt.kind == "turbo":
+            from .turbo_cache import install_attention_hook, make_turbo_cache
+
+            install_attention_hook(self.module)
+            return make_turbo_cache(self.module, fmt, self.head_dim)
+        if fmt.kind == "affine":  # mlx-lm's quantized cache (its attention uses mx.quantized_matmul)
+            return [QuantizedKVCache(group_size=fmt.group_size, bits=fmt.key_bits) for _ in self.module.layers]
+        return make_prompt_cache(self.module)
 
     # ---------------------------------------------------------------- decode group
     def _ungroup(self) -> None:
@@ -79,7 +95,7 @@ class MLXModel:
         self._ahead.pop(seq_id, None)
         cache = self.caches.get(seq_id)
         if cache is None:
-            cache = self.caches[seq_id] = self._make_cache()
+            cache = self.caches[seq_id] = self._make_cache(self.kv_formats.get(seq_id, self.kv_default))
         offset = cache[0].offset if cache else 0
         if offset > start_pos:  # recompute after preemption / rollback: drop the extra positions
             for c in cache:
@@ -100,7 +116,7 @@ class MLXModel:
         then the last token alone."""
         if len(tokens) > 1:
             self._feed(seq_id, tokens[:-1], start_pos)
-            mx.eval([c.state for c in self.caches[seq_id]])
+            _eval_cache(self.caches[seq_id])
             start_pos += len(tokens) - 1
             tokens = tokens[-1:]
         return self._feed(seq_id, tokens, start_pos)[0, -1]
@@ -134,6 +150,9 @@ class MLXModel:
 
     def step(self, batch: StepBatch) -> StepResult:
         result = StepResult()
+        for w in batch.seqs:
+            if w.seq_id not in self.caches and w.seq_id not in self.group_ids:
+                self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         decode = [w for w in batch.seqs if w.sample and len(w.tokens) == 1]
         if len(decode) > 1 and all(w.seq_id in self.group_ids or self._batchable(w.seq_id) for w in decode) \
                 and all(self._pos(w.seq_id) == w.start_pos for w in decode):
@@ -150,7 +169,7 @@ class MLXModel:
             if not w.sample:
                 self._ahead.pop(w.seq_id, None)
                 self._feed(w.seq_id, w.tokens, w.start_pos)
-                mx.eval([c.state for c in self.caches[w.seq_id]])
+                _eval_cache(self.caches[w.seq_id])
                 continue
             ahead = self._ahead.pop(w.seq_id, None)
             if ahead is not None and len(w.tokens) == 1 and ahead[0] == (w.start_pos, w.tokens[0]):
@@ -199,7 +218,7 @@ class MLXModel:
         if seq_id in self.group_ids:
             self._ungroup()
         self._ahead.pop(seq_id, None)
-        cache = self._make_cache()
+        cache = self._make_cache(KVFormat())
         for c, (k, v) in zip(cache, payload):
             c.keys, c.values, c.offset = k[..., :n, :], v[..., :n, :], n
         self.caches[seq_id] = cache
@@ -217,9 +236,43 @@ class MLXModel:
                     self.group_ids, self.group_len, self.group_cache = [], [], None
             self.caches.pop(s, None)
             self._ahead.pop(s, None)
+            self.kv_formats.pop(s, None)
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV storage held by the running sequences (all cache arrays) and the 16-bit equivalent."""
+        per_tok16 = self.info.kv_bytes_per_token // (4 if self.info.kv_bytes_per_token and _f32() else 2) * 2
+        held = fp16 = 0
+        caches = list(self.caches.values())
+        if self.group_cache is not None:
+            caches.append(self.group_cache)
+            fp16 += sum(self.group_len) * per_tok16
+        for cache in caches:
+            held += sum(_arrays_nbytes(c) for c in cache)
+            if cache is not self.group_cache and cache:
+                fp16 += cache[0].offset * per_tok16
+        return {"bytes": held, "fp16_bytes": fp16}
 
     def memory(self) -> dict[str, int]:
         return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
+def _f32() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _arrays(c: Any) -> list[mx.array]:
+    try:
+        return [x for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
+    except (AttributeError, TypeError):  # an mlx-lm cache with nothing written yet
+        return []
+
+
+def _arrays_nbytes(c: Any) -> int:
+    return sum(x.nbytes for x in _arrays(c))
+
+
+def _eval_cache(cache: list[Any]) -> None:
+    mx.eval([x for c in cache for x in _arrays(c)])
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
@@ -242,7 +295,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                      vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
                      quantization=spec.quantization, is_moe=spec.is_moe, weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes)
-    return MLXModel(module, tokenizer, info)
+    return MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
 
 
 def _mlx_lm_version() -> str:

@@ -225,14 +225,11 @@ class CompressedCache:
         out = out / (l * alpha + p.sum(-1))[:, None]
         return out.reshape(1, H * D).to(q.dtype)
 
-    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> torch.Tensor:
-        """Write k, v [KVH, T, D] at positions [start, start+T), attend q [H, T, D] to everything up
-        to each query's position, compress what left the window.  Returns [T, H*D]."""
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
         L = self.layers[layer]
         T = k.shape[1]
         held = L.n_code + L.n_dense
-        if start < held:  # rollback / recompute
+        if start < held:  # rollback / recompute: later positions are dropped
             if start >= L.n_code:
                 L.n_dense = start - L.n_code
             else:
@@ -243,11 +240,22 @@ class CompressedCache:
         L.dk[:, L.n_dense:L.n_dense + T] = k
         L.dv[:, L.n_dense:L.n_dense + T] = v
         L.n_dense += T
-        out = self._attend(L, q, start)
-        self._compress(L)
         if layer == self.a.layers - 1:
             self.length = start + T
+        return L
+
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> torch.Tensor:
+        """Write k, v [KVH, T, D] at positions [start, start+T), attend q [H, T, D] to everything up
+        to each query's position, compress what left the window.  Returns [T, H*D]."""
+        L = self._write(layer, start, k, v)
+        out = self._attend(L, q, start)
+        self._compress(L)
         return out
+
+    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write (and compress) without attending: filling a cache for memory measurements."""
+        self._compress(self._write(layer, start, k, v))
 
     # ------------------------------------------------------------------ accounting
     def tensors(self) -> list[torch.Tensor]:

@@ -46,6 +46,37 @@ def unpack(planes: list[torch.Tensor], bits: int, d: int) -> torch.Tensor:
     return codes.long()
 
 
+def byte_lut(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Table from packed bytes to the values of the codes they hold.  1/2/4 bits: [256, 8/bits]
+    (one plane byte).  3 bits: [4096, 4]: index = byte of the 2-bit plane * 16 + the nibble of the
+    1-bit plane covering the same four codes."""
+    dev = values.device
+    if bits == 3:
+        lo = torch.arange(256, device=dev)
+        hi = torch.arange(16, device=dev)
+        sh = torch.arange(4, device=dev)
+        lo_codes = (lo[:, None] >> (2 * sh)) & 3                   # [256, 4]
+        hi_codes = (hi[:, None] >> sh) & 1                        # [16, 4]
+        codes = lo_codes[:, None, :] | (hi_codes[None, :, :] << 2)  # [256, 16, 4]
+        return values[codes.reshape(4096, 4)]
+    per = 8 // bits
+    b = torch.arange(256, device=dev)
+    codes = (b[:, None] >> (bits * torch.arange(per, device=dev))) & ((1 << bits) - 1)
+    return values[codes]
+
+
+def lut_decode(lut: torch.Tensor, planes: list[torch.Tensor], bits: int, d: int) -> torch.Tensor:
+    p0 = planes[0]
+    if bits == 3:
+        p1 = planes[1].long()
+        nib = torch.stack([p1 & 15, p1 >> 4], dim=-1)                       # [..., d/8, 2]
+        idx = p0.long().view(*p0.shape[:-1], d // 8, 2) * 16 + nib
+    else:
+        idx = p0.long()
+    out = torch.nn.functional.embedding(idx.reshape(-1), lut)
+    return out.view(*p0.shape[:-1], d)
+
+
 @dataclass
 class Encoded:
     planes: list[torch.Tensor]
@@ -68,6 +99,7 @@ class TurboCodec:
         self.boundaries = torch.tensor(mse.codebook.boundaries, dtype=dtype, device=device)
         self.S = torch.tensor(ref.S, dtype=dtype, device=device) if qjl else None
         self.qjl_scale = math.sqrt(math.pi / 2) / d
+        self.lut = byte_lut(self.centroids, self.mse_bits)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         x = x.to(self.dtype)
@@ -82,8 +114,8 @@ class TurboCodec:
         return enc
 
     def unit(self, planes: list[torch.Tensor]) -> torch.Tensor:
-        """Centroids [..., d] in the rotated domain."""
-        return self.centroids[unpack(planes, self.mse_bits, self.d)]
+        """Centroids [..., d] in the rotated domain, looked up a byte at a time (``byte_lut``)."""
+        return lut_decode(self.lut, planes, self.mse_bits, self.d)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         """Reconstructed vectors (for tests; attention never calls this on the history).  For a

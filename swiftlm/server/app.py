@@ -97,6 +97,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         if eng is not None:
             mem = eng.model.memory()
             st = eng.stats
+            kv = eng.kv_stats()
             body["memory"] = {"active": mem.get("active", 0), "peak": mem.get("peak", 0),
                               "cache": mem.get("cache", 0), "total_system": system_memory()}
             body["stats"] = {"requests_total": st.requests_total, "requests_active": st.requests_active,
@@ -104,7 +105,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                              "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
                              "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
                              "kv_tokens_in_use": eng.scheduler.kv_in_use(),
-                             "kv_bytes_in_use": eng.scheduler.kv_in_use() * eng.info.kv_bytes_per_token,
+                             "kv_bytes_in_use": kv["bytes"], "kv_cache": kv,
                              "kv_budget_tokens": eng.scheduler.kv_budget, "preemptions": eng.scheduler.preemptions,
                              "prompt_cache": {"entries": len(eng.prefix_cache), "bytes": eng.prefix_cache.bytes,
                                               "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,

@@ -31,6 +31,8 @@ class Metrics:
         self.kv_bytes = Gauge("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (16-bit or model dtype)",
                               registry=r)
         self.kv_in_use = Gauge("swiftlm_kv_cache_bytes_in_use", "KV bytes held by running sequences", registry=r)
+        self.kv_ratio = Gauge("swiftlm_kv_cache_compression_ratio",
+                              "16-bit bytes / bytes held for the running sequences' KV", registry=r)
         self.preemptions = Gauge("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed", registry=r)
         self.spec_drafted = Gauge("swiftlm_spec_drafted_tokens", "Speculative tokens drafted", registry=r)
         self.spec_accepted = Gauge("swiftlm_spec_accepted_tokens", "Speculative drafts accepted", registry=r)
@@ -58,7 +60,9 @@ class Metrics:
             self.pc_bytes.set(pc.bytes)
             self.pc_tokens.set(pc.tokens_reused)
             self.kv_bytes.set(engine.info.kv_bytes_per_token)
-            self.kv_in_use.set(engine.scheduler.kv_in_use() * engine.info.kv_bytes_per_token)
+            kv = engine.kv_stats()
+            self.kv_in_use.set(kv["bytes"])
+            self.kv_ratio.set(kv["compression_ratio"])
             self.preemptions.set(engine.scheduler.preemptions)
             if engine.speculator is not None:
                 sp = engine.speculator.stats

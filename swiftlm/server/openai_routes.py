@@ -150,7 +150,8 @@ class OpenAIRoutes:
             repetition_context_size=s.repeat_last_n,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=bias, seed=req.seed if req.seed is not None else s.seed, stop=stop,
-            logprobs=logprobs, top_logprobs=top)
+            logprobs=logprobs, top_logprobs=top,
+            turbo_kv=req.turbo_kv, kv_bits=req.kv_bits, kv_group_size=req.kv_group_size)
         try:
             return p.validate(self.engine.info.vocab_size)
         except InvalidRequest as exc:

@@ -37,6 +37,10 @@ class _Sampling(_Req):
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     user: str | None = None
+    # SwiftLM extensions: this request's KV-cache format (validated in SamplingParams)
+    turbo_kv: str | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 class ChatCompletionRequest(_Sampling):
