@@ -30,9 +30,6 @@ from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, 
 
 log = logging.getLogger(__name__)
 
-ATTN_BLOCK = 2048
-
-
 def pack(codes: mx.array, bits: int) -> list[mx.array]:
     codes = codes.astype(mx.uint32)
     d = codes.shape[-1]
@@ -222,45 +219,16 @@ class TurboKVCache:
 
 
 def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
-    """The pure-MLX reference: online softmax over code blocks (scored in the rotated domain) and the
-    16-bit rows (exact, causal within this step's rows)."""
+    """Compressed rows through ``swiftlm.metal_kernels.turboquant.partials`` (the Metal kernel for a
+    single decode row where it checked out, else block-wise pure MLX), merged with the 16-bit rows
+    (exact, causal within this step's rows); the rotated-domain value sum is rotated back once."""
+    from swiftlm.metal_kernels.turboquant import partials
+
     _, H, T, D = queries.shape
     KVH = cache.dk.shape[1]
     rep = H // KVH
     start = cache.offset - T
     qg = queries.astype(mx.float32).reshape(KVH, rep * T, D)
-    m = l = None
-    acc: dict[int, mx.array] = {}
-
-    def add(s: mx.array, v: mx.array, dom: int) -> None:
-        nonlocal m, l
-        bm = s.max(-1, keepdims=True)
-        m_new = bm if m is None else mx.maximum(m, bm)
-        p = mx.exp(s - m_new)
-        if m is not None:
-            alpha = mx.exp(m - m_new)
-            l = l * alpha
-            for k in acc:
-                acc[k] = acc[k] * alpha
-        part = p @ v
-        acc[dom] = acc[dom] + part if dom in acc else part
-        l = p.sum(-1, keepdims=True) if l is None else l + p.sum(-1, keepdims=True)
-        m = m_new
-
-    n = cache.n_code
-    if n:
-        c = cache.codes
-        q_rot = qg @ cache.kc.RT
-        sq = qg @ cache.kc.S.T if cache.kc.qjl else None
-        for s0 in range(0, n, ATTN_BLOCK):
-            e = min(n, s0 + ATTN_BLOCK)
-            sc = q_rot @ cache.kc.unit([p[:, s0:e] for p in c["kp"]]).transpose(0, 2, 1)
-            if sq is not None:
-                qj = sq @ cache.kc.signs(c["ks"][:, s0:e]).transpose(0, 2, 1)
-                sc = sc + qj * (c["kr"][:, s0:e].astype(mx.float32) * cache.kc.qjl_scale)[:, None, :]
-            sc = sc * (c["kn"][:, s0:e].astype(mx.float32) * scale)[:, None, :]
-            vu = cache.vc.unit([p[:, s0:e] for p in c["vp"]]) * c["vn"][:, s0:e].astype(mx.float32)[..., None]
-            add(sc, vu, 1)
     nd = cache.n_dense
     keys = cache.dk[0, :, :nd, :].astype(mx.float32)
     vals = cache.dv[0, :, :nd, :].astype(mx.float32)
@@ -269,11 +237,19 @@ def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
         pos_q = mx.tile(mx.arange(start, start + T), (rep,))
         pos_k = mx.arange(cache.n_code, cache.n_code + nd)
         s = mx.where(pos_k[None, :] <= pos_q[:, None], s, -mx.inf)
-    add(s, vals, 0)
-    out = acc[0]
-    if 1 in acc:
-        out = out + acc[1] @ cache.vc.R  # rotated-domain sum, rotated back once
-    out = out / l
+    m = s.max(-1, keepdims=True)
+    if cache.n_code:
+        q_rot = (qg @ cache.kc.RT) * scale          # the query, rotated once
+        sq = (qg @ cache.kc.S.T) * scale if cache.kc.qjl else None
+        mc, lc, accc = partials(q_rot, cache.codes, cache.n_code, cache.kc, cache.vc, sq, rows=T)
+        M = mx.maximum(m, mc)
+        p = mx.exp(s - M)
+        ac = mx.exp(mc - M)
+        out = p @ vals + (accc * ac) @ cache.vc.R   # rotated-domain sum, rotated back once
+        out = out / (p.sum(-1, keepdims=True) + lc * ac)
+    else:
+        p = mx.exp(s - m)
+        out = (p @ vals) / p.sum(-1, keepdims=True)
     return out.reshape(1, H, T, D).astype(queries.dtype)
 
 
