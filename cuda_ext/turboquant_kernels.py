@@ -125,3 +125,57 @@ def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_pla
     p = torch.exp(s - m[:, None])
     vc = v_centroids.float()[unpack(v_planes, v_bits, D)] * v_norms.float()[..., None]
     return m, p.sum(dim=1), torch.einsum("hn,hnd->hd", p, vc)
+
+
+# ------------------------------------------------------------------------------------ encode
+@triton.jit
+def _tq_encode_kernel(x_ptr, rt_ptr, b_ptr, p0_ptr, p1_ptr, n_ptr, R,
+                      D: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Rows [BR, D]: norm, unit vector, rotation (u @ R^T), codes by counting boundaries below each
+    coordinate, packed into one or two bit planes; fp16 norms."""
+    pid = tl.program_id(0)
+    r = pid * BR + tl.arange(0, BR)
+    ok = r < R
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    u = x / tl.where(norm > 0, norm, 1.0)[:, None]
+    rt = tl.load(rt_ptr + d[:, None] * D + d[None, :])                     # R^T [D, D]
+    y = tl.dot(u, rt, input_precision="ieee")
+    c = tl.zeros((BR, D), dtype=tl.int32)
+    for i in tl.static_range(NB):
+        c += (y > tl.load(b_ptr + i)).to(tl.int32)
+    tl.store(n_ptr + r, norm.to(tl.float16), mask=ok)
+    PER0: tl.constexpr = 8 // W0
+    lo = (c & ((1 << W0) - 1)).reshape(BR, D // PER0, PER0)
+    sh0 = (tl.arange(0, PER0) * W0)[None, None, :]
+    byte0 = tl.sum(lo << sh0, axis=2)
+    j0 = tl.arange(0, D // PER0)
+    tl.store(p0_ptr + r[:, None] * (D // PER0) + j0[None, :], byte0.to(tl.uint8), mask=ok[:, None])
+    if W1 > 0:
+        PER1: tl.constexpr = 8 // W1
+        hi = ((c >> W0) & ((1 << W1) - 1)).reshape(BR, D // PER1, PER1)
+        sh1 = (tl.arange(0, PER1) * W1)[None, None, :]
+        byte1 = tl.sum(hi << sh1, axis=2)
+        j1 = tl.arange(0, D // PER1)
+        tl.store(p1_ptr + r[:, None] * (D // PER1) + j1[None, :], byte1.to(tl.uint8), mask=ok[:, None])
+
+
+def tq_encode(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor, bits: int, block_rows: int = 16
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """x [..., D] -> (planes [..., D * w / 8] uint8 per plane, norms [...] fp16): TurboQuant-mse
+    codes in the ``swiftlm.turboquant.packing`` layout.  ``rotation`` is R (forward: u @ R^T)."""
+    shape = x.shape[:-1]
+    D = x.shape[-1]
+    xf = x.reshape(-1, D).contiguous()
+    R = xf.shape[0]
+    w0, w1 = _PLANES[bits]
+    p0 = torch.empty(R, D * w0 // 8, dtype=torch.uint8, device=x.device)
+    p1 = torch.empty(R, D * w1 // 8 if w1 else 1, dtype=torch.uint8, device=x.device)
+    norms = torch.empty(R, dtype=torch.float16, device=x.device)
+    rt = rotation.float().t().contiguous()
+    grid = (triton.cdiv(R, block_rows),)
+    _tq_encode_kernel[grid](xf, rt, boundaries.float().contiguous(), p0, p1, norms, R,
+                            D=D, BR=block_rows, NB=boundaries.numel(), W0=w0, W1=w1)
+    planes = [p0.view(*shape, -1)] + ([p1.view(*shape, -1)] if w1 else [])
+    return planes, norms.view(shape)

@@ -84,6 +84,38 @@ for D, N, kb, vb in [(64, 100, 4, 3), (128, 77, 3, 2), (64, 33, 2, 4), (128, 64,
     ref = np.stack([heads[i].attend(q[i]) for i in range(3)])
     out[f"{{D}}/{{N}}/k{{kb}}v{{vb}}"] = [float((acc - accr).abs().max() / accr.abs().max()),
                                          float((l - lr).abs().max() / lr.abs().max()), float(np.abs(got - ref).max())]
+# grouped-query heads (3 query heads per KV head) read views of a larger store (row stride > N)
+m, l, acc = tq_decode_attention(q_rot.repeat(3, 1)[:6], [p[:2] for p in kp], kn[:2], kc, kb, [p[:2] for p in vp],
+                                vn[:2], vc, vb, rep=3)
+mr, lr, accr = tq_decode_attention_ref(q_rot.repeat(3, 1)[:6], [p[:2] for p in kp], kn[:2], kc, kb,
+                                       [p[:2] for p in vp], vn[:2], vc, vb, rep=3)
+out["gqa"] = [float((acc - accr).abs().max() / accr.abs().max()), float((l - lr).abs().max() / lr.abs().max()), 0.0]
+# the encode kernel against the torch codec (fp32 both): codes may differ only within rounding of a boundary
+from types import SimpleNamespace
+from swiftlm.backends.torch.kv_quant import TurboCodec, unpack
+from swiftlm.cuda_ext.turboquant_kernels import tq_encode
+for D, bits in [(64, 4), (128, 3), (64, 2), (128, 1)]:
+    codec = TurboCodec(D, bits, 3, torch.device(dev))
+    x = torch.randn(2, 150, D, device=dev)
+    planes, norms = tq_encode(x, codec.R, codec.boundaries, bits)
+    ref = codec.encode(x)
+    diff = (unpack(planes, bits, D) != unpack(ref.planes, bits, D)).float().mean().item()
+    out[f"encode/{{D}}/{{bits}}"] = [diff, float((norms.float() - ref.norms.float()).abs().max()), 0.0]
+# the cache's single-row attention through the kernels equals its plain-torch path
+from swiftlm.backends.torch.compressed_cache import CompressedCache
+from swiftlm.turboquant.presets import parse_turbo
+a = SimpleNamespace(layers=1, kv_heads=2, heads=6, head_dim=64)
+caches = [CompressedCache(a, parse_turbo("k4v3", window=16), torch.float32, torch.device(dev)) for _ in range(2)]
+caches[0].use_triton = caches[0].kc.use_triton = caches[0].vc.use_triton = True
+g = torch.Generator(device=dev).manual_seed(0)
+worst = 0.0
+pos = 0
+for T in [300, 1, 1, 40, 1]:
+    q, k, v = (torch.randn(n, T, 64, generator=g, device=dev) for n in (6, 2, 2))
+    o1, o2 = (c.update_attend(0, pos, q, k, v) for c in caches)
+    worst = max(worst, float((o1 - o2).abs().max()))
+    pos += T
+out["cache"] = [worst, 0.0, 0.0]
 print(json.dumps(out))
 """
 
@@ -105,11 +137,22 @@ def test_turboquant_attention_kernel_interpreted():
     """The packed-code decode attention kernel (TRITON_INTERPRET=1 on CPU) against the torch
     reference (fp32: relative 1e-5) and, rotated back, against the numpy reference attention
     over the compressed history (1e-5): key/value bits 1-4, N not a multiple of the block."""
-    for name, (acc_rel, l_rel, vs_numpy) in _run_tq("cpu", interpret=True).items():
-        assert acc_rel < 1e-5 and l_rel < 1e-5 and vs_numpy < 1e-5, name
+    for name, (a, b, c) in _run_tq("cpu", interpret=True).items():
+        _check_tq(name, a, b, c, 1e-5)
+
+
+def _check_tq(name: str, a: float, b: float, c: float, tol: float) -> None:
+    if name.startswith("encode/"):
+        # a coordinate within float32 rounding of a decision boundary may take the neighbouring
+        # code (the kernel's dot product sums in another order); norms are the same fp16 values
+        assert a < 2e-3 and b <= 1e-3 * 8, (name, a, b)
+    elif name == "cache":
+        assert a < 1e-4, (name, a)  # kernel path vs plain-torch path of the cache, fp32
+    else:
+        assert a < tol and b < tol and c < tol, (name, a, b, c)
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
 def test_turboquant_attention_kernel_on_gpu():
-    for name, (acc_rel, l_rel, vs_numpy) in _run_tq("cuda", interpret=False).items():
-        assert acc_rel < 1e-4 and l_rel < 1e-4 and vs_numpy < 1e-4, name
+    for name, (a, b, c) in _run_tq("cuda", interpret=False).items():
+        _check_tq(name, a, b, c, 1e-4)

@@ -201,3 +201,44 @@ def test_request_format_and_validation():
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(**bad).validate()
         assert e.value.param == field
+
+
+@pytest.fixture(scope="module")
+def turbo_llm():
+    from swiftlm import LLM
+
+    llm = LLM(backend="torch", parallel=4, turbo_kv="k4v3", turbo_kv_window=16)
+    yield llm
+    llm.close()
+
+
+PROMPTS = ["Write a long story about a cat who learns to fly. Once upon a time",
+           "The capital of France is Paris. Tell me more about Paris and its long history",
+           "List the planets of the solar system in order from the sun, with one fact each:"]
+
+
+def test_smollm2_turbo_batched_equals_solo(turbo_llm):
+    """Three sequences decoding together (per-row attention over their own compressed caches) give
+    the tokens each gets alone; 48 tokens past a 16-token window cross several compressions."""
+    from swiftlm import SamplingParams
+
+    p = SamplingParams(max_tokens=48, temperature=0)
+    together = [o.token_ids for o in turbo_llm.generate(PROMPTS, p)]
+    alone = [turbo_llm.generate([q], p)[0].token_ids for q in PROMPTS]
+    assert together == alone
+    assert turbo_llm.engine.kv_stats()["default_format"] == "k4v3"
+
+
+def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
+    """A real prompt through the backend: all but the window (+ < one block) is held as codes and
+    the cache holds fewer bytes than 16-bit rows (quality: scripts/eval_turboquant_quality.py)."""
+    m = turbo_llm.engine.model
+    ids = turbo_llm.tokenizer.encode(PROMPTS[0] * 6)
+    m.kv_formats[901] = parse_turbo("k4v3", window=16)
+    m.logits(901, ids, 0)
+    c = m.caches[901]
+    n_code, n_dense = c.counts()
+    assert n_code + n_dense == len(ids) and n_code >= len(ids) - 16 - 31 and 16 <= n_dense < 48
+    stats = m.kv_stats()
+    assert stats["bytes"] < stats["fp16_bytes"]
+    m.free([901])

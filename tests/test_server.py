@@ -178,6 +178,17 @@ def _health(server):
     return httpx.get(server.base + "/health", timeout=10).json()
 
 
+@pytest.mark.parametrize("extra", [{"turbo_kv": "k4v3"}, {"turbo_kv": "k3qjl-v3"}, {"kv_bits": 4}, {"kv_bits": 8}])
+def test_compressed_kv_formats_per_request(tiny_server, client, extra):
+    """Each KV format answers through the SDK (plumbing: the tiny random model's text is not
+    meaningful); /health reports the KV bytes held and the compression ratio."""
+    r = client.chat.completions.create(model="x", messages=MSGS, max_tokens=8, temperature=0, extra_body=extra)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    kv = _health(tiny_server)["stats"]["kv_cache"]
+    assert set(kv) == {"default_format", "bytes", "fp16_bytes", "compression_ratio"}
+    assert kv["default_format"] == "fp16"
+
+
 def test_disconnect_cancels_generation(tiny_server):
     body = {"messages": MSGS, "max_tokens": 3000, "temperature": 0, "stream": True}
     before = _health(tiny_server)["stats"]["tokens_generated"]
@@ -230,6 +241,11 @@ BAD = [
     ("top_logprobs without logprobs", {"messages": MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
     ("bad logit_bias", {"messages": MSGS, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("n too large", {"messages": MSGS, "n": 100}, 400, "n"),
+    ("kv_bits not 4 or 8", {"messages": MSGS, "kv_bits": 3}, 400, "kv_bits"),
+    ("kv_bits wrong type", {"messages": MSGS, "kv_bits": "four"}, 400, "kv_bits"),
+    ("kv_group_size", {"messages": MSGS, "kv_bits": 4, "kv_group_size": 48}, 400, "kv_group_size"),
+    ("unknown turbo_kv preset", {"messages": MSGS, "turbo_kv": "k9v9"}, 400, "turbo_kv"),
+    ("turbo_kv and kv_bits", {"messages": MSGS, "turbo_kv": "k4v3", "kv_bits": 8}, 400, "kv_bits"),
     ("image to a text model", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content"),
 ]

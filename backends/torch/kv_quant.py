@@ -100,8 +100,14 @@ class TurboCodec:
         self.S = torch.tensor(ref.S, dtype=dtype, device=device) if qjl else None
         self.qjl_scale = math.sqrt(math.pi / 2) / d
         self.lut = byte_lut(self.centroids, self.mse_bits)
+        self.use_triton = False  # the fused encode kernel (cuda_ext), switched on by the cache on CUDA
 
     def encode(self, x: torch.Tensor) -> Encoded:
+        if self.use_triton and not self.qjl:
+            from swiftlm.cuda_ext.turboquant_kernels import tq_encode
+
+            planes, norms = tq_encode(x, self.R, self.boundaries, self.mse_bits)
+            return Encoded(planes, norms)
         x = x.to(self.dtype)
         norms = torch.linalg.vector_norm(x, dim=-1)
         u = x / torch.where(norms > 0, norms, torch.ones_like(norms)).unsqueeze(-1)

@@ -82,6 +82,8 @@ class TorchModel:
         dense = self.dtype if self.dtype != torch.float32 else torch.float16
         c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense)
         c.use_triton = self.device.type == "cuda" and cuda_ext.enabled("cuda")
+        if fmt.kind == "turbo":
+            c.kc.use_triton = c.vc.use_triton = c.use_triton
         return c
 
     @torch.inference_mode()

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Decode speed and KV memory of compressed KV caches against the uncompressed cache, same run.
+
+    python scripts/bench_turboquant.py --backend torch [--contexts 1024,4096,16384]
+    python scripts/bench_turboquant.py --backend mlx
+    python scripts/bench_turboquant.py --backend torch --shape 8b --contexts 32768   # on a GPU
+
+A random-weight model of the chosen shape is built in memory (``tiny``: 4 layers, hidden 512,
+8 heads / 2 KV heads, head_dim 64; ``smollm2``: SmolLM2-135M's shape; ``8b``: Llama-3-8B's shape).
+For each context length the cache is filled with random keys/values (decode cost does not depend on
+their values) through the cache's own write/compress path, then ``--steps`` tokens are decoded
+through the model and timed.  Baselines: the plain cache in the model's dtype (fp32 on CPU, bf16 on
+CUDA), run eagerly like the compressed caches, and on CUDA also the CUDA-graph decode that plain
+caches get in the server.  Every ratio is against a baseline measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    "tiny": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=1024, vocab_size=4096),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=49152),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=14336, vocab_size=128256),
+}
+
+
+def config(shape: str, ctx: int) -> dict:
+    c = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+             rope_theta=500000.0, max_position_embeddings=ctx, tie_word_embeddings=False)
+    return c
+
+
+def fmt_of(name: str):
+    from swiftlm.turboquant.presets import KVFormat, affine, parse_turbo
+
+    if name == "fp16":
+        return KVFormat()
+    if name.startswith("kv_bits="):
+        return affine(int(name.split("=")[1]), 64)
+    return parse_turbo(name)
+
+
+# ---------------------------------------------------------------------------------------- torch
+def torch_bench(a, presets, contexts):
+    import torch
+
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.backends.torch.graphs import GraphDecoder, graphable
+    from swiftlm.backends.torch.model import Args, MLP, SeqCache, Transformer
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = config(a.shape, max(contexts) + a.steps + 8)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Transformer(Args.from_config(cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.to(dtype).eval()
+    model.init_rope()
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+    ma = model.a
+    from swiftlm import cuda_ext
+
+    use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    for L in contexts:
+        base = None
+        for name in presets:
+            fmt = fmt_of(name)
+            with torch.inference_mode():
+                if fmt.compressed:
+                    dense = dtype if dtype != torch.float32 else torch.float16
+                    cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense)
+                    cache.use_triton = use_triton
+                else:
+                    cache = SeqCache(ma, dtype, dev, capacity=L + a.steps + 1)
+                g = torch.Generator(device=dev).manual_seed(L)
+                for s in range(0, L, 2048):
+                    T = min(2048, L - s)
+                    for i in range(ma.layers):
+                        k = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                        v = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                        if fmt.compressed:
+                            cache.append(i, s, k, v)
+                        else:
+                            cache.update(i, s, k, v)
+                cache.length = L
+                nbytes = cache.nbytes() if fmt.compressed else 2 * ma.layers * ma.kv_heads * ma.head_dim * L * \
+                    torch.finfo(dtype).bits // 8
+                modes = [("eager", None)]
+                if not fmt.compressed and dev.type == "cuda" and graphable(model):
+                    modes.append(("cuda-graph", GraphDecoder(model, dev)))
+                for mode, gd in modes:
+                    tok = torch.tensor([1], device=dev)
+
+                    def step(pos):
+                        if gd is not None:
+                            return gd.run(cache, 1, pos)
+                        return model(tok, cache, pos)
+
+                    for w in range(3):  # warm-up (graph capture, Triton compile)
+                        step(L + w)
+                    sync()
+                    t0 = time.perf_counter()
+                    for i in range(a.steps):
+                        step(L + i)
+                    sync()
+                    dt = (time.perf_counter() - t0) / a.steps
+                    r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
+                         "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes}
+                    if base is None:
+                        base = r
+                    r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
+                    r["kv_vs_plain"] = nbytes / base["kv_bytes"]
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            del cache
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- mlx
+def mlx_bench(a, presets, contexts):
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from swiftlm.backends.mlx.turbo_cache import install_attention_hook, make_turbo_cache
+
+    cfg = config(a.shape, max(contexts) + a.steps + 8)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    install_attention_hook(model)
+    c = SHAPES[a.shape]
+    layers, kvh, d = c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"]
+    dtype = mx.float32
+    rows = []
+    for L in contexts:
+        base = None
+        for name in presets:
+            fmt = fmt_of(name)
+            if fmt.kind == "turbo":
+                cache = make_turbo_cache(model, fmt, d)
+            elif fmt.kind == "affine":
+                cache = [QuantizedKVCache(group_size=fmt.group_size, bits=fmt.key_bits) for _ in range(layers)]
+            else:
+                cache = [KVCache() for _ in range(layers)]
+            key = mx.random.key(L)
+            for s in range(0, L, 2048):
+                T = min(2048, L - s)
+                for cc in cache:
+                    key, k1, k2 = mx.random.split(key, 3)
+                    k = mx.random.normal((1, kvh, T, d), key=k1).astype(dtype)
+                    v = mx.random.normal((1, kvh, T, d), key=k2).astype(dtype)
+                    cc.update_and_fetch(k, v)
+                    if fmt.kind == "turbo":
+                        cc._compress()
+                mx.eval([x for cc in cache for x in _arrays(cc)])
+            nbytes = sum(x.nbytes for cc in cache for x in _arrays(cc))
+            if fmt.kind == "fp16":  # mlx-lm's KVCache grows in steps of 256: count the rows held
+                nbytes = 2 * layers * kvh * d * L * 4
+            tok = mx.array([[1]], dtype=mx.int32)
+            for _ in range(2):
+                mx.eval(model(tok, cache=cache))
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                mx.eval(model(tok, cache=cache))
+            dt = (time.perf_counter() - t0) / a.steps
+            r = {"backend": "mlx", "device": str(mx.default_device()), "context": L, "format": name, "mode": "eager",
+                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes}
+            if base is None:
+                base = r
+            r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
+            r["kv_vs_plain"] = nbytes / base["kv_bytes"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def _arrays(c):
+    from mlx.utils import tree_flatten
+    import mlx.core as mx
+
+    try:
+        return [x for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
+    except (AttributeError, TypeError):
+        return []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("torch", "mlx"), default="torch")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--presets", default="fp16,k4v3,k3qjl-v3,k3v2,kv_bits=8,kv_bits=4")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    presets = a.presets.split(",")
+    rows = (torch_bench if a.backend == "torch" else mlx_bench)(a, presets, contexts)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()} "
+                    f"(random weights; ratios against the plain cache in the same run)")
+    for col in ("context", "format", "mode", "tok/s", "vs plain", "KV bytes", "KV vs plain"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r["context"]), r["format"], r["mode"], f"{r['tok_s']:.1f}", f"{r['speed_vs_plain']:.2f}x",
+                  f"{r['kv_bytes'] / 2**20:.1f} MiB", f"{r['kv_vs_plain']:.3f}x")
+    Console().print(t)
+    out = Path(a.json or f"bench_results/bench_turboquant_{a.backend}_{a.shape}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"backend": a.backend, "shape": a.shape, "steps": a.steps, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (no network): install the carried wheels (.whl/) and swiftlm into
+# /tmp/site, run the Triton/CUDA tests, then the TurboQuant decode benchmarks.  Results go to $OUT.
+#   bash scripts/gpu_turbo.sh tests      # GPU tests of cuda_ext (decode kernels, TurboQuant kernels, cache)
+#   bash scripts/gpu_turbo.sh 8b         # 8B-shaped random model at 32K context
+#   bash scripts/gpu_turbo.sh smollm2    # SmolLM2-shaped random model at 1K/4K/16K
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests /tmp/gt/ && cp scripts/bench_turboquant.py /tmp/gt/
+cd /tmp/gt  # import the installed copy, not the source tree
+python3 -c "import torch, triton, swiftlm; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
+for what in "$@"; do
+  case $what in
+    tests) timeout 400 python3 -m pytest -q -rs tests/test_cuda_ext.py 2>&1 | tee "$OUT/test_cuda_ext_gpu.log" | tail -15 ;;
+    8b) timeout 500 python3 bench_turboquant.py --backend torch --shape 8b --contexts 32768 --steps 16 \
+          --presets fp16,k4v3,k3qjl-v3,k3v2,kv_bits=8,kv_bits=4 --json "$OUT/bench_turboquant_gpu_8b.json" \
+          2>&1 | tee "$OUT/bench_turboquant_gpu_8b.log" | tail -14 ;;
+    smollm2) timeout 500 python3 bench_turboquant.py --backend torch --shape smollm2 --contexts 1024,4096,16384 \
+          --steps 32 --json "$OUT/bench_turboquant_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_turboquant_gpu_smollm2.log" \
+          | tail -24 ;;
+  esac
+done
