@@ -32,26 +32,35 @@ def _codes(p0, p1, row_bytes0, row_bytes1, n_idx, d_idx, W0: tl.constexpr, W1: t
 
 
 @triton.jit
-def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, m_out, l_out, acc_out, N,
-                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
-                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr):
+def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
+                    m_out, l_out, acc_out, N, qjl_scale,
+                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, REP: tl.constexpr,
+                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, QJL: tl.constexpr):
     h = tl.program_id(0)   # query head; its KV head is h // REP (grouped-query attention)
+    sp = tl.program_id(1)  # which CHUNK of rows (split-K: partials merged by the caller)
+    S = tl.num_programs(1)
     g = h // REP
     d = tl.arange(0, D)
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    if QJL:
+        sq = tl.load(sq_ptr + h * D + d).to(tl.float32)
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for start in range(0, N, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+    for i in range(0, CHUNK, BLOCK_N):
+        n = sp * CHUNK + i + tl.arange(0, BLOCK_N)
         ok = n < N
         nn = tl.where(ok, n, 0)
         kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, d, KW0, KW1)
         kvec = tl.load(kc_ptr + kc)                                   # centroids [BLOCK_N, D]
         kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
-        s = tl.sum(kvec * q[None, :], axis=1) * kn
-        s = tl.where(ok, s, float("-inf"))
+        dot = tl.sum(kvec * q[None, :], axis=1)
+        if QJL:  # + ‖r‖ √(π/2)/d <S q, sign(S r)>
+            sg = _codes(ks_ptr + g * ks_head, ks_ptr + g * ks_head, D // 8, D // 8, nn, d, 1, 0)
+            rn = tl.load(kr_ptr + g * kr_head + nn).to(tl.float32)
+            dot += qjl_scale * rn * tl.sum((2 * sg - 1).to(tl.float32) * sq[None, :], axis=1)
+        s = tl.where(ok, dot * kn, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
@@ -61,9 +70,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, m
         acc = acc * alpha + tl.sum((p * vn)[:, None] * vvec, axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
-    tl.store(m_out + h, m)
-    tl.store(l_out + h, l)
-    tl.store(acc_out + h * D + d, acc)
+    tl.store(m_out + h * S + sp, m)
+    tl.store(l_out + h * S + sp, l)
+    tl.store(acc_out + (h * S + sp) * D + d, acc)
 
 
 def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
@@ -75,29 +84,49 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
 
 def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
                         k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
-                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int = 32, rep: int = 1
+                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
+                        rep: int = 1, chunk: int = 256, qjl: tuple | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
     views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
-    centroids [2^bits].  Query head h reads KV head h // rep.
+    centroids [2^bits].  Query head h reads KV head h // rep.  ``qjl``: (S q scaled [H, D], sign
+    plane [H // rep, N, D / 8], fp16 residual norms [H // rep, >= N], √(π/2)/d) for QJL keys.
+    Rows are split into chunks of ``chunk`` (one program per head and chunk, so long histories fill
+    the GPU), and the partials are merged here.
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and Σ p‖v‖c in the rotated domain."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1]
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
+    block_n = block_n or (64 if D <= 64 else 32)
+    chunk = max(block_n, chunk // block_n * block_n)
+    S = max(1, triton.cdiv(N, chunk))
     kp0, kp1, hk0, hk1, rk0, rk1, kw0, kw1 = _planes(k_planes, k_bits)
     vp0, vp1, hv0, hv1, rv0, rv1, vw0, vw1 = _planes(v_planes, v_bits)
-    m = torch.empty(H, dtype=torch.float32, device=q_rot.device)
+    dev = q_rot.device
+    m = torch.empty(H, S, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
-    acc = torch.empty(H, D, dtype=torch.float32, device=q_rot.device)
-    _tq_attn_kernel[(H,)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                          vp0, vp1, v_norms, v_centroids.float(), m, l, acc, N,
-                          hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
-                          D=D, BLOCK_N=block_n, REP=rep, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1)
-    return m, l, acc
+    acc = torch.empty(H, S, D, dtype=torch.float32, device=dev)
+    if qjl is not None:
+        sq, ks, kr, qjl_scale = qjl
+        sq = sq.float().contiguous()
+        assert kr.stride(1) == 1 and ks.stride(2) == 1 and ks.stride(1) == D // 8
+        ks_head, kr_head = ks.stride(0), kr.stride(0)
+    else:
+        sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
+    _tq_attn_kernel[(H, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N, float(qjl_scale),
+                            hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
+                            ks_head, kr_head, D=D, BLOCK_N=block_n, CHUNK=chunk, REP=rep,
+                            KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None)
+    if S == 1:
+        return m[:, 0], l[:, 0], acc[:, 0]
+    M = m.max(dim=1).values
+    w = torch.exp(m - M[:, None])
+    return M, (l * w).sum(1), (acc * w[..., None]).sum(1)
 
 
 def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
-                            rep: int = 1):
+                            rep: int = 1, qjl: tuple | None = None):
     """Plain torch: unpack, look up, softmax; same (m, l, acc) contract."""
     if rep > 1:
         k_planes = [p.repeat_interleave(rep, 0) for p in k_planes]
@@ -120,7 +149,13 @@ def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_pla
 
     D = q_rot.shape[1]
     kc = k_centroids.float()[unpack(k_planes, k_bits, D)]               # [H, N, D]
-    s = torch.einsum("hnd,hd->hn", kc, q_rot.float()) * k_norms.float()
+    dots = torch.einsum("hnd,hd->hn", kc, q_rot.float())
+    if qjl is not None:
+        sq, ks, kr, qjl_scale = qjl
+        ks, kr = ks.repeat_interleave(rep, 0), kr.repeat_interleave(rep, 0)[:, :N]
+        signs = unpack([ks], 1, D).float() * 2 - 1
+        dots = dots + qjl_scale * kr.float() * torch.einsum("hnd,hd->hn", signs, sq.float())
+    s = dots * k_norms.float()
     m = s.max(dim=1).values
     p = torch.exp(s - m[:, None])
     vc = v_centroids.float()[unpack(v_planes, v_bits, D)] * v_norms.float()[..., None]

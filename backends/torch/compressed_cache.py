@@ -182,7 +182,7 @@ class CompressedCache:
         KVH, rep = a.kv_heads, H // a.kv_heads
         scale = D ** -0.5
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
-        if T == 1 and self.use_triton and L.n_code and self.fmt.kind == "turbo" and not self.kc.qjl:
+        if T == 1 and self.use_triton and L.n_code and self.fmt.kind == "turbo":
             return self._attend_triton(L, q, scale)
 
         def blocks() -> Iterator[tuple]:
@@ -210,9 +210,12 @@ class CompressedCache:
         H, _, D = q.shape
         q_rot = (q[:, 0].float() @ self.kc.R.T) * scale
         n = L.n_code
+        qjl = None
+        if self.kc.qjl:
+            qjl = ((q[:, 0].float() @ self.kc.S.T) * scale, L.ks[:, :n], L.kr, self.kc.qjl_scale)
         m, l, acc = tq_decode_attention(q_rot, [p[:, :n] for p in L.kp], L.kn[:, :n], self.kc.centroids,
                                         self.kc.mse_bits, [p[:, :n] for p in L.vp], L.vn[:, :n],
-                                        self.vc.centroids, self.vc.bits, rep=H // a.kv_heads)
+                                        self.vc.centroids, self.vc.bits, rep=H // a.kv_heads, qjl=qjl)
         # merge with the dense rows (exact) in the original domain
         rep = H // a.kv_heads
         nd = L.n_dense
