@@ -61,7 +61,7 @@ def torch_bench(a, presets, contexts):
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = config(a.shape, max(contexts) + a.steps + 8)
+    cfg = config(a.shape, max(contexts) + a.warmup + a.steps + 8)
     torch.manual_seed(0)
     with torch.device(dev):
         model = Transformer(Args.from_config(cfg))
@@ -92,7 +92,7 @@ def torch_bench(a, presets, contexts):
                     cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense)
                     cache.use_triton = use_triton
                 else:
-                    cache = SeqCache(ma, dtype, dev, capacity=L + a.steps + 1)
+                    cache = SeqCache(ma, dtype, dev, capacity=L + a.warmup + a.steps + 1)
                 g = torch.Generator(device=dev).manual_seed(L)
                 for s in range(0, L, 2048):
                     T = min(2048, L - s)
@@ -117,12 +117,12 @@ def torch_bench(a, presets, contexts):
                             return gd.run(cache, 1, pos)
                         return model(tok, cache, pos)
 
-                    for w in range(3):  # warm-up (graph capture, Triton compile)
+                    for w in range(a.warmup):  # warm-up (graph capture, Triton compile, clocks)
                         step(L + w)
                     sync()
                     t0 = time.perf_counter()
                     for i in range(a.steps):
-                        step(L + i)
+                        step(L + a.warmup + i)
                     sync()
                     dt = (time.perf_counter() - t0) / a.steps
                     r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
@@ -207,6 +207,42 @@ def _arrays(c):
         return []
 
 
+def memory_table(a, presets):
+    """KV bytes at ``--memory-context`` positions (torch caches, 16-bit rows in fp16, filled through
+    the cache's own write/compress path): measured storage vs the layout formula vs a 16-bit cache."""
+    import torch
+
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.turboquant.presets import turbo_layout_bytes
+
+    rows = []
+    for shape in ("smollm2", "8b"):
+        c = SHAPES[shape]
+        ma = argparse.Namespace(layers=c["num_hidden_layers"], kv_heads=c["num_key_value_heads"],
+                                heads=c["num_attention_heads"], head_dim=c["head_dim"])
+        L = a.memory_context
+        fp16 = 2 * ma.layers * ma.kv_heads * ma.head_dim * 2 * L
+        for name in presets:
+            fmt = fmt_of(name)
+            if fmt.kind != "turbo":
+                continue
+            cache = CompressedCache(ma, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
+            for s in range(0, L, 512):
+                kv = torch.randn(ma.kv_heads, 512, ma.head_dim)
+                for i in range(ma.layers):
+                    cache.append(i, s, kv, kv)
+            n_code, n_dense = cache.counts()
+            f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads,
+                                   head_dim=ma.head_dim)
+            formula = f["codes_allocated"] + f["dense_allocated"] + f["uncompressed_layers"]
+            r = {"shape": shape, "context": L, "format": name, "measured_bytes": cache.nbytes(),
+                 "formula_bytes": formula, "fp16_bytes": fp16, "ratio": cache.nbytes() / fp16,
+                 "compressed_rows": n_code, "window_rows": n_dense, "bits_per_dim": fmt.bits_per_dim(ma.head_dim)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("torch", "mlx"), default="torch")
@@ -214,8 +250,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--presets", default="fp16,k4v3,k3qjl-v3,k3v2,kv_bits=8,kv_bits=4")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", action="store_true", help="only the KV-bytes table (8K positions, no model)")
+    ap.add_argument("--memory-context", type=int, default=8192)
     a = ap.parse_args()
+    if a.memory:
+        rows = memory_table(a, a.presets.split(","))
+        out = Path(a.json or "bench_results/bench_turboquant_memory.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows}, indent=2))
+        return
     contexts = [int(x) for x in a.contexts.split(",")]
     presets = a.presets.split(",")
     rows = (torch_bench if a.backend == "torch" else mlx_bench)(a, presets, contexts)
