@@ -33,12 +33,15 @@ def _codes(p0, p1, row_bytes0, row_bytes1, n_idx, d_idx, W0: tl.constexpr, W1: t
 
 @triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
-                    m_out, l_out, acc_out, N, qjl_scale,
+                    m_out, l_out, acc_out, N, n_ptr, qjl_scale,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, REP: tl.constexpr,
-                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, QJL: tl.constexpr):
+                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, QJL: tl.constexpr,
+                    N_PTR: tl.constexpr):
     h = tl.program_id(0)   # query head; its KV head is h // REP (grouped-query attention)
     sp = tl.program_id(1)  # which CHUNK of rows (split-K: partials merged by the caller)
+    if N_PTR:  # the row count lives on the device (CUDA graphs: the grid covers the capacity)
+        N = tl.load(n_ptr)
     S = tl.num_programs(1)
     g = h // REP
     d = tl.arange(0, D)
@@ -62,8 +65,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
             dot += qjl_scale * rn * tl.sum((2 * sg - 1).to(tl.float32) * sq[None, :], axis=1)
         s = tl.where(ok, dot * kn, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk past the rows: all -inf, no NaN
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe)
         vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, d, VW0, VW1)
         vvec = tl.load(vc_ptr + vc)
         vn = tl.load(vn_ptr + g * vn_head + nn).to(tl.float32)
@@ -85,14 +89,15 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
 def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
                         k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
                         v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
-                        rep: int = 1, chunk: int = 256, qjl: tuple | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        rep: int = 1, chunk: int = 256, qjl: tuple | None = None,
+                        n_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
     views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
     centroids [2^bits].  Query head h reads KV head h // rep.  ``qjl``: (S q scaled [H, D], sign
     plane [H // rep, N, D / 8], fp16 residual norms [H // rep, >= N], √(π/2)/d) for QJL keys.
     Rows are split into chunks of ``chunk`` (one program per head and chunk, so long histories fill
-    the GPU), and the partials are merged here.
+    the GPU), and the partials are merged here.  ``n_rows`` (int device tensor [1]): read only that
+    many rows of the given planes, with the grid sized for all of them (no host sync: capturable).
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and Σ p‖v‖c in the rotated domain."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1]
@@ -114,14 +119,16 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
     else:
         sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
     _tq_attn_kernel[(H, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N, float(qjl_scale),
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
+                            n_rows if n_rows is not None else m, float(qjl_scale),
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, CHUNK=chunk, REP=rep,
-                            KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None)
+                            KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
+                            N_PTR=n_rows is not None)
     if S == 1:
         return m[:, 0], l[:, 0], acc[:, 0]
     M = m.max(dim=1).values
-    w = torch.exp(m - M[:, None])
+    w = torch.exp(m - torch.where(torch.isinf(M), torch.zeros_like(M), M)[:, None])  # no rows at all: 0, not NaN
     return M, (l * w).sum(1), (acc * w[..., None]).sum(1)
 
 

@@ -83,39 +83,45 @@ def torch_bench(a, presets, contexts):
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     for L in contexts:
-        base = None
+        base: dict = {}
         for name in presets:
             fmt = fmt_of(name)
-            with torch.inference_mode():
-                if fmt.compressed:
-                    dense = dtype if dtype != torch.float32 else torch.float16
-                    cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense)
-                    cache.use_triton = use_triton
-                else:
-                    cache = SeqCache(ma, dtype, dev, capacity=L + a.warmup + a.steps + 1)
-                g = torch.Generator(device=dev).manual_seed(L)
-                for s in range(0, L, 2048):
-                    T = min(2048, L - s)
-                    for i in range(ma.layers):
-                        k = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
-                        v = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
-                        if fmt.compressed:
-                            cache.append(i, s, k, v)
-                        else:
-                            cache.update(i, s, k, v)
-                cache.length = L
-                nbytes = cache.nbytes() if fmt.compressed else 2 * ma.layers * ma.kv_heads * ma.head_dim * L * \
-                    torch.finfo(dtype).bits // 8
-                modes = [("eager", None)]
-                if not fmt.compressed and dev.type == "cuda" and graphable(model):
-                    modes.append(("cuda-graph", GraphDecoder(model, dev)))
-                for mode, gd in modes:
+            variants = [("eager", False)]
+            if dev.type == "cuda" and (not fmt.compressed or (fmt.kind == "turbo" and use_triton)):
+                variants.append(("cuda-graph", True))
+            for mode, graphed in variants:
+                with torch.inference_mode():
+                    cap = L + a.warmup + a.steps + 1
+                    if fmt.compressed:
+                        dense = dtype if dtype != torch.float32 else torch.float16
+                        cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if graphed else None)
+                        cache.use_triton = use_triton
+                        if fmt.kind == "turbo":
+                            cache.kc.use_triton = cache.vc.use_triton = use_triton
+                    else:
+                        cache = SeqCache(ma, dtype, dev, capacity=cap)
+                    g = torch.Generator(device=dev).manual_seed(L)
+                    for s in range(0, L, 2048):
+                        T = min(2048, L - s)
+                        for i in range(ma.layers):
+                            k = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                            v = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                            if fmt.compressed:
+                                cache.append(i, s, k, v)
+                            else:
+                                cache.update(i, s, k, v)
+                    cache.length = L
+                    nbytes = (cache.nbytes() if fmt.compressed and not graphed else
+                              _held_bytes(cache, fmt, ma, L, dtype))
+                    gd = GraphDecoder(model, dev) if graphed else None
                     tok = torch.tensor([1], device=dev)
 
                     def step(pos):
-                        if gd is not None:
-                            return gd.run(cache, 1, pos)
-                        return model(tok, cache, pos)
+                        if gd is None:
+                            return model(tok, cache, pos)
+                        if fmt.compressed:
+                            return gd.run_turbo(cache, 1, pos)
+                        return gd.run(cache, 1, pos)
 
                     for w in range(a.warmup):  # warm-up (graph capture, Triton compile, clocks)
                         step(L + w)
@@ -127,16 +133,31 @@ def torch_bench(a, presets, contexts):
                     dt = (time.perf_counter() - t0) / a.steps
                     r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
                          "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes}
-                    if base is None:
-                        base = r
-                    r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
-                    r["kv_vs_plain"] = nbytes / base["kv_bytes"]
+                    base.setdefault(mode, r)
+                    r["speed_vs_plain"] = r["tok_s"] / base[mode]["tok_s"]
+                    r["speed_vs_plain_eager"] = r["tok_s"] / base["eager"]["tok_s"]
+                    r["kv_vs_plain"] = nbytes / base["eager"]["kv_bytes"]
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             del cache
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def _held_bytes(cache, fmt, ma, L, dtype) -> int:
+    """KV bytes for L positions by the layout: a static cache allocates the whole capacity up front
+    (like the 16-bit slot pool), so its figure is what the rows held need."""
+    import torch
+
+    from swiftlm.turboquant.presets import turbo_layout_bytes
+
+    if not fmt.compressed:
+        return 2 * ma.layers * ma.kv_heads * ma.head_dim * L * torch.finfo(dtype).bits // 8
+    n_code, n_dense = cache.counts()
+    f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads,
+                           head_dim=ma.head_dim, dense_bytes=torch.finfo(cache.dense_dtype).bits // 8)
+    return f["codes_used"] + f["dense_used"] + f["uncompressed_layers"]
 
 
 # ---------------------------------------------------------------------------------------- mlx
@@ -269,7 +290,7 @@ def main() -> None:
 
     t = Table(title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()} "
                     f"(random weights; ratios against the plain cache in the same run)")
-    for col in ("context", "format", "mode", "tok/s", "vs plain", "KV bytes", "KV vs plain"):
+    for col in ("context", "format", "mode", "tok/s", "vs plain (same mode)", "KV bytes", "KV vs plain"):
         t.add_column(col)
     for r in rows:
         t.add_row(str(r["context"]), r["format"], r["mode"], f"{r['tok_s']:.1f}", f"{r['speed_vs_plain']:.2f}x",

@@ -36,7 +36,7 @@ ATTN_BLOCK = 1024  # compressed rows decoded at a time by the plain-torch attent
 
 
 class _Layer:
-    __slots__ = ("compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb")
+    __slots__ = ("compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending")
 
     def __init__(self, compressed: bool):
         self.compressed = compressed
@@ -46,14 +46,20 @@ class _Layer:
         self.kn = self.vn = None      # fp16 norms / affine scales [KVH, cap(, groups)]
         self.ks = self.kr = None      # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
         self.vb = None                # affine value bias
+        self.pending = None           # static caches: this step's 16-bit rows when they overflow the buffer
 
 
 class CompressedCache:
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
     def __init__(self, a: Any, fmt: KVFormat, dtype: torch.dtype, device: torch.device,
-                 dense_dtype: torch.dtype | None = None):
+                 dense_dtype: torch.dtype | None = None, capacity: int | None = None):
+        """``capacity``: a *static* cache (CUDA graphs): codes for ``capacity`` positions and a fixed
+        16-bit buffer of window + COMPRESS_BLOCK + threshold rows are allocated once and never move;
+        a step's rows that overflow the buffer are held aside until compression makes room."""
         self.a, self.fmt, self.dtype, self.device = a, fmt, dtype, device
+        self.static = capacity is not None
+        self.capacity = capacity
         self.dense_dtype = dense_dtype or dtype
         d = a.head_dim
         if fmt.kind == "turbo":
@@ -69,6 +75,26 @@ class CompressedCache:
         self.length = 0
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
         self.use_triton = False
+        if self.static:
+            if fmt.kind != "turbo":
+                raise ValueError("static compressed caches are TurboQuant caches")
+            self.dense_rows = self.window + COMPRESS_BLOCK + fmt.threshold
+            KVH, d = a.kv_heads, a.head_dim
+            for L in self.layers:
+                rows = self.dense_rows if L.compressed else capacity
+                L.dk = torch.zeros((KVH, rows, d), dtype=self.dense_dtype, device=device)
+                L.dv = torch.zeros_like(L.dk)
+                if L.compressed:
+                    probe_k = self.kc.encode(torch.zeros(KVH, 1, d, device=device))
+                    probe_v = self.vc.encode(torch.zeros(KVH, 1, d, device=device))
+                    self._alloc_codes(L, probe_k, probe_v, capacity)
+
+    def reset(self) -> None:
+        """Empty the cache for reuse (a static cache keeps its storage, so its CUDA graph stays valid)."""
+        for L in self.layers:
+            L.n_code = L.n_dense = 0
+            L.pending = None
+        self.length = 0
 
     # ------------------------------------------------------------------ storage
     def _dense_cap(self, L: _Layer, need: int) -> int:
@@ -91,27 +117,31 @@ class CompressedCache:
             dv[:, :L.n_dense] = L.dv[:, :L.n_dense]
         L.dk, L.dv = dk, dv
 
+    def _alloc_codes(self, L: _Layer, k: Encoded, v: Encoded, cap: int, keep: int = 0) -> None:
+        """(Re)allocate code storage for ``cap`` positions, keeping the first ``keep`` rows."""
+        def grow(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+            t = torch.zeros((new.shape[0], cap, *new.shape[2:]), dtype=new.dtype, device=self.device)
+            if old is not None and keep:
+                t[:, :keep] = old[:, :keep]
+            return t
+
+        L.kp = [grow(o, p) for o, p in zip(L.kp or [None] * len(k.planes), k.planes)]
+        L.vp = [grow(o, p) for o, p in zip(L.vp or [None] * len(v.planes), v.planes)]
+        L.kn, L.vn = grow(L.kn, k.norms), grow(L.vn, v.norms)
+        if k.signs is not None:
+            L.ks = grow(L.ks, k.signs)
+        if k.rnorms is not None:
+            L.kr = grow(L.kr, k.rnorms)
+        if v.signs is not None:
+            L.vb = grow(L.vb, v.signs)
+
     def _store(self, L: _Layer, k: Encoded, v: Encoded, at: int, n: int) -> None:
         """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
         have = 0 if L.kn is None else L.kn.shape[1]
         if at + n > have:
-            cap = code_capacity(at + n)
-
-            def grow(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-                t = torch.zeros((new.shape[0], cap, *new.shape[2:]), dtype=new.dtype, device=self.device)
-                if old is not None and at:
-                    t[:, :at] = old[:, :at]
-                return t
-
-            L.kp = [grow(o, p) for o, p in zip(L.kp or [None] * len(k.planes), k.planes)]
-            L.vp = [grow(o, p) for o, p in zip(L.vp or [None] * len(v.planes), v.planes)]
-            L.kn, L.vn = grow(L.kn, k.norms), grow(L.vn, v.norms)
-            if k.signs is not None:
-                L.ks = grow(L.ks, k.signs)
-            if k.rnorms is not None:
-                L.kr = grow(L.kr, k.rnorms)
-            if v.signs is not None:
-                L.vb = grow(L.vb, v.signs)
+            if self.static:
+                raise RuntimeError(f"static TurboQuant cache holds {have} positions; {at + n} needed")
+            self._alloc_codes(L, k, v, code_capacity(at + n), keep=at)
         for dst, src in zip(L.kp, k.planes):
             dst[:, at:at + n] = src
         for dst, src in zip(L.vp, v.planes):
@@ -131,18 +161,30 @@ class CompressedCache:
         if L.n_dense < self.window + (COMPRESS_BLOCK if self.window or self.fmt.kind == "turbo" else 1):
             return
         c = L.n_dense - self.window
-        k = self.kc.encode(L.dk[:, :c])
-        v = self.vc.encode(L.dv[:, :c])
+        dk, dv = self._dense(L)
+        k = self.kc.encode(dk[:, :c])
+        v = self.vc.encode(dv[:, :c])
         self._store(L, k, v, L.n_code, c)
-        rest_k, rest_v = L.dk[:, c:L.n_dense], L.dv[:, c:L.n_dense]
+        rest_k, rest_v = dk[:, c:L.n_dense].clone(), dv[:, c:L.n_dense].clone()
         L.n_code += c
         L.n_dense -= c
+        L.pending = None
+        if self.static:  # in place: the buffer's address is part of a CUDA graph
+            L.dk[:, :L.n_dense] = rest_k
+            L.dv[:, :L.n_dense] = rest_v
+            return
         cap = self._dense_cap(L, L.n_dense)
         if cap < L.dk.shape[1]:  # a large prefill chunk had grown it: give the memory back
             L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
             L.dv = torch.zeros_like(L.dk)
-        L.dk[:, :L.n_dense] = rest_k.clone()
-        L.dv[:, :L.n_dense] = rest_v.clone()
+        L.dk[:, :L.n_dense] = rest_k
+        L.dv[:, :L.n_dense] = rest_v
+
+    def _dense(self, L: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 16-bit rows [KVH, n_dense, D] (buffer, or buffer + rows held aside)."""
+        if L.pending is not None:
+            return L.pending
+        return L.dk[:, :L.n_dense], L.dv[:, :L.n_dense]
 
     # ------------------------------------------------------------------ attention
     def _code_blocks(self, L: _Layer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
@@ -188,7 +230,8 @@ class CompressedCache:
         def blocks() -> Iterator[tuple]:
             yield from self._code_blocks(L, qg, scale)
             nd = L.n_dense
-            keys, vals = L.dk[:, :nd].float(), L.dv[:, :nd].float()
+            dk, dv = self._dense(L)
+            keys, vals = dk.float(), dv.float()
             mask = None
             if T > 1:  # causal inside the step's own rows: dense row j is position n_code + j
                 pos_q = torch.arange(start, start + T, device=q.device).repeat(rep)
@@ -219,19 +262,19 @@ class CompressedCache:
         # merge with the dense rows (exact) in the original domain
         rep = H // a.kv_heads
         nd = L.n_dense
-        s = (q[:, 0].float().view(a.kv_heads, rep, D) @ L.dk[:, :nd].float().transpose(1, 2)).view(H, nd) * scale
+        dk, dv = self._dense(L)
+        s = (q[:, 0].float().view(a.kv_heads, rep, D) @ dk.float().transpose(1, 2)).view(H, nd) * scale
         m2 = torch.maximum(m, s.amax(-1))
         p = torch.exp(s - m2[:, None])
         alpha = torch.exp(m - m2)
-        dense = (p.view(a.kv_heads, rep, nd) @ L.dv[:, :nd].float()).view(H, D)
+        dense = (p.view(a.kv_heads, rep, nd) @ dv.float()).view(H, D)
         out = (acc * alpha[:, None]) @ self.vc.R + dense
         out = out / (l * alpha + p.sum(-1))[:, None]
         return out.reshape(1, H * D).to(q.dtype)
 
-    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
-        L = self.layers[layer]
-        T = k.shape[1]
+    def truncate(self, L: _Layer, start: int) -> None:
         held = L.n_code + L.n_dense
+        L.pending = None
         if start < held:  # rollback / recompute: later positions are dropped
             if start >= L.n_code:
                 L.n_dense = start - L.n_code
@@ -239,6 +282,18 @@ class CompressedCache:
                 L.n_code, L.n_dense = start, 0
         elif start > held:
             raise RuntimeError(f"KV cache holds {held} positions, step starts at {start}")
+
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
+        L = self.layers[layer]
+        T = k.shape[1]
+        self.truncate(L, start)
+        if self.static and L.n_dense + T > L.dk.shape[1]:  # hold this step's rows aside (see __init__)
+            L.pending = (torch.cat([L.dk[:, :L.n_dense], k.to(self.dense_dtype)], 1),
+                         torch.cat([L.dv[:, :L.n_dense], v.to(self.dense_dtype)], 1))
+            L.n_dense += T
+            if layer == self.a.layers - 1:
+                self.length = start + T
+            return L
         self._ensure_dense(L, L.n_dense + T)
         L.dk[:, L.n_dense:L.n_dense + T] = k
         L.dv[:, L.n_dense:L.n_dense + T] = v
@@ -247,6 +302,45 @@ class CompressedCache:
             self.length = start + T
         return L
 
+    # ------------------------------------------------------------------ CUDA-graph decode
+    def attend_static(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Decode-row attention with every shape fixed (capturable): q [H, D]; the new row is
+        already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
+        Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
+        Returns [1, H*D]."""
+        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention
+
+        a = self.a
+        L = self.layers[layer]
+        H, D = q.shape
+        KVH, rep = a.kv_heads, H // a.kv_heads
+        scale = D ** -0.5
+        qf = q.float()
+        q_rot = (qf @ self.kc.R.T) * scale
+        qjl = ((qf @ self.kc.S.T) * scale, L.ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        m, l, acc = tq_decode_attention(q_rot, L.kp, L.kn, self.kc.centroids, self.kc.mse_bits, L.vp, L.vn,
+                                        self.vc.centroids, self.vc.bits, rep=rep, qjl=qjl, n_rows=n_code)
+        R = L.dk.shape[1]
+        s = (qf.view(KVH, rep, D) @ L.dk.float().transpose(1, 2)).view(H, R) * scale
+        s = s.masked_fill(~valid.view(1, R), float("-inf"))
+        m2 = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m2[:, None])
+        alpha = torch.exp(m - m2)
+        dense = (p.view(KVH, rep, R) @ L.dv.float()).view(H, D)
+        out = (acc * alpha[:, None]) @ self.vc.R + dense
+        out = out / (l * alpha + p.sum(-1))[:, None]
+        return out.reshape(1, H * D).to(q.dtype)
+
+    def graphable(self) -> bool:
+        return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
+
+    def after_graph_step(self, pos: int) -> None:
+        """Host bookkeeping after a replayed decode step wrote position ``pos``."""
+        for L in self.layers:
+            L.n_dense += 1
+            self._compress(L)
+        self.length = pos + 1
+
     def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:
         """Write k, v [KVH, T, D] at positions [start, start+T), attend q [H, T, D] to everything up
@@ -254,6 +348,8 @@ class CompressedCache:
         L = self._write(layer, start, k, v)
         out = self._attend(L, q, start)
         self._compress(L)
+        if L.pending is not None:
+            raise RuntimeError("static TurboQuant cache: 16-bit rows overflow the buffer")
         return out
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -135,6 +135,31 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
     return F.linear(x, w)
 
 
+def decode_turbo_static(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,
+                        n_code: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+    """One decode token over a static TurboQuant cache (``CompressedCache(capacity=...)``): the new
+    row goes into the 16-bit buffer at ``n_dense`` and attention reads ``n_code`` compressed rows
+    through the Triton kernel; all shapes are fixed, so the step is one graph per cache.  Logits [V]."""
+    a = model.a
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    x = model.embed(token)
+    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [1, 1, D]
+    R = kv.dense_rows
+    valid = arange[:R] <= n_dense  # the rows held plus the one written now
+    for i, blk in enumerate(model.layers):
+        attn = blk.self_attn
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))           # [1, H, D], [1, KVH, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        L = kv.layers[i]
+        L.dk.index_copy_(1, n_dense, k.view(KVH, 1, D).to(L.dk.dtype))
+        L.dv.index_copy_(1, n_dense, v.view(KVH, 1, D).to(L.dv.dtype))
+        x = x + attn.o_proj(kv.attend_static(i, q[0], n_code, valid))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    x = model.norm(x)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(x, w)[0]
+
+
 class SlotPool:
     """Fixed-capacity KV caches for up to ``n`` sequences in one tensor per layer
     ([n + 1, KVH, capacity, D]; the last row is scratch for padded batch rows).  A sequence's
@@ -264,6 +289,31 @@ class GraphDecoder:
         p.copy_(dev[2])
         g.replay()
         return out[:B]
+
+    def run_turbo(self, kv: Any, token: int, pos: int) -> torch.Tensor:
+        """A decode step over a static TurboQuant cache: one graph per cache (its storage never
+        moves), replayed with the token, position and row counts filled in; compression of rows
+        leaving the window runs eagerly between replays (once per 32 tokens)."""
+        for L in kv.layers:
+            kv.truncate(L, pos)
+        L0 = kv.layers[0]
+        host = (token, pos, L0.n_dense, L0.n_code)
+        if not self.use_graph:
+            t, p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
+            out = decode_turbo_static(self.model, kv, t, p, nd, nc, self.arange)
+        else:
+            key = ("turbo", id(kv))
+            entry = self.graphs.get(key)
+            if entry is None:
+                ins = tuple(torch.tensor([x], device=self.device) for x in host)
+                entry = self._capture(key, lambda t, p, nd, nc: decode_turbo_static(self.model, kv, t, p, nd, nc,
+                                                                                    self.arange), ins)
+            g, ins, out = entry
+            for t, x in zip(ins, host):
+                t.fill_(x)
+            g.replay()
+        kv.after_graph_step(pos)
+        return out
 
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         if not self.use_graph:

@@ -42,6 +42,7 @@ class TorchModel:
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
+        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static TurboQuant caches to reuse
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
@@ -78,10 +79,20 @@ class TorchModel:
     def _compressed(self, fmt: KVFormat) -> CompressedCache:
         from swiftlm import cuda_ext
 
+        pooled = self.turbo_free.get(fmt)
+        if pooled:
+            c = pooled.pop()
+            c.reset()
+            return c
         # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
         dense = self.dtype if self.dtype != torch.float32 else torch.float16
-        c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense)
-        c.use_triton = self.device.type == "cuda" and cuda_ext.enabled("cuda")
+        triton_ok = self.device.type == "cuda" and cuda_ext.enabled("cuda")
+        # CUDA + TurboQuant: a static cache (storage for the whole context, allocated once and reused
+        # by later requests with the same format) so that decode steps replay one CUDA graph
+        static = triton_ok and self.graphs is not None and fmt.kind == "turbo" and not fmt.keep_layers
+        c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
+                            capacity=self.info.context_length if static else None)
+        c.use_triton = triton_ok
         if fmt.kind == "turbo":
             c.kc.use_triton = c.vc.use_triton = c.use_triton
         return c
@@ -89,7 +100,10 @@ class TorchModel:
     @torch.inference_mode()
     def logits(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
         cache = self._cache(seq_id, start)
-        if len(tokens) == 1 and self.graphs is not None:
+        if len(tokens) == 1 and isinstance(cache, CompressedCache):
+            if self.graphs is not None and cache.graphable():
+                return self.graphs.run_turbo(cache, tokens[0], start)
+        elif len(tokens) == 1 and self.graphs is not None:
             out = self.graphs.run(cache, tokens[0], start)
             cache.length = start + 1
             return out
@@ -184,6 +198,9 @@ class TorchModel:
         for s in seq_ids:
             c = self.caches.pop(s, None)
             self.kv_formats.pop(s, None)
+            if isinstance(c, CompressedCache) and c.static:
+                self.turbo_free.setdefault(c.fmt, []).append(c)
+                continue
             if c is not None and self.static and isinstance(c, SeqCache):
                 if getattr(c, "slot", None) is not None:
                     self.pool.give_back(c)
