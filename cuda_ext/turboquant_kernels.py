@@ -36,21 +36,26 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     m_out, l_out, acc_out, N, n_ptr, qjl_scale,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, REP: tl.constexpr,
-                    KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, QJL: tl.constexpr,
-                    N_PTR: tl.constexpr):
-    h = tl.program_id(0)   # query head; its KV head is h // REP (grouped-query attention)
+                    RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
+                    QJL: tl.constexpr, N_PTR: tl.constexpr):
+    """One program per (KV head, chunk of rows): the REP query heads sharing that KV head are
+    scored together (rows of a [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked
+    and looked up once, not once per query head."""
+    g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # which CHUNK of rows (split-K: partials merged by the caller)
+    S = tl.num_programs(1)
     if N_PTR:  # the row count lives on the device (CUDA graphs: the grid covers the capacity)
         N = tl.load(n_ptr)
-    S = tl.num_programs(1)
-    g = h // REP
+    r = tl.arange(0, RP)
+    rv = r < REP
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    h = g * REP + r
+    q = tl.load(q_ptr + h[:, None] * D + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)  # [RP, D]
     if QJL:
-        sq = tl.load(sq_ptr + h * D + d).to(tl.float32)
-    m = tl.full((), float("-inf"), tl.float32)
-    l = tl.zeros((), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
+        sq = tl.load(sq_ptr + h[:, None] * D + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
+    m = tl.full((RP,), float("-inf"), tl.float32)
+    l = tl.zeros((RP,), tl.float32)
+    acc = tl.zeros((RP, D), tl.float32)
     for i in range(0, CHUNK, BLOCK_N):
         n = sp * CHUNK + i + tl.arange(0, BLOCK_N)
         ok = n < N
@@ -58,25 +63,26 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, d, KW0, KW1)
         kvec = tl.load(kc_ptr + kc)                                   # centroids [BLOCK_N, D]
         kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
-        dot = tl.sum(kvec * q[None, :], axis=1)
+        dot = tl.dot(q, tl.trans(kvec), input_precision="ieee")     # [RP, BLOCK_N]
         if QJL:  # + ‖r‖ √(π/2)/d <S q, sign(S r)>
             sg = _codes(ks_ptr + g * ks_head, ks_ptr + g * ks_head, D // 8, D // 8, nn, d, 1, 0)
             rn = tl.load(kr_ptr + g * kr_head + nn).to(tl.float32)
-            dot += qjl_scale * rn * tl.sum((2 * sg - 1).to(tl.float32) * sq[None, :], axis=1)
-        s = tl.where(ok, dot * kn, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+            qj = tl.dot(sq, tl.trans((2 * sg - 1).to(tl.float32)), input_precision="ieee")
+            dot += qjl_scale * rn[None, :] * qj
+        s = tl.where(ok[None, :], dot * kn[None, :], float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk past the rows: all -inf, no NaN
         alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, d, VW0, VW1)
         vvec = tl.load(vc_ptr + vc)
         vn = tl.load(vn_ptr + g * vn_head + nn).to(tl.float32)
-        acc = acc * alpha + tl.sum((p * vn)[:, None] * vvec, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[:, None] + tl.dot(p * vn[None, :], vvec, input_precision="ieee")
+        l = l * alpha + tl.sum(p, axis=1)
         m = m_new
-    tl.store(m_out + h * S + sp, m)
-    tl.store(l_out + h * S + sp, l)
-    tl.store(acc_out + (h * S + sp) * D + d, acc)
+    tl.store(m_out + h * S + sp, m, mask=rv)
+    tl.store(l_out + h * S + sp, l, mask=rv)
+    tl.store(acc_out + (h[:, None] * S + sp) * D + d[None, :], acc, mask=rv[:, None])
 
 
 def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
@@ -118,11 +124,12 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
         ks_head, kr_head = ks.stride(0), kr.stride(0)
     else:
         sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
-    _tq_attn_kernel[(H, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
+    _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale),
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, CHUNK=chunk, REP=rep,
+                            RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None)
     if S == 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ def torch_bench(a, presets, contexts):
     use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
+    runners: list = []
     for L in contexts:
         base: dict = {}
         for name in presets:
@@ -116,7 +118,7 @@ def torch_bench(a, presets, contexts):
                     gd = GraphDecoder(model, dev) if graphed else None
                     tok = torch.tensor([1], device=dev)
 
-                    def step(pos):
+                    def step(pos, cache=cache, gd=gd, fmt=fmt):
                         if gd is None:
                             return model(tok, cache, pos)
                         if fmt.compressed:
@@ -125,23 +127,33 @@ def torch_bench(a, presets, contexts):
 
                     for w in range(a.warmup):  # warm-up (graph capture, Triton compile, clocks)
                         step(L + w)
+                    runners.append((name, mode, step, nbytes))
+        # rounds: every format once per round, each round decoding the same positions again (the
+        # caches roll back by position), median per format: this VM's speed drifts between runs
+        times: dict[tuple[str, str], list[float]] = {}
+        with torch.inference_mode():
+            for _ in range(a.rounds):
+                for name, mode, step, _nb in runners:
                     sync()
                     t0 = time.perf_counter()
                     for i in range(a.steps):
-                        step(L + a.warmup + i)
+                        step(L + i)
                     sync()
-                    dt = (time.perf_counter() - t0) / a.steps
-                    r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
-                         "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes}
-                    base.setdefault(mode, r)
-                    r["speed_vs_plain"] = r["tok_s"] / base[mode]["tok_s"]
-                    r["speed_vs_plain_eager"] = r["tok_s"] / base["eager"]["tok_s"]
-                    r["kv_vs_plain"] = nbytes / base["eager"]["kv_bytes"]
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-            del cache
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                    times.setdefault((name, mode), []).append((time.perf_counter() - t0) / a.steps)
+        for name, mode, step, nbytes in runners:
+            dt = statistics.median(times[(name, mode)])
+            r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
+                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes,
+                 "round_ms": [t * 1000 for t in times[(name, mode)]]}
+            base.setdefault(mode, r)
+            r["speed_vs_plain"] = r["tok_s"] / base[mode]["tok_s"]
+            r["speed_vs_plain_eager"] = r["tok_s"] / base["eager"]["tok_s"]
+            r["kv_vs_plain"] = nbytes / base["eager"]["kv_bytes"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        runners.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -176,8 +188,8 @@ def mlx_bench(a, presets, contexts):
     layers, kvh, d = c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"]
     dtype = mx.float32
     rows = []
+    runners: list = []
     for L in contexts:
-        base = None
         for name in presets:
             fmt = fmt_of(name)
             if fmt.kind == "turbo":
@@ -203,18 +215,29 @@ def mlx_bench(a, presets, contexts):
             tok = mx.array([[1]], dtype=mx.int32)
             for _ in range(2):
                 mx.eval(model(tok, cache=cache))
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                mx.eval(model(tok, cache=cache))
-            dt = (time.perf_counter() - t0) / a.steps
+            runners.append((name, cache, nbytes))
+        times: dict[str, list[float]] = {}
+        for _ in range(a.rounds):
+            for name, cache, _nb in runners:
+                for cc in cache:
+                    cc.trim(cc.offset - L)  # decode the same positions every round
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    mx.eval(model(tok, cache=cache))
+                times.setdefault(name, []).append((time.perf_counter() - t0) / a.steps)
+        base = None
+        for name, cache, nbytes in runners:
+            dt = statistics.median(times[name])
             r = {"backend": "mlx", "device": str(mx.default_device()), "context": L, "format": name, "mode": "eager",
-                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes}
+                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes,
+                 "round_ms": [t * 1000 for t in times[name]]}
             if base is None:
                 base = r
             r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
             r["kv_vs_plain"] = nbytes / base["kv_bytes"]
             rows.append(r)
             print(json.dumps(r), flush=True)
+        runners.clear()
     return rows
 
 
@@ -270,8 +293,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--presets", default="fp16,k4v3,k3qjl-v3,k3v2,kv_bits=8,kv_bits=4")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="only the KV-bytes table (8K positions, no model)")
     ap.add_argument("--memory-context", type=int, default=8192)
