@@ -16,11 +16,11 @@ python3 -c "import torch, triton, swiftlm; print(torch.__version__, triton.__ver
 for what in "$@"; do
   case $what in
     tests) timeout 400 python3 -m pytest -q -rs tests/test_cuda_ext.py 2>&1 | tee "$OUT/test_cuda_ext_gpu.log" | tail -15 ;;
-    8b) timeout 500 python3 bench_turboquant.py --backend torch --shape 8b --contexts 32768 --steps 32 \
+    8b) timeout 500 python3 bench_turboquant.py --backend torch --shape 8b --contexts 32768 --steps 16 \
           --presets fp16,k3v2,k4v3,k3qjl-v3,kv_bits=8,kv_bits=4 --json "$OUT/bench_turboquant_gpu_8b.json" \
           2>&1 | tee "$OUT/bench_turboquant_gpu_8b.log" | tail -14 ;;
     smollm2) timeout 500 python3 bench_turboquant.py --backend torch --shape smollm2 --contexts 1024,4096,16384 \
-          --steps 32 --json "$OUT/bench_turboquant_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_turboquant_gpu_smollm2.log" \
+          --steps 16 --json "$OUT/bench_turboquant_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_turboquant_gpu_smollm2.log" \
           | tail -24 ;;
   esac
 done

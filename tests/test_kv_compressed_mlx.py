@@ -20,7 +20,7 @@ from swiftlm.turboquant.presets import parse_turbo, turbo_layout_bytes  # noqa: 
 
 
 def make_layers(fmt, n_layers, d):
-    kc = Codec(d, fmt.key_bits, fmt.seed * 2 + 1, qjl=fmt.key_qjl)
+    kc = Codec(d, fmt.key_code_bits, fmt.seed * 2 + 1, qjl=fmt.key_qjl)
     vc = Codec(d, fmt.value_bits, fmt.seed * 2 + 2)
     return [TurboKVCache(fmt, fmt.layer_compressed(i, n_layers), kc, vc) for i in range(n_layers)]
 

@@ -255,7 +255,7 @@ def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
 
 def make_turbo_cache(module: Any, fmt: KVFormat, head_dim: int) -> list[TurboKVCache]:
     n = len(module.layers)
-    kc = Codec(head_dim, fmt.key_bits, fmt.seed * 2 + 1, qjl=fmt.key_qjl)
+    kc = Codec(head_dim, fmt.key_code_bits, fmt.seed * 2 + 1, qjl=fmt.key_qjl)
     vc = Codec(head_dim, fmt.value_bits, fmt.seed * 2 + 2)
     return [TurboKVCache(fmt, fmt.layer_compressed(i, n), kc, vc) for i in range(n)]
 

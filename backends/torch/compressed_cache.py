@@ -63,7 +63,7 @@ class CompressedCache:
         self.dense_dtype = dense_dtype or dtype
         d = a.head_dim
         if fmt.kind == "turbo":
-            self.kc = TurboCodec(d, fmt.key_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
+            self.kc = TurboCodec(d, fmt.key_code_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
             self.vc = TurboCodec(d, fmt.value_bits, fmt.seed * 2 + 2, device)
             self.layers = [_Layer(fmt.layer_compressed(i, a.layers)) for i in range(a.layers)]
         elif fmt.kind == "affine":

@@ -6,8 +6,8 @@ A ``KVFormat`` is what a backend needs to build one sequence's cache.  It is cho
 TurboQuant presets (``k<bits>[qjl]-?v<bits>``):
 
 - ``k4v3`` (default): 4-bit keys, 3-bit values (MSE quantizer for both)
-- ``k3qjl-v3``: 3-bit keys made of a 2-bit MSE code + a 1-bit QJL sketch of the residual (with its fp16
-  norm: 4.25 bits/dim at d = 128), 3-bit values
+- ``k3qjl-v3``: keys as a 3-bit MSE code + a 1-bit QJL sketch of the residual (TurboQuant-prod with 4 bits
+  in all; with the fp16 norm and residual norm 4.25 bits/dim at d = 128, SwiftLM's layout), 3-bit values
 - ``k3v2``: aggressive; any ``kXvY`` / ``kXqjl-vY`` with 1 <= X, Y <= 4 is accepted as a custom preset
 
 Options shared by all presets: ``window`` recent positions stay 16-bit, compression starts only once a
@@ -33,9 +33,9 @@ _PRESET = re.compile(r"^k([1-4])(qjl)?-?v([1-4])$")
 @dataclass(frozen=True)
 class KVFormat:
     kind: str = "fp16"            # "fp16" | "turbo" | "affine"
-    key_bits: int = 16
+    key_bits: int = 16            # turbo: bits of the key's MSE code
     value_bits: int = 16
-    key_qjl: bool = False         # turbo: the key's last bit is a QJL residual sign
+    key_qjl: bool = False         # turbo: plus one QJL residual-sign bit per coordinate
     window: int = 128
     threshold: int = 0
     keep_layers: int = 0
@@ -51,6 +51,11 @@ class KVFormat:
         return "fp16"
 
     @property
+    def key_code_bits(self) -> int:
+        """Bits per key coordinate in all (MSE code + QJL sign): the prod quantizer's ``bits``."""
+        return self.key_bits + (1 if self.key_qjl else 0)
+
+    @property
     def compressed(self) -> bool:
         return self.kind != "fp16"
 
@@ -62,7 +67,7 @@ class KVFormat:
     def key_row_bytes(self, d: int) -> int:
         """Bytes of one compressed key row of one head (codes + fp16 norm [+ QJL signs + fp16 residual norm])."""
         if self.key_qjl:
-            return d * (self.key_bits - 1) // 8 + 2 + d // 8 + 2
+            return d * self.key_bits // 8 + 2 + d // 8 + 2
         return d * self.key_bits // 8 + 2
 
     def value_row_bytes(self, d: int) -> int:
@@ -85,8 +90,6 @@ def parse_turbo(preset: str | None, *, window: int = 128, threshold: int = 0, ke
         raise ValueError(f"unknown TurboQuant preset {preset!r}: use {', '.join(NAMED_PRESETS)}, kXvY or kXqjl-vY "
                          "(X, Y in 1..4), or 'off'")
     kb, qjl, vb = int(m.group(1)), bool(m.group(2)), int(m.group(3))
-    if qjl and kb < 2:
-        raise ValueError("a QJL key needs at least 2 bits (1 MSE + 1 QJL)")
     if window < 0 or threshold < 0 or keep_layers < 0:
         raise ValueError("window, threshold and keep_layers must be >= 0")
     return KVFormat("turbo", kb, vb, qjl, window=window, threshold=threshold, keep_layers=keep_layers, seed=seed)
