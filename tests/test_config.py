@@ -41,11 +41,25 @@ def test_every_setting_has_help_and_a_flag():
 
 
 def test_turbo_kv_takes_optional_preset():
+    from swiftlm.turboquant.presets import settings_format
+
     assert _parse(["--turbo-kv"]).turbo_kv == "default"
     assert _parse(["--turbo-kv", "k4v3"]).turbo_kv == "k4v3"
+    assert _parse(["--turbo-kv", "off"]).turbo_kv is None
+    s = _parse(["--turbo-kv", "--turbo-kv-window", "64", "--turbo-kv-keep-layers", "1"])
+    s.check_supported()  # built: accepted
+    fmt = settings_format(s)
+    assert (fmt.name, fmt.window, fmt.keep_layers) == ("k4v3", 64, 1)
+    assert settings_format(_parse([])).compressed is False
 
 
-@pytest.mark.parametrize("flag", ["--stream-experts", "--vision", "--audio", "--turbo-kv"])
+def test_bad_turbo_kv_preset_exits_2_from_cli():
+    r = run_cli("generate", "-p", "hi", "--turbo-kv", "k9v2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "turbo" in r.stderr.lower()
+
+
+@pytest.mark.parametrize("flag", ["--stream-experts", "--vision", "--audio"])
 def test_unbuilt_features_are_refused(flag):
     s = _parse([flag])
     with pytest.raises(NotSupportedYet, match="not supported yet"):
