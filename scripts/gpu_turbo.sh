@@ -4,13 +4,16 @@
 #   bash scripts/gpu_turbo.sh tests      # GPU tests of cuda_ext (decode kernels, TurboQuant kernels, cache)
 #   bash scripts/gpu_turbo.sh 8b         # 8B-shaped random model at 32K context
 #   bash scripts/gpu_turbo.sh smollm2    # SmolLM2-shaped random model at 1K/4K/16K
+#   bash scripts/gpu_turbo.sh e2e        # the real SmolLM2 through the engine (needs /tmp/part00 from an earlier
+#                                        # call carrying .gg/part00, and .gg/part01 carried now: see gpu_session.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests /tmp/gt/ && cp scripts/bench_turboquant.py /tmp/gt/
+rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests /tmp/gt/ && cp scripts/bench_turboquant.py scripts/gpu_turbo_e2e.py /tmp/gt/
+if [ -f /tmp/part00 ] && [ -f .gg/part01 ]; then cat /tmp/part00 .gg/part01 > /tmp/smollm2.gguf; fi
 cd /tmp/gt  # import the installed copy, not the source tree
 python3 -c "import torch, triton, swiftlm; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 for what in "$@"; do
@@ -22,5 +25,6 @@ for what in "$@"; do
     smollm2) timeout 500 python3 bench_turboquant.py --backend torch --shape smollm2 --contexts 1024,4096,16384 \
           --steps 16 --json "$OUT/bench_turboquant_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_turboquant_gpu_smollm2.log" \
           | tail -24 ;;
+    e2e) timeout 300 python3 gpu_turbo_e2e.py --model /tmp/smollm2.gguf 2>&1 | tee "$OUT/gpu_turbo_e2e.log" | tail -30 ;;
   esac
 done
