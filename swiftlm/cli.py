@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="backends found, device and memory; with --model, the model's facts and plan")
     add_settings_arguments(i, groups=("model",))
+    for flag in ("--turbo-kv", "--turbo-kv-window", "--turbo-kv-threshold", "--turbo-kv-keep-layers"):
+        _add_one(i, flag)
     i.add_argument("--json", action="store_true", help="print JSON")
 
     v = sub.add_parser("convert", help="convert a GGUF file to an HF-format directory (mlx-lm and transformers load it)")
@@ -182,7 +184,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         out["model"] = spec.facts()
-        out["memory_plan"] = memory_plan(spec, settings.ctx_size)
+        out["memory_plan"] = memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings))
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -218,7 +220,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .registry import resolve
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
-        print(json.dumps({"model": spec.facts(), "memory_plan": memory_plan(spec, settings.ctx_size)}, indent=2))
+        print(json.dumps({"model": spec.facts(),
+                          "memory_plan": memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings))},
+                         indent=2))
         return 0
     from .server.app import serve
 
@@ -235,3 +239,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _kv_format(settings: Any) -> Any:
+    from .turboquant.presets import settings_format
+
+    return settings_format(settings)
+
+
+def _add_one(parser: argparse.ArgumentParser, flag: str) -> None:
+    """One engine setting on a subcommand that otherwise takes only the model group (info's KV plan)."""
+    tmp = argparse.ArgumentParser(add_help=False)
+    add_settings_arguments(tmp, groups=("engine",))
+    for act in tmp._actions:
+        if flag in act.option_strings:
+            parser._add_action(act)

@@ -71,3 +71,16 @@ def test_unbuilt_flag_exits_2_from_cli():
     assert r.returncode == 2
     assert "vision input is not supported yet" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_info_plans_the_turbo_kv_cache():
+    """`swiftlm info --turbo-kv` plans the compressed cache by the layout formula (k4v3 at 8K on
+    SmolLM2: the bytes a filled cache measures, tests/test_kv_compressed.py)."""
+    import json
+
+    r = run_cli("info", "--model", "smollm2-135m-instruct", "--turbo-kv", "--ctx-size", "8192", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["memory_plan"]
+    assert plan["kv_format"] == "k4v3"
+    assert plan["kv_cache_16bit_bytes"] == 8192 * plan["kv_bytes_per_token"]
+    assert plan["kv_cache_bytes"] <= 0.30 * plan["kv_cache_16bit_bytes"]
