@@ -5,8 +5,11 @@ rotation.py   seeded randomised Hadamard (power-of-two d) / Haar-random orthogon
 quantizer.py  TurboQuant-mse and TurboQuant-prod (b-1 bit mse + 1-bit QJL residual)
 packing.py    bit planes that never split a code across bytes
 
-The KV cache, attention over packed codes and the kernels that use this are not built yet
-(``--turbo-kv`` still exits with "not supported yet").
+presets.py    KV formats (TurboQuant presets, affine kv_bits), per-request resolution, the layout byte formula
+attention.py  the numpy reference attention over compressed history
+
+The caches live in the backends (``backends/torch/compressed_cache.py``, ``backends/mlx/turbo_cache.py``),
+the kernels in ``cuda_ext/turboquant_kernels.py`` (Triton) and ``metal_kernels/turboquant.py`` (Metal).
 """
 
 from .codebook import Codebook, lloyd_max
