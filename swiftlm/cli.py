@@ -237,8 +237,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
 
 
 def _kv_format(settings: Any) -> Any:
@@ -254,3 +252,7 @@ def _add_one(parser: argparse.ArgumentParser, flag: str) -> None:
     for act in tmp._actions:
         if flag in act.option_strings:
             parser._add_action(act)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
