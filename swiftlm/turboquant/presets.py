@@ -25,7 +25,7 @@ DEFAULT_PRESET = "k4v3"
 NAMED_PRESETS = ("k4v3", "k3qjl-v3", "k3v2")
 GROUP_SIZES = (32, 64, 128)
 COMPRESS_BLOCK = 32      # dense rows beyond the window are compressed this many (or more) at a time
-CODE_CAPACITY_STEP = 1024  # compressed storage grows in steps of this many positions
+CODE_CAPACITY_STEP = 1024  # compressed storage grows in steps of this many positions (64 up to 1,024)
 
 _PRESET = re.compile(r"^k([1-4])(qjl)?-?v([1-4])$")
 
@@ -115,7 +115,10 @@ def dense_capacity(fmt: KVFormat, n_dense: int) -> int:
 
 
 def code_capacity(n_code: int) -> int:
-    return -(-n_code // CODE_CAPACITY_STEP) * CODE_CAPACITY_STEP
+    """Rows of code storage allocated for ``n_code`` compressed positions: steps of 64 up to 1,024 (short
+    sequences must not pay for 1,024 rows), then steps of CODE_CAPACITY_STEP."""
+    step = 64 if n_code <= CODE_CAPACITY_STEP else CODE_CAPACITY_STEP
+    return -(-n_code // step) * step
 
 
 def turbo_layout_bytes(fmt: KVFormat, *, n_code: int, n_dense: int, layers: int, kv_heads: int, head_dim: int,
@@ -123,7 +126,7 @@ def turbo_layout_bytes(fmt: KVFormat, *, n_code: int, n_dense: int, layers: int,
     """Storage of a TurboQuant cache holding ``n_code`` compressed and ``n_dense`` 16-bit positions
     per compressed layer, by the layout rules (what the cache's tensors must add up to): compressed
     rows allocated in steps of CODE_CAPACITY_STEP positions (codes, fp16 norms, QJL signs and
-    residual norms), the 16-bit part per ``dense_capacity``, layers kept 16-bit at exactly
+    residual norms; see ``code_capacity``), the 16-bit part per ``dense_capacity``, layers kept 16-bit at exactly
     ``n_code + n_dense`` positions each."""
     d = head_dim
     comp_layers = sum(fmt.layer_compressed(i, layers) for i in range(layers))
