@@ -55,7 +55,14 @@ class MLXModel:
             install_attention_hook(self.module)
             return make_turbo_cache(self.module, fmt, self.head_dim)
         if fmt.kind == "affine":  # mlx-lm's quantized cache (its attention uses mx.quantized_matmul)
-            return [QuantizedKVCache(group_size=fmt.group_size, bits=fmt.key_bits) for _ in self.module.layers]
+            from swiftlm.turboquant.presets import effective_group
+
+            group = effective_group(self.head_dim, fmt.group_size)
+            if group is None:
+                log.warning("kv_bits: head_dim %d is not a multiple of 32 (MLX's smallest quantization group); "
+                            "this sequence keeps a 16-bit cache", self.head_dim)
+                return make_prompt_cache(self.module)
+            return [QuantizedKVCache(group_size=group, bits=fmt.key_bits) for _ in self.module.layers]
         return make_prompt_cache(self.module)
 
     # ---------------------------------------------------------------- decode group

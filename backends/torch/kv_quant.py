@@ -137,8 +137,9 @@ class AffineCodec:
     """Affine group quantization along the head dim: ``x ≈ q * scale + bias`` per group."""
 
     def __init__(self, d: int, bits: int, group: int, dtype: torch.dtype = torch.float32):
-        if d % group:
-            group = math.gcd(d, group)
+        from swiftlm.turboquant.presets import effective_group
+
+        group = effective_group(d, group) or math.gcd(d, group)  # same choice as MLX where MLX can
         self.d, self.bits, self.group, self.dtype = d, bits, group, dtype
 
     def encode(self, x: torch.Tensor) -> Encoded:

@@ -103,6 +103,15 @@ def affine(bits: int, group_size: int = 64) -> KVFormat:
     return KVFormat("affine", bits, bits, group_size=group_size, window=0)
 
 
+def effective_group(head_dim: int, group: int) -> int | None:
+    """The affine group size used for a head dim: the requested one if it divides the head dim, else the
+    largest of GROUP_SIZES that does (e.g. 32 for head_dim 32), else None."""
+    if head_dim % group == 0:
+        return group
+    fits = [g for g in GROUP_SIZES if head_dim % g == 0]
+    return max(fits) if fits else None
+
+
 def with_options(fmt: KVFormat, **kw: int) -> KVFormat:
     return replace(fmt, **kw)
 
