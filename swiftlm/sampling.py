@@ -208,7 +208,10 @@ def truncate(ops: ArrayOps, x: Any, params: SamplingParams) -> Any:
         order = ops.argsort_desc(x)
         probs = ops.exp(ops.log_softmax(ops.take(x, order)))
         before = ops.cumsum(probs) - probs  # mass strictly above each token
-        sorted_x = ops.where(before >= params.top_p, NEG_INF, ops.take(x, order))
+        # the most probable token always stays (a top_p below float32's range is 0 there, and
+        # 0 >= 0 would mask every token: NaN probabilities)
+        before = ops.put(before, ops.asarray([0], "int32"), ops.asarray([0.0], "float32"))
+        sorted_x = ops.where(before >= max(params.top_p, 1e-30), NEG_INF, ops.take(x, order))
         x = ops.put(x, order, sorted_x)
     if params.min_p > 0.0:
         lp = ops.log_softmax(x)
