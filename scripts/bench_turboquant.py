@@ -178,6 +178,7 @@ def mlx_bench(a, presets, contexts):
     from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+    from swiftlm.backends.mlx.model import _arrays
     from swiftlm.backends.mlx.turbo_cache import install_attention_hook, make_turbo_cache
 
     cfg = config(a.shape, max(contexts) + a.steps + 8)
@@ -239,16 +240,6 @@ def mlx_bench(a, presets, contexts):
             print(json.dumps(r), flush=True)
         runners.clear()
     return rows
-
-
-def _arrays(c):
-    from mlx.utils import tree_flatten
-    import mlx.core as mx
-
-    try:
-        return [x for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
-    except (AttributeError, TypeError):
-        return []
 
 
 def memory_table(a, presets):

@@ -98,9 +98,7 @@ class CompressedCache:
 
     # ------------------------------------------------------------------ storage
     def _dense_cap(self, L: _Layer, need: int) -> int:
-        if not L.compressed:
-            return dense_capacity(self.fmt, need)
-        if self.fmt.kind == "affine":
+        if L.compressed and self.fmt.kind == "affine":  # no window: only the step's own rows
             return -(-need // COMPRESS_BLOCK) * COMPRESS_BLOCK
         return dense_capacity(self.fmt, need)
 
@@ -247,29 +245,37 @@ class CompressedCache:
         return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
 
     def _attend_triton(self, L: _Layer, q: torch.Tensor, scale: float) -> torch.Tensor:
+        n = L.n_code
+        views = ([p[:, :n] for p in L.kp], L.kn[:, :n], [p[:, :n] for p in L.vp], L.vn[:, :n],
+                 L.ks[:, :n] if L.ks is not None else None)
+        dk, dv = self._dense(L)
+        return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
+
+    def _kernel_row(self, L: _Layer, q: torch.Tensor, views: tuple, n_rows: torch.Tensor | None,
+                    dk: torch.Tensor, dv: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
+        planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
+        (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
         from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention
 
         a = self.a
-        H, _, D = q.shape
-        q_rot = (q[:, 0].float() @ self.kc.R.T) * scale
-        n = L.n_code
-        qjl = None
-        if self.kc.qjl:
-            qjl = ((q[:, 0].float() @ self.kc.S.T) * scale, L.ks[:, :n], L.kr, self.kc.qjl_scale)
-        m, l, acc = tq_decode_attention(q_rot, [p[:, :n] for p in L.kp], L.kn[:, :n], self.kc.centroids,
-                                        self.kc.mse_bits, [p[:, :n] for p in L.vp], L.vn[:, :n],
-                                        self.vc.centroids, self.vc.bits, rep=H // a.kv_heads, qjl=qjl)
-        # merge with the dense rows (exact) in the original domain
-        rep = H // a.kv_heads
-        nd = L.n_dense
-        dk, dv = self._dense(L)
-        s = (q[:, 0].float().view(a.kv_heads, rep, D) @ dk.float().transpose(1, 2)).view(H, nd) * scale
+        H, D = q.shape
+        KVH, rep = a.kv_heads, H // a.kv_heads
+        scale = D ** -0.5
+        qf = q.float()
+        kp, kn, vp, vn, ks = views
+        qjl = ((qf @ self.kc.S.T) * scale, ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        m, l, acc = tq_decode_attention((qf @ self.kc.R.T) * scale, kp, kn, self.kc.centroids, self.kc.mse_bits,
+                                        vp, vn, self.vc.centroids, self.vc.bits, rep=rep, qjl=qjl, n_rows=n_rows)
+        R = dk.shape[1]
+        s = (qf.view(KVH, rep, D) @ dk.float().transpose(1, 2)).view(H, R) * scale
+        if valid is not None:
+            s = s.masked_fill(~valid.view(1, R), float("-inf"))
         m2 = torch.maximum(m, s.amax(-1))
         p = torch.exp(s - m2[:, None])
         alpha = torch.exp(m - m2)
-        dense = (p.view(a.kv_heads, rep, nd) @ dv.float()).view(H, D)
-        out = (acc * alpha[:, None]) @ self.vc.R + dense
-        out = out / (l * alpha + p.sum(-1))[:, None]
+        dense = (p.view(KVH, rep, R) @ dv.float()).view(H, D)
+        out = ((acc * alpha[:, None]) @ self.vc.R + dense) / (l * alpha + p.sum(-1))[:, None]
         return out.reshape(1, H * D).to(q.dtype)
 
     def truncate(self, L: _Layer, start: int) -> None:
@@ -308,28 +314,8 @@ class CompressedCache:
         already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
         Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
         Returns [1, H*D]."""
-        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention
-
-        a = self.a
         L = self.layers[layer]
-        H, D = q.shape
-        KVH, rep = a.kv_heads, H // a.kv_heads
-        scale = D ** -0.5
-        qf = q.float()
-        q_rot = (qf @ self.kc.R.T) * scale
-        qjl = ((qf @ self.kc.S.T) * scale, L.ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
-        m, l, acc = tq_decode_attention(q_rot, L.kp, L.kn, self.kc.centroids, self.kc.mse_bits, L.vp, L.vn,
-                                        self.vc.centroids, self.vc.bits, rep=rep, qjl=qjl, n_rows=n_code)
-        R = L.dk.shape[1]
-        s = (qf.view(KVH, rep, D) @ L.dk.float().transpose(1, 2)).view(H, R) * scale
-        s = s.masked_fill(~valid.view(1, R), float("-inf"))
-        m2 = torch.maximum(m, s.amax(-1))
-        p = torch.exp(s - m2[:, None])
-        alpha = torch.exp(m - m2)
-        dense = (p.view(KVH, rep, R) @ L.dv.float()).view(H, D)
-        out = (acc * alpha[:, None]) @ self.vc.R + dense
-        out = out / (l * alpha + p.sum(-1))[:, None]
-        return out.reshape(1, H * D).to(q.dtype)
+        return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid)
 
     def graphable(self) -> bool:
         return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
@@ -375,6 +361,3 @@ class CompressedCache:
             if L.compressed:
                 return L.n_code, L.n_dense
         return 0, self.layers[0].n_dense if self.layers else 0
-
-    def fp16_equivalent_bytes(self) -> int:
-        return 2 * self.a.layers * self.a.kv_heads * self.a.head_dim * 2 * self.length
