@@ -46,6 +46,8 @@ class ModelInfo:
     modalities: tuple[str, ...] = ("text",)
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
+    streamed_expert_bytes: int = 0   # expert bytes left on disk (--stream-experts); 0 when all resident
+    experts_per_token: int = 0       # in use (after --expert-top-k)
 
 
 @dataclass

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     add_settings_arguments(s)
 
     g = sub.add_parser("generate", help="generate from a prompt and print the text")
-    add_settings_arguments(g, groups=("model", "engine", "sampling", "planned"))
+    add_settings_arguments(g, groups=("model", "engine", "experts", "sampling", "planned"))
     g.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--system", default=None, help="system message (chat template only)")
@@ -37,12 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--verbose", action="store_true", help="print timing to stderr")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    add_settings_arguments(c, groups=("model", "engine", "sampling", "planned"))
+    add_settings_arguments(c, groups=("model", "engine", "experts", "sampling", "planned"))
     c.add_argument("--system", default=None, help="system message")
 
     i = sub.add_parser("info", help="backends found, device and memory; with --model, the model's facts and plan")
     add_settings_arguments(i, groups=("model",))
-    for flag in ("--turbo-kv", "--turbo-kv-window", "--turbo-kv-threshold", "--turbo-kv-keep-layers"):
+    for flag in ("--turbo-kv", "--turbo-kv-window", "--turbo-kv-threshold", "--turbo-kv-keep-layers",
+                 "--stream-experts", "--expert-top-k"):
         _add_one(i, flag)
     i.add_argument("--json", action="store_true", help="print JSON")
 
@@ -184,7 +185,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         out["model"] = spec.facts()
-        out["memory_plan"] = memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings))
+        out["memory_plan"] = memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings),
+                                         stream_experts=settings.stream_experts, expert_top_k=settings.expert_top_k)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -221,7 +223,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         print(json.dumps({"model": spec.facts(),
-                          "memory_plan": memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings))},
+                          "memory_plan": memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings),
+                                                     stream_experts=settings.stream_experts,
+                                                     expert_top_k=settings.expert_top_k)},
                          indent=2))
         return 0
     from .server.app import serve
@@ -248,7 +252,7 @@ def _kv_format(settings: Any) -> Any:
 def _add_one(parser: argparse.ArgumentParser, flag: str) -> None:
     """One engine setting on a subcommand that otherwise takes only the model group (info's KV plan)."""
     tmp = argparse.ArgumentParser(add_help=False)
-    add_settings_arguments(tmp, groups=("engine",))
+    add_settings_arguments(tmp, groups=("engine", "experts"))
     for act in tmp._actions:
         if flag in act.option_strings:
             parser._add_action(act)

@@ -88,11 +88,19 @@ class Settings(BaseSettings):
     log_level: str = _f("info", "Log level: debug, info, warning, error.", group="server")
 
     # planned features: accepted by the parser so that they fail loudly
-    mem_limit: str | None = _f(None, "Memory limit for the backend allocator.", group="planned",
-                               not_built="memory limits")
+    mem_limit: str | None = _f(None, "Cap on the backend's device memory, e.g. 8GB or 512MiB (torch on CUDA: "
+                                     "torch.cuda.set_per_process_memory_fraction; MLX: mx.set_memory_limit).",
+                               group="engine")
+    stream_experts: bool = _f(False, "SSD expert streaming: keep an MoE model's expert weights on disk and read "
+                                     "only the routed experts' slabs per token and layer.", group="experts")
+    expert_read_mode: str = _f("pread", "How streamed experts are read: pread (concurrent vectored reads into "
+                                        "reusable buffers) or mmap (copies out of a mapping).", group="experts")
+    expert_read_threads: int = _f(16, "Expert reads in flight at once (thread pool size).", group="experts")
+    expert_prefetch: bool = _f(False, "While a MoE layer computes, guess the next layer's experts with its "
+                                      "router and ask the kernel to start reading them.", group="experts")
+    expert_top_k: int = _f(0, "Experts per token at run time (0: the model's value; larger values are clamped "
+                              "to it). Lowers quality and the bytes read per token.", group="experts")
     gpu_layers: int | None = _f(None, "Layers to place on the GPU.", group="planned", not_built="partial offload")
-    stream_experts: bool = _f(False, "Stream MoE expert weights from disk (SSD expert streaming).", group="planned",
-                              not_built="SSD expert streaming")
     vision: bool = _f(False, "Accept image inputs (vision-language models).", group="planned",
                       not_built="vision input")
     audio: bool = _f(False, "Accept audio inputs (audio-language models).", group="planned",
@@ -135,6 +143,34 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 0")
         return v
 
+    @field_validator("expert_read_mode")
+    @classmethod
+    def _known_read_mode(cls, v: str) -> str:
+        if v not in ("pread", "mmap"):
+            raise ValueError("must be pread or mmap")
+        return v
+
+    @field_validator("expert_top_k")
+    @classmethod
+    def _top_k_ok(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("expert_read_threads")
+    @classmethod
+    def _threads_ok(cls, v: int) -> int:
+        if not 1 <= v <= 256:
+            raise ValueError("must be between 1 and 256")
+        return v
+
+    @field_validator("mem_limit")
+    @classmethod
+    def _mem_limit_ok(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)
+        return v
+
     @field_validator("tool_parser")
     @classmethod
     def _known_parser(cls, v: str) -> str:
@@ -149,6 +185,23 @@ class Settings(BaseSettings):
             if what and getattr(self, name) not in (None, False):
                 raise NotSupportedYet(f"--{name.replace('_', '-')}: {what} is not supported yet in this version "
                                       "of swiftlm")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GB' -> 8e9, '512MiB' -> 512 * 2**20, '1000' -> 1000."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{text!r}: the size must be positive")
+    return n
 
 
 def flag_of(name: str) -> str:

@@ -24,10 +24,33 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int = 2, kv_format: Any = None
-                ) -> dict[str, Any]:
+def expert_plan(spec: ModelSpec, expert_top_k: int = 0) -> dict[str, Any]:
+    """What --stream-experts keeps resident and reads: from the safetensors headers."""
+    from .errors import UnsupportedArchitecture
+    from .experts import scan_experts
+
+    if spec.format == "gguf" or not spec.is_moe:
+        raise UnsupportedArchitecture(f"--stream-experts needs an MoE model in safetensors; {spec.path} is "
+                         + ("a GGUF file" if spec.format == "gguf" else "not a mixture-of-experts model"))
+    layout = scan_experts(spec.weight_files)
+    if layout is None:
+        raise UnsupportedArchitecture(f"--stream-experts: found no expert tensors in {spec.path}")
+    k = spec.experts_per_token or 1
+    used = min(expert_top_k, k) if expert_top_k else k
+    per_expert = layout.bytes_per_expert()
+    return {"expert_layout": layout.style, "experts": layout.num_experts, "moe_layers": len(layout.layers),
+            "experts_per_token": used, "model_experts_per_token": k,
+            "resident_bytes": layout.resident_bytes, "expert_bytes": layout.expert_bytes_total,
+            "bytes_per_expert": per_expert, "expert_bytes_per_token": layout.bytes_per_token(used),
+            "read_buffer_bytes": used * per_expert}
+
+
+def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int = 2, kv_format: Any = None,
+                stream_experts: bool = False, expert_top_k: int = 0) -> dict[str, Any]:
     """Weights as stored on disk, plus a KV cache for one full context: 16-bit, or in ``kv_format``
-    (a TurboQuant preset: the layout formula at that context)."""
+    (a TurboQuant preset: the layout formula at that context).  With ``stream_experts`` the
+    weights counted are the resident (non-expert) bytes plus one token's read buffers, and the
+    expected expert bytes read per decoded token are given."""
     ctx = min(ctx_size or spec.context_length, spec.context_length or ctx_size or 0)
     per_tok = kv_bytes_per_token(spec.config, dtype_bytes)
     plan = {
@@ -49,6 +72,10 @@ def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int =
         plan["kv_format"] = kv_format.name
         plan["kv_cache_16bit_bytes"] = plan["kv_cache_bytes"]
         plan["kv_cache_bytes"] = f["codes_allocated"] + f["dense_allocated"] + f["uncompressed_layers"]
+    if stream_experts:
+        ex = expert_plan(spec, expert_top_k)
+        plan.update({f"stream_{k}": v for k, v in ex.items()})
+        plan["weights_bytes"] = ex["resident_bytes"] + ex["read_buffer_bytes"]
     plan["total_bytes"] = plan["weights_bytes"] + plan["kv_cache_bytes"]
     plan["system_memory_bytes"] = system_memory()
     plan["fits"] = plan["total_bytes"] < plan["system_memory_bytes"] * 0.8 if plan["system_memory_bytes"] else None

@@ -59,16 +59,34 @@ def _to_compute_dtype(model: nn.Module) -> None:
         model.set_dtype(mx.float32)
 
 
-def load_hf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
+def load_hf(spec: ModelSpec, cfg: Any = None) -> tuple[nn.Module, Any, dict, Any]:
+    """(model, tokenizer, config, expert reader or None).  With ``cfg.stream_experts`` the
+    weights are loaded lazily and the experts replaced by streamed layers before evaluation."""
+    from pathlib import Path
+
     from mlx_lm.utils import load_model
 
+    stream = bool(getattr(cfg, "stream_experts", False))
+    layout = reader = None
+    if stream:
+        from swiftlm.memory import expert_plan
+
+        expert_plan(spec)  # a clear error for dense models and GGUF files
+        from swiftlm.experts import ExpertReader, scan_experts
+
+        layout = scan_experts(spec.weight_files)
     try:
-        model, config = load_model(spec.path)
+        model, config = load_model(Path(spec.path), lazy=stream)
     except (ValueError, KeyError) as exc:
         raise CorruptModel(f"{spec.path}: mlx-lm could not build the model from its weights: {exc}") from exc
+    if stream:
+        from .streamed_moe import attach
+
+        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads)
+        attach(model, layout, reader, mx.float32 if _on_cpu() else None, prefetch=cfg.expert_prefetch)
     _to_compute_dtype(model)
     mx.eval(model.parameters())
-    return model, load_hf_tokenizer(spec.path, config), config
+    return model, load_hf_tokenizer(spec.path, config), config, reader
 
 
 def gguf_name_to_mlx(name: str) -> str:

@@ -44,6 +44,7 @@ class MLXModel:
         self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
         self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None
+        self.expert_stream: Any = None          # swiftlm.experts.ExpertReader with --stream-experts
 
     def _make_cache(self, fmt: KVFormat | None = None) -> list[Any]:
         from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -283,14 +284,30 @@ def _eval_cache(cache: list[Any]) -> None:
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
+    reader = None
     if spec.format == "gguf":
+        if getattr(cfg, "stream_experts", False):
+            from swiftlm.memory import expert_plan
+
+            expert_plan(spec)  # raises: GGUF experts are not streamed
         module, tokenizer, config = load_gguf(spec)
     else:
         if spec.arch not in supported_architectures():
             raise UnsupportedArchitecture(
                 f"architecture {spec.arch!r} is not supported by the mlx backend (mlx-lm {_mlx_lm_version()}); "
                 f"supported: {', '.join(sorted(supported_architectures()))}")
-        module, tokenizer, config = load_hf(spec)
+        module, tokenizer, config, reader = load_hf(spec, cfg)
+    _apply_mem_limit(cfg)
+    k_native = k_used = 0
+    if spec.is_moe:
+        from .streamed_moe import set_experts_per_token
+
+        k_native, k_used = set_experts_per_token(module, None, int(getattr(cfg, "expert_top_k", 0) or 0) or 10**6)
+        if k_used != k_native:
+            log.info("experts per token: %d (the model's %d; --expert-top-k)", k_used, k_native)
+        if getattr(cfg, "expert_top_k", 0) and cfg.expert_top_k > k_native:
+            log.warning("--expert-top-k %d is above the model's %d experts per token; using %d",
+                        cfg.expert_top_k, k_native, k_native)
     n_layers = int(config.get("num_hidden_layers") or len(getattr(module, "layers", [])))
     heads = int(config.get("num_attention_heads") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -301,8 +318,20 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
     info = ModelInfo(arch=spec.arch, num_layers=n_layers, context_length=min(ctx, spec.context_length or ctx),
                      vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
                      quantization=spec.quantization, is_moe=spec.is_moe, weight_bytes=weight_bytes,
-                     kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes)
-    return MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
+                     kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes,
+                     streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
+                     experts_per_token=k_used)
+    model = MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
+    model.expert_stream = reader
+    return model
+
+
+def _apply_mem_limit(cfg: Any) -> None:
+    limit = getattr(cfg, "mem_limit", None)
+    if limit:
+        from swiftlm.config import parse_bytes
+
+        mx.set_memory_limit(parse_bytes(limit))
 
 
 def _mlx_lm_version() -> str:

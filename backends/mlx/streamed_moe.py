@@ -1,0 +1,172 @@
+"""SSD expert streaming on MLX: each MoE layer's ``switch_mlp`` (mlx-lm's ``SwitchGLU``) is
+replaced by ``StreamedSwitchGLU``, which reads the routed experts' slabs from the checkpoint
+(``swiftlm.experts.ExpertReader``) and runs the same ``gather_mm`` / ``gather_qmm`` as mlx-lm
+on a stack of just those experts, with the indices remapped into it.  Every output row is the
+same matrix product over the same bytes, so logits are bit-identical to the in-memory model
+(tests/test_expert_streaming.py).  The model is loaded lazily and the expert arrays are
+dropped before anything is evaluated: expert bytes are never read at load time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from swiftlm.experts import ExpertLayout, ExpertReader
+
+log = logging.getLogger(__name__)
+
+_TOPK_ATTRS = ("top_k", "num_experts_per_tok")
+
+
+def _module_at(root: Any, dotted: str) -> Any:
+    m = root
+    for part in dotted.split("."):
+        m = m[int(part)] if part.isdigit() else getattr(m, part)
+    return m
+
+
+def _sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    m = indices.shape[-1]
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    return x.flatten(0, -3)[order // m], flat[order], mx.argsort(order)
+
+
+class _Ref:
+    """Holds a module without making it a child (mlx would walk its parameters twice)."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+
+class StreamedSwitchGLU(nn.Module):
+    """Drop-in for ``SwitchGLU(x, indices)`` with the expert weights on disk."""
+
+    def __init__(self, reader: ExpertReader, layer: int, original: Any, float_dtype: Any | None):
+        super().__init__()
+        self._reader, self._layer = reader, layer
+        self._activation = original.activation
+        gp = original.gate_proj
+        self._quant = ({"group_size": gp.group_size, "bits": gp.bits, "mode": getattr(gp, "mode", "affine")}
+                       if hasattr(gp, "scales") else None)
+        self._float_dtype = float_dtype
+        self._num_experts = reader.layout.num_experts
+        self._next: _Ref | None = None    # the next MoE block (its router guesses for prefetch)
+
+    def _weights(self, experts: np.ndarray) -> dict[str, tuple[mx.array, ...]]:
+        raw = self._reader.read(self._layer, experts)
+        out: dict[str, tuple[mx.array, ...]] = {}
+        for proj in ("gate", "up", "down"):
+            arrs = []
+            for comp in (("weight", "scales", "biases") if self._quant else ("weight",)):
+                a = raw.get((proj, comp))
+                if a is None:
+                    arrs.append(None)
+                    continue
+                slab = self._reader.layout.slabs[self._layer][(proj, comp)][0]
+                m = mx.array(a)
+                if slab.dtype == "BF16":
+                    m = m.view(mx.bfloat16)
+                if self._float_dtype is not None and mx.issubdtype(m.dtype, mx.floating):
+                    m = m.astype(self._float_dtype)
+                arrs.append(m)
+            out[proj] = tuple(arrs)
+        return out
+
+    def _linear(self, x: mx.array, w: tuple, idx: mx.array, sort: bool) -> mx.array:
+        if self._quant:
+            return mx.gather_qmm(x, w[0], w[1], w[2], rhs_indices=idx, transpose=True, sorted_indices=sort,
+                                 **self._quant)
+        return mx.gather_mm(x, w[0].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._next is not None:
+            self._prefetch_next(x)
+        host = np.array(indices)                       # routing must be known to read: one sync per layer
+        experts = np.unique(host)
+        w = self._weights(experts)
+        lut = np.zeros(self._num_experts, dtype=np.uint32)
+        lut[experts] = np.arange(len(experts), dtype=np.uint32)
+        idx = mx.array(lut[host])
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = idx.size >= 64                       # as mlx-lm's SwitchGLU
+        inv = None
+        if do_sort:
+            x, idx, inv = _sort(x, idx)
+        up = self._linear(x, w["up"], idx, do_sort)
+        gate = self._linear(x, w["gate"], idx, do_sort)
+        y = self._linear(self._activation(up, gate), w["down"], idx, do_sort)
+        if do_sort:
+            y = mx.unflatten(y[inv], 0, indices.shape)
+        return y.squeeze(-2)
+
+    def _prefetch_next(self, x: mx.array) -> None:
+        """Guess the next MoE layer's experts from this layer's input through its router."""
+        block = self._next.obj
+        scores = block.gate(x.reshape(-1, x.shape[-1]))
+        k = experts_per_token(block)
+        guess = np.unique(np.array(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]))
+        self._reader.hint(self._layer + 1, guess)
+
+
+def _moe_block(model: Any, layout: ExpertLayout, layer: int) -> Any:
+    prefix = layout.module_prefix[layer]
+    try:
+        return _module_at(model, prefix)
+    except (AttributeError, IndexError):
+        # mlx-lm nests some text models one level down (e.g. language_model.model.layers)
+        return _module_at(model, "language_model." + prefix)
+
+
+def experts_per_token(block: Any) -> int:
+    for a in _TOPK_ATTRS:
+        if hasattr(block, a):
+            return int(getattr(block, a))
+    return 0
+
+
+def set_experts_per_token(model: Any, layout: ExpertLayout | None, k: int) -> tuple[int, int]:
+    """Lower experts per token at run time on every MoE block; returns (model's value, value used)."""
+    blocks = [b for b in (getattr(layer, n, None) for layer in _layers(model) for n in ("mlp", "block_sparse_moe"))
+              if b is not None and any(hasattr(b, a) for a in _TOPK_ATTRS) and hasattr(b, "switch_mlp")]
+    if not blocks:
+        return 0, 0
+    native = experts_per_token(blocks[0])
+    used = max(1, min(k, native))
+    for b in blocks:
+        for a in _TOPK_ATTRS:
+            if hasattr(b, a):
+                setattr(b, a, used)
+    return native, used
+
+
+def _layers(model: Any) -> list[Any]:
+    for path in ("model.layers", "layers", "language_model.model.layers"):
+        try:
+            return list(_module_at(model, path))
+        except AttributeError:
+            continue
+    return []
+
+
+def attach(model: Any, layout: ExpertLayout, reader: ExpertReader, float_dtype: Any | None,
+           prefetch: bool = False) -> list[StreamedSwitchGLU]:
+    """Replace every MoE layer's switch_mlp with a streamed one (before any evaluation)."""
+    streamed = []
+    for li in layout.layers:
+        block = _moe_block(model, layout, li)
+        s = StreamedSwitchGLU(reader, li, block.switch_mlp, float_dtype)
+        block.switch_mlp = s
+        streamed.append((li, block, s))
+    if prefetch:
+        by_layer = {li: (block, s) for li, block, s in streamed}
+        for li, _block, s in streamed:
+            nxt = by_layer.get(li + 1)
+            if nxt is not None:
+                s._next = _Ref(nxt[0])
+    return [s for _, _, s in streamed]

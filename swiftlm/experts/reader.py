@@ -1,0 +1,261 @@
+"""Reading routed experts' slabs: concurrent ``preadv`` (default) or copies out of an mmap,
+into reusable buffers, with every byte and every read counted.
+
+The file descriptors are opened with ``POSIX_FADV_RANDOM`` (and maps with ``MADV_RANDOM``) so
+that the kernel reads what was asked and no readahead: the bytes read are the routed experts'.
+Adjacent slabs (one expert's projections, neighbouring experts of a stacked tensor) are
+coalesced into one vectored read.  Reads run on a thread pool (the syscalls release the GIL),
+so a layer's reads are in flight together.
+
+Optional prefetch: ``hint(layer, experts)`` asks the kernel to start reading those slabs
+(``POSIX_FADV_WILLNEED`` / ``MADV_WILLNEED``) in the background; the reader scores each hint
+against the experts that layer then routes to (hit rate).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .layout import ExpertLayout, ExpertSlab
+
+NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32,
+             "U8": np.uint8, "I8": np.int8}
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+MAX_READ = 8 << 20  # bytes per vectored read: keeps several reads in flight for one large slab run
+MODES = ("pread", "mmap")
+
+
+@dataclass
+class StreamStats:
+    bytes_read: int = 0          # bytes copied out of the files by expert reads
+    reads: int = 0               # read requests (syscalls, or mmap copies)
+    read_seconds: float = 0.0    # wall time the engine waited for expert reads
+    layer_reads: int = 0         # read() calls (one per MoE layer per step)
+    experts_read: int = 0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+    prefetch_bytes: int = 0      # bytes hinted to the kernel
+    prefetch_hits: int = 0       # routed experts that had been hinted
+    prefetch_scored: int = 0     # routed experts of layers that had a hint
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[i]:
+            i += 1
+        self.latency_counts[i] += 1
+        self.latency_sum += seconds
+
+    def snapshot(self) -> dict:
+        return {"bytes_read": self.bytes_read, "reads": self.reads, "read_seconds": round(self.read_seconds, 6),
+                "layer_reads": self.layer_reads, "experts_read": self.experts_read,
+                "read_bandwidth_bytes_per_s": (self.bytes_read / self.read_seconds) if self.read_seconds else 0.0,
+                "prefetch_bytes": self.prefetch_bytes,
+                "prefetch_hit_rate": (self.prefetch_hits / self.prefetch_scored) if self.prefetch_scored else None}
+
+
+def proc_io() -> dict[str, int]:
+    """This process's /proc/self/io counters (rchar: bytes through read syscalls, cached or not;
+    read_bytes: bytes the process made the kernel fetch from storage)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def proc_memory() -> dict[str, int]:
+    """Resident set of this process from /proc/self/status, in bytes: rss, peak (VmHWM), anon, file."""
+    keys = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[keys[k]] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def page_cache_bytes() -> int:
+    """System page cache ('Cached' in /proc/meminfo), reported beside the resident set."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ExpertReader:
+    """Reads experts of one layer at a time into reusable buffers.
+
+    ``read(layer, experts)`` returns ``{(proj, comp): array [n, *shape]}`` for the sorted
+    unique ``experts``; the arrays are views of the reader's buffers, valid until the next
+    ``read`` (backends copy them into their own arrays).  BF16 comes back as uint16 bits.
+    ``alloc(nbytes)`` makes a buffer (the torch backend passes pinned host memory)."""
+
+    def __init__(self, layout: ExpertLayout, mode: str = "pread", workers: int = 16,
+                 alloc: Callable[[int], np.ndarray] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"expert read mode must be one of {MODES}, not {mode!r}")
+        self.layout, self.mode = layout, mode
+        self.stats = StreamStats()
+        self._alloc = alloc or (lambda n: np.empty(n, dtype=np.uint8))
+        self._buffers: dict[tuple[str, str], np.ndarray] = {}
+        self._hints: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+        self.fds = [os.open(f, os.O_RDONLY) for f in layout.files]
+        self.maps: list[mmap.mmap] = []
+        for fd in self.fds:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            if mode == "mmap":
+                m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                if hasattr(m, "madvise"):
+                    m.madvise(mmap.MADV_RANDOM)
+                self.maps.append(m)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="swiftlm-experts")
+
+    # ------------------------------------------------------------------ reads
+    def _buffer(self, key: tuple[str, str], n: int, slab: ExpertSlab) -> np.ndarray:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n * slab.nbytes:
+            buf = self._alloc(max(n, 1) * slab.nbytes)
+            self._buffers[key] = buf
+        return buf
+
+    def buffer_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def _plan(self, layer: int, experts: Sequence[int]) -> tuple[list, dict]:
+        parts = self.layout.slabs[layer]
+        n = len(experts)
+        pieces = []  # (file, offset, nbytes, destination view)
+        out = {}
+        for key, slabs in parts.items():
+            first = slabs[experts[0]] if n else slabs[0]
+            buf = self._buffer(key, n, first)
+            for j, e in enumerate(experts):
+                s = slabs[e]
+                pieces.append((s.file, s.offset, s.nbytes, memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes]))
+            out[key] = buf[: n * first.nbytes].view(NP_DTYPES[first.dtype]).reshape(n, *first.shape)
+        pieces.sort(key=lambda p: (p[0], p[1]))
+        runs: list[tuple[int, int, list[memoryview], int]] = []
+        for f, off, nb, view in pieces:
+            if runs:
+                rf, roff, views, rn = runs[-1]
+                if rf == f and roff + rn == off and rn + nb <= MAX_READ and len(views) < 512:
+                    views.append(view)
+                    runs[-1] = (rf, roff, views, rn + nb)
+                    continue
+            runs.append((f, off, [view], nb))
+        return runs, out
+
+    def _run(self, f: int, off: int, views: list[memoryview], nbytes: int) -> float:
+        t0 = time.perf_counter()
+        if self.mode == "pread":
+            got = os.preadv(self.fds[f], views, off)
+            if got != nbytes:  # short read: finish piece by piece
+                pos = off
+                for v in views:
+                    done = 0
+                    while done < len(v):
+                        k = os.preadv(self.fds[f], [v[done:]], pos + done)
+                        if k <= 0:
+                            raise OSError(f"{self.layout.files[f]}: short read at {pos + done}")
+                        done += k
+                    pos += len(v)
+        else:
+            m = self.maps[f]
+            pos = off
+            for v in views:
+                np.copyto(np.frombuffer(v, dtype=np.uint8), np.frombuffer(m, dtype=np.uint8, count=len(v),
+                                                                          offset=pos))
+                pos += len(v)
+        return time.perf_counter() - t0
+
+    def read(self, layer: int, experts: Sequence[int]) -> dict[tuple[str, str], np.ndarray]:
+        experts = sorted(set(int(e) for e in experts))
+        t0 = time.perf_counter()
+        runs, out = self._plan(layer, experts)
+        futures = [self.pool.submit(self._run, *r) for r in runs]
+        lat = [fu.result() for fu in futures]
+        st = self.stats
+        with self._lock:
+            st.read_seconds += time.perf_counter() - t0
+            st.layer_reads += 1
+            st.experts_read += len(experts)
+            st.reads += len(runs)
+            st.bytes_read += sum(r[3] for r in runs)
+            for s in lat:
+                st.observe(s)
+            hinted = self._hints.pop(layer, None)
+            if hinted is not None:
+                st.prefetch_scored += len(experts)
+                st.prefetch_hits += len(hinted.intersection(experts))
+        return out
+
+    # ------------------------------------------------------------------ prefetch
+    def hint(self, layer: int, experts: Sequence[int]) -> None:
+        """Ask the kernel to start reading these experts' slabs; scored at the next read(layer)."""
+        if layer not in self.layout.slabs:
+            return
+        experts = sorted(set(int(e) for e in experts))
+        slabs = [s[e] for s in self.layout.slabs[layer].values() for e in experts]
+        with self._lock:
+            self._hints[layer] = set(experts)
+            self.stats.prefetch_bytes += sum(s.nbytes for s in slabs)
+        self.pool.submit(self._advise, slabs)
+
+    def _advise(self, slabs: list[ExpertSlab]) -> None:
+        for s in slabs:
+            if self.mode == "mmap" and hasattr(self.maps[s.file], "madvise"):
+                page = mmap.PAGESIZE
+                start = s.offset // page * page
+                self.maps[s.file].madvise(mmap.MADV_WILLNEED, start, s.offset + s.nbytes - start)
+            elif hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fds[s.file], s.offset, s.nbytes, os.POSIX_FADV_WILLNEED)
+
+    # ------------------------------------------------------------------ housekeeping
+    def drop_page_cache(self) -> None:
+        """Evict the checkpoint's pages from the OS page cache (POSIX_FADV_DONTNEED): a cold start."""
+        for fd in self.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for m in self.maps:
+            m.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def drop_file_pages(paths: Sequence[Path]) -> None:
+    """Evict files from the page cache (cold-start measurements)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
