@@ -4,7 +4,7 @@
     python scripts/make_checkpoint.py OUT --arch llama|qwen3|qwen3_moe|mixtral \
         [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --intermediate 512 \
          --experts 8 --experts-per-token 2 --moe-intermediate 256] \
-        [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--seed 0]
+        [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--stacked-experts] [--seed 0]
 
 config.json, sharded safetensors with model.safetensors.index.json, and the SmolLM2
 tokenizer (from the bundled GGUF) with its chat template.  ``--quantize BITS`` writes MLX's
@@ -20,6 +20,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -58,7 +60,10 @@ def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
     return cfg
 
 
-def make_weights(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, fp32 array) one tensor at a time, so a checkpoint larger than memory can be written.
+    ``stacked``: MoE experts as mlx-lm's [E, out, in] ``switch_mlp`` tensors instead of one
+    tensor per expert."""
     H, V, I = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     arch = cfg["model_type"]
@@ -70,11 +75,12 @@ def make_weights(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         base = 0.0 if arch == "gemma" else 1.0
         return (base + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, H), dtype=np.float32) * 0.5,
-         "model.norm.weight": norm(H)}
+    yield "model.embed_tokens.weight", rng.standard_normal((V, H), dtype=np.float32) * 0.5
+    yield "model.norm.weight", norm(H)
     if not cfg["tie_word_embeddings"]:
-        w["lm_head.weight"] = lin(V, H)
+        yield "lm_head.weight", lin(V, H)
     for i in range(cfg["num_hidden_layers"]):
+        w: dict[str, np.ndarray] = {}
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(H)
         w[p + "post_attention_layernorm.weight"] = norm(H)
@@ -85,52 +91,61 @@ def make_weights(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
-        if arch == "qwen3_moe":
-            E, MI = cfg["num_experts"], cfg["moe_intermediate_size"]
-            w[p + "mlp.gate.weight"] = lin(E, H)
-            for e in range(E):
-                w[p + f"mlp.experts.{e}.gate_proj.weight"] = lin(MI, H)
-                w[p + f"mlp.experts.{e}.up_proj.weight"] = lin(MI, H)
-                w[p + f"mlp.experts.{e}.down_proj.weight"] = lin(H, MI)
-        elif arch == "mixtral":
-            E = cfg["num_local_experts"]
-            w[p + "block_sparse_moe.gate.weight"] = lin(E, H)
-            for e in range(E):
-                w[p + f"block_sparse_moe.experts.{e}.w1.weight"] = lin(I, H)
-                w[p + f"block_sparse_moe.experts.{e}.w2.weight"] = lin(H, I)
-                w[p + f"block_sparse_moe.experts.{e}.w3.weight"] = lin(I, H)
+        if arch in ("qwen3_moe", "mixtral"):
+            E = cfg.get("num_experts") or cfg["num_local_experts"]
+            MI = cfg["moe_intermediate_size"] if arch == "qwen3_moe" else I
+            blk = p + ("mlp." if arch == "qwen3_moe" else "block_sparse_moe.")
+            names = (("gate_proj", "up_proj", "down_proj") if arch == "qwen3_moe" else ("w1", "w3", "w2"))
+            w[blk + "gate.weight"] = lin(E, H)
+            if stacked:
+                for proj, (o, n) in zip(("gate_proj", "up_proj", "down_proj"), ((MI, H), (MI, H), (H, MI))):
+                    w[blk + f"switch_mlp.{proj}.weight"] = np.stack([lin(o, n) for _ in range(E)])
+            else:
+                for e in range(E):
+                    for name, (o, n) in zip(names, ((MI, H), (MI, H), (H, MI))):
+                        w[blk + f"experts.{e}.{name}.weight"] = lin(o, n)
         else:
             w[p + "mlp.gate_proj.weight"] = lin(I, H)
             w[p + "mlp.up_proj.weight"] = lin(I, H)
             w[p + "mlp.down_proj.weight"] = lin(H, I)
-    return w
+        yield from w.items()
 
 
-def save_sharded(weights: dict[str, np.ndarray], out: Path, dtype: str, shard_bytes: int) -> None:
+def save_sharded(weights: Iterable[tuple[str, np.ndarray]], out: Path, dtype: str, shard_bytes: int) -> None:
+    """Write shards as the tensors come (one shard in memory at a time), then name them
+    model-0000i-of-0000n.safetensors (or model.safetensors when there is one)."""
     from safetensors.numpy import save_file
 
     itemsize = 2 if dtype in ("float16", "bfloat16") else 4
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in weights.items():
-        nbytes = arr.size * itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += nbytes
-    n = len(shards)
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards, 1):
-        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush() -> None:
+        tmp = out / f".shard-{len(written):05d}.tmp"
         if dtype == "bfloat16":
-            _save_bf16(shard, out / fname)
+            _save_bf16(shard, tmp)
         else:
-            save_file({k: v.astype(dtype) for k, v in shard.items()}, str(out / fname), metadata={"format": "pt"})
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.size * itemsize
+            save_file({k: v.astype(dtype) for k, v in shard.items()}, str(tmp), metadata={"format": "pt"})
+        written.append((tmp, list(shard)))
+        shard.clear()
+
+    for name, arr in weights:
+        nbytes = arr.size * itemsize
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = arr
+        size += nbytes
+        total += nbytes
+    if shard:
+        flush()
+    n = len(written)
+    weight_map = {}
+    for i, (tmp, names) in enumerate(written, 1):
+        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tmp.rename(out / fname)
+        weight_map.update({k: fname for k in names})
     if n > 1:
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -156,6 +171,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--quantize", type=int, choices=(2, 3, 4, 6, 8), default=None,
                     help="write MLX-quantized weights with this many bits (needs mlx)")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--stacked-experts", action="store_true",
+                    help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args(argv)
@@ -170,7 +187,7 @@ def main(argv: list[str] | None = None) -> Path:
     bos = tok.tok.token_to_id(tok.bos_token) if tok.bos_token else 1
     eos = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else 2
     cfg = make_config(a, tok.vocab_size, bos, eos)
-    weights = make_weights(cfg, np.random.default_rng(a.seed))
+    weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts)
     target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)

@@ -355,6 +355,17 @@ class Engine:
         else:
             self._finish(live, reason, last=ev)
 
+    def expert_stream_stats(self) -> dict[str, Any] | None:
+        """Counted I/O of SSD expert streaming (None when experts are resident)."""
+        reader = getattr(self.model, "expert_stream", None)
+        if reader is None:
+            return None
+        out = reader.stats.snapshot()
+        out.update({"mode": reader.mode, "buffer_bytes": reader.buffer_bytes(),
+                    "expert_bytes_on_disk": reader.layout.expert_bytes_total,
+                    "experts_per_token": self.info.experts_per_token})
+        return out
+
     def kv_stats(self) -> dict[str, Any]:
         """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
         compression ratio achieved (16-bit bytes / bytes held)."""

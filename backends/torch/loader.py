@@ -13,7 +13,9 @@ from swiftlm.registry import ModelSpec
 from .model import SUPPORTED
 
 
-def load_hf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint but those named in ``skip`` (streamed experts: never read)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     if (spec.config.get("quantization") or {}).get("bits"):
@@ -22,7 +24,11 @@ def load_hf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in spec.weight_files:
         try:
-            state.update(load_file(str(f)))
+            if skip:
+                with safe_open(str(f), framework="pt") as fh:
+                    state.update({k: fh.get_tensor(k) for k in fh.keys() if k not in skip})
+            else:
+                state.update(load_file(str(f)))
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
     return state
@@ -40,10 +46,10 @@ def check_arch(spec: ModelSpec) -> None:
                                       f"supported: {', '.join(SUPPORTED)}")
 
 
-def load_state(spec: ModelSpec) -> tuple[dict, dict[str, Any]]:
+def load_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict, dict[str, Any]]:
     check_arch(spec)
     if spec.format == "gguf":
         from swiftlm.convert import hf_config
 
         return hf_config(spec, "float32"), load_gguf_state(spec)
-    return dict(spec.config), load_hf_state(spec)
+    return dict(spec.config), load_hf_state(spec, skip)

@@ -197,14 +197,19 @@ class MoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         w = w.to(x.dtype)
         out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
+        experts = idx.unique().tolist()
+        for e, (wg, wu, wd) in zip(experts, self.expert_weights(experts)):
             rows, slot = (idx == e).nonzero(as_tuple=True)
             h = x[rows]
-            y = F.linear(F.silu(F.linear(h, self.w_gate[e])) * F.linear(h, self.w_up[e]), self.w_down[e])
+            y = F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
             out.index_add_(0, rows, y * w[rows, slot].unsqueeze(-1))
         if self.a.shared_intermediate:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def expert_weights(self, experts: list[int]) -> Any:
+        """(gate, up, down) weights of each expert, in order (resident: views of the stacks)."""
+        return [(self.w_gate[e], self.w_up[e], self.w_down[e]) for e in experts]
 
 
 class Block(nn.Module):
@@ -390,7 +395,9 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
             proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(proj, proj)
             experts[(li, proj, ei)] = v
             continue
-        name = name.replace("block_sparse_moe.gate.", "mlp.gate.")
+        name = name.replace("block_sparse_moe.gate.", "mlp.gate.").replace("block_sparse_moe.", "mlp.")
+        for proj, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            name = name.replace(f"mlp.switch_mlp.{proj}.weight", f"mlp.{ours}")  # stacked [E, out, in]
         out[name] = v
     for li in range(a.layers):
         for proj, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
@@ -401,16 +408,27 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
+def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+          expert_reader: Any = None) -> Transformer:
+    """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
     a = Args.from_config(config)
     with torch.device("meta"):
         model = Transformer(a)
+        if expert_reader is not None:
+            from .streamed_moe import StreamedMoE
+
+            for i, layer in enumerate(model.layers):
+                if i in expert_reader.layout.slabs:
+                    layer.mlp = StreamedMoE(a, expert_reader, i, device, dtype)
     sd = hf_state_to_ours(a, state)
     if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
         sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
     model.init_rope()
     model.to(device)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "to_device"):
+            layer.mlp.to_device()
     model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)  # as HF: rope in the model's dtype
     model.eval()
     with torch.no_grad():

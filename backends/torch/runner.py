@@ -15,7 +15,9 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from .compressed_cache import CompressedCache
-from .loader import load_state
+from swiftlm.errors import UnsupportedArchitecture
+
+from .loader import check_arch, load_state
 from .graphs import GraphDecoder, SlotPool, graphable
 from .model import SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
@@ -54,6 +56,7 @@ class TorchModel:
         # CUDA: all sequences' caches are rows of one tensor per layer, so decode rows of many
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = SlotPool(module.a, slots, info.context_length, dtype, device) if self.static else None
+        self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
@@ -236,9 +239,38 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     device, dtype = pick_device(cfg)
-    config, state = load_state(spec)
-    module = build(config, state, dtype, device)
+    _apply_mem_limit(cfg, device)
+    reader = None
+    if getattr(cfg, "stream_experts", False):
+        from swiftlm.experts import ExpertReader, scan_experts
+        from swiftlm.memory import expert_plan
+
+        expert_plan(spec)  # a clear error for dense models and GGUF files
+        check_arch(spec)
+        layout = scan_experts(spec.weight_files)
+        if layout.quantized:
+            raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized experts, which the torch backend does "
+                                          "not read; use the mlx backend or a 16-bit checkpoint")
+        alloc = None
+        if device.type == "cuda":
+            from .streamed_moe import pinned_alloc
+
+            alloc = pinned_alloc
+        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads, alloc=alloc)
+    config, state = load_state(spec, skip=reader.layout.expert_tensors if reader else frozenset())
+    module = build(config, state, dtype, device, expert_reader=reader)
     del state
+    if reader is not None and getattr(cfg, "expert_prefetch", False):
+        from .streamed_moe import link_prefetch
+
+        link_prefetch(module)
+    k_native = module.a.top_k
+    if module.a.experts and getattr(cfg, "expert_top_k", 0):
+        module.a.top_k = max(1, min(int(cfg.expert_top_k), k_native))
+        if cfg.expert_top_k > k_native:
+            log.warning("--expert-top-k %d is above the model's %d experts per token; using %d",
+                        cfg.expert_top_k, k_native, k_native)
+        log.info("experts per token: %d (the model's %d; --expert-top-k)", module.a.top_k, k_native)
     tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
                  else load_hf_tokenizer(spec.path, spec.config))
     a = module.a
@@ -249,6 +281,25 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
                      is_moe=bool(a.experts), weight_bytes=param_bytes(module),
-                     kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8)
+                     kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
+                     streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
+                     experts_per_token=a.top_k)
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
-    return TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
+    model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
+    model.expert_stream = reader
+    return model
+
+
+def _apply_mem_limit(cfg: Any, device: torch.device) -> None:
+    """--mem-limit on CUDA: the caching allocator refuses to grow past it (OOM instead)."""
+    limit = getattr(cfg, "mem_limit", None)
+    if not limit:
+        return
+    from swiftlm.config import parse_bytes
+
+    if device.type != "cuda":
+        log.warning("--mem-limit applies to CUDA memory; ignored on %s", device.type)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(limit) / total), device)
+    log.info("CUDA memory capped at %s bytes (%.3f of %s)", parse_bytes(limit), parse_bytes(limit) / total, total)

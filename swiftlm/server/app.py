@@ -111,6 +111,9 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                                               "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
                                               "hit_rate": round(eng.prefix_cache.hit_rate, 4),
                                               "tokens_reused": eng.prefix_cache.tokens_reused}}
+            es = eng.expert_stream_stats()
+            if es is not None:
+                body["stats"]["expert_streaming"] = es
             if eng.speculator is not None:
                 sp = eng.speculator.stats
                 body["stats"]["speculative"] = {

@@ -6,11 +6,46 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+
+class ExpertStreamCollector:
+    """swiftlm_ssd_*: expert streaming's counted reads, taken from the reader at scrape time."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    def collect(self) -> Any:
+        reader = getattr(getattr(self.engine, "model", None), "expert_stream", None)
+        if reader is None:
+            return
+        from swiftlm.experts.reader import LATENCY_BUCKETS
+
+        st = reader.stats
+        yield CounterMetricFamily("swiftlm_ssd_bytes_read", "Bytes read from disk by expert streaming",
+                                  value=st.bytes_read)
+        yield CounterMetricFamily("swiftlm_ssd_reads", "Expert read requests (vectored reads)", value=st.reads)
+        yield CounterMetricFamily("swiftlm_ssd_experts_read", "Expert slabs read (expert x layer)",
+                                  value=st.experts_read)
+        yield CounterMetricFamily("swiftlm_ssd_read_wait_seconds", "Time the engine waited for expert reads",
+                                  value=st.read_seconds)
+        yield GaugeMetricFamily("swiftlm_ssd_read_throughput_bytes_per_second",
+                                "Bytes read / time waited for them", value=st.snapshot()["read_bandwidth_bytes_per_s"])
+        yield CounterMetricFamily("swiftlm_ssd_prefetch_bytes", "Bytes hinted to the kernel by expert prefetch",
+                                  value=st.prefetch_bytes)
+        cum, buckets = 0, []
+        for le, n in zip(LATENCY_BUCKETS + (float("inf"),), st.latency_counts):
+            cum += n
+            buckets.append(("+Inf" if le == float("inf") else repr(le), cum))
+        yield HistogramMetricFamily("swiftlm_ssd_read_latency_seconds", "Latency of one expert read request",
+                                    buckets=buckets, sum_value=st.latency_sum)
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.experts = ExpertStreamCollector()
+        r.register(self.experts)
         self.started = time.time()
         self.requests = Counter("swiftlm_requests", "Requests accepted by the OpenAI routes", ["route"], registry=r)
         self.errors = Counter("swiftlm_request_errors", "Requests answered with an error", ["status"], registry=r)
@@ -45,6 +80,7 @@ class Metrics:
 
     def render(self, engine: Any | None) -> bytes:
         self.uptime.set(time.time() - self.started)
+        self.experts.engine = engine
         if engine is not None:
             st = engine.stats
             self.active.set(st.requests_active)

@@ -1,0 +1,130 @@
+"""SSD expert streaming on torch: ``StreamedMoE`` routes like ``MoE`` and gets the routed
+experts' weights from the checkpoint through ``swiftlm.experts.ExpertReader`` instead of
+resident stacks.  On CUDA the reader fills pinned host buffers, and each expert is copied to
+the GPU on a side stream (non-blocking), so the copy of expert j+1 overlaps the compute of
+expert j; the compute stream waits on one event per expert.  The math per expert is the same
+``F.linear`` calls on the same values as ``MoE``: outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model import MoE, Args
+
+_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class H2DStats:
+    """Host-to-device copies of streamed experts, timed with CUDA events."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+
+    def add(self, start: Any, end: Any, nbytes: int) -> None:
+        self.bytes += nbytes
+        self._pending.append((start, end))
+        if len(self._pending) > 512:
+            self.resolve()
+
+    def resolve(self) -> None:
+        for s, e in self._pending:
+            e.synchronize()
+            self.seconds += s.elapsed_time(e) / 1000.0
+        self._pending.clear()
+
+    def snapshot(self) -> dict:
+        self.resolve()
+        return {"h2d_bytes": self.bytes, "h2d_seconds": round(self.seconds, 6),
+                "h2d_bandwidth_bytes_per_s": self.bytes / self.seconds if self.seconds else 0.0}
+
+
+class StreamedMoE(MoE):
+    def __init__(self, a: Args, reader: Any, layer: int, device: torch.device, dtype: torch.dtype):
+        super().__init__(a)
+        del self.w_gate, self.w_up, self.w_down
+        self.reader, self.layer = reader, layer
+        self.device, self.dtype = device, dtype
+        self.copy_stream: Any = None
+        self.h2d: H2DStats | None = None
+        self.next_router: Any = None  # (gate Linear, Args) of the next MoE layer when prefetching
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.next_router is not None:  # guess the next layer's experts from this layer's input
+            gate, a = self.next_router
+            guess = torch.topk(gate(x).float(), a.top_k, dim=-1).indices.unique().tolist()
+            self.reader.hint(self.layer + 1, guess)
+        return super().forward(x)
+
+    def to_device(self) -> None:
+        """Called once the module sits on its device: a side stream and pinned buffers on CUDA."""
+        if self.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.h2d = getattr(self.reader, "h2d", None) or H2DStats()
+            self.reader.h2d = self.h2d
+
+    def expert_weights(self, experts: list[int]) -> Any:
+        raw = self.reader.read(self.layer, experts)
+        slabs = self.reader.layout.slabs[self.layer]
+        host = {}
+        for proj in ("gate", "up", "down"):
+            arr = raw[(proj, "weight")]
+            t = torch.from_numpy(arr)
+            dt = _TORCH.get(slabs[(proj, "weight")][0].dtype)
+            if dt is None:
+                raise RuntimeError(f"streamed experts of dtype {slabs[(proj, 'weight')][0].dtype} are not supported"
+                                   " by the torch backend")
+            host[proj] = t.view(dt) if dt == torch.bfloat16 else t
+        if self.copy_stream is None:  # CPU: own copies (the buffers are reused by the next read)
+            return [tuple(host[p][j].to(self.dtype, copy=True) for p in ("gate", "up", "down"))
+                    for j in range(len(experts))]
+        return self._to_gpu(host, len(experts))
+
+    def _to_gpu(self, host: dict[str, torch.Tensor], n: int) -> Any:
+        main = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(main)  # the buffers' previous contents were consumed
+        out = []
+        with torch.cuda.stream(self.copy_stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            nbytes = 0
+            for j in range(n):
+                ws = []
+                for p in ("gate", "up", "down"):
+                    src = host[p][j]
+                    nbytes += src.numel() * src.element_size()
+                    dev = src.to(self.device, non_blocking=True).to(self.dtype)
+                    dev.record_stream(main)
+                    ws.append(dev)
+                ev = torch.cuda.Event()
+                ev.record()
+                out.append((ws, ev))
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.h2d.add(start, end, nbytes)
+        return self._ready(main, out)
+
+    @staticmethod
+    def _ready(main: Any, copies: list) -> Any:
+        """Yield each expert once its copy is done: compute on expert j is queued behind copy j only."""
+        for ws, ev in copies:
+            main.wait_event(ev)
+            yield tuple(ws)
+
+
+def pinned_alloc(nbytes: int) -> np.ndarray:
+    """Reader buffers in page-locked host memory (async H2D copies read from them directly)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def link_prefetch(model: Any) -> None:
+    """Give each streamed layer the next streamed layer's router (--expert-prefetch)."""
+    layers = list(model.layers)
+    for cur, nxt in zip(layers, layers[1:]):
+        if isinstance(cur.mlp, StreamedMoE) and isinstance(nxt.mlp, StreamedMoE):
+            cur.mlp.next_router = (nxt.mlp.gate, nxt.mlp.a)
