@@ -82,7 +82,8 @@ def load_hf(spec: ModelSpec, cfg: Any = None) -> tuple[nn.Module, Any, dict, Any
     if stream:
         from .streamed_moe import attach
 
-        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads)
+        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,
+                              chunk=max(1, spec.experts_per_token))
         attach(model, layout, reader, mx.float32 if _on_cpu() else None, prefetch=cfg.expert_prefetch)
     _to_compute_dtype(model)
     mx.eval(model.parameters())

@@ -59,7 +59,8 @@ class StreamedSwitchGLU(nn.Module):
         self._next: _Ref | None = None    # the next MoE block (its router guesses for prefetch)
 
     def _weights(self, experts: np.ndarray) -> dict[str, tuple[mx.array, ...]]:
-        raw = self._reader.read(self._layer, experts)
+        widen = self._float_dtype == mx.float32  # the reader threads widen bf16 to fp32 (exact)
+        raw = self._reader.read(self._layer, experts, float32=widen)
         out: dict[str, tuple[mx.array, ...]] = {}
         for proj in ("gate", "up", "down"):
             arrs = []
@@ -68,11 +69,11 @@ class StreamedSwitchGLU(nn.Module):
                 if a is None:
                     arrs.append(None)
                     continue
-                slab = self._reader.layout.slabs[self._layer][(proj, comp)][0]
-                m = mx.array(a)
-                if slab.dtype == "BF16":
+                m = mx.array(a)  # a copy: the reader's buffers are reused by the next read
+                if a.dtype == np.uint16 and self._reader.layout.slabs[self._layer][(proj, comp)][0].dtype == "BF16":
                     m = m.view(mx.bfloat16)
-                if self._float_dtype is not None and mx.issubdtype(m.dtype, mx.floating):
+                if self._float_dtype is not None and mx.issubdtype(m.dtype, mx.floating) \
+                        and m.dtype != self._float_dtype:
                     m = m.astype(self._float_dtype)
                 arrs.append(m)
             out[proj] = tuple(arrs)
@@ -84,26 +85,46 @@ class StreamedSwitchGLU(nn.Module):
                                  **self._quant)
         return mx.gather_mm(x, w[0].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)
 
+    def _glu(self, x: mx.array, experts: np.ndarray, local: np.ndarray, sort: bool) -> mx.array:
+        w = self._weights(experts)
+        idx = mx.array(local)
+        up = self._linear(x, w["up"], idx, sort)
+        gate = self._linear(x, w["gate"], idx, sort)
+        return self._linear(self._activation(up, gate), w["down"], idx, sort)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._next is not None:
             self._prefetch_next(x)
         host = np.array(indices)                       # routing must be known to read: one sync per layer
         experts = np.unique(host)
-        w = self._weights(experts)
         lut = np.zeros(self._num_experts, dtype=np.uint32)
-        lut[experts] = np.arange(len(experts), dtype=np.uint32)
-        idx = mx.array(lut[host])
         x = mx.expand_dims(x, (-2, -3))
-        do_sort = idx.size >= 64                       # as mlx-lm's SwitchGLU
-        inv = None
-        if do_sort:
-            x, idx, inv = _sort(x, idx)
-        up = self._linear(x, w["up"], idx, do_sort)
-        gate = self._linear(x, w["gate"], idx, do_sort)
-        y = self._linear(self._activation(up, gate), w["down"], idx, do_sort)
-        if do_sort:
-            y = mx.unflatten(y[inv], 0, indices.shape)
-        return y.squeeze(-2)
+        chunk = self._reader.chunk
+        if len(experts) <= chunk:                      # decode: one read, mlx-lm's own path
+            lut[experts] = np.arange(len(experts), dtype=np.uint32)
+            do_sort = host.size >= 64
+            if not do_sort:
+                return self._glu(x, experts, lut[host], False).squeeze(-2)
+            xs, idx, inv = _sort(x, mx.array(lut[host]))
+            y = self._glu_sorted(xs, experts, np.array(idx))
+            return mx.unflatten(y[inv], 0, indices.shape).squeeze(-2)
+        # more experts than the read buffers hold: rows sorted by expert, computed a chunk of
+        # experts at a time (row results do not depend on which other rows share the call)
+        xs, idx, inv = _sort(x, indices)
+        order = np.array(idx)
+        ys = []
+        for c0 in range(0, len(experts), chunk):
+            part = experts[c0:c0 + chunk]
+            lo, hi = np.searchsorted(order, part[0], "left"), np.searchsorted(order, part[-1], "right")
+            lut[part] = np.arange(len(part), dtype=np.uint32)
+            y = self._glu(xs[lo:hi], part, lut[order[lo:hi]], True)
+            mx.eval(y)                                 # frees this chunk's weights before the next read
+            ys.append(y)
+        y = mx.concatenate(ys, axis=0)
+        return mx.unflatten(y[inv], 0, indices.shape).squeeze(-2)
+
+    def _glu_sorted(self, xs: mx.array, experts: np.ndarray, local: np.ndarray) -> mx.array:
+        return self._glu(xs, experts, local, True)
 
     def _prefetch_next(self, x: mx.array) -> None:
         """Guess the next MoE layer's experts from this layer's input through its router."""

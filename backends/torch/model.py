@@ -198,7 +198,8 @@ class MoE(nn.Module):
         w = w.to(x.dtype)
         out = torch.zeros_like(x)
         experts = idx.unique().tolist()
-        for e, (wg, wu, wd) in zip(experts, self.expert_weights(experts)):
+        for j, (wg, wu, wd) in enumerate(self.expert_weights(experts)):
+            e = experts[j]
             rows, slot = (idx == e).nonzero(as_tuple=True)
             h = x[rows]
             y = F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
@@ -382,10 +383,11 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
 
 
 def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF checkpoint names -> this module's names (strip 'model.', stack experts)."""
+    """HF checkpoint names -> this module's names (strip 'model.', stack experts).  Consumes ``sd``."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str, int], torch.Tensor] = {}
-    for k, v in sd.items():
+    for k in list(sd):  # pops: the caller's dict empties as ours fills (no second copy held)
+        v = sd.pop(k)
         name = k[len("model."):] if k.startswith("model.") else k
         parts = name.split(".")
         if "experts" in parts and parts[0] == "layers":
@@ -423,7 +425,8 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     sd = hf_state_to_ours(a, state)
     if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
         sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    # convert one tensor at a time, dropping the stored one: peak = the model + one tensor
+    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
     model.init_rope()
     model.to(device)
     for layer in model.layers:

@@ -256,7 +256,8 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
             from .streamed_moe import pinned_alloc
 
             alloc = pinned_alloc
-        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads, alloc=alloc)
+        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,
+                              chunk=max(1, spec.experts_per_token), alloc=alloc)
     config, state = load_state(spec, skip=reader.layout.expert_tensors if reader else frozenset())
     module = build(config, state, dtype, device, expert_reader=reader)
     del state

@@ -69,25 +69,43 @@ class StreamedMoE(MoE):
             self.reader.h2d = self.h2d
 
     def expert_weights(self, experts: list[int]) -> Any:
-        raw = self.reader.read(self.layer, experts)
+        """Yields (gate, up, down) per expert, reading ``reader.chunk`` experts at a time; within
+        a chunk, expert j is handed out as soon as its own reads are done."""
         slabs = self.reader.layout.slabs[self.layer]
-        host = {}
-        for proj in ("gate", "up", "down"):
-            arr = raw[(proj, "weight")]
-            t = torch.from_numpy(arr)
-            dt = _TORCH.get(slabs[(proj, "weight")][0].dtype)
-            if dt is None:
-                raise RuntimeError(f"streamed experts of dtype {slabs[(proj, 'weight')][0].dtype} are not supported"
-                                   " by the torch backend")
-            host[proj] = t.view(dt) if dt == torch.bfloat16 else t
-        if self.copy_stream is None:  # CPU: own copies (the buffers are reused by the next read)
-            return [tuple(host[p][j].to(self.dtype, copy=True) for p in ("gate", "up", "down"))
-                    for j in range(len(experts))]
-        return self._to_gpu(host, len(experts))
+        dts = [_TORCH.get(slabs[(p, "weight")][0].dtype) for p in ("gate", "up", "down")]
+        if None in dts:
+            raise RuntimeError("streamed experts of dtype "
+                               f"{[slabs[(p, 'weight')][0].dtype for p in ('gate', 'up', 'down')]} are not supported "
+                               "by the torch backend")
+        widen = self.copy_stream is None and self.dtype == torch.float32  # the reader threads widen bf16
+        for c0 in range(0, len(experts), self.reader.chunk):
+            chunk = experts[c0:c0 + self.reader.chunk]
+            if self.copy_stream is not None:
+                self.copy_stream.synchronize()  # the pinned buffers' previous copies are done
+            pending = self.reader.start(self.layer, chunk, float32=widen)
+            if self.copy_stream is None:
+                for j in range(len(chunk)):
+                    w = pending.expert(j)
+                    yield tuple(self._host(w[(p, "weight")], dt, widen) for p, dt in zip(("gate", "up", "down"), dts))
+            else:
+                host = pending.result()
+                yield from self._to_gpu({p: self._view(torch.from_numpy(host[(p, "weight")]), dt)
+                                         for p, dt in zip(("gate", "up", "down"), dts)}, len(chunk))
+            pending.result()
+
+    @staticmethod
+    def _view(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return t.view(dt) if dt == torch.bfloat16 else t
+
+    def _host(self, arr: np.ndarray, dt: torch.dtype, widened: bool) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if widened or (dt == self.dtype and dt != torch.bfloat16):
+            return t  # already float32 / the model's dtype: used in place (read before the next chunk)
+        return self._view(t, dt).to(self.dtype)
 
     def _to_gpu(self, host: dict[str, torch.Tensor], n: int) -> Any:
         main = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(main)  # the buffers' previous contents were consumed
+        self.copy_stream.wait_stream(main)
         out = []
         with torch.cuda.stream(self.copy_stream):
             start = torch.cuda.Event(enable_timing=True)

@@ -105,14 +105,18 @@ class ExpertReader:
 
     ``read(layer, experts)`` returns ``{(proj, comp): array [n, *shape]}`` for the sorted
     unique ``experts``; the arrays are views of the reader's buffers, valid until the next
-    ``read`` (backends copy them into their own arrays).  BF16 comes back as uint16 bits.
+    ``read`` (backends copy them into their own arrays).  BF16 comes back as uint16 bits, or
+    widened to float32 with ``float32=True``.  ``start()`` is the asynchronous form.
     ``alloc(nbytes)`` makes a buffer (the torch backend passes pinned host memory)."""
 
     def __init__(self, layout: ExpertLayout, mode: str = "pread", workers: int = 16,
-                 alloc: Callable[[int], np.ndarray] | None = None):
+                 alloc: Callable[[int], np.ndarray] | None = None, chunk: int = 8):
         if mode not in MODES:
             raise ValueError(f"expert read mode must be one of {MODES}, not {mode!r}")
         self.layout, self.mode = layout, mode
+        # experts read (and held in buffers) at once; a layer that routes to more (prefill,
+        # batched decode) is computed chunk by chunk, so buffers stay at ``chunk`` experts
+        self.chunk = max(1, chunk)
         self.stats = StreamStats()
         self._alloc = alloc or (lambda n: np.empty(n, dtype=np.uint8))
         self._buffers: dict[tuple[str, str], np.ndarray] = {}
@@ -131,41 +135,51 @@ class ExpertReader:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="swiftlm-experts")
 
     # ------------------------------------------------------------------ reads
-    def _buffer(self, key: tuple[str, str], n: int, slab: ExpertSlab) -> np.ndarray:
+    def _buffer(self, key: tuple, nbytes: int) -> np.ndarray:
         buf = self._buffers.get(key)
-        if buf is None or buf.shape[0] < n * slab.nbytes:
-            buf = self._alloc(max(n, 1) * slab.nbytes)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._alloc(nbytes)
             self._buffers[key] = buf
         return buf
 
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
 
-    def _plan(self, layer: int, experts: Sequence[int]) -> tuple[list, dict]:
+    def _plan(self, layer: int, experts: Sequence[int], float32: bool) -> tuple[list, dict, list]:
         parts = self.layout.slabs[layer]
         n = len(experts)
-        pieces = []  # (file, offset, nbytes, destination view)
+        pieces = []  # (file, offset, nbytes, destination view, expert slot, bf16 -> f32 conversion)
         out = {}
         for key, slabs in parts.items():
             first = slabs[experts[0]] if n else slabs[0]
-            buf = self._buffer(key, n, first)
+            buf = self._buffer(key, max(n, 1) * first.nbytes)
+            raw = buf[: n * first.nbytes].view(NP_DTYPES[first.dtype]).reshape(n, *first.shape)
+            conv = float32 and first.dtype == "BF16"
+            if conv:
+                wide = self._buffer(key + ("f32",), max(n, 1) * first.nbytes * 2)
+                out[key] = wide[: n * first.nbytes * 2].view(np.float32).reshape(n, *first.shape)
+            else:
+                out[key] = raw
             for j, e in enumerate(experts):
                 s = slabs[e]
-                pieces.append((s.file, s.offset, s.nbytes, memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes]))
-            out[key] = buf[: n * first.nbytes].view(NP_DTYPES[first.dtype]).reshape(n, *first.shape)
+                pieces.append((s.file, s.offset, s.nbytes, memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes], j,
+                               (raw[j], out[key][j].view(np.uint32)) if conv else None))
         pieces.sort(key=lambda p: (p[0], p[1]))
-        runs: list[tuple[int, int, list[memoryview], int]] = []
-        for f, off, nb, view in pieces:
-            if runs:
-                rf, roff, views, rn = runs[-1]
-                if rf == f and roff + rn == off and rn + nb <= MAX_READ and len(views) < 512:
-                    views.append(view)
-                    runs[-1] = (rf, roff, views, rn + nb)
-                    continue
-            runs.append((f, off, [view], nb))
-        return runs, out
+        runs: list[list] = []  # [file, offset, views, nbytes, expert slots, conversions]
+        for f, off, nb, view, j, conv in pieces:
+            r = runs[-1] if runs else None
+            if r and r[0] == f and r[1] + r[3] == off and r[3] + nb <= MAX_READ and len(r[2]) < 512:
+                r[2].append(view)
+                r[3] += nb
+            else:
+                r = [f, off, [view], nb, set(), []]
+                runs.append(r)
+            r[4].add(j)
+            if conv is not None:
+                r[5].append(conv)
+        return runs, out, [r[4] for r in runs]
 
-    def _run(self, f: int, off: int, views: list[memoryview], nbytes: int) -> float:
+    def _run(self, f: int, off: int, views: list[memoryview], nbytes: int, convs: list) -> float:
         t0 = time.perf_counter()
         if self.mode == "pread":
             got = os.preadv(self.fds[f], views, off)
@@ -186,28 +200,37 @@ class ExpertReader:
                 np.copyto(np.frombuffer(v, dtype=np.uint8), np.frombuffer(m, dtype=np.uint8, count=len(v),
                                                                           offset=pos))
                 pos += len(v)
-        return time.perf_counter() - t0
+        lat = time.perf_counter() - t0
+        for src, dst in convs:  # bf16 bits -> fp32 bits: exact, and off the engine's thread
+            np.left_shift(src, 16, out=dst, dtype=np.uint32, casting="unsafe")
+        return lat
 
-    def read(self, layer: int, experts: Sequence[int]) -> dict[tuple[str, str], np.ndarray]:
+    def start(self, layer: int, experts: Sequence[int], float32: bool = False) -> "PendingRead":
+        """Submit the reads of these experts' slabs; ``float32``: BF16 slabs come back widened to
+        float32 (done by the reader threads).  Consume with ``PendingRead.expert(j)`` (waits only
+        for expert j's reads) or ``result()``."""
         experts = sorted(set(int(e) for e in experts))
-        t0 = time.perf_counter()
-        runs, out = self._plan(layer, experts)
-        futures = [self.pool.submit(self._run, *r) for r in runs]
-        lat = [fu.result() for fu in futures]
+        runs, out, slots = self._plan(layer, experts, float32)
+        futures = [self.pool.submit(self._run, *r[:4], r[5]) for r in runs]
+        return PendingRead(self, layer, experts, out, futures, slots, sum(r[3] for r in runs))
+
+    def read(self, layer: int, experts: Sequence[int], float32: bool = False) -> dict[tuple[str, str], np.ndarray]:
+        return self.start(layer, experts, float32).result()
+
+    def _account(self, pending: "PendingRead", waited: float, lat: list[float]) -> None:
         st = self.stats
         with self._lock:
-            st.read_seconds += time.perf_counter() - t0
+            st.read_seconds += waited
             st.layer_reads += 1
-            st.experts_read += len(experts)
-            st.reads += len(runs)
-            st.bytes_read += sum(r[3] for r in runs)
+            st.experts_read += len(pending.experts)
+            st.reads += len(lat)
+            st.bytes_read += pending.nbytes
             for s in lat:
                 st.observe(s)
-            hinted = self._hints.pop(layer, None)
+            hinted = self._hints.pop(pending.layer, None)
             if hinted is not None:
-                st.prefetch_scored += len(experts)
-                st.prefetch_hits += len(hinted.intersection(experts))
-        return out
+                st.prefetch_scored += len(pending.experts)
+                st.prefetch_hits += len(hinted.intersection(pending.experts))
 
     # ------------------------------------------------------------------ prefetch
     def hint(self, layer: int, experts: Sequence[int]) -> None:
@@ -249,6 +272,41 @@ class ExpertReader:
             self.close()
         except Exception:
             pass
+
+
+class PendingRead:
+    """Reads in flight for one layer.  ``expert(j)`` blocks until the reads holding the j-th
+    (sorted) expert's slabs are done, so a backend can compute expert j while later experts are
+    still being read; ``result()`` waits for all.  Accounted once, when everything is done."""
+
+    def __init__(self, reader: ExpertReader, layer: int, experts: list[int], out: dict, futures: list,
+                 slots: list[set[int]], nbytes: int):
+        self.reader, self.layer, self.experts, self.out = reader, layer, experts, out
+        self.nbytes = nbytes
+        self._futures = futures
+        self._by_expert: dict[int, list] = {}
+        for fu, js in zip(futures, slots):
+            for j in js:
+                self._by_expert.setdefault(j, []).append(fu)
+        self._waited = 0.0
+        self._done = False
+
+    def _wait(self, futures: list) -> None:
+        t0 = time.perf_counter()
+        for fu in futures:
+            fu.result()
+        self._waited += time.perf_counter() - t0
+
+    def expert(self, j: int) -> dict[tuple[str, str], np.ndarray]:
+        self._wait(self._by_expert.get(j, []))
+        return {k: v[j] for k, v in self.out.items()}
+
+    def result(self) -> dict[tuple[str, str], np.ndarray]:
+        self._wait(self._futures)
+        if not self._done:
+            self._done = True
+            self.reader._account(self, self._waited, [fu.result() for fu in self._futures])
+        return self.out
 
 
 def drop_file_pages(paths: Sequence[Path]) -> None:
