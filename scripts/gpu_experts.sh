@@ -18,5 +18,5 @@ df -h /tmp | tail -1
 time python3 make_checkpoint.py /tmp/moe9g --arch qwen3_moe --hidden 2048 --layers 16 --heads 16 --kv-heads 4 \
   --experts 32 --experts-per-token 8 --moe-intermediate 1408 --shard-mb 2000 --force \
   --tokenizer-from "$OLDPWD/.gpuck/tok" 2>&1 | tail -2
-timeout 900 python3 bench_expert_streaming.py /tmp/moe9g --backend torch --tokens 24 --quick --mem-limit "$CAP" \
+timeout 480 python3 bench_expert_streaming.py /tmp/moe9g --backend torch --tokens 16 --quick --mem-limit "$CAP" \
   --out "$OUT/expert_streaming_gpu.json" 2>&1 | tee "$OUT/expert_streaming_gpu.log" | tail -20
