@@ -15,7 +15,7 @@ cd /tmp/ge  # import the installed copy, not the source tree
 python3 -c "import torch, swiftlm; print(torch.__version__, torch.cuda.get_device_name(0))"
 df -h /tmp | tail -1
 # 16 layers x 32 experts x 17.3 MB (bf16, hidden 2048, expert intermediate 1408) = 8.9 GB of experts
-time python3 make_checkpoint.py /tmp/moe9g --arch qwen3_moe --hidden 2048 --layers 16 --heads 16 --kv-heads 4 \
+[ -f /tmp/moe9g/config.json ] || time python3 make_checkpoint.py /tmp/moe9g --arch qwen3_moe --hidden 2048 --layers 16 --heads 16 --kv-heads 4 \
   --experts 32 --experts-per-token 8 --moe-intermediate 1408 --shard-mb 2000 --force \
   --tokenizer-from "$OLDPWD/.gpuck/tok" 2>&1 | tail -2
 timeout 480 python3 bench_expert_streaming.py /tmp/moe9g --backend torch --tokens 16 --quick --mem-limit "$CAP" \

@@ -301,6 +301,7 @@ def _apply_mem_limit(cfg: Any, device: torch.device) -> None:
     if device.type != "cuda":
         log.warning("--mem-limit applies to CUDA memory; ignored on %s", device.type)
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(limit) / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(limit) / total), index)
     log.info("CUDA memory capped at %s bytes (%.3f of %s)", parse_bytes(limit), parse_bytes(limit) / total, total)
