@@ -115,6 +115,7 @@ def child(conf: dict) -> dict:
             else:
                 drop_file_pages(files)
         io0 = proc_io()
+        h0 = getattr(getattr(reader, "h2d", None), "bytes", 0)
         b0 = reader.stats.bytes_read if reader else 0
         w0 = reader.stats.read_seconds if reader else 0.0
         t = time.perf_counter()
@@ -124,6 +125,7 @@ def child(conf: dict) -> dict:
         per_tok.append({"s": dt, "bytes": (reader.stats.bytes_read - b0) if reader else 0,
                         "wait_s": (reader.stats.read_seconds - w0) if reader else 0.0,
                         "disk": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+                        "h2d": getattr(getattr(reader, "h2d", None), "bytes", 0) - h0,
                         "rchar": io1.get("rchar", 0) - io0.get("rchar", 0)})
     n = len(per_tok)
     total_s = sum(p["s"] for p in per_tok)
@@ -136,6 +138,7 @@ def child(conf: dict) -> dict:
            "disk_bytes_per_token": sum(p["disk"] for p in per_tok) / n,
            "rchar_per_token": sum(p["rchar"] for p in per_tok) / n,
            "read_wait_fraction": sum(p["wait_s"] for p in per_tok) / total_s,
+           "h2d_bytes_per_token": sum(p["h2d"] for p in per_tok) / n,
            "experts_per_token": k, "resident_weight_bytes": model.info.weight_bytes,
            "buffer_bytes": reader.buffer_bytes() if reader else 0,
            "rss_start": mem_start.get("rss", 0), "rss_loaded": mem_loaded.get("rss", 0),
@@ -260,7 +263,7 @@ def main() -> None:
               f"{r['ratio_vs_resident']:.2f}x resid" if "ratio_vs_resident" in r else "")
         hit = r.get("prefetch_hit_rate")
         if r.get("h2d_bandwidth_bytes_per_s"):
-            print(f"{'':24} host-to-device {r['h2d_bytes'] / r['tokens'] / MB:.0f} MB/token at "
+            print(f"{'':24} host-to-device {r['h2d_bytes_per_token'] / MB:.0f} MB/token at "
                   f"{r['h2d_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy-stream time), CUDA peak "
                   f"{r.get('cuda_peak_bytes', 0) / 1e9:.2f} GB")
         print(f"{r['name']:24} {r['tok_per_s']:7.2f} {vs:>14} {r['bytes_per_token'] / MB:8.1f} "

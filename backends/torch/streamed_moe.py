@@ -88,9 +88,7 @@ class StreamedMoE(MoE):
                     w = pending.expert(j)
                     yield tuple(self._host(w[(p, "weight")], dt, widen) for p, dt in zip(("gate", "up", "down"), dts))
             else:
-                host = pending.result()
-                yield from self._to_gpu({p: self._view(torch.from_numpy(host[(p, "weight")]), dt)
-                                         for p, dt in zip(("gate", "up", "down"), dts)}, len(chunk))
+                yield from self._to_gpu(pending, dts, len(chunk))
             pending.result()
 
     @staticmethod
@@ -103,36 +101,34 @@ class StreamedMoE(MoE):
             return t  # already float32 / the model's dtype: used in place (read before the next chunk)
         return self._view(t, dt).to(self.dtype)
 
-    def _to_gpu(self, host: dict[str, torch.Tensor], n: int) -> Any:
+    def _to_gpu(self, pending: Any, dts: list, n: int) -> Any:
+        """Per expert, as soon as its reads land in the pinned buffers: queue its copy on the side
+        stream, make the compute stream wait for that copy only, and hand the weights out.  Reads
+        (host threads), copies (copy stream) and expert matmuls (compute stream) overlap."""
         main = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(main)
-        out = []
+        start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
-            start = torch.cuda.Event(enable_timing=True)
             start.record()
-            nbytes = 0
-            for j in range(n):
-                ws = []
-                for p in ("gate", "up", "down"):
-                    src = host[p][j]
+        nbytes = 0
+        for j in range(n):
+            host = pending.expert(j)
+            ws = []
+            with torch.cuda.stream(self.copy_stream):
+                for p, dt in zip(("gate", "up", "down"), dts):
+                    src = self._view(torch.from_numpy(host[(p, "weight")]), dt)
                     nbytes += src.numel() * src.element_size()
                     dev = src.to(self.device, non_blocking=True).to(self.dtype)
                     dev.record_stream(main)
                     ws.append(dev)
                 ev = torch.cuda.Event()
                 ev.record()
-                out.append((ws, ev))
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.h2d.add(start, end, nbytes)
-        return self._ready(main, out)
-
-    @staticmethod
-    def _ready(main: Any, copies: list) -> Any:
-        """Yield each expert once its copy is done: compute on expert j is queued behind copy j only."""
-        for ws, ev in copies:
             main.wait_event(ev)
             yield tuple(ws)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            end.record()
+        self.h2d.add(start, end, nbytes)
 
 
 def pinned_alloc(nbytes: int) -> np.ndarray:
