@@ -59,7 +59,7 @@ def test_bad_turbo_kv_preset_exits_2_from_cli():
     assert "turbo" in r.stderr.lower()
 
 
-@pytest.mark.parametrize("flag", ["--stream-experts", "--vision", "--audio"])
+@pytest.mark.parametrize("flag", ["--vision", "--audio"])
 def test_unbuilt_features_are_refused(flag):
     s = _parse([flag])
     with pytest.raises(NotSupportedYet, match="not supported yet"):

@@ -118,6 +118,29 @@ def test_reader_returns_the_files_bytes(ckpts, name, mode):
         r.close()
 
 
+@pytest.mark.parametrize("mode", ["pread", "mmap"])
+def test_split_reads_and_widening_are_exact(ckpts, mode, monkeypatch):
+    """Slabs split into many small reads, and bf16 widened to fp32 by the reader threads, give
+    exactly the file's bytes / the exact fp32 values of the bf16 numbers."""
+    import swiftlm.experts.reader as rd
+
+    lay = scan_experts(resolve(str(ckpts["qwen3_moe"])).weight_files)
+    whole = ExpertReader(lay, mode=mode, workers=4)
+    split = ExpertReader(lay, mode=mode, workers=4)
+    try:
+        raw = {k: v.copy() for k, v in whole.read(1, [2, 3, 7]).items()}
+        monkeypatch.setattr(rd, "MAX_READ", 1000)  # not a multiple of anything: pieces end mid-row
+        wide = split.read(1, [2, 3, 7], float32=True)
+        assert split.stats.reads > whole.stats.reads
+        for key, bits in raw.items():
+            assert bits.dtype == np.uint16 and wide[key].dtype == np.float32
+            want = (bits.astype(np.uint32) << 16).view(np.float32)
+            assert np.array_equal(wide[key].view(np.uint32), want.view(np.uint32))
+    finally:
+        whole.close()
+        split.close()
+
+
 def test_pread_bytes_match_proc_io(ckpts):
     """rchar in /proc/self/io counts every byte read() / preadv() returned: it must grow by
     exactly the bytes the reader says it read."""

@@ -30,7 +30,7 @@ from .layout import ExpertLayout, ExpertSlab
 NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32,
              "U8": np.uint8, "I8": np.int8}
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-MAX_READ = 8 << 20  # bytes per vectored read: keeps several reads in flight for one large slab run
+MAX_READ = 1 << 20  # bytes per read request: large slabs are split (1 MiB measured best here, docs/benchmarks.md)
 MODES = ("pread", "mmap")
 
 
@@ -162,8 +162,14 @@ class ExpertReader:
                 out[key] = raw
             for j, e in enumerate(experts):
                 s = slabs[e]
-                pieces.append((s.file, s.offset, s.nbytes, memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes], j,
-                               (raw[j], out[key][j].view(np.uint32)) if conv else None))
+                view = memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes]
+                src = raw[j].reshape(-1) if conv else None
+                dst = out[key][j].view(np.uint32).reshape(-1) if conv else None
+                # large slabs are split so that even a few experts keep many reads in flight
+                for a in range(0, s.nbytes, MAX_READ):
+                    b = min(a + MAX_READ, s.nbytes)
+                    pieces.append((s.file, s.offset + a, b - a, view[a:b], j,
+                                   (src[a // 2:b // 2], dst[a // 2:b // 2]) if conv else None))
         pieces.sort(key=lambda p: (p[0], p[1]))
         runs: list[list] = []  # [file, offset, views, nbytes, expert slots, conversions]
         for f, off, nb, view, j, conv in pieces:
