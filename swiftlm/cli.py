@@ -209,7 +209,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         for k, v in out["model"].items():
             m.add_row(k, _human(v) if k == "size_bytes" else f"{v:,}" if k == "parameters" else str(v))
         for k, v in out["memory_plan"].items():
-            m.add_row(f"plan: {k}", _human(v) if k.endswith("bytes") else str(v))
+            sized = "bytes" in k and isinstance(v, int) and not isinstance(v, bool)
+            m.add_row(f"plan: {k}", _human(v) if sized else str(v))
         con.print(m)
     return 0
 
