@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         parse_turbo(v)  # ValueError names the presets
         return None if v.strip().lower() in ("off", "none", "fp16") else v
 
-    @field_validator("turbo_kv_window", "turbo_kv_threshold", "turbo_kv_keep_layers")
+    @field_validator("turbo_kv_window", "turbo_kv_threshold", "turbo_kv_keep_layers", "expert_top_k")
     @classmethod
     def _non_negative(cls, v: int) -> int:
         if v < 0:
@@ -148,13 +148,6 @@ class Settings(BaseSettings):
     def _known_read_mode(cls, v: str) -> str:
         if v not in ("pread", "mmap"):
             raise ValueError("must be pread or mmap")
-        return v
-
-    @field_validator("expert_top_k")
-    @classmethod
-    def _top_k_ok(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be >= 0")
         return v
 
     @field_validator("expert_read_threads")

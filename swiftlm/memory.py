@@ -24,19 +24,28 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def expert_plan(spec: ModelSpec, expert_top_k: int = 0) -> dict[str, Any]:
-    """What --stream-experts keeps resident and reads: from the safetensors headers."""
+def streamable_layout(spec: ModelSpec) -> Any:
+    """The checkpoint's ``ExpertLayout`` (from the safetensors headers), or a clear error when
+    --stream-experts cannot apply (dense model, GGUF file, no expert tensors found)."""
     from .errors import UnsupportedArchitecture
     from .experts import scan_experts
 
     if spec.format == "gguf" or not spec.is_moe:
         raise UnsupportedArchitecture(f"--stream-experts needs an MoE model in safetensors; {spec.path} is "
-                         + ("a GGUF file" if spec.format == "gguf" else "not a mixture-of-experts model"))
+                                      + ("a GGUF file" if spec.format == "gguf" else "not a mixture-of-experts model"))
     layout = scan_experts(spec.weight_files)
     if layout is None:
         raise UnsupportedArchitecture(f"--stream-experts: found no expert tensors in {spec.path}")
+    return layout
+
+
+def expert_plan(spec: ModelSpec, expert_top_k: int = 0) -> dict[str, Any]:
+    """What --stream-experts keeps resident and reads: from the safetensors headers."""
+    from .experts import clamp_top_k
+
+    layout = streamable_layout(spec)
     k = spec.experts_per_token or 1
-    used = min(expert_top_k, k) if expert_top_k else k
+    used = clamp_top_k(expert_top_k, k)
     per_expert = layout.bytes_per_expert()
     return {"expert_layout": layout.style, "experts": layout.num_experts, "moe_layers": len(layout.layers),
             "experts_per_token": used, "model_experts_per_token": k,

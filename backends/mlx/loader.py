@@ -69,17 +69,16 @@ def load_hf(spec: ModelSpec, cfg: Any = None) -> tuple[nn.Module, Any, dict, Any
     stream = bool(getattr(cfg, "stream_experts", False))
     layout = reader = None
     if stream:
-        from swiftlm.memory import expert_plan
+        from swiftlm.memory import streamable_layout
 
-        expert_plan(spec)  # a clear error for dense models and GGUF files
-        from swiftlm.experts import ExpertReader, scan_experts
-
-        layout = scan_experts(spec.weight_files)
+        layout = streamable_layout(spec)  # a clear error for dense models and GGUF files
     try:
         model, config = load_model(Path(spec.path), lazy=stream)
     except (ValueError, KeyError) as exc:
         raise CorruptModel(f"{spec.path}: mlx-lm could not build the model from its weights: {exc}") from exc
     if stream:
+        from swiftlm.experts import ExpertReader
+
         from .streamed_moe import attach
 
         reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,

@@ -287,9 +287,9 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
     reader = None
     if spec.format == "gguf":
         if getattr(cfg, "stream_experts", False):
-            from swiftlm.memory import expert_plan
+            from swiftlm.memory import streamable_layout
 
-            expert_plan(spec)  # raises: GGUF experts are not streamed
+            streamable_layout(spec)  # raises: GGUF experts are not streamed
         module, tokenizer, config = load_gguf(spec)
     else:
         if spec.arch not in supported_architectures():
@@ -298,16 +298,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                 f"supported: {', '.join(sorted(supported_architectures()))}")
         module, tokenizer, config, reader = load_hf(spec, cfg)
     _apply_mem_limit(cfg)
-    k_native = k_used = 0
+    k_used = 0
     if spec.is_moe:
         from .streamed_moe import set_experts_per_token
 
-        k_native, k_used = set_experts_per_token(module, None, int(getattr(cfg, "expert_top_k", 0) or 0) or 10**6)
-        if k_used != k_native:
-            log.info("experts per token: %d (the model's %d; --expert-top-k)", k_used, k_native)
-        if getattr(cfg, "expert_top_k", 0) and cfg.expert_top_k > k_native:
-            log.warning("--expert-top-k %d is above the model's %d experts per token; using %d",
-                        cfg.expert_top_k, k_native, k_native)
+        k_used = set_experts_per_token(module, int(getattr(cfg, "expert_top_k", 0) or 0))
     n_layers = int(config.get("num_hidden_layers") or len(getattr(module, "layers", [])))
     heads = int(config.get("num_attention_heads") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from swiftlm.experts import ExpertLayout, ExpertReader
+from swiftlm.experts import ExpertLayout, ExpertReader, clamp_top_k
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class StreamedSwitchGLU(nn.Module):
                     arrs.append(None)
                     continue
                 m = mx.array(a)  # a copy: the reader's buffers are reused by the next read
-                if a.dtype == np.uint16 and self._reader.layout.slabs[self._layer][(proj, comp)][0].dtype == "BF16":
+                if a.dtype == np.uint16:  # the reader hands bf16 out as its bits
                     m = m.view(mx.bfloat16)
                 if self._float_dtype is not None and mx.issubdtype(m.dtype, mx.floating) \
                         and m.dtype != self._float_dtype:
@@ -106,7 +106,7 @@ class StreamedSwitchGLU(nn.Module):
             if not do_sort:
                 return self._glu(x, experts, lut[host], False).squeeze(-2)
             xs, idx, inv = _sort(x, mx.array(lut[host]))
-            y = self._glu_sorted(xs, experts, np.array(idx))
+            y = self._glu(xs, experts, np.array(idx), True)
             return mx.unflatten(y[inv], 0, indices.shape).squeeze(-2)
         # more experts than the read buffers hold: rows sorted by expert, computed a chunk of
         # experts at a time (row results do not depend on which other rows share the call)
@@ -122,9 +122,6 @@ class StreamedSwitchGLU(nn.Module):
             ys.append(y)
         y = mx.concatenate(ys, axis=0)
         return mx.unflatten(y[inv], 0, indices.shape).squeeze(-2)
-
-    def _glu_sorted(self, xs: mx.array, experts: np.ndarray, local: np.ndarray) -> mx.array:
-        return self._glu(xs, experts, local, True)
 
     def _prefetch_next(self, x: mx.array) -> None:
         """Guess the next MoE layer's experts from this layer's input through its router."""
@@ -151,19 +148,18 @@ def experts_per_token(block: Any) -> int:
     return 0
 
 
-def set_experts_per_token(model: Any, layout: ExpertLayout | None, k: int) -> tuple[int, int]:
-    """Lower experts per token at run time on every MoE block; returns (model's value, value used)."""
+def set_experts_per_token(model: Any, requested: int) -> int:
+    """Apply --expert-top-k (0: keep the model's) to every MoE block; returns the value in use."""
     blocks = [b for b in (getattr(layer, n, None) for layer in _layers(model) for n in ("mlp", "block_sparse_moe"))
               if b is not None and any(hasattr(b, a) for a in _TOPK_ATTRS) and hasattr(b, "switch_mlp")]
     if not blocks:
-        return 0, 0
-    native = experts_per_token(blocks[0])
-    used = max(1, min(k, native))
+        return 0
+    used = clamp_top_k(requested, experts_per_token(blocks[0]))
     for b in blocks:
         for a in _TOPK_ATTRS:
             if hasattr(b, a):
                 setattr(b, a, used)
-    return native, used
+    return used
 
 
 def _layers(model: Any) -> list[Any]:

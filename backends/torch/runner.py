@@ -242,12 +242,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     _apply_mem_limit(cfg, device)
     reader = None
     if getattr(cfg, "stream_experts", False):
-        from swiftlm.experts import ExpertReader, scan_experts
-        from swiftlm.memory import expert_plan
+        from swiftlm.experts import ExpertReader
+        from swiftlm.memory import streamable_layout
 
-        expert_plan(spec)  # a clear error for dense models and GGUF files
+        layout = streamable_layout(spec)  # a clear error for dense models and GGUF files
         check_arch(spec)
-        layout = scan_experts(spec.weight_files)
         if layout.quantized:
             raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized experts, which the torch backend does "
                                           "not read; use the mlx backend or a 16-bit checkpoint")
@@ -265,13 +264,10 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         from .streamed_moe import link_prefetch
 
         link_prefetch(module)
-    k_native = module.a.top_k
-    if module.a.experts and getattr(cfg, "expert_top_k", 0):
-        module.a.top_k = max(1, min(int(cfg.expert_top_k), k_native))
-        if cfg.expert_top_k > k_native:
-            log.warning("--expert-top-k %d is above the model's %d experts per token; using %d",
-                        cfg.expert_top_k, k_native, k_native)
-        log.info("experts per token: %d (the model's %d; --expert-top-k)", module.a.top_k, k_native)
+    if module.a.experts:
+        from swiftlm.experts import clamp_top_k
+
+        module.a.top_k = clamp_top_k(int(getattr(cfg, "expert_top_k", 0) or 0), module.a.top_k)
     tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
                  else load_hf_tokenizer(spec.path, spec.config))
     a = module.a

@@ -53,6 +53,10 @@ class StreamedMoE(MoE):
         self.copy_stream: Any = None
         self.h2d: H2DStats | None = None
         self.next_router: Any = None  # (gate Linear, Args) of the next MoE layer when prefetching
+        stored = [reader.layout.slabs[layer][(p, "weight")][0].dtype for p in ("gate", "up", "down")]
+        if any(d not in _TORCH for d in stored):
+            raise RuntimeError(f"streamed experts of dtype {stored} are not supported by the torch backend")
+        self.stored_dtypes = [_TORCH[d] for d in stored]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.next_router is not None:  # guess the next layer's experts from this layer's input
@@ -71,12 +75,7 @@ class StreamedMoE(MoE):
     def expert_weights(self, experts: list[int]) -> Any:
         """Yields (gate, up, down) per expert, reading ``reader.chunk`` experts at a time; within
         a chunk, expert j is handed out as soon as its own reads are done."""
-        slabs = self.reader.layout.slabs[self.layer]
-        dts = [_TORCH.get(slabs[(p, "weight")][0].dtype) for p in ("gate", "up", "down")]
-        if None in dts:
-            raise RuntimeError("streamed experts of dtype "
-                               f"{[slabs[(p, 'weight')][0].dtype for p in ('gate', 'up', 'down')]} are not supported "
-                               "by the torch backend")
+        dts = self.stored_dtypes
         widen = self.copy_stream is None and self.dtype == torch.float32  # the reader threads widen bf16
         for c0 in range(0, len(experts), self.reader.chunk):
             chunk = experts[c0:c0 + self.reader.chunk]

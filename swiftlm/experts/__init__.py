@@ -4,7 +4,7 @@ safetensors files (``layout``), and reading the routed experts' slabs with concu
 The backends (``swiftlm.backends.mlx.streamed_moe``, ``swiftlm.backends.torch.streamed_moe``)
 turn the bytes into arrays and compute."""
 
-from .layout import ExpertLayout, ExpertSlab, scan_experts
+from .layout import ExpertLayout, ExpertSlab, clamp_top_k, scan_experts
 from .reader import ExpertReader, StreamStats
 
-__all__ = ["ExpertLayout", "ExpertSlab", "scan_experts", "ExpertReader", "StreamStats"]
+__all__ = ["ExpertLayout", "ExpertSlab", "clamp_top_k", "scan_experts", "ExpertReader", "StreamStats"]

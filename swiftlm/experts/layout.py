@@ -14,11 +14,14 @@ Projections are named gate / up / down (mixtral's w1 / w3 / w2).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+log = logging.getLogger(__name__)
 
 PROJECTIONS = ("gate", "up", "down")
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -73,6 +76,19 @@ class ExpertLayout:
     def bytes_per_token(self, experts_per_token: int) -> int:
         """Expected expert bytes one decoded token reads: layers x k x bytes per expert."""
         return sum(experts_per_token * self.bytes_per_expert(li) for li in self.layers)
+
+
+def clamp_top_k(requested: int, native: int) -> int:
+    """Experts per token to use for ``--expert-top-k requested`` (0: the model's ``native``);
+    larger values are clamped to the model's, with a warning.  Logs a change."""
+    if not requested:
+        return native
+    used = max(1, min(requested, native))
+    if requested > native:
+        log.warning("--expert-top-k %d is above the model's %d experts per token; using %d", requested, native, used)
+    elif used != native:
+        log.info("experts per token: %d (the model's %d; --expert-top-k)", used, native)
+    return used
 
 
 def read_header(path: Path) -> tuple[int, dict]:
