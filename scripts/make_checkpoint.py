@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight checkpoint in Hugging Face hub layout.
 
-    python scripts/make_checkpoint.py OUT --arch llama|qwen3|qwen3_moe|mixtral \
+    python scripts/make_checkpoint.py OUT --arch llama|qwen3|qwen3_moe|mixtral|gemma|gemma4 \
         [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --intermediate 512 \
          --experts 8 --experts-per-token 2 --moe-intermediate 256] \
         [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--stacked-experts] [--seed 0]
@@ -9,7 +9,9 @@
 config.json, sharded safetensors with model.safetensors.index.json, and the SmolLM2
 tokenizer (from the bundled GGUF) with its chat template.  ``--quantize BITS`` writes MLX's
 quantized format through mlx-lm (needs mlx).  For shape coverage, MoE streaming and speed
-only: random weights say nothing about output quality.
+only: random weights say nothing about output quality.  ``--arch gemma4`` writes a multimodal
+(vision + audio; ``--no-vision`` / ``--no-audio``) Gemma 4 through transformers (see
+scripts/make_multimodal.py; needs torch and transformers).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Iterable, Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from swiftlm.convert import _save_bf16  # noqa: E402
 from swiftlm.registry import resolve  # noqa: E402
 from swiftlm.tokenizer import load_gguf_tokenizer  # noqa: E402
 
-ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma")
+ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma4")
 
 
 def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stacked-experts", action="store_true",
                     help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True, help="gemma4: a vision tower")
+    ap.add_argument("--audio", action=argparse.BooleanOptionalAction, default=True, help="gemma4: an audio tower")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--tokenizer-from", default=None,
                     help="copy tokenizer.json / tokenizer_config.json from this directory instead of building "
@@ -185,6 +190,14 @@ def main(argv: list[str] | None = None) -> Path:
         if not a.force:
             ap.error(f"{out} exists (use --force)")
         shutil.rmtree(out)
+    if a.arch == "gemma4":
+        from make_multimodal import write_gemma4
+
+        write_gemma4(out, load_gguf_tokenizer(resolve(None).gguf_meta or {}), hidden=a.hidden if a.hidden != 128 else 64,
+                     layers=a.layers, vision=a.vision, audio=a.audio, seed=a.seed,
+                     dtype="float32" if a.dtype == "bfloat16" else a.dtype)
+        print(out)
+        return out
     if a.tokenizer_from:
         src = json.loads((Path(a.tokenizer_from) / "config.json").read_text())
         tok = None

@@ -66,6 +66,7 @@ class SeqWork:
     sample: bool
     params: SamplingParams
     state: SamplerState
+    media: Any = None  # media.MediaInputs on a media prompt's (single) prefill chunk
 
 
 @dataclass

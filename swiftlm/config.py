@@ -101,10 +101,20 @@ class Settings(BaseSettings):
     expert_top_k: int = _f(0, "Experts per token at run time (0: the model's value; larger values are clamped "
                               "to it). Lowers quality and the bytes read per token.", group="experts")
     gpu_layers: int | None = _f(None, "Layers to place on the GPU.", group="planned", not_built="partial offload")
-    vision: bool = _f(False, "Accept image inputs (vision-language models).", group="planned",
-                      not_built="vision input")
-    audio: bool = _f(False, "Accept audio inputs (audio-language models).", group="planned",
-                     not_built="audio input")
+    vision: bool = _f(False, "Accept image inputs (OpenAI image_url parts) on a vision-language model.",
+                      group="media")
+    audio: bool = _f(False, "Accept audio inputs (OpenAI input_audio parts) on an audio-language model.",
+                     group="media")
+    allow_remote_media: bool = _f(False, "Let image_url parts name http(s) URLs, which the server then fetches "
+                                         "(off: only inline data: URIs).", group="media")
+    media_dir: str | None = _f(None, "Let image_url parts name local files (paths or file:// URLs) under this "
+                                     "directory only (off: no file is ever read for a request).", group="media")
+    max_images: int = _f(8, "Images per request.", group="media")
+    max_audio_clips: int = _f(4, "Audio clips per request.", group="media")
+    max_image_pixels: int = _f(4096 * 4096, "Largest decoded image (width x height); larger -> 413.", group="media")
+    max_audio_seconds: float = _f(60.0, "Longest audio clip in seconds; longer -> 413.", group="media")
+    max_media_bytes: int = _f(20 * 1024 * 1024, "Largest encoded media part in bytes; larger -> 413.",
+                              group="media")
     speculative: str | None = _f(None, "Speculative decoding: 'ngram' (prompt lookup: drafts copied from the prompt "
                                        "and output, no second model) or 'draft' (a draft model; implied by "
                                        "--draft-model).", group="engine")
@@ -141,6 +151,13 @@ class Settings(BaseSettings):
     def _non_negative(cls, v: int) -> int:
         if v < 0:
             raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("max_images", "max_audio_clips", "max_image_pixels", "max_media_bytes", "max_audio_seconds")
+    @classmethod
+    def _positive_limit(cls, v: Any) -> Any:
+        if v <= 0:
+            raise ValueError("must be positive")
         return v
 
     @field_validator("expert_read_mode")

@@ -148,6 +148,10 @@ class Engine:
         can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
         self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
         self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
+        from .media import MediaPolicy
+
+        self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
+        self.media_processor: Any = None   # media.MediaProcessor for multimodal models
         self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
@@ -162,17 +166,35 @@ class Engine:
 
     # ------------------------------------------------------------------ prompts
     def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-        msgs = normalize_messages(messages)
+        """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
+        bag: list = []
+        msgs = normalize_messages(messages, (self.media_policy, bag))
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, bag)
 
     def plan_chat(self, messages: Any, **kw: Any) -> Any:
-        """Render a chat request with tools / tool_choice / thinking: see chat.plan."""
+        """Render a chat request with tools / tool_choice / thinking: see chat.plan.  Decoded media
+        ride on ``plan.media``; ``encode_plan`` turns the plan into prompt ids."""
         from .chat.plan import plan_chat
 
         kw.setdefault("tool_parser", self.tool_parser)
-        return plan_chat(self.tokenizer, normalize_messages(messages), **kw)
+        bag: list = []
+        plan = plan_chat(self.tokenizer, normalize_messages(messages, (self.media_policy, bag)), **kw)
+        plan.media = bag
+        return plan
+
+    def encode_plan(self, plan: Any) -> list[int]:
+        return self._encode(plan.text, getattr(plan, "media", None) or [])
+
+    def _encode(self, text: str, media: list) -> list[int]:
+        if not media:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        from .media.processor import expand
+
+        if self.media_processor is None:  # the policy refuses media for such models; keep the guard
+            raise InvalidRequest("this model takes no media", param="messages")
+        return expand(text, media, self.media_processor, self.tokenizer)
 
     def text_prompt(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -201,7 +223,7 @@ class Engine:
             from .chat.structured import Constraint
 
             state.constraint = Constraint(self.tokenizer, params.grammar, self.info.vocab_size)
-        seq = Sequence(seq_id, list(prompt_tokens), params, state)
+        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=getattr(prompt_tokens, "media", None))
         state.prompt_tokens = seq.prompt_tokens
         state.output_tokens = seq.output_tokens
         live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), time.perf_counter())
@@ -232,7 +254,7 @@ class Engine:
             block = False
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
-                if self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params):
+                if self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params) and arg.seq.media is None:
                     n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
                     if n:
                         try:
@@ -395,7 +417,7 @@ class Engine:
         seq = live.seq
         self._live.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
-        if self.prefix_cache.enabled and reason != "error":
+        if self.prefix_cache.enabled and reason != "error" and seq.media is None:  # ids alone do not name media
             try:
                 snap = self.model.snapshot_prefix(seq.seq_id)  # type: ignore[attr-defined]
                 if snap is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backend import SeqWork, StepBatch
 from .sampling import SamplerState, SamplingParams
@@ -31,6 +32,7 @@ class Sequence:
     num_computed: int = 0  # positions whose KV the backend holds
     cancelled: bool = False
     preemptions: int = 0
+    media: Any = None  # media.MediaInputs: the prompt is prefilled in one chunk with these arrays
 
     @property
     def all_tokens(self) -> list[int]:
@@ -103,9 +105,12 @@ class Scheduler:
             if seq.in_prefill and budget > 0:
                 target = seq.prefill_target
                 n = min(self.prefill_size, budget, target - seq.num_computed)
+                media = None
+                if seq.media is not None and seq.num_computed == 0:
+                    n, media = target, seq.media  # media prompts: alone in one chunk (running rows still step)
                 end = seq.num_computed + n
                 resumed = bool(seq.output_tokens)  # a preempted sequence samples from its decode row
                 work.append(SeqWork(seq.seq_id, seq.all_tokens[seq.num_computed:end], seq.num_computed,
-                                    end == target and not resumed, seq.params, seq.state))
+                                    end == target and not resumed, seq.params, seq.state, media))
                 budget -= n
         return StepBatch(work, preempted)

@@ -30,6 +30,12 @@ class MLXBackend:
         return Availability(True, device=kind)
 
     def load(self, spec: ModelSpec, cfg: Any) -> Any:
+        from swiftlm.media.processor import is_multimodal
+
+        if is_multimodal(spec):
+            from .vlm import load_multimodal
+
+            return load_multimodal(spec, cfg)
         from .model import load_model
 
         return load_model(spec, cfg)

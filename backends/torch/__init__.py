@@ -28,6 +28,12 @@ class TorchBackend:
         return Availability(True, device=f"cpu ({torch.get_num_threads()} threads)")
 
     def load(self, spec: ModelSpec, cfg: Any) -> Any:
+        from swiftlm.media.processor import is_multimodal
+
+        if is_multimodal(spec):
+            from .vlm import load_multimodal
+
+            return load_multimodal(spec, cfg)
         from .runner import load_model
 
         return load_model(spec, cfg)

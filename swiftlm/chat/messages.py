@@ -10,7 +10,7 @@ from ..errors import InvalidRequest
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, media: tuple[Any, list] | None = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -28,21 +28,43 @@ def _content_text(content: Any, where: str) -> str:
                 if not isinstance(text, str):
                     raise InvalidRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
                 parts.append(text)
-            elif part["type"] in ("image_url", "input_image"):
-                raise InvalidRequest(f"{where}.content[{j}] is an image, but this model/server has no vision "
-                                     "support (start with --vision and a vision-language model)", param=f"{where}.content")
-            elif part["type"] == "input_audio":
-                raise InvalidRequest(f"{where}.content[{j}] is audio, but this model/server has no audio "
-                                     "support (start with --audio and an audio-language model)", param=f"{where}.content")
+            elif part["type"] in ("image_url", "input_image", "input_audio"):
+                parts.append(_media_part(part, f"{where}.content[{j}]", media))
             else:
                 raise InvalidRequest(f"{where}.content[{j}] has unsupported type {part['type']!r}", param=f"{where}.content")
         return "".join(parts)
     raise InvalidRequest(f"{where}.content must be a string, a list of parts or null", param=f"{where}.content")
 
 
-def normalize_messages(messages: Any) -> list[dict]:
+def _media_part(part: dict, where: str, media: tuple[Any, list] | None) -> str:
+    """Decode an image/audio part into the request's media list; the text gets a marker that
+    ``media.expand`` replaces with the model's placeholder tokens after the template ran."""
+    image = part["type"] != "input_audio"
+    if media is None:
+        what = "an image" if image else "audio"
+        flag = "--vision and a vision-language model" if image else "--audio and an audio-language model"
+        raise InvalidRequest(f"{where} is {what}, but this model/server takes text only (start with {flag})",
+                             param=where)
+    from ..media import collect_part
+    from ..media.processor import MARKER
+
+    policy, bag = media
+    kind = "image" if image else "audio"
+    limit = policy.max_images if image else policy.max_audio_clips
+    if (image and not policy.image) or (not image and not policy.audio):
+        collect_part(part, where, policy)  # raises, saying which flag and model type are needed
+    if sum(1 for it in bag if it.kind == kind) >= limit:
+        flag = "--max-images" if image else "--max-audio-clips"
+        raise InvalidRequest(f"{where}: too many {'images' if image else 'audio clips'} in one request "
+                             f"(the limit is {limit}, {flag})", param=where)
+    bag.append(collect_part(part, where, policy))
+    return MARKER.format(len(bag) - 1)
+
+
+def normalize_messages(messages: Any, media: tuple[Any, list] | None = None) -> list[dict]:
     """Validate roles and flatten content to strings.  'developer' is rendered as
-    'system', which is what open-weight chat templates know."""
+    'system', which is what open-weight chat templates know.  ``media``: (MediaPolicy, list) to
+    accept image/audio parts: decoded items are appended to the list, markers left in the text."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     out = []
@@ -55,7 +77,7 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", param=f"{where}.role")
         msg = {k: v for k, v in m.items() if v is not None}
         msg["role"] = "system" if role == "developer" else role
-        msg["content"] = _content_text(m.get("content"), where)
+        msg["content"] = _content_text(m.get("content"), where, media)
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":

@@ -269,14 +269,17 @@ class OpenAIRoutes:
         thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.pop(
             "enable_thinking", self.state.settings.thinking)
         kwargs.pop("enable_thinking", None)
-        try:
+        def render() -> tuple[Any, list[int]]:  # media decoding and preprocessing run off the event loop
             plan = engine.plan_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
                                     parallel_tool_calls=req.parallel_tool_calls,
                                     thinking=bool(thinking), template_kwargs=kwargs,
                                     response_format_grammar=grammar)
-            prompt = engine.tokenizer.encode(plan.text, add_special_tokens=False)
+            return plan, engine.encode_plan(plan)
+
+        try:
+            plan, prompt = await asyncio.to_thread(render)
         except InvalidRequest as exc:
-            raise APIError(400, str(exc), param=exc.param or "messages") from None
+            raise APIError(getattr(exc, "status", 400), str(exc), param=exc.param or "messages") from None
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")

@@ -1,0 +1,69 @@
+"""Multimodal models on MLX through mlx-vlm: its model classes and weight loading, its prompt
+caches, one forward per sequence (the prompt with the media arrays, then text rows through the
+language model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from swiftlm.backend import ModelInfo
+from swiftlm.errors import BackendUnavailable
+from swiftlm.media.model import MultimodalModel
+from swiftlm.registry import ModelSpec
+from swiftlm.tokenizer import load_hf_tokenizer
+
+from .ops import MLXOps
+
+
+class MLXMultimodal(MultimodalModel):
+    def __init__(self, spec: ModelSpec, cfg: Any):
+        super().__init__()
+        try:
+            from mlx_vlm.utils import load_model
+        except ImportError as exc:
+            raise BackendUnavailable(f"multimodal models on MLX need mlx-vlm (pip install 'swiftlm[vlm]'): {exc}") \
+                from None
+        self.module = load_model(Path(spec.path))
+        if mx.default_device().type == mx.DeviceType.cpu:  # MLX's CPU gather/matmul kernels want fp32
+            self.module.set_dtype(mx.float32)
+        self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
+        self.ops = MLXOps()
+        text = spec.config.get("text_config") or spec.config
+        ctx = int(getattr(cfg, "ctx_size", None) or text.get("max_position_embeddings") or 4096)
+        layers = int(text.get("num_hidden_layers", 0))
+        kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
+        nbytes = sum(v.nbytes for _, v in tree_flatten(self.module.parameters()))
+        self.info = ModelInfo(arch=spec.arch, num_layers=layers,
+                              context_length=min(ctx, int(text.get("max_position_embeddings") or ctx)),
+                              vocab_size=int(text.get("vocab_size") or self.tokenizer.vocab_size),
+                              num_params=spec.num_params, quantization=spec.quantization,
+                              modalities=("text",) + tuple(m for m, on in (("image", spec.vision),
+                                                                           ("audio", spec.audio)) if on),
+                              weight_bytes=nbytes, kv_bytes_per_token=2 * layers * kv * 4)
+
+    def new_cache(self) -> Any:
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.module.language_model)
+
+    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+        ids = mx.array([tokens], dtype=mx.int32)
+        if media is not None:
+            kw = {k: mx.array(v) for k, v in media.arrays.items()}
+            out = self.module(ids, cache=cache, **kw)
+        else:
+            out = self.module.language_model(ids, cache=cache)
+        logits = getattr(out, "logits", out)[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        return logits
+
+    def memory(self) -> dict[str, int]:
+        return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
+def load_multimodal(spec: ModelSpec, cfg: Any) -> MLXMultimodal:
+    return MLXMultimodal(spec, cfg)

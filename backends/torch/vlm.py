@@ -1,0 +1,74 @@
+"""Multimodal models on torch through transformers (its model class for the checkpoint's
+``architectures``, e.g. Gemma4ForConditionalGeneration) with one DynamicCache per sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from swiftlm.backend import ModelInfo
+from swiftlm.errors import UnsupportedArchitecture
+from swiftlm.media.model import MultimodalModel
+from swiftlm.registry import ModelSpec
+from swiftlm.tokenizer import load_hf_tokenizer
+
+from .ops import TorchOps
+
+
+class TorchMultimodal(MultimodalModel):
+    def __init__(self, spec: ModelSpec, cfg: Any, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        import transformers
+
+        arch = (spec.config.get("architectures") or [""])[0]
+        cls = getattr(transformers, arch, None)
+        if cls is None:
+            raise UnsupportedArchitecture(f"transformers {transformers.__version__} has no class {arch!r} for "
+                                          f"{spec.path}")
+        self.module = cls.from_pretrained(str(spec.path), dtype=dtype).to(device).eval()
+        self.device, self.dtype = device, dtype
+        self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
+        self.ops = TorchOps(device)
+        text = spec.config.get("text_config") or spec.config
+        ctx = int(getattr(cfg, "ctx_size", None) or text.get("max_position_embeddings") or 4096)
+        layers = int(text.get("num_hidden_layers", 0))
+        kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
+        nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.info = ModelInfo(arch=spec.arch, num_layers=layers,
+                              context_length=min(ctx, int(text.get("max_position_embeddings") or ctx)),
+                              vocab_size=int(text.get("vocab_size") or self.tokenizer.vocab_size),
+                              num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+                              modalities=("text",) + tuple(m for m, on in (("image", spec.vision),
+                                                                           ("audio", spec.audio)) if on),
+                              weight_bytes=nbytes, kv_bytes_per_token=2 * layers * kv * torch.finfo(dtype).bits // 8)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.module.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+        kw: dict[str, torch.Tensor] = {}
+        if media is not None:
+            for k, v in media.arrays.items():
+                t = torch.from_numpy(v).to(self.device)
+                kw[k] = t.to(self.dtype) if t.is_floating_point() else t
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.module(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw)
+        return out.logits[0, -1].float()
+
+    def memory(self) -> dict[str, int]:
+        if self.device.type == "cuda":
+            return {"active": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated(),
+                    "cache": torch.cuda.memory_reserved()}
+        return {"active": self.info.weight_bytes, "peak": self.info.weight_bytes, "cache": 0}
+
+
+def load_multimodal(spec: ModelSpec, cfg: Any) -> TorchMultimodal:
+    from .runner import _apply_mem_limit, pick_device
+
+    device, dtype = pick_device(cfg)
+    _apply_mem_limit(cfg, device)
+    return TorchMultimodal(spec, cfg, device, dtype)

@@ -1,0 +1,56 @@
+"""The Model protocol over a library's multimodal model (transformers on torch, mlx-vlm on MLX).
+
+Each step runs one forward per sequence with that sequence's own library KV cache: a media
+prompt is prefilled in one forward with its arrays, every later row is text.  Backends supply
+``new_cache`` and ``forward``; sampling is the core sampler through the backend's array ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..backend import ModelInfo, SampledToken, StepBatch, StepResult
+from ..sampling import sample_row
+
+
+class MultimodalModel:
+    info: ModelInfo
+    tokenizer: Any
+    ops: Any
+
+    def __init__(self) -> None:
+        self.caches: dict[int, Any] = {}
+        self.lengths: dict[int, int] = {}
+
+    # backends implement these two
+    def new_cache(self) -> Any:
+        raise NotImplementedError
+
+    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+        """Feed ``tokens`` (with ``media`` arrays on a prompt's first chunk); return the last row's logits."""
+        raise NotImplementedError
+
+    def step(self, batch: StepBatch) -> StepResult:
+        self.free(batch.preempted)
+        result = StepResult()
+        for w in batch.seqs:
+            if w.start_pos == 0:
+                self.caches[w.seq_id] = self.new_cache()
+                self.lengths[w.seq_id] = 0
+            if self.lengths.get(w.seq_id) != w.start_pos:
+                raise RuntimeError(f"sequence {w.seq_id}: KV holds {self.lengths.get(w.seq_id)} positions, "
+                                   f"step feeds from {w.start_pos}")
+            media = getattr(w, "media", None)
+            if media is not None and w.start_pos != 0:
+                raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")
+            logits = self.forward(self.caches[w.seq_id], w.tokens, media)
+            self.lengths[w.seq_id] += len(w.tokens)
+            if w.sample:
+                token, lp, top = sample_row(self.ops, logits, w.params, w.state)
+                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
+        return result
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        for s in seq_ids:
+            self.caches.pop(s, None)
+            self.lengths.pop(s, None)
