@@ -20,6 +20,6 @@ else
   $PIP install -q "torch==2.13.0"
   extras="torch,mlx"
 fi
-if [ "${1:-}" = "--dev" ]; then extras="$extras,dev"; fi
+if [ "${1:-}" = "--dev" ]; then extras="$extras,vlm,dev"; fi
 $PIP install -q -e ".[$extras]"
 echo "installed swiftlm[$extras] into .venv ($os $arch)"
