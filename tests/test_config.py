@@ -59,18 +59,24 @@ def test_bad_turbo_kv_preset_exits_2_from_cli():
     assert "turbo" in r.stderr.lower()
 
 
-@pytest.mark.parametrize("flag", ["--vision", "--audio"])
-def test_unbuilt_features_are_refused(flag):
-    s = _parse([flag])
+def test_unbuilt_features_are_refused():
+    s = _parse(["--gpu-layers", "4"])
     with pytest.raises(NotSupportedYet, match="not supported yet"):
         s.check_supported()
 
 
 def test_unbuilt_flag_exits_2_from_cli():
-    r = run_cli("generate", "-p", "hi", "--vision")
+    r = run_cli("generate", "-p", "hi", "--gpu-layers", "4")
     assert r.returncode == 2
-    assert "vision input is not supported yet" in r.stderr
+    assert "partial offload is not supported yet" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,tower", [("--vision", "vision"), ("--audio", "audio")])
+def test_media_flag_on_a_text_model_exits_2(flag, tower):
+    r = run_cli("serve", "--port", "0", flag)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{flag}: smollm2-135m-instruct" in r.stderr and f"has no {tower} tower" in r.stderr
 
 
 def test_info_plans_the_turbo_kv_cache():

@@ -30,6 +30,7 @@ class MLXMultimodal(MultimodalModel):
         self.module = load_model(Path(spec.path))
         if mx.default_device().type == mx.DeviceType.cpu:  # MLX's CPU gather/matmul kernels want fp32
             self.module.set_dtype(mx.float32)
+        _materialise(self.module)
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
         self.ops = MLXOps()
         text = spec.config.get("text_config") or spec.config
@@ -63,6 +64,20 @@ class MLXMultimodal(MultimodalModel):
 
     def memory(self) -> dict[str, int]:
         return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
+def _materialise(module: Any) -> None:
+    """Evaluate every array the model holds, parameters and private buffers (``_inv_freq``-style
+    keys, plain attributes) alike: a lazy array is bound to the stream of the thread that built it,
+    and the server loads on a thread that has exited by the time the engine thread runs."""
+    arrays = []
+    for m in module.modules():
+        for v in list(m.values()) + list(vars(m).values()):
+            if isinstance(v, mx.array):
+                arrays.append(v)
+            elif isinstance(v, (list, tuple)):
+                arrays.extend(x for x in v if isinstance(x, mx.array))
+    mx.eval(module.parameters(), arrays)
 
 
 def load_multimodal(spec: ModelSpec, cfg: Any) -> MLXMultimodal:
