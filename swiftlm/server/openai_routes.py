@@ -253,8 +253,16 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ chat
+    def _chat_body_limit(self) -> int:
+        """--max-body-bytes, raised to fit one full-size media part (base64) when media are on."""
+        st = self.state.settings
+        limit = st.max_body_bytes
+        if st.vision or st.audio:
+            limit = max(limit, st.max_media_bytes * 4 // 3 + (1 << 20))
+        return limit
+
     async def chat(self, request: Request) -> Response:
-        body = await read_json(request, self.state.settings.max_body_bytes)
+        body = await read_json(request, self._chat_body_limit())
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         engine = self.engine
         grammar = None
