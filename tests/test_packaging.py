@@ -14,7 +14,8 @@ from conftest import ROOT
 def test_import_swiftlm_imports_neither_mlx_nor_torch():
     code = ("import sys, swiftlm, swiftlm.engine, swiftlm.registry, swiftlm.cli, swiftlm.llm, swiftlm.backend, "
             "swiftlm.convert, swiftlm.config, swiftlm.backends.mlx, swiftlm.backends.torch, swiftlm.cuda_ext, "
-            "swiftlm.prefix_cache, swiftlm.server.app, swiftlm.turboquant, swiftlm.turboquant.presets; "
+            "swiftlm.prefix_cache, swiftlm.server.app, swiftlm.turboquant, swiftlm.turboquant.presets, "
+            "swiftlm.media, swiftlm.media.model, swiftlm.media.sources, swiftlm.media.items; "
             "bad = [m for m in ('mlx', 'mlx.core', 'mlx_lm', 'torch') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
