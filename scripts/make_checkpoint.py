@@ -193,7 +193,11 @@ def main(argv: list[str] | None = None) -> Path:
     if a.arch == "gemma4":
         from make_multimodal import write_gemma4
 
-        write_gemma4(out, load_gguf_tokenizer(resolve(None).gguf_meta or {}), hidden=a.hidden if a.hidden != 128 else 64,
+        from swiftlm.tokenizer import load_hf_tokenizer
+
+        base = (load_hf_tokenizer(Path(a.tokenizer_from)) if a.tokenizer_from
+                else load_gguf_tokenizer(resolve(None).gguf_meta or {}))
+        write_gemma4(out, base, hidden=a.hidden if a.hidden != 128 else 64,
                      layers=a.layers, vision=a.vision, audio=a.audio, seed=a.seed,
                      dtype="float32" if a.dtype == "bfloat16" else a.dtype)
         print(out)
