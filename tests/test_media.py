@@ -313,3 +313,18 @@ def test_lossy_audio_formats_decode(fmt, sfmt):
     n = min(len(x), len(y))
     best = max(np.corrcoef(x[: n - s], y[s:n])[0, 1] for s in range(0, 1200, 1))
     assert best > 0.95
+
+
+def test_images_across_the_conversation_share_one_limit_and_order():
+    from swiftlm.media.processor import MARKER_RE
+
+    tiny = img_part(data_url(png(IMG[:8, :8])))
+    conv = [{"role": "user", "content": [tiny, {"type": "text", "text": "and"}, tiny]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": "now"}, tiny]}]
+    bag: list = []
+    msgs = normalize_messages(conv, (MediaPolicy(image=True), bag))
+    assert [int(i) for m in msgs for i in MARKER_RE.findall(m["content"])] == [0, 1, 2] and len(bag) == 3
+    with pytest.raises(InvalidRequest, match="too many images") as e:
+        normalize_messages(conv, (MediaPolicy(image=True, max_images=2), []))
+    assert e.value.param == "messages[2].content[1]"
