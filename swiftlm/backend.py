@@ -86,6 +86,7 @@ class SampledToken:
 @dataclass
 class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)  # seq_id -> error: only these sequences fail
 
 
 @runtime_checkable

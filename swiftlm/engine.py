@@ -299,6 +299,10 @@ class Engine:
                 continue
             dt = time.perf_counter() - t0
             self.stats.steps += 1
+            for sid, err in result.failed.items():  # one sequence's failure (e.g. its media) is its own
+                live = self._live.get(sid)
+                if live is not None:
+                    self._finish(live, "error", error=err)
             for w in batch.seqs:
                 live = self._live.get(w.seq_id)
                 if live is not None:

@@ -130,6 +130,15 @@ def test_mlx_and_torch_agree_on_first_step_logits(gemma4):
         assert lt.argmax() == lm.argmax()
 
 
+def wait_for(cond, timeout: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
 def test_media_prompt_does_not_disturb_a_running_text_stream(gemma4):
     """A media prompt is prefilled alone in one step while a text stream decodes: the text stream
     keeps its exact greedy output, and the media request completes."""
@@ -147,12 +156,45 @@ def test_media_prompt_does_not_disturb_a_running_text_stream(gemma4):
 
         th = threading.Thread(target=text)
         th.start()
-        while llm.engine.stats.tokens_generated < 4:  # the text stream is decoding
-            pass
+        wait_for(lambda: llm.engine.stats.tokens_generated >= len(solo) + 4)  # the text stream is decoding
         media = llm.chat(msgs(img(IMG_A), aud(AUD_A)), SamplingParams(max_tokens=8, temperature=0))
         th.join(60)
         assert got["text"] == solo
         assert len(media.outputs[0].token_ids) == 8
+    finally:
+        llm.close()
+
+
+def test_a_failing_media_forward_fails_only_its_request(gemma4):
+    """A media prompt whose forward raises (here: injected) ends with an error; the text stream
+    decoding beside it keeps its exact output."""
+    pytest.importorskip("torch")
+    from swiftlm import LLM, SamplingParams
+
+    llm = LLM(str(gemma4), backend="torch", vision=True, audio=True, parallel=2)
+    try:
+        p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        solo = llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids
+        model = llm.engine.model
+        real = model.forward
+
+        def broken(cache, tokens, media):
+            if media is not None:
+                raise RuntimeError("tower exploded")
+            return real(cache, tokens, media)
+
+        model.forward = broken
+        got: dict = {}
+        th = threading.Thread(target=lambda: got.update(
+            text=llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids))
+        th.start()
+        wait_for(lambda: llm.engine.stats.tokens_generated >= len(solo) + 4)
+        with pytest.raises(RuntimeError, match="tower exploded"):
+            list(llm.stream(msgs(img(IMG_A)), SamplingParams(max_tokens=4)))
+        th.join(60)
+        assert got["text"] == solo
+        model.forward = real
+        assert len(llm.chat(msgs(img(IMG_A)), SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
     finally:
         llm.close()
 

@@ -7,10 +7,13 @@ prompt is prefilled in one forward with its arrays, every later row is text.  Ba
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from ..backend import ModelInfo, SampledToken, StepBatch, StepResult
 from ..sampling import sample_row
+
+log = logging.getLogger(__name__)
 
 
 class MultimodalModel:
@@ -43,7 +46,13 @@ class MultimodalModel:
             media = getattr(w, "media", None)
             if media is not None and w.start_pos != 0:
                 raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")
-            logits = self.forward(self.caches[w.seq_id], w.tokens, media)
+            try:
+                logits = self.forward(self.caches[w.seq_id], w.tokens, media)
+            except Exception as exc:  # this sequence fails alone; the others in the step go on
+                log.exception("forward failed for sequence %d", w.seq_id)
+                self.free([w.seq_id])
+                result.failed[w.seq_id] = f"{type(exc).__name__}: {exc}"
+                continue
             self.lengths[w.seq_id] += len(w.tokens)
             if w.sample:
                 token, lp, top = sample_row(self.ops, logits, w.params, w.state)
