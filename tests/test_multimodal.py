@@ -130,6 +130,41 @@ def test_mlx_and_torch_agree_on_first_step_logits(gemma4):
         assert lt.argmax() == lm.argmax()
 
 
+@pytest.fixture(scope="module")
+def gemma4_bidir(gemma4, tmp_path_factory):
+    """The same weights with Gemma 4's bidirectional attention inside each image (as the larger
+    Gemma 4 configs set it): it depends on the per-token modality ids reaching the model."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("bidir") / "gemma4"
+    shutil.copytree(gemma4, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["use_bidirectional_attention"] = "vision"
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_bidirectional_image_attention_is_wired(gemma4, gemma4_bidir):
+    """Causal vs bidirectional-within-image on the same weights must differ (the modality ids reach
+    the mask) and only from the first image token on; MLX and torch agree on the bidirectional one."""
+    conv = msgs(img(IMG_A), aud(AUD_A))
+    got = {}
+    for b in [p.values[0] for p in BACKENDS if not any(m.args[0] for m in p.marks)]:
+        causal, bidir = Loaded(gemma4, b), Loaded(gemma4_bidir, b)
+        ids = causal.prompt(conv)
+        types = ids.media.arrays["mm_token_type_ids"][0]
+        assert (types == 1).sum() == sum(1 for t in ids if t == causal.proc.image_id)
+        assert (types == 3).sum() == sum(1 for t in ids if t == causal.proc.audio_id)
+        lc, lb = causal.first_logits(conv), bidir.first_logits(conv)
+        assert np.abs(lc - lb).max() > 1e-3 * np.abs(lc).max()
+        text_only = [{"role": "user", "content": "hello"}]
+        assert np.array_equal(causal.first_logits(text_only), bidir.first_logits(text_only))
+        got[b] = lb
+    if len(got) == 2:
+        assert np.abs(got["mlx"] - got["torch"]).max() <= 1e-4 * np.abs(got["torch"]).max()
+
+
 def wait_for(cond, timeout: float = 60.0) -> None:
     import time
 

@@ -54,7 +54,7 @@ class MLXMultimodal(MultimodalModel):
     def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
         ids = mx.array([tokens], dtype=mx.int32)
         if media is not None:
-            kw = {k: mx.array(v) for k, v in media.arrays.items()}
+            kw = {k: mx.array(v) for k, v in media.for_length(len(tokens)).items()}
             out = self.module(ids, cache=cache, **kw)
         else:
             out = self.module.language_model(ids, cache=cache)

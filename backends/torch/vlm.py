@@ -52,7 +52,7 @@ class TorchMultimodal(MultimodalModel):
     def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
         kw: dict[str, torch.Tensor] = {}
         if media is not None:
-            for k, v in media.arrays.items():
+            for k, v in media.for_length(len(tokens)).items():
                 t = torch.from_numpy(v).to(self.device)
                 kw[k] = t.to(self.dtype) if t.is_floating_point() else t
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)

@@ -30,7 +30,8 @@ class MultimodalModel:
         raise NotImplementedError
 
     def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
-        """Feed ``tokens`` (with ``media`` arrays on a prompt's first chunk); return the last row's logits."""
+        """Feed ``tokens`` (with ``media`` arrays on a prompt's first chunk: ``media.for_length``);
+        return the last row's logits."""
         raise NotImplementedError
 
     def step(self, batch: StepBatch) -> StepResult:

@@ -32,6 +32,17 @@ class MediaInputs:
     n_audio: int = 0
     tokens: dict[int, int] = field(default_factory=dict)  # placeholder token id -> count in the prompt
 
+    def for_length(self, n: int) -> dict[str, np.ndarray]:
+        """The arrays for a prefill of ``n`` tokens: per-token arrays (mm_token_type_ids) are cut or
+        zero-padded to ``n`` (a preempted sequence re-prefills its prompt plus generated tokens)."""
+        out = dict(self.arrays)
+        tt = out.get("mm_token_type_ids")
+        if tt is not None and tt.shape[1] != n:
+            fixed = np.zeros((1, n), dtype=tt.dtype)
+            fixed[:, : min(n, tt.shape[1])] = tt[:, :n]
+            out["mm_token_type_ids"] = fixed
+        return out
+
     def digest(self) -> str:
         h = hashlib.sha256()
         for k in sorted(self.arrays):
@@ -51,6 +62,9 @@ class MediaProcessor(Protocol):
 
     def prepare(self, items: list[MediaItem]) -> tuple[list[str], MediaInputs]:
         """Per item the text that replaces its marker, and the model arrays."""
+
+    def token_types(self, ids: list[int]) -> np.ndarray | None:
+        """Per-token modality ids (transformers' mm_token_type_ids) where the family uses them."""
 
 
 def _load_processor_config(path: Path) -> dict:
@@ -97,6 +111,17 @@ class Gemma4Media:
             self.audio_tok, self.boa, self.eoa = (tok(int(config[k])) for k in
                                                   ("audio_token_id", "boa_token_id", "eoa_token_index"))
             self.modalities += ("audio",)
+
+    def token_types(self, ids: list[int]) -> np.ndarray:
+        """transformers' mm_token_type_ids: 1 image, 3 audio, 0 text.  Gemma 4 models with
+        ``use_bidirectional_attention: "vision"`` attend bidirectionally within each image's run."""
+        a = np.asarray(ids)
+        out = np.zeros((1, len(ids)), dtype=np.int64)
+        if self.image_proc is not None:
+            out[0, a == self.image_id] = 1
+        if self.audio_fe is not None:
+            out[0, a == self.audio_id] = 3
+        return out
 
     @property
     def sampling_rate(self) -> int:
@@ -169,6 +194,10 @@ def expand(text: str, items: list[MediaItem], processor: MediaProcessor, tokeniz
         if got != want:
             raise InvalidRequest(f"the prompt has {got} media placeholder tokens where {want} were expected: the "
                                  "text must not contain the model's image/audio tokens itself", param="messages")
+    if items:
+        types = processor.token_types(ids)
+        if types is not None:
+            mi.arrays["mm_token_type_ids"] = types
     ids.media = mi if items else None
     return ids
 
