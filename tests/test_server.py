@@ -247,7 +247,7 @@ BAD = [
     ("unknown turbo_kv preset", {"messages": MSGS, "turbo_kv": "k9v9"}, 400, "turbo_kv"),
     ("turbo_kv and kv_bits", {"messages": MSGS, "turbo_kv": "k4v3", "kv_bits": 8}, 400, "kv_bits"),
     ("image to a text model", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0]"),
 ]
 
 
