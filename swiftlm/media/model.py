@@ -38,27 +38,33 @@ class MultimodalModel:
         self.free(batch.preempted)
         result = StepResult()
         for w in batch.seqs:
-            if w.start_pos == 0:
-                self.caches[w.seq_id] = self.new_cache()
-                self.lengths[w.seq_id] = 0
-            if self.lengths.get(w.seq_id) != w.start_pos:
-                raise RuntimeError(f"sequence {w.seq_id}: KV holds {self.lengths.get(w.seq_id)} positions, "
-                                   f"step feeds from {w.start_pos}")
-            media = getattr(w, "media", None)
-            if media is not None and w.start_pos != 0:
-                raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")
-            try:
-                logits = self.forward(self.caches[w.seq_id], w.tokens, media)
-            except Exception as exc:  # this sequence fails alone; the others in the step go on
+            try:  # a sequence that fails (its media, its state) fails alone; the others in the step go on
+                token = self._one(w)
+            except Exception as exc:
                 log.exception("forward failed for sequence %d", w.seq_id)
                 self.free([w.seq_id])
                 result.failed[w.seq_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            self.lengths[w.seq_id] += len(w.tokens)
-            if w.sample:
-                token, lp, top = sample_row(self.ops, logits, w.params, w.state)
-                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
+            if token is not None:
+                result.sampled.append(token)
         return result
+
+    def _one(self, w: Any) -> SampledToken | None:
+        if w.start_pos == 0:
+            self.caches[w.seq_id] = self.new_cache()
+            self.lengths[w.seq_id] = 0
+        if self.lengths.get(w.seq_id) != w.start_pos:
+            raise RuntimeError(f"sequence {w.seq_id}: KV holds {self.lengths.get(w.seq_id)} positions, "
+                               f"step feeds from {w.start_pos}")
+        media = getattr(w, "media", None)
+        if media is not None and w.start_pos != 0:
+            raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")
+        logits = self.forward(self.caches[w.seq_id], w.tokens, media)
+        self.lengths[w.seq_id] += len(w.tokens)
+        if not w.sample:
+            return None
+        token, lp, top = sample_row(self.ops, logits, w.params, w.state)
+        return SampledToken(w.seq_id, token, lp, top)
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
