@@ -4,12 +4,8 @@
 # (a tiny checkpoint whose tokenizer files are copied; no GGUF needed).  Results go to $OUT.
 #   bash scripts/gpu_experts.sh [CAP]      # CAP: --mem-limit for the streamed runs (default 4GB)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
 CAP=${1:-4GB}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+source scripts/gpu_site.sh
 rm -rf /tmp/ge && mkdir -p /tmp/ge && cp scripts/bench_expert_streaming.py scripts/make_checkpoint.py /tmp/ge/
 cp scripts/check_streaming_exact.py /tmp/ge/
 cd /tmp/ge  # import the installed copy, not the source tree

@@ -3,11 +3,7 @@
 # & co., transformers 5.23, soundfile + cffi for the device's python 3.12) and .gpuck/tok (tokenizer
 # files).  Results go to $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+source scripts/gpu_site.sh
 rm -rf /tmp/gm && mkdir -p /tmp/gm && cp scripts/make_checkpoint.py scripts/make_multimodal.py scripts/bench_media.py \
   scripts/check_multimodal_device.py /tmp/gm/
 cd /tmp/gm  # import the installed copy, not the source tree

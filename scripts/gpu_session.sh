@@ -3,13 +3,8 @@
 # parts (/tmp/part00 copied there by an earlier call, .gg/part01), install the carried wheels and swiftlm itself into /tmp/site,
 # then run the GPU benchmarks, writing JSON and logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 cat /tmp/part00 .gg/part01 > /tmp/smollm2.gguf || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+source scripts/gpu_site.sh
 cp scripts/bench_speculative.py scripts/bench_batching.py scripts/profile_torch_gpu.py /tmp/ && cd /tmp  # import the installed copy
 python3 -c "import torch, swiftlm; print(torch.__version__, torch.cuda.get_device_name(0))"
 timeout 120 python3 /tmp/profile_torch_gpu.py --model /tmp/smollm2.gguf > "$OUT/profile.log" 2>&1; head -8 "$OUT/profile.log"

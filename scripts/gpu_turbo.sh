@@ -7,11 +7,7 @@
 #   bash scripts/gpu_turbo.sh e2e        # the real SmolLM2 through the engine (needs /tmp/part00 from an earlier
 #                                        # call carrying .gg/part00, and .gg/part01 carried now: see gpu_session.sh)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+source scripts/gpu_site.sh
 rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests /tmp/gt/ && cp scripts/bench_turboquant.py scripts/gpu_turbo_e2e.py /tmp/gt/
 if [ -f /tmp/part00 ] && [ -f .gg/part01 ]; then cat /tmp/part00 .gg/part01 > /tmp/smollm2.gguf; fi
 cd /tmp/gt  # import the installed copy, not the source tree

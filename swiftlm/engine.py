@@ -185,15 +185,14 @@ class Engine:
         return plan
 
     def encode_plan(self, plan: Any) -> list[int]:
-        return self._encode(plan.text, getattr(plan, "media", None) or [])
+        return self._encode(plan.text, plan.media)
 
     def _encode(self, text: str, media: list) -> list[int]:
         if not media:
             return self.tokenizer.encode(text, add_special_tokens=False)
         from .media.processor import expand
 
-        if self.media_processor is None:  # the policy refuses media for such models; keep the guard
-            raise InvalidRequest("this model takes no media", param="messages")
+        # media only get here through a policy that make_engine derived from this processor
         return expand(text, media, self.media_processor, self.tokenizer)
 
     def text_prompt(self, text: str) -> list[int]:

@@ -26,6 +26,8 @@ class BackendUnavailable(SwiftLMError):
 class InvalidRequest(SwiftLMError, ValueError):
     """A request parameter is wrong; ``param`` names the field (OpenAI's error shape)."""
 
+    status = 400  # HTTP status (subclasses: 413 for media over a size limit)
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param

@@ -101,12 +101,12 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     if settings.draft_model and settings.speculative in (None, "draft"):  # a bad draft fails before the big load
         draft_spec = resolve(settings.draft_model, allow_download=False if settings.offline else None)
     from .media import MediaPolicy, processor_for
-    from .media.processor import check_settings, is_multimodal
+    from .media.processor import check_settings
 
     check_settings(spec, settings)
     model = backend.load(spec, settings)
     speculator = _speculator(settings, backend, model, draft_spec)
-    processor = processor_for(spec, model.tokenizer) if is_multimodal(spec) else None
+    processor = processor_for(spec, model.tokenizer)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,

@@ -10,9 +10,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from swiftlm.backend import ModelInfo
 from swiftlm.errors import BackendUnavailable
-from swiftlm.media.model import MultimodalModel
+from swiftlm.media.model import MultimodalModel, multimodal_info
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_hf_tokenizer
 
@@ -33,18 +32,8 @@ class MLXMultimodal(MultimodalModel):
         _materialise(self.module)
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
         self.ops = MLXOps()
-        text = spec.config.get("text_config") or spec.config
-        ctx = int(getattr(cfg, "ctx_size", None) or text.get("max_position_embeddings") or 4096)
-        layers = int(text.get("num_hidden_layers", 0))
-        kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
         nbytes = sum(v.nbytes for _, v in tree_flatten(self.module.parameters()))
-        self.info = ModelInfo(arch=spec.arch, num_layers=layers,
-                              context_length=min(ctx, int(text.get("max_position_embeddings") or ctx)),
-                              vocab_size=int(text.get("vocab_size") or self.tokenizer.vocab_size),
-                              num_params=spec.num_params, quantization=spec.quantization,
-                              modalities=("text",) + tuple(m for m, on in (("image", spec.vision),
-                                                                           ("audio", spec.audio)) if on),
-                              weight_bytes=nbytes, kv_bytes_per_token=2 * layers * kv * 4)
+        self.info = multimodal_info(spec, cfg, self.tokenizer, nbytes, 4, spec.quantization)
 
     def new_cache(self) -> Any:
         from mlx_vlm.models.cache import make_prompt_cache

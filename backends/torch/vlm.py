@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from swiftlm.backend import ModelInfo
 from swiftlm.errors import UnsupportedArchitecture
-from swiftlm.media.model import MultimodalModel
+from swiftlm.media.model import MultimodalModel, multimodal_info
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_hf_tokenizer
 
@@ -30,18 +29,9 @@ class TorchMultimodal(MultimodalModel):
         self.device, self.dtype = device, dtype
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
         self.ops = TorchOps(device)
-        text = spec.config.get("text_config") or spec.config
-        ctx = int(getattr(cfg, "ctx_size", None) or text.get("max_position_embeddings") or 4096)
-        layers = int(text.get("num_hidden_layers", 0))
-        kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
         nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        self.info = ModelInfo(arch=spec.arch, num_layers=layers,
-                              context_length=min(ctx, int(text.get("max_position_embeddings") or ctx)),
-                              vocab_size=int(text.get("vocab_size") or self.tokenizer.vocab_size),
-                              num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                              modalities=("text",) + tuple(m for m, on in (("image", spec.vision),
-                                                                           ("audio", spec.audio)) if on),
-                              weight_bytes=nbytes, kv_bytes_per_token=2 * layers * kv * torch.finfo(dtype).bits // 8)
+        self.info = multimodal_info(spec, cfg, self.tokenizer, nbytes, torch.finfo(dtype).bits // 8,
+                                    f"{spec.quantization} -> {str(dtype)[6:]}")
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

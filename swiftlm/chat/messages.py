@@ -51,8 +51,6 @@ def _media_part(part: dict, where: str, media: tuple[Any, list] | None) -> str:
     policy, bag = media
     kind = "image" if image else "audio"
     limit = policy.max_images if image else policy.max_audio_clips
-    if (image and not policy.image) or (not image and not policy.audio):
-        collect_part(part, where, policy)  # raises, saying which flag and model type are needed
     if sum(1 for it in bag if it.kind == kind) >= limit:
         flag = "--max-images" if image else "--max-audio-clips"
         raise InvalidRequest(f"{where}: too many {'images' if image else 'audio clips'} in one request "

@@ -151,6 +151,7 @@ class ChatPlan:
     tool_format: str | None = None  # parser for tool calls (None: no parsing)
     tool_names: set[str] = field(default_factory=set)
     thinking: bool = False
+    media: list = field(default_factory=list)  # decoded image/audio items, in marker order (media.expand)
 
     def parser(self) -> "ChatOutputParser":
         reasoning = ReasoningSplitter.for_prompt(self.text) if self.thinking else None

@@ -103,7 +103,7 @@ def collect_part(part: dict, where: str, policy: MediaPolicy) -> MediaItem:
         ref = part.get("image_url")
         if isinstance(ref, dict):
             ref = ref.get("url")
-        data, _ = fetch(ref, f"{where}.image_url", policy, "images")
+        data = fetch(ref, f"{where}.image_url", policy, "images")
         return decode_image(data, where, policy)
     if kind == "input_audio":
         if not policy.audio:

@@ -16,6 +16,21 @@ from ..sampling import sample_row
 log = logging.getLogger(__name__)
 
 
+def multimodal_info(spec: Any, cfg: Any, tokenizer: Any, weight_bytes: int, kv_dtype_bytes: int,
+                    quantization: str) -> ModelInfo:
+    """ModelInfo from a multimodal config (the language model's numbers live under text_config)."""
+    text = spec.config.get("text_config") or spec.config
+    model_ctx = int(text.get("max_position_embeddings") or 4096)
+    layers = int(text.get("num_hidden_layers", 0))
+    kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
+    return ModelInfo(arch=spec.arch, num_layers=layers,
+                     context_length=min(int(getattr(cfg, "ctx_size", None) or model_ctx), model_ctx),
+                     vocab_size=int(text.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
+                     quantization=quantization,
+                     modalities=("text",) + tuple(m for m, on in (("image", spec.vision), ("audio", spec.audio)) if on),
+                     weight_bytes=weight_bytes, kv_bytes_per_token=2 * layers * kv * kv_dtype_bytes)
+
+
 class MultimodalModel:
     info: ModelInfo
     tokenizer: Any
@@ -34,8 +49,7 @@ class MultimodalModel:
         return the last row's logits."""
         raise NotImplementedError
 
-    def step(self, batch: StepBatch) -> StepResult:
-        self.free(batch.preempted)
+    def step(self, batch: StepBatch) -> StepResult:  # (the engine frees batch.preempted before the step)
         result = StepResult()
         for w in batch.seqs:
             try:  # a sequence that fails (its media, its state) fails alone; the others in the step go on

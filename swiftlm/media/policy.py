@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ class MediaPolicy:
     remote_timeout: float = 10.0
     why_no_image: str = "start the server with --vision and a vision-language model"
     why_no_audio: str = "start the server with --audio and an audio-language model"
-    counts: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: Any, modalities: tuple[str, ...] = (), arch: str = "") -> "MediaPolicy":

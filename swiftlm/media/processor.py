@@ -173,19 +173,18 @@ FAMILIES = {"gemma4": Gemma4Media}
 
 def processor_for(spec: Any, tokenizer: Any) -> MediaProcessor | None:
     """The media processor for a model, or None for text-only models / unknown families."""
-    cls = FAMILIES.get(getattr(spec, "arch", ""))
-    if cls is None or spec.format == "gguf" or not (spec.vision or spec.audio):
+    if not is_multimodal(spec):
         return None
-    return cls(Path(spec.path), spec.config, tokenizer)
+    return FAMILIES[spec.arch](Path(spec.path), spec.config, tokenizer)
 
 
 def expand(text: str, items: list[MediaItem], processor: MediaProcessor, tokenizer: Any) -> MediaPrompt:
-    """Replace each item's marker in the rendered prompt by its placeholder tokens, tokenize,
+    """(``items`` non-empty.)  Replace each item's marker in the rendered prompt by its placeholder tokens, tokenize,
     and check the placeholder count (a prompt that spells a placeholder token itself is refused)."""
     found = [int(m) for m in MARKER_RE.findall(text)]
     if sorted(found) != list(range(len(items))):
         raise InvalidRequest("the chat template dropped or repeated a media part", param="messages")
-    texts, mi = processor.prepare([items[i] for i in found]) if items else ([], MediaInputs())
+    texts, mi = processor.prepare([items[i] for i in found])
     by_index = dict(zip(found, texts))
     ids = MediaPrompt(tokenizer.encode(MARKER_RE.sub(lambda m: by_index[int(m.group(1))], text),
                                        add_special_tokens=False))
@@ -194,11 +193,10 @@ def expand(text: str, items: list[MediaItem], processor: MediaProcessor, tokeniz
         if got != want:
             raise InvalidRequest(f"the prompt has {got} media placeholder tokens where {want} were expected: the "
                                  "text must not contain the model's image/audio tokens itself", param="messages")
-    if items:
-        types = processor.token_types(ids)
-        if types is not None:
-            mi.arrays["mm_token_type_ids"] = types
-    ids.media = mi if items else None
+    types = processor.token_types(ids)
+    if types is not None:
+        mi.arrays["mm_token_type_ids"] = types
+    ids.media = mi
     return ids
 
 

@@ -24,22 +24,20 @@ def _b64(data: str, where: str, policy: MediaPolicy) -> bytes:
         raise InvalidRequest(f"{where} is not valid base64", param=where) from None
 
 
-def data_uri(url: str, where: str, policy: MediaPolicy) -> tuple[bytes, str]:
-    """``data:[<mime>][;base64],<payload>`` -> (bytes, mime)."""
+def data_uri(url: str, where: str, policy: MediaPolicy) -> bytes:
+    """``data:[<mime>][;base64],<payload>`` -> bytes (the content decides the format, not the mime)."""
     head, sep, payload = url.partition(",")
     if not sep:
         raise InvalidRequest(f"{where} is a malformed data: URI (no ',')", param=where)
-    meta = head[5:].split(";")
-    mime = meta[0].strip().lower()
-    if "base64" in (m.strip().lower() for m in meta[1:]):
-        return _b64(payload, where, policy), mime
+    if "base64" in (m.strip().lower() for m in head[5:].split(";")[1:]):
+        return _b64(payload, where, policy)
     raw = urllib.parse.unquote_to_bytes(payload)
     if len(raw) > policy.max_part_bytes:
         raise MediaTooLarge(f"{where} is over the {policy.max_part_bytes} byte limit (--max-media-bytes)", param=where)
-    return raw, mime
+    return raw
 
 
-def fetch(url: str, where: str, policy: MediaPolicy, kind: str) -> tuple[bytes, str]:
+def fetch(url: str, where: str, policy: MediaPolicy, kind: str) -> bytes:
     """Bytes for an ``image_url``-style reference."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where} must be a non-empty string URL", param=where)
@@ -52,7 +50,7 @@ def fetch(url: str, where: str, policy: MediaPolicy, kind: str) -> tuple[bytes, 
                                  "server with --allow-remote-media), or send it inline as a data: URI", param=where)
         return _download(url, where, policy)
     if low.startswith("file:") or url.startswith(("/", "./", "../", "~")) or (len(url) > 2 and url[1] == ":"):
-        return _local(url, where, policy), ""
+        return _local(url, where, policy)
     raise InvalidRequest(f"{where} must be a data: URI (base64){', an http(s) URL' if policy.allow_remote else ''}"
                          f"{' or a file under --media-dir' if policy.media_dir else ''}", param=where)
 
@@ -73,14 +71,13 @@ def _local(url: str, where: str, policy: MediaPolicy) -> bytes:
     return p.read_bytes()
 
 
-def _download(url: str, where: str, policy: MediaPolicy) -> tuple[bytes, str]:
+def _download(url: str, where: str, policy: MediaPolicy) -> bytes:
     req = urllib.request.Request(url, headers={"User-Agent": "swiftlm"})
     try:
         with urllib.request.urlopen(req, timeout=policy.remote_timeout) as resp:  # noqa: S310 (flag-gated)
             body = resp.read(policy.max_part_bytes + 1)
-            mime = (resp.headers.get_content_type() or "").lower()
     except Exception as exc:
         raise InvalidRequest(f"{where}: could not fetch the URL ({type(exc).__name__}: {exc})", param=where) from None
     if len(body) > policy.max_part_bytes:
         raise MediaTooLarge(f"{where} is over the {policy.max_part_bytes} byte limit (--max-media-bytes)", param=where)
-    return body, mime
+    return body

@@ -287,7 +287,7 @@ class OpenAIRoutes:
         try:
             plan, prompt = await asyncio.to_thread(render)
         except InvalidRequest as exc:
-            raise APIError(getattr(exc, "status", 400), str(exc), param=exc.param or "messages") from None
+            raise APIError(exc.status, str(exc), param=exc.param or "messages") from None
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
