@@ -89,13 +89,28 @@ class StepResult:
     failed: dict[int, str] = field(default_factory=dict)  # seq_id -> error: only these sequences fail
 
 
+@dataclass
+class Forward:
+    """What ``Model.forward`` returns: logits [n, vocab] (backend arrays, possibly still being
+    computed on the device) for the batch's rows with ``sample=True`` that did not fail, in
+    batch order; sequences that failed (only they end); and the seconds spent preparing inputs
+    before the first kernel was queued (the engine's ``prepare`` timer)."""
+
+    logits: Any
+    failed: dict[int, str] = field(default_factory=dict)
+    prepare_seconds: float = 0.0
+
+
 @runtime_checkable
 class Model(Protocol):
     info: ModelInfo
     tokenizer: Tokenizer
 
-    def step(self, batch: StepBatch) -> StepResult:
-        """Run one forward pass over the batch and sample where asked."""
+    ops: Any  # the sampler's array ops on this model's device (sampler.BatchOps)
+
+    def forward(self, batch: StepBatch) -> Forward:
+        """Run one forward pass over the batch (prefill chunks and decode rows) and return the
+        logits of the rows that sample.  Sampling is the core's (``sampler.launch``)."""
 
     def free(self, seq_ids: Sequence[int]) -> None:
         """Drop the KV state of finished or cancelled sequences."""
@@ -173,6 +188,6 @@ def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | No
 
 
 __all__ = [
-    "Availability", "Backend", "BackendEntry", "Model", "ModelInfo", "SampledToken", "SeqWork",
+    "Availability", "Backend", "BackendEntry", "Forward", "Model", "ModelInfo", "SampledToken", "SeqWork",
     "StepBatch", "StepResult", "SwiftLMError", "choose_backend", "discover_backends",
 ]

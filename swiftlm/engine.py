@@ -1,15 +1,15 @@
 """The engine: request lifecycle on one background thread that owns the model.
 
 Callers (the Python API, the server) submit token prompts with sampling parameters and a
-*sink*; the engine thread runs scheduler steps, samples through the backend, detokenises,
-applies stop rules and pushes ``Event``s into the sink.  Sinks are thread-safe queues
-(sync) or an asyncio queue fed with ``call_soon_threadsafe`` (async), so no caller ever
+*sink*.  The engine thread runs scheduler steps: the backend's forward pass, then the core's
+batched sampler (one device-to-host transfer per step), then the checks that need no text
+(EOS, stop token ids, max tokens, context).  Detokenisation, stop strings and event delivery
+run on the output worker's thread (``outputs.py``), beside the next step.  No caller ever
 touches model state.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import weakref
@@ -18,16 +18,19 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from . import sampler
 from .backend import Model, SampledToken, StepBatch
 from .chat.messages import normalize_messages
-from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .errors import InvalidRequest, SwiftLMError
+from .outputs import (LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink,  # noqa: F401
+                      TokenLogprob)
 from .prefix_cache import PrefixCache
 from .sampling import SamplerState, SamplingParams
 from .scheduler import Scheduler, Sequence
 from .speculative import eligible
+from .timers import StepTimers
 
 log = logging.getLogger(__name__)
 
@@ -37,74 +40,8 @@ class QueueFull(SwiftLMError):
 
 
 @dataclass
-class TokenLogprob:
-    token: int
-    text: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Event:
-    seq_id: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    progress: tuple[int, int] | None = None  # (prompt tokens processed, prompt tokens) during prefill
-    cached_tokens: int = 0  # prompt tokens served from the prompt cache
-
-
-Sink = Callable[[Event], None]
-
-LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as: JSON has no infinities
-
-
-def _finite(x: float) -> float:
-    return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-class SyncSink:
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue[Event] = queue.SimpleQueue()
-
-    def __call__(self, ev: Event) -> None:
-        self.q.put(ev)
-
-    def __iter__(self):
-        while True:
-            ev = self.q.get()
-            yield ev
-            if ev.finished:
-                return
-
-
-class AsyncSink:
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.loop = loop or asyncio.get_running_loop()
-        self.q: asyncio.Queue[Event] = asyncio.Queue()
-
-    def __call__(self, ev: Event) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, ev)
-
-    async def __aiter__(self):
-        while True:
-            ev = await self.q.get()
-            yield ev
-            if ev.finished:
-                return
-
-
-@dataclass
 class _Live:
     seq: Sequence
-    sink: Sink
-    detok: IncrementalDetokenizer
-    stop: StopMatcher
     submitted: float
     first_token_at: float | None = None
     cached_tokens: int = 0
@@ -153,7 +90,11 @@ class Engine:
         self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
         self.media_processor: Any = None   # media.MediaProcessor for multimodal models
         self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
+        self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.timers = StepTimers()
+        self.outputs = OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)))
+        self._outs: list[Out] = []  # this step's messages for the output worker
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count(1)
         self._pending = 0  # submitted, not yet finished (guarded by _lock)
@@ -225,7 +166,8 @@ class Engine:
         seq = Sequence(seq_id, list(prompt_tokens), params, state, media=getattr(prompt_tokens, "media", None))
         state.prompt_tokens = seq.prompt_tokens
         state.output_tokens = seq.output_tokens
-        live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), time.perf_counter())
+        live = _Live(seq, time.perf_counter())
+        self.outputs.open(seq_id, sink, params.stop, len(seq.prompt_tokens))
         self._inbox.put(("add", live))
         return seq_id
 
@@ -238,6 +180,7 @@ class Engine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
+        self.outputs.close(timeout)
 
     @property
     def running(self) -> bool:
@@ -259,6 +202,7 @@ class Engine:
                         try:
                             self.model.restore_prefix(arg.seq.seq_id, payload, n)  # type: ignore[attr-defined]
                             arg.seq.num_computed = arg.cached_tokens = n
+                            self._outs.append(Out(arg.seq.seq_id, cached_tokens=n))
                         except Exception:  # a cache failure costs a full prefill, never the request
                             log.exception("prompt cache restore failed; prefilling in full")
                             self.model.free([arg.seq.seq_id])
@@ -269,6 +213,10 @@ class Engine:
                 live = self._live.get(arg)
                 if live is not None:
                     self._finish(live, "cancelled")
+            elif cmd == "stopped":  # a stop string, found by the output worker, which already told the caller
+                live = self._live.get(arg)
+                if live is not None:
+                    self._finish(live, "stop", notify=False)
             elif cmd == "stop":
                 for live in list(self._live.values()):
                     self._finish(live, "cancelled")
@@ -276,46 +224,71 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            self._flush_outputs()
             self._drain(block=not self.scheduler.has_work())
             if self._stopping or not self.scheduler.has_work():
                 continue
+            t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 continue
             for sid in batch.preempted:  # recompute later: drop the KV state now
                 self.model.free([sid])
+            t1 = time.perf_counter()
+            self.timers.add("schedule", t1 - t0)
             if self.speculator is not None and self._speculate(batch):
                 continue
-            t0 = time.perf_counter()
             try:
-                result = self.model.step(batch)
+                self._step(batch, t1)
             except Exception as exc:  # a failing step fails its sequences, not the engine
                 log.exception("engine step failed")
                 for w in batch.seqs:
                     live = self._live.get(w.seq_id)
                     if live is not None:
                         self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
-                continue
-            dt = time.perf_counter() - t0
-            self.stats.steps += 1
-            for sid, err in result.failed.items():  # one sequence's failure (e.g. its media) is its own
-                live = self._live.get(sid)
-                if live is not None:
-                    self._finish(live, "error", error=err)
-            for w in batch.seqs:
-                live = self._live.get(w.seq_id)
-                if live is not None:
-                    live.seq.num_computed += len(w.tokens)
-                    if not w.sample and not live.seq.output_tokens:
-                        live.sink(Event(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
-            if any(not w.tokens or len(w.tokens) == 1 for w in batch.seqs):
-                self.stats.decode_seconds += dt
-            for s in result.sampled:
-                live = self._live.get(s.seq_id)
-                if live is not None:
-                    self._on_token(live, s)
+        self._flush_outputs()
         for live in list(self._live.values()):  # shutting down: release every waiter
             self._finish(live, "cancelled")
+        self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        if self._outs:
+            self.outputs.put(self._outs)
+            self._outs = []
+
+    def _step(self, batch: StepBatch, t1: float) -> None:
+        """forward -> batched sampling (one transfer) -> bookkeeping; text is the worker's."""
+        fwd = self.model.forward(batch)
+        t2 = time.perf_counter()
+        rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
+        pending = sampler.launch(self.model.ops, fwd.logits,
+                                 [sampler.Row(w.params, w.state) for w in rows]) if rows else None
+        t3 = time.perf_counter()
+        sampled = pending.finish() if pending is not None else []
+        t4 = time.perf_counter()
+        self.timers.add("prepare", fwd.prepare_seconds)
+        self.timers.add("forward", t2 - t1 - fwd.prepare_seconds)
+        self.timers.add("sample", t3 - t2)
+        self.timers.add("sync", t4 - t3)
+        self.stats.steps += 1
+        if any(len(w.tokens) == 1 for w in batch.seqs):
+            self.stats.decode_seconds += t4 - t1
+        for sid, err in fwd.failed.items():  # one sequence's failure (e.g. its media) is its own
+            live = self._live.get(sid)
+            if live is not None:
+                self._finish(live, "error", error=err)
+        for w in batch.seqs:
+            live = self._live.get(w.seq_id)
+            if live is not None:
+                live.seq.num_computed += len(w.tokens)
+                if not w.sample and not live.seq.output_tokens:
+                    self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
+        for w, s in zip(rows, sampled):
+            live = self._live.get(w.seq_id)
+            if live is not None:
+                self._on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
+        self._flush_outputs()
+        self.timers.add("process", time.perf_counter() - t4)
 
     def _speculate(self, batch: StepBatch) -> bool:
         """Draft and verify when a single sequence is decoding (with several, the batched
@@ -347,38 +320,24 @@ class Engine:
         return True
 
     def _on_token(self, live: _Live, s: SampledToken) -> None:
+        """Record a sampled id; end the sequence on EOS / stop token / max tokens / context.
+        Stop strings need text: the output worker checks them."""
         seq, params = live.seq, live.seq.params
-        now = time.perf_counter()
         if live.first_token_at is None:
-            live.first_token_at = now
-            self.stats.ttft.append(now - live.submitted)
+            live.first_token_at = time.perf_counter()
+            self.stats.ttft.append(live.first_token_at - live.submitted)
             self.stats.prompt_tokens += len(seq.prompt_tokens)
         seq.output_tokens.append(s.token)
         self.stats.tokens_generated += 1
-        lps: list[TokenLogprob] = []
-        if s.logprob is not None:
-            tok = self.tokenizer
-            lps.append(TokenLogprob(s.token, tok.decode([s.token]), _finite(s.logprob),
-                                    [(i, tok.decode([i]), _finite(lp)) for i, lp in (s.top_logprobs or [])]))
-        is_eos = (not params.ignore_eos and s.token in self.tokenizer.eos_token_ids) or s.token in params.stop_token_ids
-        reason = None
-        if is_eos:
-            text = live.stop.feed(live.detok.flush())[0] + live.stop.flush()
-            reason = "stop"
-        else:
-            text, stopped = live.stop.feed(live.detok.add(s.token))
-            if stopped:
-                reason = "stop"
-            elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
-                    len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
-                reason = "length"
-                text += live.stop.feed(live.detok.flush())[0] + live.stop.flush()
-        ev = Event(seq.seq_id, text, [s.token], lps, prompt_tokens=len(seq.prompt_tokens),
-                   completion_tokens=len(seq.output_tokens), cached_tokens=live.cached_tokens)
-        if reason is None:
-            live.sink(ev)
-        else:
-            self._finish(live, reason, last=ev)
+        out = Out(seq.seq_id, s.token, s.logprob, s.top_logprobs)
+        self._outs.append(out)
+        if (not params.ignore_eos and s.token in self._eos) or s.token in params.stop_token_ids:
+            out.reason = "stop"
+        elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
+                len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
+            out.reason = "length"
+        if out.reason is not None:
+            self._finish(live, out.reason, notify=False)
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""
@@ -416,7 +375,9 @@ class Engine:
 
         return request_format(params, getattr(self.model, "kv_default", KVFormat())).compressed
 
-    def _finish(self, live: _Live, reason: str, last: Event | None = None, error: str | None = None) -> None:
+    def _finish(self, live: _Live, reason: str, error: str | None = None, notify: bool = True) -> None:
+        """Drop the sequence (KV, scheduler, draft state); with ``notify`` tell the caller through
+        the output worker (a token message that ends the sequence already does)."""
         seq = live.seq
         self._live.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
@@ -440,7 +401,5 @@ class Engine:
         self.stats.requests_active -= 1
         with self._lock:
             self._pending -= 1
-        ev = last or Event(seq.seq_id, prompt_tokens=len(seq.prompt_tokens), completion_tokens=len(seq.output_tokens),
-                           cached_tokens=live.cached_tokens)
-        ev.finished, ev.finish_reason, ev.error = True, reason, error
-        live.sink(ev)
+        if notify:
+            self._outs.append(Out(seq.seq_id, reason=reason, error=error))

@@ -1,8 +1,9 @@
-"""Sampling parameters, their validation, and the sampler.
+"""Sampling parameters, their validation, per-sequence sampler state, and the array-ops shims.
 
-The sampler is written once, here, over a tiny array-ops shim (``ArrayOps``).  Each
-backend hands its own ops (mlx.core, torch) so logits never leave the device; the numpy
-ops below are the reference and what the shared sampler tests run on.
+The sampler itself is ``sampler.py`` (batched, on the device); ``sample_row`` here is that
+sampler on one row.  The 1-D helpers (``apply_penalties``, ``truncate``, ``masked_logits``)
+give the same distribution for speculative decoding's acceptance test.  Each backend hands
+its own ops (mlx.core, torch) so logits never leave the device; ``NumpyOps`` is the reference.
 
 Order of operations for one row of logits (all in float32):
   1. logit_bias (added);
@@ -11,8 +12,8 @@ Order of operations for one row of logits (all in float32):
   3. presence / frequency penalty over the tokens generated so far (OpenAI semantics);
   4. logprobs are reported from this distribution (before temperature / truncation);
   5. temperature 0 -> argmax; otherwise divide by temperature, then top_k, top_p, min_p
-     masks, then a categorical draw from the request's own RNG (seeded per request; no
-     global random state is shared between requests).
+     masks, then an inverse-CDF draw with the request's own counter-based uniform
+     (seeded per request; no global random state is shared between requests).
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ class SamplerState:
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     rng: Any = None  # created lazily by the backend's ops
+    draws: int = 0  # tokens sampled so far: the counter of the request's counter-based RNG (sampler.py)
     constraint: Any = None  # chat.structured.Constraint when the request constrains its output
 
     def __post_init__(self) -> None:
@@ -229,23 +231,11 @@ def masked_logits(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sam
 
 def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
                ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs)."""
-    x = masked_logits(ops, logits, params, state)
-    if params.greedy:
-        token = ops.argmax(x)
-    else:
-        token = ops.categorical(truncate(ops, x / params.temperature, params), state)
-    logprob = top = None
-    if params.logprobs:
-        lp = ops.log_softmax(x)
-        logprob = ops.item(ops.take(lp, ops.asarray([token], "int32"))[0])
-        if params.top_logprobs:
-            idx = ops.tolist(ops.argsort_desc(lp)[: params.top_logprobs])
-            vals = ops.tolist(ops.take(lp, ops.asarray(idx, "int32")))
-            top = list(zip((int(i) for i in idx), (float(v) for v in vals)))
-    if state.constraint is not None:
-        state.constraint.consume(token)
-    return token, logprob, top
+    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs).
+    The batched sampler (``sampler.py``) on a batch of one: the same draw as in any batch."""
+    from .sampler import sample_one
+
+    return sample_one(ops, logits, params, state)
 
 
 class NumpyOps:
@@ -308,3 +298,68 @@ class NumpyOps:
         p = np.exp(self.log_softmax(logits).astype(np.float64))
         p /= p.sum()
         return int(state.rng.choice(p.shape[-1], p=p))
+
+    # ---- batched ops (sampler.BatchOps) on [rows, V] float32 arrays
+    def f32(self, x):
+        return np.array(x, dtype=np.float32)
+
+    def vec(self, a):
+        return np.asarray(a)
+
+    def gather2(self, x, r, c):
+        return x[r, c]
+
+    def scatter2(self, x, r, c, v):
+        x = x.copy()
+        x[r, c] = v
+        return x
+
+    def log_softmax_rows(self, x):
+        m = np.max(x, axis=-1, keepdims=True)
+        z = x - m
+        with np.errstate(divide="ignore"):
+            return (z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))).astype(np.float32)
+
+    def softmax_rows(self, x):
+        z = np.exp(x - np.max(x, axis=-1, keepdims=True))
+        return (z / np.sum(z, axis=-1, keepdims=True)).astype(np.float32)
+
+    def argmax_rows(self, x):
+        return np.argmax(x, axis=-1)
+
+    def sort_desc_rows(self, x):
+        idx = np.argsort(-x, axis=-1, kind="stable")
+        return np.take_along_axis(x, idx, -1), idx
+
+    def take_along(self, x, idx):
+        return np.take_along_axis(x, np.asarray(idx), -1)
+
+    def put_along(self, x, idx, v):
+        x = x.copy()
+        np.put_along_axis(x, idx, v, -1)
+        return x
+
+    def cumsum_rows(self, x):
+        return np.cumsum(x, axis=-1, dtype=np.float32)
+
+    def topk_rows(self, x, k):
+        idx = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        return np.take_along_axis(x, idx, -1), idx
+
+    def max_rows(self, x):
+        return np.max(x, axis=-1, keepdims=True)
+
+    def count_below(self, c, t):
+        return np.sum(c < t, axis=-1)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def pack(self, cols):
+        return np.concatenate([np.asarray(c, np.float32).reshape(len(c), -1) for c in cols], axis=1)
+
+    def where_int(self, cond, a, b):
+        return np.where(cond, a, b).astype(np.int64)
+
+    def one_row(self, x):
+        return np.asarray(x).reshape(1, -1)

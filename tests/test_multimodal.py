@@ -83,7 +83,7 @@ class Loaded:
 
     def first_logits(self, messages: list[dict]) -> np.ndarray:
         ids = self.prompt(messages)
-        out = self.model.forward(self.model.new_cache(), list(ids), ids.media)
+        out = self.model.run(self.model.new_cache(), list(ids), ids.media)
         return np.array(out.tolist() if hasattr(out, "tolist") else out, dtype=np.float32)
 
 
@@ -211,14 +211,14 @@ def test_a_failing_media_forward_fails_only_its_request(gemma4):
         p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         solo = llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids
         model = llm.engine.model
-        real = model.forward
+        real = model.run
 
         def broken(cache, tokens, media):
             if media is not None:
                 raise RuntimeError("tower exploded")
             return real(cache, tokens, media)
 
-        model.forward = broken
+        model.run = broken
         got: dict = {}
         th = threading.Thread(target=lambda: got.update(
             text=llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids))
@@ -228,7 +228,7 @@ def test_a_failing_media_forward_fails_only_its_request(gemma4):
             list(llm.stream(msgs(img(IMG_A)), SamplingParams(max_tokens=4)))
         th.join(60)
         assert got["text"] == solo
-        model.forward = real
+        model.run = real
         assert len(llm.chat(msgs(img(IMG_A)), SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
     finally:
         llm.close()

@@ -16,10 +16,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from swiftlm.backend import ModelInfo, SampledToken, StepBatch, StepResult
+from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
-from swiftlm.sampling import SamplingParams, apply_penalties, sample_row, truncate
 
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
@@ -39,7 +38,6 @@ class MLXModel:
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.caches: dict[int, list[Any]] = {}
-        self._ahead: dict[int, tuple[tuple[int, int], mx.array]] = {}
         self.ops = MLXOps()
         self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
         self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
@@ -87,7 +85,6 @@ class MLXModel:
         if ids != self.group_ids:
             self._ungroup()
             for w in work:
-                self._ahead.pop(w.seq_id, None)
                 self._cache_for(w.seq_id, w.start_pos)  # trims a rolled-back cache
             layers = len(self.caches[ids[0]])
             self.group_cache = [BatchKVCache.merge([self.caches[sid][i] for sid in ids]) for i in range(layers)]
@@ -100,7 +97,6 @@ class MLXModel:
     def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
         if seq_id in self.group_ids:
             self._ungroup()
-        self._ahead.pop(seq_id, None)
         cache = self.caches.get(seq_id)
         if cache is None:
             cache = self.caches[seq_id] = self._make_cache(self.kv_formats.get(seq_id, self.kv_default))
@@ -135,75 +131,39 @@ class MLXModel:
         mx.eval(out)
         return out
 
-    # ---------------------------------------------------------------- decode pipelining
-    # Like mlx-lm's generate_step: for a decode row whose sample does not depend on the
-    # host (no history penalties, no logprobs), the sampled token stays a lazy array, the
-    # next position's forward pass is built on it and started with async_eval *before*
-    # the token is read back; the next step finds those logits already computed.  The
-    # RNG is split exactly as in the synchronous path, so outputs are identical.
-    @staticmethod
-    def _lazy_ok(p: SamplingParams) -> bool:
-        return (not p.logprobs and p.grammar is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty)
-
-    def _lazy_token(self, logits: mx.array, w: Any) -> mx.array:
-        x = apply_penalties(self.ops, logits.astype(mx.float32), w.params, w.state)  # logit_bias only
-        if w.params.greedy:
-            return mx.argmax(x)
-        x = truncate(self.ops, x / w.params.temperature, w.params)
-        if w.state.rng is None:
-            w.state.rng = mx.random.key(w.state.seed & 0xFFFFFFFF)
-        w.state.rng, sub = mx.random.split(w.state.rng)
-        return mx.random.categorical(x, key=sub)
-
-    def step(self, batch: StepBatch) -> StepResult:
-        result = StepResult()
+    def forward(self, batch: StepBatch) -> Forward:
+        """Logits [n_sample, V] (lazy) in batch order: decode rows of several sequences through
+        the decode group in one [B, 1] forward; prefill chunks and lone rows per sequence."""
         for w in batch.seqs:
             if w.seq_id not in self.caches and w.seq_id not in self.group_ids:
                 self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         decode = [w for w in batch.seqs if w.sample and len(w.tokens) == 1]
+        rows: dict[int, int] = {}
+        batched = None
         if len(decode) > 1 and all(w.seq_id in self.group_ids or self._batchable(w.seq_id) for w in decode) \
                 and all(self._pos(w.seq_id) == w.start_pos for w in decode):
-            logits = self._decode_batch(decode)
-            for j, w in enumerate(decode):
-                token, lp, top = sample_row(self.ops, logits[j], w.params, w.state)
-                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
-            done = {w.seq_id for w in decode}
-        else:
-            done = set()
+            batched = self._decode_batch(decode)
+            rows = {w.seq_id: j for j, w in enumerate(decode)}
+        out: list[mx.array] = []
         for w in batch.seqs:
-            if w.seq_id in done:
+            j = rows.get(w.seq_id)
+            if j is not None:
+                out.append(batched[j])
                 continue
             if not w.sample:
-                self._ahead.pop(w.seq_id, None)
                 self._feed(w.seq_id, w.tokens, w.start_pos)
                 _eval_cache(self.caches[w.seq_id])
                 continue
-            ahead = self._ahead.pop(w.seq_id, None)
-            if ahead is not None and len(w.tokens) == 1 and ahead[0] == (w.start_pos, w.tokens[0]):
-                logits = ahead[1]
-            else:
-                logits = self.logits(w.seq_id, w.tokens, w.start_pos)
-            if self._lazy_ok(w.params):
-                tok = self._lazy_token(logits, w)
-                cache = self.caches[w.seq_id]
-                nxt = self.module(tok.reshape(1, 1).astype(mx.int32), cache=cache)[0, -1]
-                mx.async_eval(nxt)
-                token = int(tok.item())
-                self._ahead[w.seq_id] = ((w.start_pos + len(w.tokens), token), nxt)
-                result.sampled.append(SampledToken(w.seq_id, token))
-            else:
-                token, lp, top = sample_row(self.ops, logits, w.params, w.state)
-                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
-        return result
+            out.append(self.logits(w.seq_id, w.tokens, w.start_pos))
+        sample = [w.seq_id for w in batch.seqs if w.sample]
+        if batched is not None and sample == [w.seq_id for w in decode]:
+            return Forward(batched)
+        return Forward(mx.stack(out) if out else None)
 
     def _pos(self, seq_id: int) -> int:
         """Positions held for a sequence (in the group or its own cache, minus a pipelined step)."""
         if seq_id in self.group_ids:
             return self.group_len[self.group_ids.index(seq_id)]
-        ahead = self._ahead.get(seq_id)
-        if ahead is not None:
-            return ahead[0][0]
         cache = self.caches.get(seq_id)
         return cache[0].offset if cache else 0
 
@@ -225,7 +185,6 @@ class MLXModel:
         (a cache update makes a new array), so the entry is never modified through this one."""
         if seq_id in self.group_ids:
             self._ungroup()
-        self._ahead.pop(seq_id, None)
         cache = self._make_cache(KVFormat())
         for c, (k, v) in zip(cache, payload):
             c.keys, c.values, c.offset = k[..., :n, :], v[..., :n, :], n
@@ -243,7 +202,6 @@ class MLXModel:
                 else:
                     self.group_ids, self.group_len, self.group_cache = [], [], None
             self.caches.pop(s, None)
-            self._ahead.pop(s, None)
             self.kv_formats.pop(s, None)
 
     def kv_stats(self) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from swiftlm.sampling import SamplerState
 
@@ -63,3 +64,63 @@ class MLXOps:
             state.rng = mx.random.key(state.seed & 0xFFFFFFFF)
         state.rng, sub = mx.random.split(state.rng)
         return int(mx.random.categorical(logits, key=sub).item())
+
+    # ---- batched ops (swiftlm.sampler.BatchOps) on [rows, V] arrays
+    def f32(self, x):
+        return x.astype(mx.float32)
+
+    def vec(self, a):
+        a = np.ascontiguousarray(a)
+        return mx.array(a.astype(np.int32) if a.dtype == np.int64 else a)
+
+    def gather2(self, x, r, c):
+        return x[r, c]
+
+    def scatter2(self, x, r, c, v):
+        x = mx.array(x)
+        x[r, c] = v
+        return x
+
+    def log_softmax_rows(self, x):
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+    def softmax_rows(self, x):
+        return mx.softmax(x, axis=-1, precise=True)
+
+    def argmax_rows(self, x):
+        return mx.argmax(x, axis=-1)
+
+    def sort_desc_rows(self, x):
+        idx = mx.argsort(-x, axis=-1)
+        return mx.take_along_axis(x, idx, axis=-1), idx
+
+    def take_along(self, x, idx):
+        return mx.take_along_axis(x, idx, axis=-1)
+
+    def put_along(self, x, idx, v):
+        return mx.put_along_axis(x, idx, v, axis=-1)
+
+    def cumsum_rows(self, x):
+        return mx.cumsum(x, axis=-1)
+
+    def topk_rows(self, x, k):
+        idx = mx.argsort(-x, axis=-1)[:, :k]
+        return mx.take_along_axis(x, idx, axis=-1), idx
+
+    def max_rows(self, x):
+        return mx.max(x, axis=-1, keepdims=True)
+
+    def count_below(self, c, t):
+        return mx.sum(c < t, axis=-1)
+
+    def to_host(self, x):
+        return np.array(x)
+
+    def pack(self, cols):
+        return mx.concatenate([c.astype(mx.float32).reshape(c.shape[0], -1) for c in cols], axis=1)
+
+    def where_int(self, cond, a, b):
+        return mx.where(cond, a, b).astype(mx.int32)
+
+    def one_row(self, x):
+        return x.reshape(1, -1)

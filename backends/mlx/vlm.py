@@ -40,7 +40,10 @@ class MLXMultimodal(MultimodalModel):
 
         return make_prompt_cache(self.module.language_model)
 
-    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+    def concat(self, rows: list[Any]) -> Any:
+        return mx.concatenate(rows)
+
+    def run(self, cache: Any, tokens: list[int], media: Any) -> Any:
         ids = mx.array([tokens], dtype=mx.int32)
         if media is not None:
             kw = {k: mx.array(v) for k, v in media.for_length(len(tokens)).items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from swiftlm.sampling import SamplerState
@@ -69,3 +70,64 @@ class TorchOps:
             state.rng.manual_seed(state.seed)
         probs = torch.softmax(logits.float(), dim=-1)
         return int(torch.multinomial(probs, 1, generator=state.rng))
+
+    # ---- batched ops (swiftlm.sampler.BatchOps) on [rows, V] tensors
+    def f32(self, x):
+        return x.float() if x.dtype != torch.float32 else x.clone()
+
+    def vec(self, a):
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)  # no wait on queued device work
+
+    def gather2(self, x, r, c):
+        return x[r, c]
+
+    def scatter2(self, x, r, c, v):
+        x[r, c] = v  # x is the sampler's own float32 copy
+        return x
+
+    def log_softmax_rows(self, x):
+        return torch.log_softmax(x, dim=-1)
+
+    def softmax_rows(self, x):
+        return torch.softmax(x, dim=-1)
+
+    def argmax_rows(self, x):
+        return torch.argmax(x, dim=-1)
+
+    def sort_desc_rows(self, x):
+        return torch.sort(x, dim=-1, descending=True, stable=True)
+
+    def take_along(self, x, idx):
+        return torch.take_along_dim(x, idx, dim=-1)
+
+    def put_along(self, x, idx, v):
+        return x.scatter(-1, idx, v)
+
+    def cumsum_rows(self, x):
+        return torch.cumsum(x, dim=-1)
+
+    def topk_rows(self, x, k):
+        return torch.topk(x, k, dim=-1)
+
+    def max_rows(self, x):
+        return x.amax(dim=-1, keepdim=True)
+
+    def count_below(self, c, t):
+        return (c < t).sum(dim=-1)
+
+    def to_host(self, x):
+        return x.cpu().numpy()
+
+    def pack(self, cols):
+        return torch.cat([c.float().reshape(c.shape[0], -1) for c in cols], dim=1)
+
+    def where_int(self, cond, a, b):
+        b = b if torch.is_tensor(b) else torch.tensor(b, device=self.device)
+        a = a if torch.is_tensor(a) else torch.tensor(a, device=self.device)
+        return torch.where(cond, a, b).long()
+
+    def one_row(self, x):
+        return x.reshape(1, -1)

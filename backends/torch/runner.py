@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import torch
 
-from swiftlm.backend import ModelInfo, SampledToken, StepBatch, StepResult
+from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.registry import ModelSpec
-from swiftlm.sampling import sample_row
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
@@ -26,12 +26,6 @@ log = logging.getLogger(__name__)
 
 
 CUDA_DEFAULT_CTX = 8192
-
-
-def _plain_greedy(p: Any, state: Any) -> bool:
-    """Rows whose token is the argmax of the raw logits."""
-    return (p.greedy and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and state.constraint is None)
 
 
 class TorchModel:
@@ -130,43 +124,45 @@ class TorchModel:
         return self.module(ids, cache, start, last_only=False)
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch) -> StepResult:
-        """Decode rows of several sequences go through one batched pass (``decode_batch``);
-        a lone decode row uses the CUDA graph (on GPU) and prefill chunks run per sequence."""
-        result = StepResult()
+    def forward(self, batch: StepBatch) -> Forward:
+        """Decode rows of several sequences go through one batched pass (a graph replay over the
+        slot pool on CUDA, ``decode_batch`` otherwise); a lone decode row uses the per-slot CUDA
+        graph (on GPU); prefill chunks run per sequence.  Logits [n_sample, V] in batch order."""
+        t0 = time.perf_counter()
         for w in batch.seqs:
             if w.seq_id not in self.caches:
                 self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         rows: dict[int, torch.Tensor] = {}
-        done: set[int] = set()
+        batched = None
+        prep = None
         if len(decode) > 1:
             caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
             toks, positions = [w.tokens[0] for w in decode], [w.start_pos for w in decode]
+            prep = time.perf_counter() - t0
             if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches):
-                logits = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
+                batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
                 for c, p in zip(caches, positions):
                     c.length = p + 1
             else:
-                logits = decode_batch(self.module, caches, toks, positions)
-            rows = {w.seq_id: logits[j] for j, w in enumerate(decode)}
-            plain = [j for j, w in enumerate(decode) if _plain_greedy(w.params, w.state)]
-            if len(plain) > 1:  # one argmax and one device->host copy for all of them
-                best = torch.argmax(logits[plain].float(), dim=-1).tolist()
-                for j, t in zip(plain, best):
-                    result.sampled.append(SampledToken(decode[j].seq_id, int(t)))
-                    rows.pop(decode[j].seq_id)
-                    done.add(decode[j].seq_id)
+                batched = decode_batch(self.module, caches, toks, positions)
+            rows = {w.seq_id: j for j, w in enumerate(decode)}
+        out: list[torch.Tensor] = []
         for w in batch.seqs:
-            if w.seq_id in done:
+            j = rows.get(w.seq_id)
+            if j is not None:
+                out.append(batched[j])
                 continue
-            logits = rows.get(w.seq_id)
-            if logits is None:
-                logits = self.logits(w.seq_id, w.tokens, w.start_pos)
+            logits = self.logits(w.seq_id, w.tokens, w.start_pos)
             if w.sample:
-                token, lp, top = sample_row(self.ops, logits, w.params, w.state)
-                result.sampled.append(SampledToken(w.seq_id, token, lp, top))
-        return result
+                out.append(logits)
+        sample = [w for w in batch.seqs if w.sample]
+        if batched is not None and len(sample) == len(decode) and [w.seq_id for w in sample] == \
+                [w.seq_id for w in decode]:
+            logits = batched  # the common decode step: no copy
+        else:
+            logits = torch.stack(out) if out else None
+        return Forward(logits, prepare_seconds=prep or 0.0)
 
     # ---------------------------------------------------------------- prompt cache hooks
     @torch.inference_mode()  # cache slots are inference tensors: copies in and out must be too

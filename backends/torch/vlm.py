@@ -39,7 +39,10 @@ class TorchMultimodal(MultimodalModel):
         return DynamicCache(config=self.module.config)
 
     @torch.inference_mode()
-    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+    def concat(self, rows: list[Any]) -> Any:
+        return torch.cat(rows)
+
+    def run(self, cache: Any, tokens: list[int], media: Any) -> Any:
         kw: dict[str, torch.Tensor] = {}
         if media is not None:
             for k, v in media.for_length(len(tokens)).items():

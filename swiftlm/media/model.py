@@ -2,7 +2,7 @@
 
 Each step runs one forward per sequence with that sequence's own library KV cache: a media
 prompt is prefilled in one forward with its arrays, every later row is text.  Backends supply
-``new_cache`` and ``forward``; sampling is the core sampler through the backend's array ops.
+``new_cache``, ``run`` and ``concat``; sampling is the core's batched sampler.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from ..backend import ModelInfo, SampledToken, StepBatch, StepResult
-from ..sampling import sample_row
+from ..backend import Forward, ModelInfo, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -40,30 +39,35 @@ class MultimodalModel:
         self.caches: dict[int, Any] = {}
         self.lengths: dict[int, int] = {}
 
-    # backends implement these two
+    # backends implement these three (and concat)
     def new_cache(self) -> Any:
         raise NotImplementedError
 
-    def forward(self, cache: Any, tokens: list[int], media: Any) -> Any:
+    def run(self, cache: Any, tokens: list[int], media: Any) -> Any:
         """Feed ``tokens`` (with ``media`` arrays on a prompt's first chunk: ``media.for_length``);
         return the last row's logits."""
         raise NotImplementedError
 
-    def step(self, batch: StepBatch) -> StepResult:  # (the engine frees batch.preempted before the step)
-        result = StepResult()
+    def forward(self, batch: StepBatch) -> Forward:  # (the engine frees batch.preempted before the step)
+        failed: dict[int, str] = {}
+        rows = []
         for w in batch.seqs:
             try:  # a sequence that fails (its media, its state) fails alone; the others in the step go on
-                token = self._one(w)
+                logits = self._one(w)
             except Exception as exc:
                 log.exception("forward failed for sequence %d", w.seq_id)
                 self.free([w.seq_id])
-                result.failed[w.seq_id] = f"{type(exc).__name__}: {exc}"
+                failed[w.seq_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            if token is not None:
-                result.sampled.append(token)
-        return result
+            if w.sample:
+                rows.append(self.ops.one_row(logits))
+        return Forward(self.concat(rows) if rows else None, failed)
 
-    def _one(self, w: Any) -> SampledToken | None:
+    def concat(self, rows: list[Any]) -> Any:
+        """[1, V] rows -> [n, V] (the backend's array concatenation)."""
+        raise NotImplementedError
+
+    def _one(self, w: Any) -> Any:
         if w.start_pos == 0:
             self.caches[w.seq_id] = self.new_cache()
             self.lengths[w.seq_id] = 0
@@ -73,12 +77,9 @@ class MultimodalModel:
         media = getattr(w, "media", None)
         if media is not None and w.start_pos != 0:
             raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")
-        logits = self.forward(self.caches[w.seq_id], w.tokens, media)
+        logits = self.run(self.caches[w.seq_id], w.tokens, media)
         self.lengths[w.seq_id] += len(w.tokens)
-        if not w.sample:
-            return None
-        token, lp, top = sample_row(self.ops, logits, w.params, w.state)
-        return SampledToken(w.seq_id, token, lp, top)
+        return logits
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
