@@ -73,6 +73,10 @@ class SeqWork:
 class StepBatch:
     seqs: list[SeqWork]
     preempted: list[int] = field(default_factory=list)  # sequences whose KV the engine must free first
+    # Overlapped decode: the previous step's sampled ids, still on the device ([len(seqs)] ints, row i
+    # is seqs[i]'s input token; seqs[i].tokens holds a placeholder).  Only sent to models whose
+    # ``overlap`` is True, and only for batches of decode rows.
+    input_ids: Any = None
 
 
 @dataclass
@@ -107,6 +111,9 @@ class Model(Protocol):
     tokenizer: Tokenizer
 
     ops: Any  # the sampler's array ops on this model's device (sampler.BatchOps)
+    # True when forward() queues device work and returns before it is done (CUDA, MLX) and accepts
+    # ``StepBatch.input_ids``: the engine then launches step k+1 before it reads step k's ids back.
+    overlap: bool
 
     def forward(self, batch: StepBatch) -> Forward:
         """Run one forward pass over the batch (prefill chunks and decode rows) and return the

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import sampler
-from .backend import Model, SampledToken, StepBatch
+from .backend import Model, SampledToken, SeqWork, StepBatch
 from .chat.messages import normalize_messages
 from .errors import InvalidRequest, SwiftLMError
 from .outputs import (LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink,  # noqa: F401
@@ -55,6 +55,7 @@ class EngineStats:
     prompt_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
+    overlapped_steps: int = 0  # steps launched before the previous step's ids were read back
     ttft: list[float] = field(default_factory=list)
 
     @property
@@ -223,25 +224,32 @@ class Engine:
                 return
 
     def _loop(self) -> None:
+        inflight: tuple[StepBatch, Any, float] | None = None  # a step launched before the last one was read back
         while not self._stopping:
             self._flush_outputs()
-            self._drain(block=not self.scheduler.has_work())
-            if self._stopping or not self.scheduler.has_work():
-                continue
-            t0 = time.perf_counter()
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
-                continue
-            for sid in batch.preempted:  # recompute later: drop the KV state now
-                self.model.free([sid])
-            t1 = time.perf_counter()
-            self.timers.add("schedule", t1 - t0)
-            if self.speculator is not None and self._speculate(batch):
-                continue
+            if inflight is None:
+                self._drain(block=not self.scheduler.has_work())
+                if self._stopping or not self.scheduler.has_work():
+                    continue
+                t0 = time.perf_counter()
+                batch = self.scheduler.schedule()
+                if not batch.seqs:
+                    continue
+                for sid in batch.preempted:  # recompute later: drop the KV state now
+                    self.model.free([sid])
+                t1 = time.perf_counter()
+                self.timers.add("schedule", t1 - t0)
+                if self.speculator is not None and self._speculate(batch):
+                    continue
+                fwd = None
+            else:
+                batch, fwd, t1 = inflight
+                inflight = None
             try:
-                self._step(batch, t1)
+                inflight = self._step(batch, fwd, t1)
             except Exception as exc:  # a failing step fails its sequences, not the engine
                 log.exception("engine step failed")
+                inflight = None
                 for w in batch.seqs:
                     live = self._live.get(w.seq_id)
                     if live is not None:
@@ -256,23 +264,36 @@ class Engine:
             self.outputs.put(self._outs)
             self._outs = []
 
-    def _step(self, batch: StepBatch, t1: float) -> None:
-        """forward -> batched sampling (one transfer) -> bookkeeping; text is the worker's."""
-        fwd = self.model.forward(batch)
+    def _step(self, batch: StepBatch, fwd: Any, t1: float) -> tuple[StepBatch, Any, float] | None:
+        """forward -> batched sampling -> (next step's forward, when it can start on the device
+        before these ids are read) -> one transfer -> bookkeeping.  Text is the worker's.
+        Returns the launched next step, if any."""
+        if fwd is None:
+            fwd = self.model.forward(batch)
         t2 = time.perf_counter()
         rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
         pending = sampler.launch(self.model.ops, fwd.logits,
                                  [sampler.Row(w.params, w.state) for w in rows]) if rows else None
         t3 = time.perf_counter()
-        sampled = pending.finish() if pending is not None else []
+        nxt = None
+        if pending is not None and self._can_overlap(batch, fwd):
+            nb = StepBatch([SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state)
+                            for w in batch.seqs],
+                           input_ids=pending.tokens)
+            tn = time.perf_counter()
+            nfwd = self.model.forward(nb)
+            nxt = (nb, nfwd, tn)
+            self.stats.overlapped_steps += 1
         t4 = time.perf_counter()
+        sampled = pending.finish() if pending is not None else []
+        t5 = time.perf_counter()
         self.timers.add("prepare", fwd.prepare_seconds)
-        self.timers.add("forward", t2 - t1 - fwd.prepare_seconds)
+        self.timers.add("forward", max(0.0, t2 - t1 - fwd.prepare_seconds))
         self.timers.add("sample", t3 - t2)
-        self.timers.add("sync", t4 - t3)
+        self.timers.add("sync", t5 - t4)
         self.stats.steps += 1
         if any(len(w.tokens) == 1 for w in batch.seqs):
-            self.stats.decode_seconds += t4 - t1
+            self.stats.decode_seconds += t5 - t1
         for sid, err in fwd.failed.items():  # one sequence's failure (e.g. its media) is its own
             live = self._live.get(sid)
             if live is not None:
@@ -288,7 +309,32 @@ class Engine:
             if live is not None:
                 self._on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
         self._flush_outputs()
-        self.timers.add("process", time.perf_counter() - t4)
+        self.timers.add("process", time.perf_counter() - t5)
+        return nxt
+
+    def _can_overlap(self, batch: StepBatch, fwd: Any) -> bool:
+        """Launch the next decode step before reading this one's ids back, when the next step is
+        certainly these same rows decoding: every row samples, none can end by length now, no
+        request waits to be admitted, no command is pending, and the KV budget has room.  A row
+        that ends by EOS or a stop string meanwhile has its extra token discarded."""
+        if not self.model.overlap or fwd.failed or self.speculator is not None or not self._inbox.empty():
+            return False
+        sch = self.scheduler
+        if sch.waiting or len(batch.seqs) != len(sch.running):
+            return False
+        for w in batch.seqs:
+            live = self._live.get(w.seq_id)
+            if live is None or not w.sample:
+                return False
+            seq = live.seq
+            if seq.num_computed + len(w.tokens) != w.start_pos + len(w.tokens) or seq.media is not None:
+                return False
+            n_out = len(seq.output_tokens) + 1  # after this step
+            if n_out + 1 > (seq.params.max_tokens or 0) or len(seq.prompt_tokens) + n_out + 1 > self.ctx_size:
+                return False
+        if sch.kv_budget and sum(s.kv_demand for s in sch.running) + len(sch.running) > sch.kv_budget:
+            return False
+        return True
 
     def _speculate(self, batch: StepBatch) -> bool:
         """Draft and verify when a single sequence is decoding (with several, the batched

@@ -38,6 +38,16 @@ class Sequence:
     def all_tokens(self) -> list[int]:
         return self.prompt_tokens + self.output_tokens
 
+    def tokens(self, start: int, end: int | None = None) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole context."""
+        P = len(self.prompt_tokens)
+        end = P + len(self.output_tokens) if end is None else end
+        if start >= P:
+            return self.output_tokens[start - P:end - P]
+        if end <= P:
+            return self.prompt_tokens[start:end]
+        return self.prompt_tokens[start:] + self.output_tokens[:end - P]
+
     @property
     def prefill_target(self) -> int:
         """Positions to compute before decoding: the prompt, or after a preemption everything
@@ -98,7 +108,7 @@ class Scheduler:
         work: list[SeqWork] = []
         for seq in self.running:  # decode rows first
             if not seq.in_prefill:
-                work.append(SeqWork(seq.seq_id, seq.all_tokens[seq.num_computed:], seq.num_computed,
+                work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed,
                                     True, seq.params, seq.state))
                 budget -= 1
         for seq in self.running:  # then prefill chunks, oldest first
@@ -110,7 +120,7 @@ class Scheduler:
                     n, media = target, seq.media  # media prompts: alone in one chunk (running rows still step)
                 end = seq.num_computed + n
                 resumed = bool(seq.output_tokens)  # a preempted sequence samples from its decode row
-                work.append(SeqWork(seq.seq_id, seq.all_tokens[seq.num_computed:end], seq.num_computed,
+                work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed, end), seq.num_computed,
                                     end == target and not resumed, seq.params, seq.state, media))
                 budget -= n
         return StepBatch(work, preempted)

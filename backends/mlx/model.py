@@ -39,6 +39,7 @@ class MLXModel:
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.caches: dict[int, list[Any]] = {}
         self.ops = MLXOps()
+        self.overlap = False  # forward() does not take StepBatch.input_ids yet
         self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
         self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None

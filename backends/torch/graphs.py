@@ -224,8 +224,8 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
 
-    def eager(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
-        t = torch.tensor([token], device=self.device)
+    def eager(self, kv: SeqCache, token: Any, pos: int) -> torch.Tensor:
+        t = token.reshape(1).long() if torch.is_tensor(token) else torch.tensor([token], device=self.device)
         p = torch.tensor([pos], device=self.device)
         return self.fn(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
 
@@ -272,9 +272,16 @@ class GraphDecoder:
             Bp *= 2
         L = bucket_for(max(positions), pool.capacity)
         pad = Bp - B
-        host = torch.tensor([tokens + [0] * pad, slots + [pool.scratch] * pad, positions + [0] * pad])
+        on_dev = torch.is_tensor(tokens)  # overlapped decode: last step's ids, never read back
+        host = torch.tensor([([0] * Bp) if on_dev else (tokens + [0] * pad), slots + [pool.scratch] * pad,
+                             positions + [0] * pad])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         if not self.use_graph:
             t, s_, p = host.to(self.device).unbind(0)
+            if on_dev:
+                t = t.clone()
+                t[:B] = tokens
             return decode_batch_static(self.model, pool, t, s_, p, L, self.arange)[:B]
         key = ("batch", Bp, L)
         entry = self.graphs.get(key)
@@ -283,8 +290,10 @@ class GraphDecoder:
             entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange),
                                   (t, s_, p))
         g, (t, s_, p), out = entry
-        dev = host.to(self.device, non_blocking=True)
+        dev = host.to(self.device, non_blocking=True)  # pinned: queued, no wait on the running step
         t.copy_(dev[0])
+        if on_dev:
+            t[:B].copy_(tokens)
         s_.copy_(dev[1])
         p.copy_(dev[2])
         g.replay()
@@ -322,11 +331,15 @@ class GraphDecoder:
         key = (id(kv), L)
         entry = self.graphs.get(key)
         if entry is None:
-            tok = torch.tensor([token], device=self.device)
+            tok = (token.reshape(1).long().clone() if torch.is_tensor(token)
+                   else torch.tensor([token], device=self.device))
             p = torch.tensor([pos], device=self.device)
             entry = self._capture(key, lambda t, q: self.fn(self.model, kv, t, q, L, self.arange), (tok, p))
         g, (tok, p), out = entry
-        tok.fill_(token)
+        if torch.is_tensor(token):
+            tok.copy_(token.reshape(1))
+        else:
+            tok.fill_(token)
         p.fill_(pos)
         g.replay()
         return out

@@ -346,7 +346,7 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
     a = model.a
     B, H, KVH, D = len(tokens), a.heads, a.kv_heads, a.head_dim
     dev = model.embed_tokens.weight.device
-    x = model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
+    x = model.embed(tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev))
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
     rep, scale = H // KVH, D ** -0.5

@@ -51,6 +51,8 @@ class TorchModel:
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = SlotPool(module.a, slots, info.context_length, dtype, device) if self.static else None
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
+        # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
+        self.overlap = self.static
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
@@ -95,16 +97,17 @@ class TorchModel:
         return c
 
     @torch.inference_mode()
-    def logits(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
+    def logits(self, seq_id: int, tokens: list[int] | torch.Tensor, start: int) -> torch.Tensor:
+        """Last position's logits; ``tokens`` may be a device tensor (overlapped decode)."""
         cache = self._cache(seq_id, start)
         if len(tokens) == 1 and isinstance(cache, CompressedCache):
             if self.graphs is not None and cache.graphable():
-                return self.graphs.run_turbo(cache, tokens[0], start)
+                return self.graphs.run_turbo(cache, int(tokens[0]), start)
         elif len(tokens) == 1 and self.graphs is not None:
             out = self.graphs.run(cache, tokens[0], start)
             cache.length = start + 1
             return out
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.module(ids, cache, start)[-1]
 
     @torch.inference_mode()
@@ -133,12 +136,14 @@ class TorchModel:
             if w.seq_id not in self.caches:
                 self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
+        dev = batch.input_ids  # overlapped decode: the ids are still on the device (row i: batch.seqs[i])
         rows: dict[int, torch.Tensor] = {}
         batched = None
         prep = None
         if len(decode) > 1:
             caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
-            toks, positions = [w.tokens[0] for w in decode], [w.start_pos for w in decode]
+            toks = dev if dev is not None else [w.tokens[0] for w in decode]
+            positions = [w.start_pos for w in decode]
             prep = time.perf_counter() - t0
             if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches):
                 batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
@@ -148,12 +153,12 @@ class TorchModel:
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         out: list[torch.Tensor] = []
-        for w in batch.seqs:
+        for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
             if j is not None:
                 out.append(batched[j])
                 continue
-            logits = self.logits(w.seq_id, w.tokens, w.start_pos)
+            logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos)
             if w.sample:
                 out.append(logits)
         sample = [w for w in batch.seqs if w.sample]

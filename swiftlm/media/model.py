@@ -34,6 +34,7 @@ class MultimodalModel:
     info: ModelInfo
     tokenizer: Any
     ops: Any
+    overlap = False  # one forward per sequence, host ids
 
     def __init__(self) -> None:
         self.caches: dict[int, Any] = {}
