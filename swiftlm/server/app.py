@@ -110,7 +110,9 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                              "prompt_cache": {"entries": len(eng.prefix_cache), "bytes": eng.prefix_cache.bytes,
                                               "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
                                               "hit_rate": round(eng.prefix_cache.hit_rate, 4),
-                                              "tokens_reused": eng.prefix_cache.tokens_reused}}
+                                              "tokens_reused": eng.prefix_cache.tokens_reused},
+                             "steps": st.steps, "overlapped_steps": st.overlapped_steps,
+                             "step_phases": eng.timers.snapshot()}
             es = eng.expert_stream_stats()
             if es is not None:
                 body["stats"]["expert_streaming"] = es

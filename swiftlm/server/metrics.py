@@ -41,11 +41,35 @@ class ExpertStreamCollector:
                                     buckets=buckets, sum_value=st.latency_sum)
 
 
+class StepCollector:
+    """swiftlm_step_seconds{phase}: the engine's step timers (timers.py), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    def collect(self) -> Any:
+        timers = getattr(self.engine, "timers", None)
+        if timers is None:
+            return
+        from swiftlm.timers import PHASES
+
+        fam = HistogramMetricFamily("swiftlm_step_seconds", "Seconds per engine step spent in each phase",
+                                    labels=["phase"])
+        for phase in PHASES:
+            buckets, total = timers.histogram(phase)
+            fam.add_metric([phase], buckets, total)
+        yield fam
+        yield CounterMetricFamily("swiftlm_steps_overlapped", "Steps launched before the previous step's ids "
+                                  "were read back", value=self.engine.stats.overlapped_steps)
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.experts = ExpertStreamCollector()
         r.register(self.experts)
+        self.steps = StepCollector()
+        r.register(self.steps)
         self.started = time.time()
         self.requests = Counter("swiftlm_requests", "Requests accepted by the OpenAI routes", ["route"], registry=r)
         self.errors = Counter("swiftlm_request_errors", "Requests answered with an error", ["status"], registry=r)
@@ -81,6 +105,7 @@ class Metrics:
     def render(self, engine: Any | None) -> bytes:
         self.uptime.set(time.time() - self.started)
         self.experts.engine = engine
+        self.steps.engine = engine
         if engine is not None:
             st = engine.stats
             self.active.set(st.requests_active)
