@@ -6,32 +6,46 @@
 #   bash scripts/gpu_engine.sh 1b [8b] [kernel] [profile]
 # Needs carried: .whl (wheels), .gpu/tok (SmolLM2 tokenizer files), .gpu/old (old source tree).
 set -uo pipefail
-source scripts/gpu_site.sh                       # new swiftlm + wheels -> /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site_old \
+REPO=$(pwd)
+PY=${PY:-python3}
+if [ -z "${LOCAL:-}" ]; then
+  source scripts/gpu_site.sh                     # new swiftlm + wheels -> /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_old .whl/*.whl || exit 1
+else  # a dry run on a machine whose $PY has the dependencies
+  OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+  $PY -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+fi
+$PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site_old \
     .gpu/old || exit 1
-cp -r .whl /tmp/whl && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_old /tmp/whl/*.whl
+export PYTHONPATH=
 NS=${NS:-"1 8 32 64 128"}
+mkdir -p /tmp/run && cd /tmp/run                 # import the installed copies, not the source tree
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
 
 ckpt() {  # name hidden layers heads kv head_dim inter
   [ -d /tmp/m$1 ] && return
-  /usr/bin/time -f "checkpoint $1: %e s" python3 scripts/make_checkpoint.py /tmp/m$1 --arch llama --hidden $2 --layers $3 \
+  /usr/bin/time -f "checkpoint $1: %e s" env PYTHONPATH=/tmp/site $PY $REPO/scripts/make_checkpoint.py /tmp/m$1 --arch llama --hidden $2 --layers $3 \
       --heads $4 --kv-heads $5 --head-dim $6 --intermediate $7 --ctx 8192 --dtype bfloat16 --no-tie \
-      --shard-mb 4000 --tokenizer-from .gpu/tok > /dev/null || exit 1
+      --shard-mb 4000 --tokenizer-from $REPO/.gpu/tok ${CKPT_EXTRA:-} > /dev/null || exit 1
 }
 
 serve_and_bench() {  # version model
-  local ver=$1 m=$2 port=$((6000 + RANDOM % 1000))
-  PYTHONPATH=/tmp/site_$ver python3 -m swiftlm.cli serve --model /tmp/m$m --backend torch --parallel 128 \
+  local ver=$1 m=$2 port=$((6000 + RANDOM % 1000)) site=/tmp/site
+  [ $ver = old ] && site=/tmp/site_old
+  PYTHONPATH=$site $PY -m swiftlm.cli serve --model /tmp/m$m --backend torch --parallel 128 \
       --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port > "$OUT/serve_${ver}_$m.log" 2>&1 &
   local pid=$!
-  for i in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+  for i in $(seq 1 240); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    kill -0 $pid 2>/dev/null || { echo "server $ver $m died:"; tail -5 "$OUT/serve_${ver}_$m.log"; return; }
+    sleep 1
+  done
   for n in $NS; do
     local reqs=$(( n < 8 ? 8 : 2 * n ))
-    PYTHONPATH=/tmp/site timeout 240 python3 -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
-        --concurrency $n --num-requests $reqs --warmup $n --prompt-tokens 40 --output-tokens 128 --ignore-eos \
-        --tokenizer .gpu/tok --no-progress --label "${ver}_${m}_n$n" --json "$OUT/serve_${ver}_${m}_n$n.json" \
+    PYTHONPATH=/tmp/site timeout 240 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
+        --concurrency $n --num-requests $reqs --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 --output-tokens 128 --ignore-eos \
+        --tokenizer $REPO/.gpu/tok --no-progress --label "${ver}_${m}_n$n" --json "$OUT/serve_${ver}_${m}_n$n.json" \
         2>&1 | grep -E "output tok/s|ITL|TTFT|failed" | sed "s/^/[$ver $m N=$n] /"
   done
   curl -s "http://127.0.0.1:$port/health" > "$OUT/health_${ver}_$m.json"
@@ -41,9 +55,10 @@ serve_and_bench() {  # version model
 
 for what in "$@"; do
   case $what in
+    tiny) ckpt tiny 128 2 4 2 32 256; for v in old new; do serve_and_bench $v tiny; done ;;  # a dry run
     1b) ckpt 1b 2048 16 32 8 64 8192; for v in old new; do serve_and_bench $v 1b; done ;;
     8b) ckpt 8b 4096 32 32 8 128 14336; for v in old new; do serve_and_bench $v 8b; done ;;
-    kernel) PYTHONPATH=/tmp/site timeout 300 python3 scripts/bench_paged_attention.py --quick \
+    kernel) PYTHONPATH=/tmp/site timeout 300 $PY $REPO/scripts/bench_paged_attention.py --quick \
               --json "$OUT/bench_paged_attention_gpu.json" 2>&1 | tail -40 ;;
   esac
 done

@@ -94,7 +94,8 @@ class Engine:
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.timers = StepTimers()
-        self.outputs = OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)))
+        self.outputs = OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)),
+                                    timers=self.timers)
         self._outs: list[Out] = []  # this step's messages for the output worker
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count(1)
@@ -225,6 +226,7 @@ class Engine:
 
     def _loop(self) -> None:
         inflight: tuple[StepBatch, Any, float] | None = None  # a step launched before the last one was read back
+        # (its batch, its Forward, the seconds its forward call took)
         while not self._stopping:
             self._flush_outputs()
             if inflight is None:
@@ -243,7 +245,7 @@ class Engine:
                     continue
                 fwd = None
             else:
-                batch, fwd, t1 = inflight
+                batch, fwd, t1 = inflight  # t1: the launch's seconds (timed when it was made)
                 inflight = None
             try:
                 inflight = self._step(batch, fwd, t1)
@@ -268,9 +270,11 @@ class Engine:
         """forward -> batched sampling -> (next step's forward, when it can start on the device
         before these ids are read) -> one transfer -> bookkeeping.  Text is the worker's.
         Returns the launched next step, if any."""
+        launched = fwd is not None
         if fwd is None:
             fwd = self.model.forward(batch)
         t2 = time.perf_counter()
+        forward_s = t1 if launched else t2 - t1
         rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
         pending = sampler.launch(self.model.ops, fwd.logits,
                                  [sampler.Row(w.params, w.state) for w in rows]) if rows else None
@@ -282,18 +286,18 @@ class Engine:
                            input_ids=pending.tokens)
             tn = time.perf_counter()
             nfwd = self.model.forward(nb)
-            nxt = (nb, nfwd, tn)
+            nxt = (nb, nfwd, time.perf_counter() - tn)  # its forward was launched (and timed) now
             self.stats.overlapped_steps += 1
         t4 = time.perf_counter()
         sampled = pending.finish() if pending is not None else []
         t5 = time.perf_counter()
         self.timers.add("prepare", fwd.prepare_seconds)
-        self.timers.add("forward", max(0.0, t2 - t1 - fwd.prepare_seconds))
+        self.timers.add("forward", max(0.0, forward_s - fwd.prepare_seconds))
         self.timers.add("sample", t3 - t2)
         self.timers.add("sync", t5 - t4)
         self.stats.steps += 1
         if any(len(w.tokens) == 1 for w in batch.seqs):
-            self.stats.decode_seconds += t5 - t1
+            self.stats.decode_seconds += t5 - t2 + forward_s
         for sid, err in fwd.failed.items():  # one sequence's failure (e.g. its media) is its own
             live = self._live.get(sid)
             if live is not None:

@@ -146,8 +146,9 @@ class Out:
 
 
 class OutputWorker:
-    def __init__(self, tokenizer: Any, on_stop: Callable[[int], None]):
+    def __init__(self, tokenizer: Any, on_stop: Callable[[int], None], timers: Any = None):
         self.tok = tokenizer
+        self.timers = timers  # timers.StepTimers: the "output" phase
         self.on_stop = on_stop  # tell the engine a stop string ended this sequence
         self.streams: dict[int, Stream] = {}
         self.q: queue.SimpleQueue[list[Out] | None] = queue.SimpleQueue()
@@ -190,7 +191,10 @@ class OutputWorker:
                                                      error=f"{type(exc).__name__}: {exc}")))
                         self.on_stop(o.seq_id)
             deliver(pairs)
-            self.busy_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_seconds += dt
+            if self.timers is not None:
+                self.timers.add("output", dt)
             self.steps += 1
 
     def _one(self, o: Out, pairs: list[tuple[Sink, Event]]) -> None:

@@ -195,7 +195,7 @@ def _draw(ops: BatchOps, x: Any, P: list[SamplingParams], greedy: np.ndarray, u:
     """Temperature, top-k, top-p, min-p, then inverse-CDF with ``u``; greedy rows take the argmax."""
     n = len(P)
     temps = np.array([1.0 if g else p.temperature for p, g in zip(P, greedy)], np.float32).reshape(n, 1)
-    y = x / ops.vec(temps)
+    y = x / float(temps[0, 0]) if (temps == temps[0, 0]).all() else x / ops.vec(temps)  # one setting: no copy
     ks = np.array([p.top_k if (p.top_k and p.top_k > 0) else 0 for p in P], np.int64)
     if ks.any():
         V = _width(y)

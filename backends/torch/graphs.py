@@ -10,6 +10,7 @@ decode eagerly.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -109,16 +110,23 @@ def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: t
 
 
 def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
-                        pos: torch.Tensor, L: int, arange: torch.Tensor) -> torch.Tensor:
+                        pos: torch.Tensor, L: int, arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
     """One decode token for each of B sequences whose caches are rows ``slots`` of the shared
     slot tensors: every matmul and the attention run batched, shapes are static (B, L), so a
-    step is one graph replay.  Logits [B, V]."""
+    step is one graph replay.  With ``splits`` > 0 attention is the Triton decode kernel
+    (``cuda_ext.paged_attention``: each slot read in place up to its own length, split-K over
+    ``splits`` ranges); otherwise every slot's first L rows are gathered for SDPA.  Logits [B, V]."""
     a = model.a
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
     B = tokens.shape[0]
     x = model.embed(tokens)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
-    valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
+    if splits:
+        from swiftlm.cuda_ext.paged_attention import paged_decode_attention
+
+        tables, lens = slots.view(B, 1).int(), (pos + 1).int()
+    else:
+        valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x))
@@ -126,11 +134,44 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
         K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
         K[slots, :, pos] = k
         V[slots, :, pos] = v
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
-                                             enable_gqa=H != KVH)  # [B, H, 1, D]
+        if splits:
+            out = paged_decode_attention(q, K, V, tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
+        else:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
+                                                 enable_gqa=H != KVH)  # [B, H, 1, D]
         x = x + attn.o_proj(out.reshape(B, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(x, w)
+
+
+def prefill_packed_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
+                          pos: torch.Tensor, seg: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The first chunks of several prompts in one forward: their T tokens packed in one row
+    ([T] ``tokens``, each token's pool ``slots``, position ``pos`` and prompt index ``seg``).
+    The matmuls run once over all T rows; attention is causal within each prompt and blind
+    across prompts (a block-diagonal mask), K/V go to each token's slot and position in one
+    indexed write per layer.  Chunks here start at position 0, so no earlier KV is read.
+    Returns the logits [n, V] of the rows ``last`` (each prompt's final token)."""
+    a = model.a
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    T = tokens.shape[0]
+    x = model.embed(tokens)
+    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [T, 1, D]
+    mask = (seg.view(T, 1) == seg.view(1, T)) & (pos.view(1, T) <= pos.view(T, 1))  # [T(query), T(key)]
+    for i, blk in enumerate(model.layers):
+        attn = blk.self_attn
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [T, H, D], [T, KVH, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        pool.k[i][slots, :, pos] = k
+        pool.v[i][slots, :, pos] = v
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                             enable_gqa=H != KVH)  # [1, H, T, D]
+        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    x = model.norm(x[last])
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(x, w)
 
@@ -219,10 +260,21 @@ class GraphDecoder:
         if fused is None:
             fused = enabled(device.type) and not model.a.qk_norm and not model.a.gemma
         self.fn = decode_static_fused if fused else decode_static
+        # batched decode attention reads the slots in place (Triton) instead of gathering them
+        self.paged_attention = enabled(device.type) and os.environ.get("SWIFTLM_PAGED_ATTENTION", "1") != "0"
         self.arange = torch.arange(model.a.ctx, device=device)
         self.graphs: dict[Any, tuple[Any, tuple, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
+
+    def splits_for(self, L: int, B: int) -> int:
+        """Split-K ranges of the Triton decode-attention kernel for a batch of B rows of up to L
+        positions (0: gather + SDPA, where the kernel is off)."""
+        if not self.paged_attention:
+            return 0
+        from swiftlm.cuda_ext.paged_attention import default_splits
+
+        return default_splits(L, B, self.model.a.kv_heads)
 
     def eager(self, kv: SeqCache, token: Any, pos: int) -> torch.Tensor:
         t = token.reshape(1).long() if torch.is_tensor(token) else torch.tensor([token], device=self.device)
@@ -275,22 +327,21 @@ class GraphDecoder:
         on_dev = torch.is_tensor(tokens)  # overlapped decode: last step's ids, never read back
         host = torch.tensor([([0] * Bp) if on_dev else (tokens + [0] * pad), slots + [pool.scratch] * pad,
                              positions + [0] * pad])
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+        splits = self.splits_for(L, Bp)
         if not self.use_graph:
             t, s_, p = host.to(self.device).unbind(0)
             if on_dev:
                 t = t.clone()
                 t[:B] = tokens
-            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange)[:B]
+            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange, splits)[:B]
         key = ("batch", Bp, L)
         entry = self.graphs.get(key)
         if entry is None:
             t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
-            entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange),
-                                  (t, s_, p))
+            entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange,
+                                                                           splits), (t, s_, p))
         g, (t, s_, p), out = entry
-        dev = host.to(self.device, non_blocking=True)  # pinned: queued, no wait on the running step
+        dev = host.to(self.device, non_blocking=True)  # staged and queued, no wait on the running step
         t.copy_(dev[0])
         if on_dev:
             t[:B].copy_(tokens)

@@ -79,7 +79,9 @@ class TorchOps:
         t = torch.from_numpy(np.ascontiguousarray(a))
         if self.device.type == "cpu":
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)  # no wait on queued device work
+        # pageable memory: the copy is staged and queued, with no wait on the device's queued work
+        # (pin_memory() here would allocate page-locked memory every call: ~1 ms each, measured)
+        return t.to(self.device, non_blocking=True)
 
     def gather2(self, x, r, c):
         return x[r, c]

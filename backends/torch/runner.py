@@ -18,7 +18,7 @@ from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
-from .graphs import GraphDecoder, SlotPool, graphable
+from .graphs import GraphDecoder, SlotPool, graphable, prefill_packed_static
 from .model import SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
 
@@ -152,13 +152,17 @@ class TorchModel:
             else:
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
+        packed = self._prefill_packed(batch) if dev is None else {}
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
             if j is not None:
                 out.append(batched[j])
                 continue
-            logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos)
+            if w.seq_id in packed:
+                logits = packed[w.seq_id]
+            else:
+                logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos)
             if w.sample:
                 out.append(logits)
         sample = [w for w in batch.seqs if w.sample]
@@ -168,6 +172,36 @@ class TorchModel:
         else:
             logits = torch.stack(out) if out else None
         return Forward(logits, prepare_seconds=prep or 0.0)
+
+    @torch.inference_mode()
+    def _prefill_packed(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        """On CUDA, the first chunks (start 0) of two or more prompts with plain pool-slot caches
+        run as one packed forward (``graphs.prefill_packed_static``).  Their last-row logits."""
+        if self.pool is None:
+            return {}
+        work = [w for w in batch.seqs if w.start_pos == 0 and len(w.tokens) > 1 and w.media is None
+                and not self.kv_formats.get(w.seq_id, self.kv_default).compressed]
+        if len(work) < 2:
+            return {}
+        caches = [self._cache(w.seq_id, 0) for w in work]
+        keep = [(w, c) for w, c in zip(work, caches) if getattr(c, "slot", None) is not None]
+        if len(keep) < 2:
+            return {}
+        toks, slots, pos, seg, last = [], [], [], [], []
+        for n, (w, c) in enumerate(keep):
+            L = len(w.tokens)
+            toks += w.tokens
+            slots += [c.slot] * L
+            pos += range(L)
+            seg += [n] * L
+            last.append(len(toks) - 1)
+        host = torch.tensor([toks, slots, pos, seg])
+        t, s_, p, g = host.to(self.device, non_blocking=True).unbind(0)
+        last_t = torch.tensor(last).to(self.device, non_blocking=True)
+        logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
+        for w, c in keep:
+            c.length = len(w.tokens)
+        return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
 
     # ---------------------------------------------------------------- prompt cache hooks
     @torch.inference_mode()  # cache slots are inference tensors: copies in and out must be too
