@@ -38,6 +38,9 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
     errs["add_rmsnorm"] = max(_rel(y1, y2), _rel(x, x2))
     gu = rnd(1, 2 * I)
     errs["silu_mul"] = _rel(silu_mul(gu), silu_mul_ref(gu))
+    from .paged_attention import selfcheck as paged_selfcheck
+
+    errs["paged_decode_attention"] = paged_selfcheck(device, dtype, seed)
     return errs
 
 

@@ -267,6 +267,27 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
 
+    def precapture(self, pool: SlotPool) -> dict[str, float]:
+        """Capture the batched decode graph of every batch size 2, 4, ... up to the pool's size at
+        start-up (the Triton-kernel path needs one graph per batch size), so that no stream waits
+        for a capture while serving.  Returns {graphs, seconds, bytes}."""
+        if not (self.use_graph and self.paged_attention):
+            return {"graphs": 0, "seconds": 0.0, "bytes": 0}
+        import time
+
+        torch.cuda.synchronize()
+        m0, t0, n0 = torch.cuda.memory_reserved(), time.perf_counter(), self.captures
+        Bp = 2
+        while True:
+            n = min(Bp, pool.n)
+            self.run_batch(pool, [pool.scratch] * n, [0] * n, [0] * n)  # scratch rows only
+            if Bp >= pool.n:
+                break
+            Bp *= 2
+        torch.cuda.synchronize()
+        return {"graphs": self.captures - n0, "seconds": time.perf_counter() - t0,
+                "bytes": torch.cuda.memory_reserved() - m0}
+
     def splits_for(self, L: int, B: int) -> int:
         """Split-K ranges of the Triton decode-attention kernel for a batch of B rows of up to L
         positions (0: gather + SDPA, where the kernel is off)."""
@@ -322,7 +343,9 @@ class GraphDecoder:
         Bp = 1
         while Bp < B:
             Bp *= 2
-        L = bucket_for(max(positions), pool.capacity)
+        # the Triton kernel reads each slot up to its own length: one graph per batch size serves
+        # every length (no length buckets to capture while serving)
+        L = pool.capacity if self.paged_attention else bucket_for(max(positions), pool.capacity)
         pad = Bp - B
         on_dev = torch.is_tensor(tokens)  # overlapped decode: last step's ids, never read back
         host = torch.tensor([([0] * Bp) if on_dev else (tokens + [0] * pad), slots + [pool.scratch] * pad,

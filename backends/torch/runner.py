@@ -53,6 +53,12 @@ class TorchModel:
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
         self.overlap = self.static
+        self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
+        if self.graphs is not None and self.pool is not None and slots > 1:
+            with torch.inference_mode():
+                self.graph_capture = self.graphs.precapture(self.pool)
+            log.info("captured %d batched decode graphs in %.2f s (%.0f MB)", self.graph_capture["graphs"],
+                     self.graph_capture["seconds"], self.graph_capture["bytes"] / 2**20)
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)

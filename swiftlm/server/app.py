@@ -113,6 +113,9 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                                               "tokens_reused": eng.prefix_cache.tokens_reused},
                              "steps": st.steps, "overlapped_steps": st.overlapped_steps,
                              "step_phases": eng.timers.snapshot()}
+            cap = getattr(eng.model, "graph_capture", None)  # torch on CUDA: graphs captured at start-up
+            if cap:
+                body["stats"]["graph_capture"] = cap
             es = eng.expert_stream_stats()
             if es is not None:
                 body["stats"]["expert_streaming"] = es
