@@ -62,7 +62,9 @@ class BatchOps(Protocol):
     def topk_rows(self, x: Any, k: int) -> tuple[Any, Any]: ...  # (values, indices), values descending
     def max_rows(self, x: Any) -> Any: ...                  # [rows, 1]
     def count_below(self, c: Any, t: Any) -> Any: ...       # int [rows]: #(c[r] < t[r])
-    def to_host(self, x: Any) -> np.ndarray: ...            # THE transfer
+    def to_host(self, x: Any) -> np.ndarray: ...            # a blocking transfer
+    def start_copy(self, x: Any) -> Any: ...                # queue THE transfer now (async where possible)
+    def wait(self, handle: Any) -> np.ndarray: ...          # ... and take its result
     def pack(self, cols: list[Any]) -> Any: ...             # [rows, k] float32 from [rows] / [rows, j] parts
     def where_int(self, cond: Any, a: Any, b: Any) -> Any: ...  # like where, integer result
     def one_row(self, x: Any) -> Any: ...                   # [V] -> [1, V]
@@ -92,14 +94,16 @@ class Pending:
 
     def __init__(self, ops: BatchOps, rows: list[Row], tokens: Any, packed: Any, top_k: int):
         self.ops, self.rows, self.tokens, self.packed, self.top_k = ops, rows, tokens, packed, top_k
+        # the copy is queued right behind the sampler's kernels, ahead of whatever the caller queues next
+        self.handle = ops.start_copy(tokens if packed is None else packed)
 
     def finish(self) -> list[Sampled]:
         out: list[Sampled] = []
         if self.packed is None:
-            toks = self.ops.to_host(self.tokens).astype(np.int64).tolist()
+            toks = self.ops.wait(self.handle).astype(np.int64).tolist()
             out = [Sampled(int(t)) for t in toks]
         else:
-            host = self.ops.to_host(self.packed)  # [n, 2 + 2K]: token, logprob, K ids, K logprobs
+            host = self.ops.wait(self.handle)  # [n, 2 + 2K]: token, logprob, K ids, K logprobs
             K = self.top_k
             for r, row in enumerate(self.rows):
                 tok = int(host[r, 0])
