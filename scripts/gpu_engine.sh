@@ -56,8 +56,8 @@ serve_and_bench() {  # version model
 for what in "$@"; do
   case $what in
     tiny) ckpt tiny 128 2 4 2 32 256; for v in old new; do serve_and_bench $v tiny; done ;;  # a dry run
-    1b) ckpt 1b 2048 16 32 8 64 8192; for v in old new; do serve_and_bench $v 1b; done ;;
-    8b) ckpt 8b 4096 32 32 8 128 14336; for v in old new; do serve_and_bench $v 8b; done ;;
+    1b) ckpt 1b 2048 16 32 8 64 8192; for v in ${VERS:-old new}; do serve_and_bench $v 1b; done ;;
+    8b) ckpt 8b 4096 32 32 8 128 14336; for v in ${VERS:-old new}; do serve_and_bench $v 8b; done ;;
     kernel) PYTHONPATH=/tmp/site timeout 300 $PY $REPO/scripts/bench_paged_attention.py --quick \
               --json "$OUT/bench_paged_attention_gpu.json" 2>&1 | tail -40 ;;
   esac

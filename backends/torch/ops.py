@@ -45,8 +45,10 @@ class TorchOps:
         return torch.cumsum(x, dim=-1)
 
     def where(self, cond, a, b):
-        a = a if torch.is_tensor(a) else torch.tensor(a, device=self.device)
-        b = b if torch.is_tensor(b) else torch.tensor(b, device=self.device)
+        # Python scalars stay scalars: torch.tensor(scalar, device="cuda") would be a blocking copy
+        # that waits for every queued kernel (it made the sampler wait for the forward pass)
+        if not torch.is_tensor(a) and not torch.is_tensor(b):
+            b = torch.tensor(b, dtype=torch.float32, device=cond.device)
         return torch.where(cond, a, b).float()
 
     def kth_largest(self, x, k):
@@ -151,9 +153,7 @@ class TorchOps:
         return torch.cat([c.float().reshape(c.shape[0], -1) for c in cols], dim=1)
 
     def where_int(self, cond, a, b):
-        b = b if torch.is_tensor(b) else torch.tensor(b, device=self.device)
-        a = a if torch.is_tensor(a) else torch.tensor(a, device=self.device)
-        return torch.where(cond, a, b).long()
+        return torch.where(cond, a, b).long()  # scalars as scalars (no blocking copy)
 
     def one_row(self, x):
         return x.reshape(1, -1)
