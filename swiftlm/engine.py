@@ -256,6 +256,11 @@ class Engine:
                     live = self._live.get(w.seq_id)
                     if live is not None:
                         self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
+        if inflight is not None:  # an overlapped step still running on the device: let it end here, not at exit
+            try:
+                self.model.ops.wait(self.model.ops.start_copy(inflight[1].logits))
+            except Exception:  # pragma: no cover - shutting down anyway
+                log.exception("waiting for the last step failed")
         self._flush_outputs()
         for live in list(self._live.values()):  # shutting down: release every waiter
             self._finish(live, "cancelled")

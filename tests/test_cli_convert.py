@@ -81,8 +81,11 @@ def test_converted_directory_loads_in_transformers(tmp_path, hf_reference):
     with torch.no_grad():
         a = model(ids).logits[0, -1]
         b = hf_reference(ids).logits[0, -1]
-    # same fp32 weights (ours un-permuted by us, theirs by transformers' GGUF loader)
-    assert torch.allclose(a, b, atol=1e-4)
+    # the same fp32 weights bit for bit (gguf-py's dequantization on both sides; ours un-permuted
+    # by us, theirs by transformers' GGUF loader) in the same transformers code: identical logits
+    sa, sb = model.state_dict(), hf_reference.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(a, b)
 
 
 def test_convert_refuses_non_empty_output(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, needs_torch
+from tolerances import fp32_matmul_tol
 
 pytestmark = needs_torch
 triton_missing = pytest.mark.skipif(
@@ -25,6 +26,13 @@ for dt in {dtypes}:
             out[f"{{k}}/{{dt}}"] = max(out.get(f"{{k}}/{{dt}}", 0.0), v)
 print(json.dumps(out))
 """
+
+
+def _fp32_kernel_tol(H: int = 8, KVH: int = 2, D: int = 64, N: int = 320, I: int = 1500) -> float:
+    """fp32: the same arithmetic in another order.  check_all's errors are relative (to the
+    reference's norm); the longest reduction is RMSNorm's sum of N squares, then rsqrt and two
+    products (4 chained roundings; rope and SiLU * up are shorter chains of elementwise ops)."""
+    return fp32_matmul_tol(max(N, D), 1.0, 4)
 
 
 def _run(device: str, dtypes: list[str], interpret: bool, **shape) -> dict:
@@ -45,8 +53,8 @@ def _run(device: str, dtypes: list[str], interpret: bool, **shape) -> dict:
 def test_kernels_match_reference_interpreted(shape):
     errs = _run("cpu", ["float32", "float16"], interpret=True, **shape)
     for name, err in errs.items():
-        # fp32: same arithmetic in another order; fp16: one rounding of the output
-        assert err <= (1e-5 if name.endswith("float32") else 2e-3), (name, err)
+        # fp16: the output rounded once more (u = 2^-11 = 4.9e-4; 2e-3 is 4 u)
+        assert err <= (_fp32_kernel_tol(**shape) if name.endswith("float32") else 2e-3), (name, err)
 
 
 @triton_missing
@@ -54,7 +62,8 @@ def test_kernels_match_reference_interpreted(shape):
 def test_kernels_match_reference_on_gpu():
     errs = _run("cuda", ["float32", "bfloat16"], interpret=False)
     for name, err in errs.items():
-        assert err <= (1e-5 if name.endswith("float32") else 1e-2), (name, err)
+        # bfloat16: the output rounded once more (u = 2^-9 = 2e-3; 1e-2 is 5 u)
+        assert err <= (_fp32_kernel_tol() if name.endswith("float32") else 1e-2), (name, err)
 
 
 TQ_CODE = """
@@ -83,13 +92,15 @@ for D, N, kb, vb in [(64, 100, 4, 3), (128, 77, 3, 2), (64, 33, 2, 4), (128, 64,
     got = np.stack([vq.rotation.inverse((acc[i] / l[i]).double().cpu().numpy()) for i in range(3)])
     ref = np.stack([heads[i].attend(q[i]) for i in range(3)])
     out[f"{{D}}/{{N}}/k{{kb}}v{{vb}}"] = [float((acc - accr).abs().max() / accr.abs().max()),
-                                         float((l - lr).abs().max() / lr.abs().max()), float(np.abs(got - ref).max())]
+                                         float((l - lr).abs().max() / lr.abs().max()), float(np.abs(got - ref).max()),
+                                         float(np.abs(ref).max())]
 # grouped-query heads (3 query heads per KV head) read views of a larger store (row stride > N)
 m, l, acc = tq_decode_attention(q_rot.repeat(3, 1)[:6], [p[:2] for p in kp], kn[:2], kc, kb, [p[:2] for p in vp],
                                 vn[:2], vc, vb, rep=3)
 mr, lr, accr = tq_decode_attention_ref(q_rot.repeat(3, 1)[:6], [p[:2] for p in kp], kn[:2], kc, kb,
                                        [p[:2] for p in vp], vn[:2], vc, vb, rep=3)
-out["gqa"] = [float((acc - accr).abs().max() / accr.abs().max()), float((l - lr).abs().max() / lr.abs().max()), 0.0]
+out["gqa"] = [float((acc - accr).abs().max() / accr.abs().max()), float((l - lr).abs().max() / lr.abs().max()), 0.0,
+              1.0]
 # the encode kernel against the torch codec (fp32 both): codes may differ only within rounding of a boundary
 from types import SimpleNamespace
 from swiftlm.backends.torch.kv_quant import TurboCodec, unpack
@@ -175,26 +186,39 @@ def _run_tq(device: str, interpret: bool) -> dict:
 @triton_missing
 def test_turboquant_attention_kernel_interpreted():
     """The packed-code decode attention kernel (TRITON_INTERPRET=1 on CPU) against the torch
-    reference (fp32: relative 1e-5) and, rotated back, against the numpy reference attention
-    over the compressed history (1e-5): key/value bits 1-4, N not a multiple of the block."""
-    for name, (a, b, c) in _run_tq("cpu", interpret=True).items():
-        _check_tq(name, a, b, c, 1e-5)
+    reference (fp32, relative) and, rotated back, against the numpy reference attention over the
+    compressed history (relative to its largest value), both to the fp32 rounding bound: key/value
+    bits 1-4, N not a multiple of the block."""
+    for name, vals in _run_tq("cpu", interpret=True).items():
+        _check_tq(name, *vals)
 
 
-def _check_tq(name: str, a: float, b: float, c: float, tol: float) -> None:
+def _check_tq(name: str, a: float, b: float, c: float, ref_max: float = 1.0, gpu: bool = False) -> None:
     if name.startswith("encode/"):
         # a coordinate within float32 rounding of a decision boundary may take the neighbouring
-        # code (the kernel's dot product sums in another order); norms are the same fp16 values
+        # code (the kernel's dot product sums in another order): a rare flip, not an error; norms
+        # are fp16 values at most one ulp apart (norms of these vectors are < 16: ulp <= 2^-7 < 8e-3)
         assert a < 2e-3 and b <= 1e-3 * 8, (name, a, b)
     elif name.startswith("cache/"):
-        assert a < 1e-4, (name, a)  # kernel path vs plain-torch path of the cache, fp32
+        # kernel path vs plain-torch path of the cache, fp32 (measured ~1e-7): the two paths encode
+        # the rows with different kernels, so a boundary flip (see encode/) may move an output by a
+        # centroid step's share; 1e-4 is an allowance for that, not a rounding bound
+        assert a < 1e-4, (name, a)
     elif name.startswith("graph/"):
-        assert a < 1e-3 and b == c and b > 0, (name, a, b, c)  # fp32 logits; both caches compressed alike
+        # fp32 logits (measured ~1e-8); both caches compressed alike; the same flip allowance
+        assert a < 1e-3 and b == c and b > 0, (name, a, b, c)
     else:
-        assert a < tol and b < tol and c < tol, (name, a, b, c)
+        # the same codes on both sides: scores (D terms), the softmax sum and P.V (N terms) and the
+        # rotation back (D terms), 4 chained fp32 reductions; on the GPU the 1e-4 measured before
+        # stays as a floor (not re-measured here)
+        D, N = (128, 64) if name == "gqa" else map(int, name.split("/")[:2])
+        tol = fp32_matmul_tol(max(D, N), 1.0, 4)
+        if gpu:
+            tol = max(tol, 1e-4)
+        assert a <= tol and b <= tol and c <= tol * ref_max, (name, a, b, c, tol)
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
 def test_turboquant_attention_kernel_on_gpu():
-    for name, (a, b, c) in _run_tq("cuda", interpret=False).items():
-        _check_tq(name, a, b, c, 1e-4)
+    for name, vals in _run_tq("cuda", interpret=False).items():
+        _check_tq(name, *vals, gpu=True)

@@ -13,6 +13,8 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
+from tolerances import fp32_matmul_tol  # noqa: E402
+
 from swiftlm.backends.mlx.turbo_cache import Codec, TurboKVCache  # noqa: E402
 from swiftlm.metal_kernels import turboquant as mk  # noqa: E402
 from swiftlm.turboquant import TurboQuantMSE  # noqa: E402
@@ -37,7 +39,28 @@ def test_codes_match_numpy_reference(bits):
     # float32 rotation vs float64: a coordinate within ~1e-6 of a decision boundary may round
     # to the neighbouring code; anything beyond that rate is a bug
     assert (ours != want).mean() < 1e-3
-    assert np.allclose(np.array(enc["norms"]), ref.norms, rtol=1e-3)
+    # fp16 norms of a float32 vs a float64 sum: at most one fp16 ulp apart (2^-10 relative)
+    assert np.allclose(np.array(enc["norms"]), ref.norms, rtol=2 ** -10, atol=0)
+
+
+def _code_mismatches(mc, tc) -> tuple[int, int]:
+    """(differing, all) entries of the compressed rows' packed codes, fp16 norms and QJL
+    signs/residual norms between the MLX cache ``mc`` and the torch cache ``tc`` (same layout)."""
+    L, n = tc.layers[0], tc.layers[0].n_code
+    assert mc.n_code == n
+    pairs = [("kp", L.kp), ("vp", L.vp), ("kn", [L.kn]), ("vn", [L.vn])]
+    if L.ks is not None:
+        pairs += [("ks", [L.ks]), ("kr", [L.kr])]
+    diff = total = 0
+    for name, ours in pairs:
+        theirs = mc.codes.get(name) if n else None
+        if theirs is None:
+            continue
+        for a, b in zip(theirs if isinstance(theirs, list) else [theirs], ours):
+            a, b = np.array(a)[:, :n], b[:, :n].numpy()
+            diff += int((a != b).sum())
+            total += a.size
+    return diff, total
 
 
 @pytest.mark.parametrize("name,window", [("k4v3", 16), ("k3qjl-v3", 16), ("k3v2", 0)])
@@ -51,6 +74,7 @@ def test_attention_equals_torch_cache(name, window):
     mc = make_layers(fmt, 1, 64)[0]
     rng = np.random.default_rng(3)
     pos = 0
+    flipped = False
     for T in [40, 1, 1, 30, 1, 1, 90, 1]:
         q = rng.standard_normal((6, T, 64)).astype(np.float32)
         k = rng.standard_normal((2, T, 64)).astype(np.float32)
@@ -59,9 +83,21 @@ def test_attention_equals_torch_cache(name, window):
         mc.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
         got = np.array(mc.attend(mx.array(q)[None], 64 ** -0.5))[0]          # [H, T, D]
         got = got.transpose(1, 0, 2).reshape(T, -1)
-        # the same codes up to rare boundary flips (float32 rotations in two libraries)
-        assert np.allclose(got, want, atol=2e-3), (name, T, np.abs(got - want).max())
         pos += T
+        if flipped:
+            continue
+        # the same codes: the difference is fp32 summation order only (at most 5 chained
+        # reductions: query rotation, Q.K^T, softmax sum, P.V, rotation back, over pos rows or d)
+        tol = fp32_matmul_tol(max(pos, 64), float(np.abs(want).max()), 5)
+        assert np.abs(got - want).max() <= tol, (name, T, np.abs(got - want).max(), tol)
+        # codes written by this step (after attending) are read by the next one.  float32
+        # rotations in two libraries may put a coordinate within rounding of a decision boundary
+        # on either side (CPU-dependent, rare: see test_codes_match_numpy_reference); past such
+        # a flip the outputs differ by a centroid step, not by rounding, and are not compared
+        # further (the torch cache against attention over its own codes: test_kv_compressed.py)
+        n_diff, n_all = _code_mismatches(mc, tc)
+        assert n_diff <= 1e-3 * max(n_all, 1), (name, n_diff, n_all)
+        flipped = n_diff > 0
     assert (mc.n_code, mc.n_dense) == tc.counts()
 
 
@@ -83,7 +119,9 @@ def test_trim_equals_feeding_only_accepted_rows():
     for c in (x, y):
         c.update_and_fetch(cat(52, 53), cat(52, 53))
     assert x.offset == y.offset == 53
-    assert np.allclose(np.array(x.attend(q, 0.125)), np.array(y.attend(q, 0.125)), atol=1e-6)
+    # the same rows held (codes of rows 0-41 from the same call, the rest 16-bit copies) and the
+    # same attention call: bit-equal, not merely close
+    assert np.array_equal(np.array(x.attend(q, 0.125)), np.array(y.attend(q, 0.125)))
 
 
 def test_storage_equals_layout_formula():

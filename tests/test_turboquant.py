@@ -60,6 +60,8 @@ def test_prod_inner_products_are_unbiased(d):
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_rotations_are_orthogonal_and_seeded(d):
     r = Rotation(d, 7)
+    # float64 throughout: Householder QR and the scaled Hadamard are orthogonal, and the fast
+    # transform equals the matmul, to O(d * eps64) ~ 3e-14 (d-term sums), well inside 1e-12
     assert np.allclose(r.matrix @ r.matrix.T, np.eye(d), atol=1e-12)
     x = _unit(4, d, 0)
     assert np.allclose(r.forward(x), x @ r.matrix.T, atol=1e-12)
@@ -108,6 +110,7 @@ def test_attention_over_codes_equals_dequantize_then_attend(d, window):
     assert len(head) == 300 and len(head.recent_k) == window
     q = rng.standard_normal(d)
     Kd, Vd = head.dequantized()
+    # float64: the same products in another order (300 rows, d dims): rounding ~1e-14 << 1e-10
     assert np.allclose(head.attend(q), _softmax_attend(q, Kd, Vd, d ** -0.5), atol=1e-10)
     # and it approximates exact attention (4-bit keys, 3-bit values; loose: a sanity bound)
     exact = _softmax_attend(q, K, V, d ** -0.5)
