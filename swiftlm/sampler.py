@@ -48,6 +48,7 @@ class BatchOps(Protocol):
     """Operations on 2-D float32 arrays [rows, vocab] on the backend's device."""
 
     def f32(self, x: Any) -> Any: ...                       # float32 copy
+    def as_f32(self, x: Any) -> Any: ...                    # float32, the same array when it already is
     def vec(self, a: np.ndarray) -> Any: ...                # host -> device (any dtype)
     def gather2(self, x: Any, r: Any, c: Any) -> Any: ...   # x[r, c]
     def scatter2(self, x: Any, r: Any, c: Any, v: Any) -> Any: ...  # x[r, c] = v (may be in place)
@@ -131,7 +132,7 @@ def launch(ops: BatchOps, logits: Any, rows: list[Row]) -> Pending:
         s.draws += 1
     if all(plain_greedy(p, s) for p, s in zip(P, S)):  # the fast path: one argmax, ids back
         return Pending(ops, rows, ops.argmax_rows(logits), None, 0)
-    x = adjust(ops, ops.f32(logits), P, S)
+    x = adjust(ops, logits, P, S)
     want_lp = any(p.logprobs for p in P)
     lp = ops.log_softmax_rows(x) if want_lp else None
     greedy = np.array([p.greedy for p in P])
@@ -154,9 +155,10 @@ def _col(ops: BatchOps, tok: Any) -> Any:
     return tok.reshape(-1, 1) if hasattr(tok, "reshape") else tok
 
 
-def adjust(ops: BatchOps, x: Any, P: list[SamplingParams], S: list[SamplerState]) -> Any:
-    """logit_bias, repetition penalty, presence/frequency penalty, grammar mask (in that order)."""
-    V = None
+def adjust(ops: BatchOps, logits: Any, P: list[SamplingParams], S: list[SamplerState]) -> Any:
+    """float32 logits after logit_bias, repetition penalty, presence/frequency penalty and the
+    grammar mask (in that order); ``logits`` itself is never modified (a copy is made when needed)."""
+    x = ops.f32(logits) if any(p.logit_bias or p.repetition_penalty != 1.0 for p in P) else logits
     r, c, v = [], [], []
     for i, p in enumerate(P):
         for tok, b in p.logit_bias.items():
@@ -185,8 +187,12 @@ def adjust(ops: BatchOps, x: Any, P: list[SamplingParams], S: list[SamplerState]
             c += list(counts)
             v += [n * p.frequency_penalty + p.presence_penalty for n in counts.values()]
     if r:
+        if x is logits:
+            x = ops.f32(logits)
         R, C = ops.vec(np.array(r, np.int64)), ops.vec(np.array(c, np.int64))
         x = ops.scatter2(x, R, C, ops.gather2(x, R, C) - ops.vec(np.array(v, np.float32)))
+    if x is logits:
+        x = ops.as_f32(logits)  # read-only from here on: no copy when the logits are float32 already
     if any(s.constraint is not None for s in S):
         masks = [s.constraint.allowed() if s.constraint is not None else None for s in S]
         V = next(m for m in masks if m is not None).shape[-1]

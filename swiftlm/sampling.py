@@ -303,6 +303,9 @@ class NumpyOps:
     def f32(self, x):
         return np.array(x, dtype=np.float32)
 
+    def as_f32(self, x):
+        return np.asarray(x, dtype=np.float32)
+
     def vec(self, a):
         return np.asarray(a)
 

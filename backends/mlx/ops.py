@@ -69,6 +69,9 @@ class MLXOps:
     def f32(self, x):
         return x.astype(mx.float32)
 
+    def as_f32(self, x):
+        return x.astype(mx.float32)
+
     def vec(self, a):
         a = np.ascontiguousarray(a)
         return mx.array(a.astype(np.int32) if a.dtype == np.int64 else a)

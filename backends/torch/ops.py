@@ -78,6 +78,9 @@ class TorchOps:
     def f32(self, x):
         return x.float() if x.dtype != torch.float32 else x.clone()
 
+    def as_f32(self, x):
+        return x if x.dtype == torch.float32 else x.float()
+
     def vec(self, a):
         t = torch.from_numpy(np.ascontiguousarray(a))
         if self.device.type == "cpu":
@@ -121,7 +124,8 @@ class TorchOps:
         return x.amax(dim=-1, keepdim=True)
 
     def count_below(self, c, t):
-        return (c < t).sum(dim=-1)
+        # c is a cumulative sum (non-decreasing): #(c < t) is the left insertion point, O(log V) per row
+        return torch.searchsorted(c, t.to(c.dtype)).reshape(-1)
 
     def to_host(self, x):
         return x.cpu().numpy()
