@@ -277,7 +277,7 @@ class GraphDecoder:
 
         torch.cuda.synchronize()
         m0, t0, n0 = torch.cuda.memory_reserved(), time.perf_counter(), self.captures
-        Bp = 2
+        Bp = 1  # batch size 1 too: a lone row in a slot whose own graph is not captured uses it
         while True:
             n = min(Bp, pool.n)
             self.run_batch(pool, [pool.scratch] * n, [0] * n, [0] * n)  # scratch rows only
@@ -397,6 +397,10 @@ class GraphDecoder:
             g.replay()
         kv.after_graph_step(pos)
         return out
+
+    def captured(self, kv: SeqCache, pos: int) -> bool:
+        """Is this slot's single-row graph for ``pos``'s length bucket captured already?"""
+        return (id(kv), bucket_for(pos, kv.capacity)) in self.graphs
 
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         if not self.use_graph:

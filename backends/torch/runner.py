@@ -18,7 +18,7 @@ from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
-from .graphs import GraphDecoder, SlotPool, graphable, prefill_packed_static
+from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
 from .model import SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
 
@@ -54,9 +54,18 @@ class TorchModel:
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
-        if self.graphs is not None and self.pool is not None and slots > 1:
+        if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
+            torch.cuda.synchronize()
+            m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
             with torch.inference_mode():
-                self.graph_capture = self.graphs.precapture(self.pool)
+                self.graphs.precapture(self.pool)  # batched decode, every batch size (Triton kernel path)
+                first = self.pool.take()  # the slot a lone request gets first: its own graphs too
+                for L in sorted({bucket_for(p, first.capacity) for p in range(0, first.capacity, BUCKET_MIN)}):
+                    self.graphs.run(first, 0, L - 1)
+                self.pool.give_back(first)
+            torch.cuda.synchronize()
+            self.graph_capture = {"graphs": self.graphs.captures, "seconds": round(time.perf_counter() - t0, 3),
+                                  "bytes": torch.cuda.memory_reserved() - m0}
             log.info("captured %d batched decode graphs in %.2f s (%.0f MB)", self.graph_capture["graphs"],
                      self.graph_capture["seconds"], self.graph_capture["bytes"] / 2**20)
 
@@ -110,7 +119,14 @@ class TorchModel:
             if self.graphs is not None and cache.graphable():
                 return self.graphs.run_turbo(cache, int(tokens[0]), start)
         elif len(tokens) == 1 and self.graphs is not None:
-            out = self.graphs.run(cache, tokens[0], start)
+            slot = getattr(cache, "slot", None)
+            if slot is not None and self.graphs.paged_attention and not self.graphs.captured(cache, start):
+                # a slot decoding alone for the first time at this length: the start-up batch-of-one
+                # graph, instead of capturing this slot's own graph while streams wait
+                out = self.graphs.run_batch(self.pool, [slot], tokens if torch.is_tensor(tokens) else [tokens[0]],
+                                            [start])[0]
+            else:
+                out = self.graphs.run(cache, tokens[0], start)
             cache.length = start + 1
             return out
         ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
