@@ -1,4 +1,4 @@
-"""``swiftlm [serve] --model ...`` plus generate / chat / info / convert.
+"""``swiftlm [serve] --model ...`` plus generate / chat / info / convert / bench.
 
 Every flag comes from ``config.Settings`` (one definition, env var and flag).  User errors
 print one sentence and exit with code 2; never a traceback.
@@ -17,7 +17,7 @@ from typing import Any
 from .config import Settings, add_settings_arguments, settings_from_args
 from .errors import SwiftLMError
 
-SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert")
+SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert", "bench")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--keep-quantized", action="store_true",
                    help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)")
     v.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+
+    b = sub.add_parser("bench", help="benchmarks: `bench serve` loads any OpenAI-compatible server")
+    bsub = b.add_subparsers(dest="bench_command")
+    from .bench.serve import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(bsub.add_parser(
+        "serve", help="stream requests at a concurrency or a Poisson rate to an OpenAI-compatible server; "
+        "TTFT, inter-token latency, throughput",
+        description="Load any OpenAI-compatible server with streamed requests (a fixed concurrency or Poisson "
+        "arrivals) and report TTFT, inter-token latency, end-to-end latency and throughput."))
     return p
 
 
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-                "convert": cmd_convert}[args.command](args)
+                "convert": cmd_convert, "bench": cmd_bench}[args.command](args)
     except SwiftLMError as exc:
         print(f"swiftlm: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -242,6 +252,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "serve":
+        from .bench.serve import run
+
+        return run(args)
+    print("swiftlm bench: give a benchmark: serve (see `swiftlm bench serve --help`)", file=sys.stderr)
+    return 2
 
 
 def _kv_format(settings: Any) -> Any:

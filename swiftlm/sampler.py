@@ -124,7 +124,6 @@ class Pending:
 
 def launch(ops: BatchOps, logits: Any, rows: list[Row]) -> Pending:
     """Queue sampling of every row of ``logits`` [n, V] (row r with ``rows[r]``)."""
-    n = len(rows)
     P = [r.params for r in rows]
     S = [r.state for r in rows]
     counters = [s.draws for s in S]
