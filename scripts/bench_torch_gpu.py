@@ -39,6 +39,15 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B shapes
 }
 
 
+
+def _token(tm, work) -> int:
+    """One engine step for one sequence: the model's forward, then the core's batched sampler."""
+    from swiftlm.backend import StepBatch
+    from swiftlm.sampler import Row, launch
+
+    fwd = tm.forward(StepBatch([work]))
+    return launch(tm.ops, fwd.logits, [Row(work.params, work.state)]).finish()[0].token
+
 def copy_bandwidth() -> float:
     n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
     a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +75,7 @@ class _Tok:
 def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
     import transformers
 
-    from swiftlm.backend import ModelInfo, SeqWork, StepBatch
+    from swiftlm.backend import ModelInfo, SeqWork
     from swiftlm.backends.torch.model import build
     from swiftlm.backends.torch.runner import TorchModel
     from swiftlm.sampling import SamplerState, SamplingParams
@@ -101,12 +110,10 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
         st = SamplerState(seed=0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = tm.step(StepBatch([SeqWork(1, prompt, 0, True, p, st)]))
-        toks = [res.sampled[0].token]
+        toks = [_token(tm, SeqWork(1, prompt, 0, True, p, st))]
         t1 = time.perf_counter()
         for i in range(new - 1):
-            res = tm.step(StepBatch([SeqWork(1, [toks[-1]], prompt_len + i, True, p, st)]))
-            toks.append(res.sampled[0].token)
+            toks.append(_token(tm, SeqWork(1, [toks[-1]], prompt_len + i, True, p, st)))
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         tm.free([1])
@@ -169,7 +176,7 @@ def fp32_agreement(new: int = 32) -> dict:
     token for token; bf16 runs differ in rounding, so exactness is shown here."""
     import transformers
 
-    from swiftlm.backend import ModelInfo, SeqWork, StepBatch
+    from swiftlm.backend import ModelInfo, SeqWork
     from swiftlm.backends.torch.model import build
     from swiftlm.backends.torch.runner import TorchModel
     from swiftlm.sampling import SamplerState, SamplingParams
@@ -190,9 +197,9 @@ def fp32_agreement(new: int = 32) -> dict:
     prompt = torch.randint(0, 128000, (128,), generator=torch.Generator().manual_seed(2)).tolist()
     p, st = SamplingParams(temperature=0, max_tokens=new), SamplerState(seed=0)
     with torch.inference_mode():
-        toks = [tm.step(StepBatch([SeqWork(1, prompt, 0, True, p, st)])).sampled[0].token]
+        toks = [_token(tm, SeqWork(1, prompt, 0, True, p, st))]
         for i in range(new - 1):
-            toks.append(tm.step(StepBatch([SeqWork(1, [toks[-1]], 128 + i, True, p, st)])).sampled[0].token)
+            toks.append(_token(tm, SeqWork(1, [toks[-1]], 128 + i, True, p, st)))
         x = torch.tensor([prompt], device="cuda")
         hf = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, pad_token_id=0)[0, 128:].tolist()

@@ -88,12 +88,6 @@ class SampledToken:
 
 
 @dataclass
-class StepResult:
-    sampled: list[SampledToken] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)  # seq_id -> error: only these sequences fail
-
-
-@dataclass
 class Forward:
     """What ``Model.forward`` returns: logits [n, vocab] (backend arrays, possibly still being
     computed on the device) for the batch's rows with ``sample=True`` that did not fail, in
@@ -196,5 +190,5 @@ def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | No
 
 __all__ = [
     "Availability", "Backend", "BackendEntry", "Forward", "Model", "ModelInfo", "SampledToken", "SeqWork",
-    "StepBatch", "StepResult", "SwiftLMError", "choose_backend", "discover_backends",
+    "StepBatch", "SwiftLMError", "choose_backend", "discover_backends",
 ]

@@ -225,8 +225,8 @@ class Engine:
                 return
 
     def _loop(self) -> None:
-        inflight: tuple[StepBatch, Any, float] | None = None  # a step launched before the last one was read back
-        # (its batch, its Forward, the seconds its forward call took)
+        # a step launched before the last one was read back: (its batch, its Forward, its launch's seconds)
+        inflight: tuple[StepBatch, Any, float] | None = None
         while not self._stopping:
             self._flush_outputs()
             if inflight is None:
@@ -239,16 +239,15 @@ class Engine:
                     continue
                 for sid in batch.preempted:  # recompute later: drop the KV state now
                     self.model.free([sid])
-                t1 = time.perf_counter()
-                self.timers.add("schedule", t1 - t0)
+                self.timers.add("schedule", time.perf_counter() - t0)
                 if self.speculator is not None and self._speculate(batch):
                     continue
-                fwd = None
+                fwd, launch_s = None, 0.0
             else:
-                batch, fwd, t1 = inflight  # t1: the launch's seconds (timed when it was made)
+                batch, fwd, launch_s = inflight
                 inflight = None
             try:
-                inflight = self._step(batch, fwd, t1)
+                inflight = self._step(batch, fwd, launch_s)
             except Exception as exc:  # a failing step fails its sequences, not the engine
                 log.exception("engine step failed")
                 inflight = None
@@ -271,15 +270,16 @@ class Engine:
             self.outputs.put(self._outs)
             self._outs = []
 
-    def _step(self, batch: StepBatch, fwd: Any, t1: float) -> tuple[StepBatch, Any, float] | None:
+    def _step(self, batch: StepBatch, fwd: Any, launch_s: float) -> tuple[StepBatch, Any, float] | None:
         """forward -> batched sampling -> (next step's forward, when it can start on the device
         before these ids are read) -> one transfer -> bookkeeping.  Text is the worker's.
-        Returns the launched next step, if any."""
-        launched = fwd is not None
+        ``fwd``/``launch_s``: this step's forward when it was launched (overlapped) by the previous
+        step, and how long that launch took.  Returns the launched next step, if any."""
+        t1 = time.perf_counter()
         if fwd is None:
             fwd = self.model.forward(batch)
         t2 = time.perf_counter()
-        forward_s = t1 if launched else t2 - t1
+        forward_s = launch_s or (t2 - t1)
         rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
         pending = sampler.launch(self.model.ops, fwd.logits,
                                  [sampler.Row(w.params, w.state) for w in rows]) if rows else None
@@ -336,7 +336,7 @@ class Engine:
             if live is None or not w.sample:
                 return False
             seq = live.seq
-            if seq.num_computed + len(w.tokens) != w.start_pos + len(w.tokens) or seq.media is not None:
+            if seq.num_computed != w.start_pos or seq.media is not None:
                 return False
             n_out = len(seq.output_tokens) + 1  # after this step
             if n_out + 1 > (seq.params.max_tokens or 0) or len(seq.prompt_tokens) + n_out + 1 > self.ctx_size:

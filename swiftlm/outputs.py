@@ -152,8 +152,6 @@ class OutputWorker:
         self.on_stop = on_stop  # tell the engine a stop string ended this sequence
         self.streams: dict[int, Stream] = {}
         self.q: queue.SimpleQueue[list[Out] | None] = queue.SimpleQueue()
-        self.busy_seconds = 0.0
-        self.steps = 0
         self._thread = threading.Thread(target=self._run, name="swiftlm-output", daemon=True)
         self._thread.start()
 
@@ -168,9 +166,6 @@ class OutputWorker:
     def close(self, timeout: float = 5.0) -> None:
         self.q.put(None)
         self._thread.join(timeout)
-
-    def idle(self) -> bool:
-        return self.q.empty()
 
     def _run(self) -> None:
         while True:
@@ -191,11 +186,8 @@ class OutputWorker:
                                                      error=f"{type(exc).__name__}: {exc}")))
                         self.on_stop(o.seq_id)
             deliver(pairs)
-            dt = time.perf_counter() - t0
-            self.busy_seconds += dt
             if self.timers is not None:
-                self.timers.add("output", dt)
-            self.steps += 1
+                self.timers.add("output", time.perf_counter() - t0)
 
     def _one(self, o: Out, pairs: list[tuple[Sink, Event]]) -> None:
         st = self.streams.get(o.seq_id)
@@ -225,7 +217,7 @@ class OutputWorker:
                     reason = "stop"
                     self.on_stop(o.seq_id)
         if reason is not None:
-            if reason in ("length",) or (reason == "stop" and o.token is None):
+            if reason == "length":
                 text += st.stop.feed(st.detok.flush())[0] + st.stop.flush()
             st.done = True
             self.streams.pop(o.seq_id, None)

@@ -142,16 +142,12 @@ def launch(ops: BatchOps, logits: Any, rows: list[Row]) -> Pending:
     if not want_lp:
         return Pending(ops, rows, tok, None, 0)
     K = max(p.top_logprobs for p in P)
-    tok_lp = ops.take_along(lp, _col(ops, tok))
+    tok_lp = ops.take_along(lp, tok.reshape(-1, 1))
     cols = [tok, tok_lp]
     if K:
         vals, idx = ops.topk_rows(lp, K)
         cols += [idx, vals]
     return Pending(ops, rows, tok, ops.pack(cols), K)
-
-
-def _col(ops: BatchOps, tok: Any) -> Any:
-    return tok.reshape(-1, 1) if hasattr(tok, "reshape") else tok
 
 
 def adjust(ops: BatchOps, logits: Any, P: list[SamplingParams], S: list[SamplerState]) -> Any:

@@ -147,7 +147,6 @@ class SamplerState:
     seed: int | None = None
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
-    rng: Any = None  # created lazily by the backend's ops
     draws: int = 0  # tokens sampled so far: the counter of the request's counter-based RNG (sampler.py)
     constraint: Any = None  # chat.structured.Constraint when the request constrains its output
 
@@ -174,7 +173,6 @@ class ArrayOps(Protocol):
     def max(self, x: Any) -> Any: ...
     def item(self, x: Any) -> float: ...
     def tolist(self, x: Any) -> list: ...
-    def categorical(self, logits: Any, state: SamplerState) -> int: ...
 
 
 NEG_INF = float("-inf")
@@ -291,13 +289,6 @@ class NumpyOps:
 
     def tolist(self, x):
         return np.asarray(x).tolist()
-
-    def categorical(self, logits, state):
-        if state.rng is None:
-            state.rng = np.random.default_rng(state.seed)
-        p = np.exp(self.log_softmax(logits).astype(np.float64))
-        p /= p.sum()
-        return int(state.rng.choice(p.shape[-1], p=p))
 
     # ---- batched ops (sampler.BatchOps) on [rows, V] float32 arrays
     def f32(self, x):

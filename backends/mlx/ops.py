@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from swiftlm.sampling import SamplerState
 
 _DT = {"int32": mx.int32, "float32": mx.float32}
 
@@ -58,12 +57,6 @@ class MLXOps:
 
     def tolist(self, x):
         return x.tolist()
-
-    def categorical(self, logits, state: SamplerState):
-        if state.rng is None:
-            state.rng = mx.random.key(state.seed & 0xFFFFFFFF)
-        state.rng, sub = mx.random.split(state.rng)
-        return int(mx.random.categorical(logits, key=sub).item())
 
     # ---- batched ops (swiftlm.sampler.BatchOps) on [rows, V] arrays
     def f32(self, x):

@@ -267,16 +267,12 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
 
-    def precapture(self, pool: SlotPool) -> dict[str, float]:
+    def precapture(self, pool: SlotPool) -> None:
         """Capture the batched decode graph of every batch size 2, 4, ... up to the pool's size at
         start-up (the Triton-kernel path needs one graph per batch size), so that no stream waits
-        for a capture while serving.  Returns {graphs, seconds, bytes}."""
+        for a capture while serving."""
         if not (self.use_graph and self.paged_attention):
-            return {"graphs": 0, "seconds": 0.0, "bytes": 0}
-        import time
-
-        torch.cuda.synchronize()
-        m0, t0, n0 = torch.cuda.memory_reserved(), time.perf_counter(), self.captures
+            return
         Bp = 1  # batch size 1 too: a lone row in a slot whose own graph is not captured uses it
         while True:
             n = min(Bp, pool.n)
@@ -284,9 +280,6 @@ class GraphDecoder:
             if Bp >= pool.n:
                 break
             Bp *= 2
-        torch.cuda.synchronize()
-        return {"graphs": self.captures - n0, "seconds": time.perf_counter() - t0,
-                "bytes": torch.cuda.memory_reserved() - m0}
 
     def splits_for(self, L: int, B: int) -> int:
         """Split-K ranges of the Triton decode-attention kernel for a batch of B rows of up to L

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from swiftlm.sampling import SamplerState
 
 _DT = {"int32": torch.long, "float32": torch.float32}
 
@@ -66,13 +65,6 @@ class TorchOps:
 
     def tolist(self, x):
         return x.tolist()
-
-    def categorical(self, logits, state: SamplerState):
-        if state.rng is None:
-            state.rng = torch.Generator(device=self.device)
-            state.rng.manual_seed(state.seed)
-        probs = torch.softmax(logits.float(), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=state.rng))
 
     # ---- batched ops (swiftlm.sampler.BatchOps) on [rows, V] tensors
     def f32(self, x):
