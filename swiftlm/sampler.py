@@ -37,7 +37,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 def uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
     """splitmix64(seed ^ golden * (counter + 1)) as float64 in (0, 1], vectorised."""
     with np.errstate(over="ignore"):
-        z = np.asarray(seeds, dtype=np.uint64) ^ (np.asarray(counters, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+        z = np.asarray([int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64) ^ (np.asarray(counters, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         z = z ^ (z >> np.uint64(31))

@@ -123,6 +123,8 @@ def test_uniforms_are_counter_based_and_in_range():
     assert abs(u.mean() - 0.5) < 0.01 and abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02
     # the same (seed, counter) always gives the same value; a different counter another one
     assert uniforms([7], [3])[0] == uniforms([7, 8], [3, 3])[0] != uniforms([7], [4])[0]
+    # any integer seed a request may send (negative, beyond 64 bits) is taken modulo 2**64 (schemathesis found -491945)
+    assert 0 < uniforms([-491945, 1 << 70], [0, 0]).min() and uniforms([-1], [2])[0] == uniforms([(1 << 64) - 1], [2])[0]
 
 
 def test_draw_counter_advances_per_token_not_per_batch():
