@@ -15,7 +15,7 @@ import logging
 import platform
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 from .errors import BackendUnavailable, SwiftLMError
 from .registry import ModelSpec
@@ -137,12 +137,15 @@ class BackendEntry:
     availability: Availability
 
 
-def discover_backends() -> dict[str, BackendEntry]:
-    """Load every ``swiftlm.backends`` entry point.  A plugin that fails to import or
-    to report availability is logged and listed as unavailable, never fatal."""
+def discover_backends(names: Iterable[str] | None = None) -> dict[str, BackendEntry]:
+    """Load the ``swiftlm.backends`` entry points (all of them, or those in ``names``) and ask
+    each for its availability.  A plugin that fails to import or to report availability is
+    logged and listed as unavailable, never fatal.  Probing a backend can load its runtime
+    (mlx.core and its threads), so callers that know what they want name it."""
+    wanted = None if names is None else set(names)
     found: dict[str, BackendEntry] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found:
+        if ep.name in found or (wanted is not None and ep.name not in wanted):
             continue
         try:
             cls = ep.load()
@@ -166,10 +169,25 @@ def preferred_order() -> list[str]:
     return ["torch", "mlx"]
 
 
+def _auto_why(name: str, order: list[str] | None = None) -> str:
+    order = order or preferred_order()
+    return f"{name} (auto: first available of {', '.join(order)} on {platform.system()} {platform.machine()})"
+
+
 def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | None = None
                    ) -> tuple[Backend, str]:
     """Return (backend, explanation)."""
-    backends = discover_backends() if backends is None else backends
+    if backends is None:
+        if requested and requested != "auto":
+            # Probe only the requested plugin: probing another can load its runtime into this
+            # process (mlx.core's threads in a torch server), which then has to exit cleanly too.
+            backends = discover_backends([requested]) or discover_backends()
+        else:
+            for name in preferred_order():
+                found = discover_backends([name])
+                if name in found and found[name].availability.ok and found[name].backend is not None:
+                    return found[name].backend, _auto_why(name)
+            backends = discover_backends()
     if requested and requested != "auto":
         entry = backends.get(requested)
         if entry is None:
@@ -183,7 +201,7 @@ def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | No
     for name in order:
         entry = backends.get(name)
         if entry and entry.availability.ok and entry.backend is not None:
-            return entry.backend, f"{name} (auto: first available of {', '.join(order)} on {platform.system()} {platform.machine()})"
+            return entry.backend, _auto_why(name, order)
     reasons = "; ".join(f"{n}: {e.availability.reason}" for n, e in backends.items()) or "no backend plugins installed"
     raise BackendUnavailable(f"no usable backend ({reasons}); install one, e.g. pip install 'swiftlm[mlx]'")
 

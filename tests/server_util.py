@@ -29,6 +29,7 @@ class ServerProc:
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.ready: dict | None = None
         self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []  # drained continuously: a full pipe would block the server
         got = threading.Event()
 
         def reader():
@@ -39,14 +40,20 @@ class ServerProc:
                     got.set()
             got.set()
 
+        def err_reader():
+            for line in self.proc.stderr:
+                self.stderr_lines.append(line)
+
         threading.Thread(target=reader, daemon=True).start()
+        self._err_thread = threading.Thread(target=err_reader, daemon=True)
+        self._err_thread.start()
         deadline = time.time() + timeout
         while not got.wait(0.2):
             if time.time() > deadline or self.proc.poll() is not None:
                 break
         if self.ready is None:
             self.stop()
-            raise RuntimeError(f"server did not become ready: {self.proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server did not become ready: {self.stderr_tail()}")
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -55,4 +62,11 @@ class ServerProc:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(20)
+        self._err_thread.join(5)
         return self.proc.returncode
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        """The end of what the server wrote to stderr (for assertion messages)."""
+        self._err_thread.join(0.5) if self.proc.poll() is not None else None
+        return "".join(self.stderr_lines)[-n:]

@@ -389,7 +389,7 @@ def test_bench_serve_against_real_server(tmp_path, monkeypatch):
                     "--output-tokens", "16", "--prompt-tokens", "24", "--ignore-eos", "--no-progress",
                     "--json", str(out), timeout=300)
     finally:
-        assert srv.stop() == 0
+        assert srv.stop() == 0, srv.stderr_tail()
     assert r.returncode == 0, r.stderr[-2000:]
     assert "output tok/s" in r.stdout
     d = json.loads(out.read_text())

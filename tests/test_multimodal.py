@@ -255,7 +255,7 @@ def mm_server(request, gemma4):
     s = ServerProc("--model", str(gemma4), "--backend", request.param, "--vision", "--audio", "--parallel", "2",
                    "--max-tokens", "16", "--max-image-pixels", "200000", "--max-audio-seconds", "5")
     yield s
-    assert s.stop() == 0
+    assert s.stop() == 0, s.stderr_tail()
 
 
 def test_openai_sdk_image_and_audio(mm_server):

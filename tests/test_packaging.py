@@ -51,3 +51,18 @@ def test_backends_importable_under_swiftlm_namespace():
     import swiftlm.backends.mlx as m
 
     assert m.__file__.replace("\\", "/").endswith("backends/mlx/__init__.py")
+
+
+@pytest.mark.parametrize("requested", ["torch", "auto"])
+def test_choosing_torch_does_not_load_mlx(requested):
+    """Probing MLX loads mlx.core and its threads; a torch server must not carry them (a torch
+    server with mlx.core loaded aborted at exit on CI: SIGABRT on SIGTERM)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, platform; from swiftlm.backend import choose_backend; "
+            f"b, why = choose_backend({requested!r}); print(b.name, 'mlx.core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if requested == "auto" and out[0] != "torch":
+        pytest.skip("auto picks MLX first on this platform (Apple Silicon)")
+    assert out == ["torch", "False"]

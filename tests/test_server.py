@@ -38,7 +38,7 @@ def tiny_server(request, tiny_llama):
                    "--parallel", "4", "--max-tokens", "32")
     s.backend = backend
     yield s
-    assert s.stop() == 0  # SIGTERM stops cleanly
+    assert s.stop() == 0, s.stderr_tail()  # SIGTERM stops cleanly
 
 
 @pytest.fixture(scope="module")

@@ -217,4 +217,4 @@ def test_server_reports_speculation(tiny_llama):
         m = httpx.get(s.base + "/metrics").text
         assert "swiftlm_spec_acceptance_rate" in m and "swiftlm_spec_drafted_tokens" in m
     finally:
-        assert s.stop() == 0
+        assert s.stop() == 0, s.stderr_tail()

@@ -42,7 +42,7 @@ def tool_server(tiny_llama, tmp_path_factory):
     shutil.copy(ROOT / "tests" / "data" / "qwen_style.jinja", ck / "chat_template.jinja")
     s = ServerProc("--model", str(ck), "--backend", "torch", "--parallel", "4", "--max-tokens", "64")
     yield s
-    assert s.stop() == 0
+    assert s.stop() == 0, s.stderr_tail()
 
 
 @pytest.fixture(scope="module")
