@@ -24,6 +24,8 @@ from ..config import Settings
 from ..memory import system_memory
 from .errors import APIError, error_response
 from .metrics import Metrics
+from . import anthropic as anthropic_api
+from . import responses as responses_api
 from .openai_routes import OpenAIRoutes
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 
 def _authorized(request: Request, key: str | None) -> bool:
     if not key:
+        return True
+    xkey = request.headers.get("x-api-key")  # Anthropic's SDK sends the key this way
+    if xkey is not None and hmac.compare_digest(xkey.strip().encode(), key.encode()):
         return True
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -143,6 +148,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/health", _guard(state, health, never), methods=["GET"]),
         Route("/metrics", _guard(state, metrics, metrics_key), methods=["GET"]),
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
+        *responses_api.routes(state, routes_impl, v1_key),
+        *anthropic_api.routes(state, routes_impl, v1_key),
     ]
     middleware = []
     if settings.cors:
