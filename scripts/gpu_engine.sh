@@ -43,6 +43,10 @@ serve_and_bench() {  # version model
   done
   for n in $NS; do
     local reqs=$(( n < 8 ? 8 : 2 * n ))
+    if [ "${PYSPY_N:-}" = "$n" ] && [ -x /tmp/site/bin/py-spy ]; then  # a sampling profile of the server under load
+      (sleep 8; /tmp/site/bin/py-spy record --pid $pid -d 12 -r 250 --threads --nonblocking -f raw \
+          -o "$OUT/pyspy_${ver}_${m}_n$n.txt" > "$OUT/pyspy_${ver}_${m}_n$n.log" 2>&1) &
+    fi
     PYTHONPATH=/tmp/site timeout 240 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
         --concurrency $n --num-requests $reqs --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 --output-tokens 128 --ignore-eos \
         --tokenizer $REPO/.gpu/tok --no-progress --label "${ver}_${m}_n$n" --json "$OUT/serve_${ver}_${m}_n$n.json" \
@@ -57,7 +61,10 @@ for what in "$@"; do
   case $what in
     tiny) ckpt tiny 128 2 4 2 32 256; for v in old new; do serve_and_bench $v tiny; done ;;  # a dry run
     1b) ckpt 1b 2048 16 32 8 64 8192; for v in ${VERS:-old new}; do serve_and_bench $v 1b; done ;;
-    8b) ckpt 8b 4096 32 32 8 128 14336; for v in ${VERS:-old new}; do serve_and_bench $v 8b; done ;;
+    8b) CKPT_EXTRA=--reuse-layers ckpt 8b 4096 32 32 8 128 14336; for v in ${VERS:-old new}; do serve_and_bench $v 8b; done ;;
+    engine1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/
+              PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams ${PNS:-1,64,128} \
+                  --tokens 128 --ctx-size 1024 --json "$OUT/profile_engine_1b.json" 2>&1 | tail -8 ;;
     kernel) PYTHONPATH=/tmp/site timeout 300 $PY $REPO/scripts/bench_paged_attention.py --quick \
               --json "$OUT/bench_paged_attention_gpu.json" 2>&1 | tail -40 ;;
   esac

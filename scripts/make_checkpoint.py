@@ -63,16 +63,24 @@ def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
     return cfg
 
 
-def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
+                 reuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """(name, fp32 array) one tensor at a time, so a checkpoint larger than memory can be written.
     ``stacked``: MoE experts as mlx-lm's [E, out, in] ``switch_mlp`` tensors instead of one
-    tensor per expert."""
+    tensor per expert.  ``reuse``: one random matrix per shape, repeated in every layer (an 8B
+    shape in seconds instead of minutes; for speed runs, where the values do not matter)."""
+    cache: dict[tuple[int, int], np.ndarray] = {}
     H, V, I = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     arch = cfg["model_type"]
 
     def lin(out_f: int, in_f: int) -> np.ndarray:
-        return (rng.standard_normal((out_f, in_f), dtype=np.float32) / np.sqrt(in_f)).astype(np.float32)
+        if reuse and (out_f, in_f) in cache:
+            return cache[out_f, in_f]
+        w = (rng.standard_normal((out_f, in_f), dtype=np.float32) / np.sqrt(in_f)).astype(np.float32)
+        if reuse:
+            cache[out_f, in_f] = w
+        return w
 
     def norm(n: int) -> np.ndarray:  # Gemma stores w where the norm multiplies by (1 + w)
         base = 0.0 if arch == "gemma" else 1.0
@@ -177,6 +185,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stacked-experts", action="store_true",
                     help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse-layers", action="store_true",
+                    help="one random matrix per shape, shared by all layers (fast; for speed benchmarks)")
     ap.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True, help="gemma4: a vision tower")
     ap.add_argument("--audio", action=argparse.BooleanOptionalAction, default=True, help="gemma4: an audio tower")
     ap.add_argument("--force", action="store_true")
@@ -212,7 +222,8 @@ def main(argv: list[str] | None = None) -> Path:
         bos = tok.tok.token_to_id(tok.bos_token) if tok.bos_token else 1
         eos = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else 2
         cfg = make_config(a, tok.vocab_size, bos, eos)
-    weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts)
+    weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts,
+                           reuse=a.reuse_layers)
     target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)

@@ -25,31 +25,27 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
          "and many curious people watch").split()
 
 
-def run(backend: str, model: str | None, n: int, tokens: int, temperature: float) -> dict:
-    from swiftlm import LLM, SamplingParams
+def run(llm, n: int, tokens: int, temperature: float) -> dict:
+    from swiftlm import SamplingParams
     from swiftlm.timers import StepTimers
 
-    llm = LLM(model, backend=backend, parallel=n, prompt_cache_bytes=0)
-    try:
-        p = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True, seed=1)
-        llm.generate("warm up " * 8, SamplingParams(max_tokens=4, ignore_eos=True))
-        llm.engine.timers = llm.engine.outputs.timers = StepTimers()  # measure the run only
-        steps0 = llm.engine.stats.steps
-        prompts = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(30 + i % 7)) for i in range(n)]
-        done: list[int] = []
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=lambda q=q: done.append(len(llm.generate(q, p).token_ids))) for q in prompts]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
-        wall = time.perf_counter() - t0
-        snap = llm.engine.timers.snapshot()
-        steps = llm.engine.stats.steps - steps0
-        return {"streams": n, "tokens": sum(done), "seconds": round(wall, 3), "tok_per_s": round(sum(done) / wall, 2),
-                "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 3),
-                "phases_ms_per_step": {k: round(1e3 * v["seconds"] / max(steps, 1), 4) for k, v in snap.items()},
-                "overlapped_steps": llm.engine.stats.overlapped_steps}
-    finally:
-        llm.close()
+    p = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True, seed=1)
+    llm.generate("warm up " * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.timers = llm.engine.outputs.timers = StepTimers()  # measure the run only
+    steps0 = llm.engine.stats.steps
+    prompts = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(30 + i % 7)) for i in range(n)]
+    done: list[int] = []
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=lambda q=q: done.append(len(llm.generate(q, p).token_ids))) for q in prompts]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    wall = time.perf_counter() - t0
+    snap = llm.engine.timers.snapshot()
+    steps = llm.engine.stats.steps - steps0
+    return {"streams": n, "tokens": sum(done), "seconds": round(wall, 3), "tok_per_s": round(sum(done) / wall, 2),
+            "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 3),
+            "phases_ms_per_step": {k: round(1e3 * v["seconds"] / max(steps, 1), 4) for k, v in snap.items()},
+            "overlapped_steps": llm.engine.stats.overlapped_steps}
 
 
 def main() -> None:
@@ -60,8 +56,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ctx-size", type=int, default=None)
     a = ap.parse_args()
-    rows = [run(a.backend, a.model, int(n), a.tokens, a.temperature) for n in a.streams.split(",")]
+    from swiftlm import LLM
+
+    ns = [int(n) for n in a.streams.split(",")]
+    extra = {"ctx_size": a.ctx_size} if a.ctx_size else {}
+    llm = LLM(a.model, backend=a.backend, parallel=max(ns), prompt_cache_bytes=0, **extra)  # one load for all N
+    try:
+        rows = [run(llm, n, a.tokens, a.temperature) for n in ns]
+    finally:
+        llm.close()
     from swiftlm.timers import PHASES
 
     print(f"{'N':>4} {'tok/s':>9} {'ms/step':>8} " + " ".join(f"{p:>9}" for p in PHASES))
