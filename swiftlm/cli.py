@@ -1,4 +1,4 @@
-"""``swiftlm [serve] --model ...`` plus generate / chat / info / convert / bench.
+"""``swiftlm [serve] --model ...`` plus generate / chat / info / convert / bench / download / models / rm.
 
 Every flag comes from ``config.Settings`` (one definition, env var and flag).  User errors
 print one sentence and exit with code 2; never a traceback.
@@ -17,16 +17,40 @@ from typing import Any
 from .config import Settings, add_settings_arguments, settings_from_args
 from .errors import SwiftLMError
 
-SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert", "bench")
+SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert", "bench", "download", "models", "rm")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line on stderr and exit code 2 (not argparse's usage block)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append each setting's built-in default to its help text (the environment variable may override it)."""
+    for act in parser._actions:
+        field = Settings.model_fields.get(act.dest)
+        if field is None or not act.help or "(default:" in act.help:
+            continue
+        d = field.default
+        if d is None or d is False:
+            continue
+        shown = "on" if d is True else d
+        act.help = act.help.replace(" [env ", f" (default: {shown}) [env ", 1)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="swiftlm", description="Local LLM inference with an OpenAI-compatible API. "
-                                "With no subcommand, serves the model (same as `swiftlm serve`).")
-    sub = p.add_subparsers(dest="command")
+    p = _Parser(prog="swiftlm", description="Local LLM inference with an OpenAI-compatible API. "
+                "With no subcommand, serves the model (same as `swiftlm serve`); the serve options follow "
+                "the command list.")
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="start the OpenAI-compatible server (default)")
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server (default)",
+                       description="Start the OpenAI-compatible server (also what `swiftlm` with no command does).")
     add_settings_arguments(s)
+    p._serve_parser = s  # type: ignore[attr-defined]
 
     g = sub.add_parser("generate", help="generate from a prompt and print the text")
     add_settings_arguments(g, groups=("model", "engine", "experts", "sampling", "planned"))
@@ -65,19 +89,52 @@ def _parser() -> argparse.ArgumentParser:
         "TTFT, inter-token latency, throughput",
         description="Load any OpenAI-compatible server with streamed requests (a fixed concurrency or Poisson "
         "arrivals) and report TTFT, inter-token latency, end-to-end latency and throughput."))
+
+    d = sub.add_parser("download", help="download a model from the Hugging Face hub into the local cache, "
+                       "with a progress bar", description="Download a model repo (or the files matching --include) "
+                       "into the Hugging Face cache (HF_HOME / HF_HUB_CACHE), resuming partial files. HF_TOKEN is "
+                       "sent when set; HF_HUB_OFFLINE=1 forbids the network; HF_ENDPOINT names another hub.")
+    d.add_argument("repo_id", help="hub id, owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
+    d.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    d.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="download only files matching this pattern (repeatable), e.g. '*.safetensors'")
+    d.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip files matching this pattern (repeatable)")
+    d.add_argument("--local-dir", default=None, metavar="DIR",
+                   help="put the files in DIR instead of the cache (then serve them with --model DIR)")
+
+    m = sub.add_parser("models", help="list the models in the local Hugging Face cache: size, architecture, "
+                       "which installed backends run each")
+    m.add_argument("--json", action="store_true", help="print JSON")
+
+    r = sub.add_parser("rm", help="delete a model from the local Hugging Face cache")
+    r.add_argument("repo_id", help="hub id as `swiftlm models` lists it")
+    r.add_argument("--revision", default=None, help="delete only this revision (commit prefix, branch or tag)")
+
+    for sp in sub.choices.values():
+        _with_defaults(sp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
+    parser = _parser()
+    if argv and argv[0] in ("-h", "--help"):
+        # The commands, then serve's flags and defaults: `swiftlm` alone is `swiftlm serve`.
+        print(parser.format_help())
+        print("serve options (`swiftlm` with no command serves; `swiftlm COMMAND --help` shows a command's own):")
+        serve_help = parser._serve_parser.format_help()  # type: ignore[attr-defined]
+        print(serve_help.split("\n\n", 2)[-1] if serve_help.count("\n\n") >= 2 else serve_help)
+        return 0
+    if not argv or argv[0] not in SUBCOMMANDS:
         argv.insert(0, "serve")
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SWIFTLM_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-                "convert": cmd_convert, "bench": cmd_bench}[args.command](args)
+                "convert": cmd_convert, "bench": cmd_bench, "download": cmd_download, "models": cmd_models,
+                "rm": cmd_rm}[args.command](args)
     except SwiftLMError as exc:
         print(f"swiftlm: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -85,11 +142,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _setting_error(exc: Exception) -> str:
+    """pydantic's multi-line report (with a URL) as one sentence naming the flag and the variable."""
+    from pydantic import ValidationError
+
+    from .config import flag_of
+
+    if not isinstance(exc, ValidationError):
+        return f"invalid setting: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err.get("loc") else ""
+        msg = str(err.get("msg", "is invalid")).removeprefix("Value error, ")
+        msg = msg[:1].lower() + msg[1:]
+        where = f"{flag_of(name)} (SWIFTLM_{name.upper()})" if name in Settings.model_fields else name or "a setting"
+        parts.append(f"{where} {msg}, got {err.get('input')!r}")
+    return "invalid setting: " + "; ".join(parts)
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     try:
         return settings_from_args(args)
-    except Exception as exc:  # pydantic validation of an env var
-        raise SwiftLMError(f"invalid setting: {exc}") from exc
+    except SwiftLMError:
+        raise
+    except Exception as exc:  # pydantic validation of a flag or an env var
+        raise SwiftLMError(_setting_error(exc)) from None
 
 
 def _sampling(settings: Settings, args: argparse.Namespace, **extra: Any):
@@ -149,18 +226,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
     while True:
         try:
             line = console.input("[bold green]> [/]")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             break
         if not line.strip():
             break
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
+            console.print("[dim]conversation cleared[/]")
             continue
         history.append({"role": "user", "content": line})
         reply = ""
-        for d in llm.stream(history, params):
-            reply += d.text
-            console.print(d.text, end="", markup=False, highlight=False)
+        stream = llm.stream(history, params)
+        try:
+            for d in stream:
+                reply += d.text
+                console.print(d.text, end="", markup=False, highlight=False)
+        except KeyboardInterrupt:  # Ctrl-C stops this answer (the request is cancelled), not the chat
+            stream.close()
+            console.print("\n[dim](stopped; Ctrl-D or an empty line quits)[/]", end="")
         console.print()
         history.append({"role": "assistant", "content": reply})
     llm.close()
@@ -239,9 +322,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                      expert_top_k=settings.expert_top_k)},
                          indent=2))
         return 0
+    _check_before_serving(settings)
     from .server.app import serve
 
     return serve(settings)
+
+
+def _check_before_serving(settings: Settings) -> None:
+    """Mistakes that would otherwise surface after uvicorn has started: one sentence, exit code 2."""
+    import errno
+    import socket
+
+    from .media.processor import check_settings
+    from .registry import resolve
+
+    spec = resolve(settings.model, allow_download=False if settings.offline else None)
+    check_settings(spec, settings)
+    if settings.port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SwiftLMError(f"--host {settings.host!r} is not an address this machine can bind ({exc.strerror})") \
+            from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise SwiftLMError(f"port {settings.port} on {settings.host} is already in use; stop what is "
+                                   "listening there or pick another with --port") from None
+            if exc.errno == errno.EACCES:
+                raise SwiftLMError(f"not allowed to listen on port {settings.port} (ports below 1024 need "
+                                   "privileges); pick another with --port") from None
+            raise SwiftLMError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -259,6 +375,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run(args)
     print("swiftlm bench: give a benchmark: serve (see `swiftlm bench serve --help`)", file=sys.stderr)
     return 2
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from .hub import download
+    from .registry import _BUNDLED, _BUNDLED_ALIASES
+
+    if args.repo_id.lower() in _BUNDLED or args.repo_id.lower() in _BUNDLED_ALIASES:
+        print(f"{args.repo_id} is the bundled model (installed with swiftlm); nothing to download")
+        return 0
+    path = download(args.repo_id, revision=args.revision, include=args.include, exclude=args.exclude,
+                    local_dir=args.local_dir)
+    n = sum(1 for f in path.rglob("*") if f.is_file() and ".cache" not in f.parts)
+    use = f"--model {path}" if args.local_dir else f"--model {args.repo_id}"
+    print(f"downloaded {args.repo_id} ({n} files) to {path}; serve it with: swiftlm {use}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .hub import backend_architectures, cached_models, runnable_by
+    from .registry import _hf_cache_dir, resolve
+
+    rows = []
+    try:
+        spec = resolve(None)
+        rows.append({"id": spec.name, "source": "bundled", "size_bytes": spec.size_bytes, "files": 1,
+                     "architecture": spec.arch, "backends": runnable_by(spec, backend_architectures()),
+                     "revisions": [], "path": str(spec.path), "note": ""})
+    except SwiftLMError as exc:
+        rows.append({"id": "smollm2-135m-instruct", "source": "bundled", "size_bytes": 0, "files": 0,
+                     "architecture": "?", "backends": [], "revisions": [], "path": "", "note": str(exc)})
+    for m in cached_models():
+        rows.append({"id": m.repo_id, "source": "hf-cache", "size_bytes": m.size_bytes, "files": m.nb_files,
+                     "architecture": m.arch, "backends": m.backends, "revisions": m.revisions, "refs": m.refs,
+                     "path": str(m.path or ""), "note": m.note})
+    if args.json:
+        print(json.dumps({"cache_dir": str(_hf_cache_dir()), "models": rows}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"models (Hugging Face cache: {_hf_cache_dir()})")
+    for col in ("model", "size", "files", "architecture", "runs on", "revision"):
+        t.add_column(col)
+    for r in rows:
+        rev = "bundled" if r["source"] == "bundled" else ", ".join(
+            (r.get("refs") or []) + [h[:12] for h in r["revisions"][:1]])
+        runs = ", ".join(r["backends"]) or ("-" if not r["note"] else r["note"][:60])
+        t.add_row(r["id"], _human(r["size_bytes"]), str(r["files"]), r["architecture"], runs, rev)
+    Console().print(t)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from .hub import remove
+    from .registry import _BUNDLED, _BUNDLED_ALIASES
+
+    if args.repo_id.lower() in _BUNDLED or args.repo_id.lower() in _BUNDLED_ALIASES:
+        raise SwiftLMError(f"{args.repo_id} is the bundled model, part of the installation; it is not in the "
+                           "cache (scripts/uninstall.sh removes swiftlm)")
+    freed = remove(args.repo_id, revision=args.revision)
+    what = f"{args.repo_id} revision {args.revision}" if args.revision else args.repo_id
+    print(f"removed {what} from the Hugging Face cache ({_human(freed)} freed)")
+    return 0
 
 
 def _kv_format(settings: Any) -> Any:

@@ -9,6 +9,7 @@ message instead of being silently ignored.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -186,6 +187,77 @@ class Settings(BaseSettings):
     def _known_parser(cls, v: str) -> str:
         if v not in ("auto", "none", "hermes", "llama3", "mistral", "gemma"):
             raise ValueError("must be auto, none, hermes, llama3, mistral or gemma")
+        return v
+
+    # ---- ranges checked at start-up, so a bad default fails once with one sentence instead of every request
+    @field_validator("temp")
+    @classmethod
+    def _temp_ok(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError("must be a number >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_ok(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p_ok(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0 <= v <= 1:
+            raise ValueError("must be in [0, 1]")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_ok(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError("must be >= -1 (0 or -1 disable it)")
+        return v
+
+    @field_validator("repeat_penalty")
+    @classmethod
+    def _penalty_ok(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0.01 <= v <= 10:
+            raise ValueError("must be in [0.01, 10]")
+        return v
+
+    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("ctx_size")
+    @classmethod
+    def _ctx_ok(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("must be >= 1 (or left out: the model's own context length)")
+        return v
+
+    @field_validator("max_queue", "prompt_cache_bytes", "kv_budget_bytes")
+    @classmethod
+    def _zero_or_more(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("port")
+    @classmethod
+    def _port_ok(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError("must be a TCP port, 0 to 65535")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level_ok(cls, v: str) -> str:
+        if v.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError("must be one of debug, info, warning, error, critical")
         return v
 
     def check_supported(self) -> None:
