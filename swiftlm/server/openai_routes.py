@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..engine import Event, QueueFull, TokenLogprob
 from ..errors import InvalidRequest
 from ..sampling import SamplingParams
+from .chat_core import ChatRun, prepare_chat
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -264,72 +265,42 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self._chat_body_limit())
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        engine = self.engine
-        grammar = None
-        if req.response_format is not None:
-            from ..chat.structured import grammar_for
-
-            try:
-                grammar = grammar_for(req.response_format.model_dump())
-            except InvalidRequest as exc:
-                raise APIError(400, str(exc), param="response_format") from None
-        kwargs = dict(req.chat_template_kwargs or {})
-        thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.pop(
-            "enable_thinking", self.state.settings.thinking)
-        kwargs.pop("enable_thinking", None)
-        def render() -> tuple[Any, list[int]]:  # media decoding and preprocessing run off the event loop
-            plan = engine.plan_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
-                                    parallel_tool_calls=req.parallel_tool_calls,
-                                    thinking=bool(thinking), template_kwargs=kwargs,
-                                    response_format_grammar=grammar)
-            return plan, engine.encode_plan(plan)
-
-        try:
-            plan, prompt = await asyncio.to_thread(render)
-        except InvalidRequest as exc:
-            raise APIError(exc.status, str(exc), param=exc.param or "messages") from None
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        params = self._params(req, len(prompt), req.max_completion_tokens or req.max_tokens, req.logprobs, top)
-        params.grammar = plan.grammar
+        job = await prepare_chat(self, req)
         self.state.metrics.requests.labels("chat").inc()
-        self.state.metrics.prompt_tokens.inc(len(prompt))
-        sink, q = self._sink()
-        ids = self._submit(prompt, params, req.n, sink)
+        self.state.metrics.prompt_tokens.inc(len(job.prompt))
         cid = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         model = self.state.spec.name
         if req.stream:
-            return StreamingResponse(self._chat_stream(req, plan, ids, q, cid, created, model, len(prompt),
+            run = ChatRun(self, job, req.n)
+            run.start()
+            return StreamingResponse(self._chat_stream(req, run, cid, created, model, len(job.prompt),
                                                        request.headers.get(PROGRESS_HEADER) == "1"),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        sink, q = self._sink()
+        ids = self._submit(job.prompt, job.params, req.n, sink)
         texts, reasons, lps, completion, cached = await self._gather(ids, q)
         choices = []
         for i in range(req.n):
-            message, reason = _chat_message(plan.parser(), texts[i], reasons[i])
+            message, reason = _chat_message(job.plan.parser(), texts[i], reasons[i])
             choices.append({"index": i, "message": message,
                             "logprobs": self._chat_logprobs(lps[i]) if req.logprobs else None,
                             "finish_reason": reason})
+        n_prompt = len(job.prompt)
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                                       "total_tokens": len(prompt) + completion,
+                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                       "total_tokens": n_prompt + completion,
                                        "prompt_tokens_details": {"cached_tokens": cached}}})
 
-    async def _chat_stream(self, req: ChatCompletionRequest, plan: Any, ids: list[int], q: asyncio.Queue, cid: str,
-                           created: int, model: str, n_prompt: int, progress: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, req: ChatCompletionRequest, run: ChatRun, cid: str, created: int, model: str,
+                           n_prompt: int, progress: bool) -> AsyncIterator[str]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": "swiftlm"}
         usage_on = self._check_stream_opts(req)
         started = [False] * req.n
-        parsers = [plan.parser() for _ in range(req.n)]
-        completion = 0
-        cached = 0
-        t0 = time.perf_counter()
-        pacer = _ProgressPacer(t0)
-        clock = {"start": t0}
+        pacer = _ProgressPacer(time.perf_counter())
 
         def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
             c = {**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -337,13 +308,13 @@ class OpenAIRoutes:
                 c["usage"] = None
             return sse(c)
 
-        async for i, ev in self._events(ids, q):
+        async for step in run.steps():
+            i, ev = step.index, step.event
             if ev.progress is not None:
                 frame = pacer.frame(ev) if progress else None
                 if frame:
                     yield frame
                 continue
-            self._observe(ev, clock)
             if ev.error:
                 yield _stream_error(ev.error)
                 break
@@ -351,19 +322,15 @@ class OpenAIRoutes:
                 started[i] = True
                 yield chunk(i, {"role": "assistant", "content": ""})
             lp = self._chat_logprobs(ev.logprobs) if req.logprobs and ev.logprobs else None
-            pieces = parsers[i].feed(ev.text) if ev.text else []
-            if ev.finished:
-                pieces += parsers[i].finish()
-            deltas = [d for kind, val in pieces for d in _deltas(kind, val, parsers[i])]
+            deltas = [d for kind, val in step.pieces for d in _deltas(kind, val, run.parsers[i])]
             if lp is not None and not deltas:
                 deltas = [{"content": ""}]
             for k, d in enumerate(deltas):
                 yield chunk(i, d, logprobs=lp if k == 0 else None)
-            cached = max(cached, ev.cached_tokens)
             if ev.finished:
-                completion += ev.completion_tokens
-                yield chunk(i, {}, finish=parsers[i].finish_reason(ev.finish_reason))
+                yield chunk(i, {}, finish=step.finish_reason)
         if usage_on:
+            completion, cached = run.completion_tokens, run.cached_tokens
             yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                                                         "total_tokens": n_prompt + completion,
                                                         "prompt_tokens_details": {"cached_tokens": cached}}})

@@ -61,3 +61,60 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+
+
+# ---------------------------------------------------------------- OpenAI Responses API
+class ResponsesText(_Req):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None  # accepted, ignored
+
+
+class ResponsesReasoning(_Req):
+    effort: str | None = None     # none / minimal: thinking off; low / medium / high / xhigh: on
+    summary: str | None = None    # accepted, ignored (reasoning comes back whole)
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_Req):
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # SwiftLM extensions (not in OpenAI's API): the sampling fields chat completions also takes
+    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+
+
+# ---------------------------------------------------------------- Anthropic Messages API
+class AnthropicCountTokensRequest(_Req):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    system: Union[str, list[dict[str, Any]], None] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    max_tokens: int = Field(..., ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    metadata: dict[str, Any] | None = None  # accepted, ignored
+    seed: int | None = None  # SwiftLM extension

@@ -1,0 +1,240 @@
+"""The chat path shared by /v1/chat/completions, /v1/responses and /v1/messages.
+
+Every route translates its request into a ``ChatCompletionRequest`` (the internal chat request:
+messages, tools, tool_choice, sampling, response format, thinking switch, seed), then:
+
+- ``prepare_chat`` renders it (chat template, tools, reasoning switch, structured-output grammar)
+  and turns the sampling fields into ``SamplingParams``;
+- ``ChatRun`` submits it and yields ``Step``s: the engine's events with the output parsed into
+  pieces (``("reasoning", text)``, ``("content", text)``, ``("tool_call", ToolCall)``) and, on a
+  choice's last step, its finish reason (``stop``, ``length``, ``tool_calls``, ...).
+
+Each route only formats those pieces into its own wire events, so the three routes generate the
+same text for the same prompt, sampling and seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
+
+from ..engine import Event, QueueFull
+from ..errors import InvalidRequest
+from ..sampling import SamplingParams
+from .errors import APIError
+from .schemas import ChatCompletionRequest
+
+
+@dataclass
+class ChatJob:
+    """A rendered chat request, ready to submit."""
+
+    req: ChatCompletionRequest
+    plan: Any                 # chat.plan.ChatPlan: prompt text, grammar, tool format, thinking
+    prompt: list[int]         # prompt token ids (a MediaPrompt with image/audio parts)
+    params: SamplingParams
+
+
+async def prepare_chat(routes: Any, req: ChatCompletionRequest, *, clamp_max_tokens: bool = False,
+                       rename: dict[str, str] | None = None) -> ChatJob:
+    """Template, grammar and sampling parameters of a chat request; APIError (4xx) on bad input.
+
+    ``clamp_max_tokens``: a max_tokens at or beyond the context is cut to what fits instead of
+    refused (Anthropic clients send large required values). ``rename`` maps the internal field
+    names in an error's ``param`` (``messages``, ``response_format``...) to the route's own."""
+    try:
+        return await _prepare(routes, req, clamp_max_tokens)
+    except APIError as exc:
+        raise renamed(exc, rename) from None
+
+
+def renamed(exc: APIError, rename: dict[str, str] | None) -> APIError:
+    """``exc`` with its ``param``'s leading field renamed (messages[2].content -> input[2].content)."""
+    if rename and exc.param is not None:
+        head, dot, rest = exc.param.partition(".")
+        base, bracket, idx = head.partition("[")
+        if base in rename:
+            exc.param = rename[base] + bracket + idx + dot + rest
+    return exc
+
+
+async def render_chat(routes: Any, req: ChatCompletionRequest) -> tuple[Any, list[int]]:
+    """The chat plan (template, tools, grammar, reasoning switch) and the prompt's token ids."""
+    engine = routes.engine
+    grammar = None
+    if req.response_format is not None:
+        from ..chat.structured import grammar_for
+
+        try:
+            grammar = grammar_for(req.response_format.model_dump())
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param="response_format") from None
+    kwargs = dict(req.chat_template_kwargs or {})
+    thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.pop(
+        "enable_thinking", routes.state.settings.thinking)
+    kwargs.pop("enable_thinking", None)
+
+    def render() -> tuple[Any, list[int]]:  # media decoding and preprocessing run off the event loop
+        plan = engine.plan_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
+                                parallel_tool_calls=req.parallel_tool_calls,
+                                thinking=bool(thinking), template_kwargs=kwargs,
+                                response_format_grammar=grammar)
+        return plan, engine.encode_plan(plan)
+
+    try:
+        return await asyncio.to_thread(render)
+    except InvalidRequest as exc:
+        raise APIError(exc.status, str(exc), param=exc.param or "messages") from None
+
+
+async def _prepare(routes: Any, req: ChatCompletionRequest, clamp_max_tokens: bool) -> ChatJob:
+    plan, prompt = await render_chat(routes, req)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if clamp_max_tokens and max_tokens is not None:
+        max_tokens = min(max_tokens, routes.engine.ctx_size - 1)
+    params = routes._params(req, len(prompt), max_tokens, req.logprobs, top)
+    params.grammar = plan.grammar
+    return ChatJob(req, plan, prompt, params)
+
+
+@dataclass
+class Step:
+    """One engine event of one choice, with its output parsed."""
+
+    index: int                       # the choice
+    event: Event | None              # None: nothing arrived for ``idle`` seconds (a keep-alive slot)
+    pieces: list = field(default_factory=list)  # chat.tool_calls.Piece: reasoning / content / tool_call
+    finish_reason: str | None = None  # on the choice's last step: stop, length, tool_calls, cancelled, error
+
+
+def _in_reasoning(parser: Any) -> bool:
+    return parser.reasoning is not None and parser.reasoning.state == "reasoning"
+
+
+class ChatRun:
+    """Submit a prepared chat request and read its output as parsed pieces.
+
+    ``reasoning_budget`` (single choice, no grammar): once the reasoning has taken that many
+    tokens and is still open, the sequence is stopped and continued from a prompt that holds
+    the output so far plus the closing marker (e.g. ``</think>``), so the model goes on with the
+    answer; the answer's tokens count against the same ``max_tokens``."""
+
+    def __init__(self, routes: Any, job: ChatJob, n: int = 1, reasoning_budget: int | None = None):
+        self.routes, self.job, self.n = routes, job, n
+        self.engine = routes.engine
+        self.parsers = [job.plan.parser() for _ in range(n)]
+        self.reasoning_tokens = [0] * n    # output tokens produced while reasoning
+        self.output_ids: list[list[int]] = [[] for _ in range(n)]
+        self.text = [""] * n               # the raw output text (before parsing)
+        self.completion_tokens = 0         # all choices, finished ones
+        self.cached_tokens = 0             # prompt tokens served from the prompt cache
+        self.budget = reasoning_budget if n == 1 and job.params.grammar is None else None
+        self.budget_hit = False
+        self._seq: dict[int, int] = {}     # live sequence id -> choice
+        self._done_tokens = [0] * n        # tokens of sequences stopped for the budget
+        self._q: asyncio.Queue | None = None
+        self._sink: Any = None
+
+    def start(self) -> None:
+        """Submit (APIError 429 when the queue is full, 400 on a request the engine refuses)."""
+        self._sink, self._q = self.routes._sink()
+        ids = self.routes._submit(self.job.prompt, self.job.params, self.n, self._sink)
+        self._seq = {sid: i for i, sid in enumerate(ids)}
+
+    def cancel(self) -> None:
+        for sid in list(self._seq):
+            self.engine.cancel(sid)
+        self._seq.clear()
+
+    async def steps(self, idle: float | None = None) -> AsyncIterator[Step]:
+        """The output, one Step per engine event; an errored step ends the iteration."""
+        assert self._q is not None, "start() first"
+        clock = {"start": time.perf_counter()}
+        try:
+            while self._seq:
+                if idle is None:
+                    ev = await self._q.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(self._q.get(), idle)
+                    except asyncio.TimeoutError:
+                        yield Step(-1, None)
+                        continue
+                i = self._seq.get(ev.seq_id)
+                if i is None:  # a sequence we stopped for the reasoning budget
+                    continue
+                if ev.progress is not None:
+                    yield Step(i, ev)
+                    continue
+                self.routes._observe(ev, clock)
+                if not self.budget_hit:  # a continuation's cache hits are on its own, longer prompt
+                    self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+                if ev.finished:
+                    del self._seq[ev.seq_id]
+                if ev.error:
+                    yield Step(i, ev, finish_reason="error")
+                    return
+                parser = self.parsers[i]
+                before = _in_reasoning(parser)
+                pieces = parser.feed(ev.text) if ev.text else []
+                if before or _in_reasoning(parser):
+                    self.reasoning_tokens[i] += len(ev.token_ids)
+                self.output_ids[i] += ev.token_ids
+                self.text[i] += ev.text
+                if (self.budget is not None and not ev.finished and _in_reasoning(parser)
+                        and self.reasoning_tokens[i] >= self.budget):
+                    pieces += self._close_reasoning(ev.seq_id, i)
+                    if not self._seq:  # no room left for an answer
+                        pieces += parser.finish()
+                        self.completion_tokens += self._done_tokens[i]
+                        yield Step(i, ev, pieces, parser.finish_reason("length"))
+                        return
+                    yield Step(i, ev, pieces)
+                    continue
+                finish = None
+                if ev.finished:
+                    pieces += parser.finish()
+                    self.completion_tokens += ev.completion_tokens + self._done_tokens[i]
+                    finish = parser.finish_reason(ev.finish_reason)
+                yield Step(i, ev, pieces, finish)
+        finally:
+            self.cancel()  # client went away or we stopped early: free the slots
+
+    def _close_reasoning(self, seq_id: int, i: int) -> list:
+        """Stop sequence ``seq_id`` at the reasoning budget and continue it past the end marker."""
+        self.budget_hit = True
+        self.engine.cancel(seq_id)
+        del self._seq[seq_id]
+        parser = self.parsers[i]
+        end = parser.reasoning.pair[1]
+        self._done_tokens[i] = len(self.output_ids[i])
+        pieces = parser.feed(end + "\n\n")  # the parser leaves reasoning; the blank lines are layout
+        close = ("" if self.text[i].endswith("\n") else "\n") + end + "\n\n"
+        tail = self.engine.tokenizer.encode(close, add_special_tokens=False)
+        prompt = list(self.job.prompt) + self.output_ids[i] + tail
+        params: SamplingParams = self.job.params
+        room = min(params.max_tokens - len(self.output_ids[i]), self.engine.ctx_size - len(prompt))
+        if room <= 0 or hasattr(self.job.prompt, "media"):  # media prompts carry arrays: not re-submitted
+            return pieces
+        try:
+            sid = self.engine.submit(prompt, replace(params, max_tokens=room, stop=list(params.stop)), self._sink)
+        except (QueueFull, InvalidRequest):
+            return pieces  # the answer cannot start: the output ends here, as if cut by max_tokens
+        self._seq[sid] = i
+        return pieces
+
+    def stop_sequence(self, i: int = 0) -> str | None:
+        """Which of the request's stop strings ended choice ``i`` (None: EOS, or not a stop)."""
+        stops = [s for s in self.job.params.stop if s]
+        ids = self.output_ids[i]
+        if not stops or not ids or ids[-1] in self.engine.tokenizer.eos_token_ids:
+            return None
+        full = self.engine.tokenizer.decode(ids)
+        rest = full[len(self.text[i]):] if full.startswith(self.text[i]) else full
+        hits = [(rest.find(s), k, s) for k, s in enumerate(stops) if rest.find(s) >= 0]
+        return min(hits)[2] if hits else stops[0]
