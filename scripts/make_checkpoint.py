@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stacked-experts", action="store_true",
                     help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--embedding-only", action="store_true",
+                    help="an embedding model as Qwen3-Embedding ships: XxxModel without an LM head, tensor "
+                         "names without 'model.', and a sentence-transformers 1_Pooling/config.json (last token)")
     ap.add_argument("--reuse-layers", action="store_true",
                     help="one random matrix per shape, shared by all layers (fast; for speed benchmarks)")
     ap.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True, help="gemma4: a vision tower")
@@ -224,6 +227,14 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(a, tok.vocab_size, bos, eos)
     weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts,
                            reuse=a.reuse_layers)
+    if a.embedding_only:
+        cfg["architectures"] = [cfg["architectures"][0].replace("ForCausalLM", "Model")]
+        cfg["tie_word_embeddings"] = True
+        weights = ((k[len("model."):], v) for k, v in weights if k != "lm_head.weight")
+        (out / "1_Pooling").mkdir(parents=True, exist_ok=True)
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": cfg["hidden_size"], "pooling_mode_lasttoken": True,
+             "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False}, indent=2))
     target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)

@@ -48,6 +48,8 @@ class ModelInfo:
     kv_bytes_per_token: int = 0
     streamed_expert_bytes: int = 0   # expert bytes left on disk (--stream-experts); 0 when all resident
     experts_per_token: int = 0       # in use (after --expert-top-k)
+    embedding_only: bool = False     # no LM head (e.g. Qwen3Model): /v1/embeddings only, no generation
+    pooling: str = "mean"            # embeddings' pooling (swiftlm.embeddings.pooling_for)
 
 
 @dataclass
@@ -118,6 +120,10 @@ class Model(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Bytes: active, peak, cache (backend allocator figures)."""
+
+    def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
+        """Each prompt's final-norm hidden states, [T, hidden] float32 numpy arrays (embeddings;
+        the engine calls it between steps, on its own thread)."""
 
 
 @runtime_checkable

@@ -105,6 +105,10 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
 
     check_settings(spec, settings)
     model = backend.load(spec, settings)
+    from .embeddings import is_embedding_only, pooling_for
+
+    model.info.embedding_only = is_embedding_only(spec.config or {})
+    model.info.pooling = pooling_for(spec)
     speculator = _speculator(settings, backend, model, draft_spec)
     processor = processor_for(spec, model.tokenizer)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,

@@ -69,6 +69,7 @@ class BatchOps(Protocol):
     def pack(self, cols: list[Any]) -> Any: ...             # [rows, k] float32 from [rows] / [rows, j] parts
     def where_int(self, cond: Any, a: Any, b: Any) -> Any: ...  # like where, integer result
     def one_row(self, x: Any) -> Any: ...                   # [V] -> [1, V]
+    def end_thread(self) -> None: ...                       # a thread that ran device work is ending
 
 
 @dataclass

@@ -363,3 +363,6 @@ class NumpyOps:
 
     def one_row(self, x):
         return np.asarray(x).reshape(1, -1)
+
+    def end_thread(self) -> None:
+        pass

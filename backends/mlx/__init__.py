@@ -32,6 +32,7 @@ class MLXBackend:
     def load(self, spec: ModelSpec, cfg: Any) -> Any:
         from swiftlm.media.processor import is_multimodal
 
+        _clear_streams_at_exit()
         if is_multimodal(spec):
             from .vlm import load_multimodal
 
@@ -45,6 +46,28 @@ class MLXBackend:
         from .export import export_quantized_gguf
 
         return export_quantized_gguf(spec, out, dtype)
+
+
+_registered = False
+
+
+def _clear_streams_at_exit() -> None:
+    """MLX streams must be destroyed by their thread before interpreter shutdown (mlx#4110): the
+    engine thread does it as it ends (ops.end_thread); this covers the main thread."""
+    global _registered
+    if _registered:
+        return
+    import atexit
+    import threading
+
+    import mlx.core as mx
+
+    def clear() -> None:
+        if threading.current_thread() is threading.main_thread():
+            mx.clear_streams()
+
+    atexit.register(clear)
+    _registered = True
 
 
 __all__ = ["MLXBackend"]

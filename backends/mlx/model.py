@@ -126,6 +126,21 @@ class MLXModel:
             tokens = tokens[-1:]
         return self._feed(seq_id, tokens, start_pos)[0, -1]
 
+    def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
+        """Each prompt's final-norm hidden states [T, hidden] as float32 numpy (embeddings), one
+        forward per prompt with no cache (mlx-lm's inner ``model`` returns the normed states)."""
+        import numpy as np
+
+        inner = getattr(self.module, "model", None)
+        if inner is None:
+            raise NotImplementedError(f"{type(self.module).__name__} exposes no hidden states for embeddings")
+        out = []
+        for toks in prompts:
+            h = inner(mx.array([toks], dtype=mx.int32))[0].astype(mx.float32)
+            mx.eval(h)
+            out.append(np.array(h))
+        return out
+
     def score(self, seq_id: int, tokens: list[int], start_pos: int, pad_to: int | None = None) -> mx.array:
         """Every fed position's logits [len(tokens), vocab] (speculative verification)."""
         out = self._feed(seq_id, tokens, start_pos)[0]

@@ -226,6 +226,26 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class PackedAttend:
+    """Attention for several independent sequences packed into one row block (no KV kept):
+    causal within each sequence, nothing across them.  Goes where a cache goes
+    (``Attention.forward`` calls ``update_attend`` on anything that is not a ``SeqCache``)."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        self.lengths = lengths
+        self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
+        # (sum T)^2 and leave SDPA's fused kernels for its masked fallback: measured 2x slower)
+        gqa = q.shape[0] != k.shape[0]
+        outs = [F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
+                                               enable_gqa=gqa)[0]
+                for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))]
+        out = torch.cat(outs, dim=1)  # [H, T, D]
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
 class SeqCache:
     """One sequence's KV cache: per layer [KVH, capacity, D] tensors, grown by doubling."""
 
@@ -285,15 +305,23 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.a.hidden ** 0.5, dtype=x.dtype)
         return x
 
-    def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = False) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] (or of the last position only).  With a
+        ``PackedAttend`` as ``kv``: several sequences at once, each from position 0."""
         x = self.embed(tokens)
         T = tokens.shape[0]
-        cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+        if isinstance(kv, PackedAttend):
+            cos, sin = self.cos[kv.positions], self.sin[kv.positions]
+        else:
+            cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv, i, start)
         if last_only:
             x = x[-1:]
-        x = self.norm(x)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
+        x = self.hidden(tokens, kv, start, last_only)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w)
 
@@ -414,6 +442,8 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
           expert_reader: Any = None) -> Transformer:
     """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
     a = Args.from_config(config)
+    if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
+        a.tie = True  # an embedding-only checkpoint (e.g. Qwen3Model): no head; logits are never asked for
     with torch.device("meta"):
         model = Transformer(a)
         if expert_reader is not None:

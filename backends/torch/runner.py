@@ -19,13 +19,14 @@ from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
-from .model import SeqCache, build, decode_batch, param_bytes
+from .model import PackedAttend, SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
 
 log = logging.getLogger(__name__)
 
 
 CUDA_DEFAULT_CTX = 8192
+EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
 
 
 class TorchModel:
@@ -131,6 +132,26 @@ class TorchModel:
             return out
         ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.module(ids, cache, start)[-1]
+
+    @torch.inference_mode()
+    def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
+        """Each prompt's final-norm hidden states [T, hidden] as float32 numpy (embeddings).
+        Prompts are packed into forwards of up to EMBED_PACK_TOKENS tokens (one GEMM per weight
+        for the pack; attention causal within each prompt and blind across them), so a vector
+        differs from the prompt's solo run only by summation order."""
+        out: list[Any] = []
+        i = 0
+        while i < len(prompts):
+            j, n = i, 0
+            while j < len(prompts) and (j == i or n + len(prompts[j]) <= EMBED_PACK_TOKENS):
+                n += len(prompts[j])
+                j += 1
+            group = prompts[i:j]
+            ids = torch.tensor([t for p in group for t in p], dtype=torch.long, device=self.device)
+            h = self.module.hidden(ids, PackedAttend([len(p) for p in group], self.device), 0).float().cpu()
+            out.extend(x.numpy() for x in h.split([len(p) for p in group]))
+            i = j
+        return out
 
     @torch.inference_mode()
     def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> torch.Tensor:
