@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -220,4 +221,15 @@ def serve(settings: Settings) -> int:
     server.run()
     if state.engine is not None:
         state.engine.shutdown()
-    return 2 if "error" in outcome else 0
+    code = 2 if "error" in outcome else 0
+    if os.environ.get("SWIFTLM_FINALIZE") != "1":
+        # Everything is shut down (the engine thread joined, streams ended): leave without the
+        # interpreter's finalization, where a daemon thread still inside a C++ extension can be
+        # killed mid-frame and abort the process ("terminate called without an active exception",
+        # SIGABRT instead of exit 0: seen twice on CI with the torch multimodal server; the
+        # mechanism is described in ml-explore/mlx#4110). SWIFTLM_FINALIZE=1 keeps the normal exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
