@@ -13,8 +13,8 @@ from __future__ import annotations
 import atexit
 import itertools
 import weakref
-import logging
 from concurrent.futures import Future
+import logging
 import queue
 import threading
 import time
@@ -145,7 +145,45 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     # ------------------------------------------------------------------ requests
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
+        """Embeddings of token lists (one job for the batch, run by the engine thread between
+        steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
+        from .embeddings import embed
+
+        if not hasattr(self.model, "hidden_states"):
+            raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        for p in prompts:
+            if not p:
+                raise InvalidRequest("an embedding input is empty", param="input")
+            if len(p) > self.ctx_size:
+                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
+                                     param="input")
+            if min(p) < 0 or max(p) >= self.info.vocab_size:
+                raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
+        raw: Future[list[Any]] = Future()
+        out: Future[list[Any]] = Future()
+        mode = self.info.pooling
+
+        def done(f: Future) -> None:
+            try:
+                hidden = f.result()
+                if dimensions and hidden and dimensions > hidden[0].shape[-1]:
+                    raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
+                                         f"{hidden[0].shape[-1]}", param="dimensions")
+                out.set_result(embed(hidden, mode, dimensions))
+            except Exception as exc:
+                out.set_exception(exc)
+
+        raw.add_done_callback(done)
+        self._inbox.put(("embed", (prompts, raw)))
+        return out
+
     def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
+        if self.info.embedding_only:
+            raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
+                                 param="model")
         params.validate(self.info.vocab_size)
         if not prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -220,6 +258,13 @@ class Engine:
                 live = self._live.get(arg)
                 if live is not None:
                     self._finish(live, "stop", notify=False)
+            elif cmd == "embed":  # between steps: the device is free (no step in flight here)
+                prompts, fut = arg
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self.model.hidden_states(prompts))
+                    except Exception as exc:  # the request's error, not the engine's
+                        fut.set_exception(exc)
             elif cmd == "stop":
                 for live in list(self._live.values()):
                     self._finish(live, "cancelled")
@@ -238,45 +283,7 @@ class Engine:
                 batch = self.scheduler.schedule()
                 if not batch.seqs:
                     continue
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
-        """Embeddings of token lists (one job for the batch, run by the engine thread between
-        steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
-        from .embeddings import embed
-
-        if not hasattr(self.model, "hidden_states"):
-            raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
-        if self._stopping:
-            raise QueueFull("the server is shutting down")
-        for p in prompts:
-            if not p:
-                raise InvalidRequest("an embedding input is empty", param="input")
-            if len(p) > self.ctx_size:
-                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
-                                     param="input")
-            if min(p) < 0 or max(p) >= self.info.vocab_size:
-                raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
-        raw: Future[list[Any]] = Future()
-        out: Future[list[Any]] = Future()
-        mode = self.info.pooling
-
-        def done(f: Future) -> None:
-            try:
-                hidden = f.result()
-                if dimensions and hidden and dimensions > hidden[0].shape[-1]:
-                    raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
-                                         f"{hidden[0].shape[-1]}", param="dimensions")
-                out.set_result(embed(hidden, mode, dimensions))
-            except Exception as exc:
-                out.set_exception(exc)
-
-        raw.add_done_callback(done)
-        self._inbox.put(("embed", (prompts, raw)))
-        return out
-
                 for sid in batch.preempted:  # recompute later: drop the KV state now
-        if self.info.embedding_only:
-            raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
-                                 param="model")
                     self.model.free([sid])
                 self.timers.add("schedule", time.perf_counter() - t0)
                 if self.speculator is not None and self._speculate(batch):
@@ -303,6 +310,10 @@ class Engine:
         for live in list(self._live.values()):  # shutting down: release every waiter
             self._finish(live, "cancelled")
         self._flush_outputs()
+        try:
+            self.model.ops.end_thread()  # MLX: this thread's streams go with it (a clean exit)
+        except Exception:  # pragma: no cover
+            log.exception("releasing the engine thread's device streams failed")
 
     def _flush_outputs(self) -> None:
         if self._outs:
@@ -350,13 +361,6 @@ class Engine:
             live = self._live.get(w.seq_id)
             if live is not None:
                 live.seq.num_computed += len(w.tokens)
-            elif cmd == "embed":  # between steps: the device is free (no step in flight here)
-                prompts, fut = arg
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(self.model.hidden_states(prompts))
-                    except Exception as exc:  # the request's error, not the engine's
-                        fut.set_exception(exc)
                 if not w.sample and not live.seq.output_tokens:
                     self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
         for w, s in zip(rows, sampled):
@@ -402,10 +406,6 @@ class Engine:
             return False
         seq = live.seq
         room = min((w.params.max_tokens or 0) - len(seq.output_tokens), self.ctx_size - len(seq.all_tokens))
-        try:
-            self.model.ops.end_thread()  # MLX: this thread's streams go with it (a clean exit)
-        except Exception:  # pragma: no cover
-            log.exception("releasing the engine thread's device streams failed")
         t0 = time.perf_counter()
         try:
             sampled = self.speculator.step(w, seq, room)

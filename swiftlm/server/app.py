@@ -25,8 +25,8 @@ from ..config import Settings
 from ..memory import system_memory
 from .errors import APIError, error_response
 from .metrics import Metrics
-from . import embeddings as embeddings_api
 from . import anthropic as anthropic_api
+from . import embeddings as embeddings_api
 from . import responses as responses_api
 from .openai_routes import OpenAIRoutes
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -152,9 +152,9 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
         *responses_api.routes(state, routes_impl, v1_key),
         *anthropic_api.routes(state, routes_impl, v1_key),
+        *embeddings_api.routes(state, routes_impl, v1_key, lambda fn: _guard(state, fn, v1_key)),
     ]
     middleware = []
-        *embeddings_api.routes(state, routes_impl, v1_key, lambda fn: _guard(state, fn, v1_key)),
     if settings.cors:
         origins = [o.strip() for o in settings.cors.split(",") if o.strip()]
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
@@ -205,9 +205,9 @@ def serve(settings: Settings) -> int:
             from ..llm import make_engine
 
             state.engine = make_engine(settings, backend, spec)
+            state.engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
         except Exception as exc:
             state.load_error = str(exc)
-            state.engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
             outcome["error"] = exc
             print(f"swiftlm: error: {exc}", file=sys.stderr)
             server.should_exit = True
