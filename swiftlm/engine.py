@@ -103,7 +103,9 @@ class Engine:
         self._pending = 0  # submitted, not yet finished (guarded by _lock)
         self._lock = threading.Lock()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="swiftlm-engine", daemon=True)
+        self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
+        self.on_fatal: Any = None  # called with that message (the server exits non-zero)
+        self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
@@ -184,6 +186,8 @@ class Engine:
         if self.info.embedding_only:
             raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
                                  param="model")
+        if self.fatal or self._stopping:
+            raise QueueFull(self.fatal or "the server is shutting down")
         params.validate(self.info.vocab_size)
         if not prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -225,7 +229,29 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
+
+    def _run(self) -> None:
+        """The loop, and what happens if it dies: every live request ends with the error, new
+        ones are refused, and ``on_fatal`` is told (never a silent hang)."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report any death
+            self.fatal = f"engine loop died: {type(exc).__name__}: {exc}"
+            self._stopping = True
+            log.critical(self.fatal, exc_info=True)
+            for live in list(self._live.values()):
+                try:
+                    self._finish(live, "error", error=self.fatal)
+                except Exception:  # pragma: no cover
+                    pass
+            try:
+                self._flush_outputs()
+                self.model.ops.end_thread()
+            except Exception:  # pragma: no cover
+                pass
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
 
     # ------------------------------------------------------------------ loop
     def _drain(self, block: bool) -> None:
@@ -331,11 +357,20 @@ class Engine:
         t2 = time.perf_counter()
         forward_s = launch_s or (t2 - t1)
         rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
-        pending = sampler.launch(self.model.ops, fwd.logits,
-                                 [sampler.Row(w.params, w.state) for w in rows]) if rows else None
+        failed = dict(fwd.failed)  # seq id -> error: these sequences end with it, the rest go on
+        pending = None
+        if rows:
+            srows = [sampler.Row(w.params, w.state) for w in rows]
+            try:
+                pending = sampler.launch(self.model.ops, fwd.logits, srows)
+            except Exception:  # find the row(s) at fault and fail only them
+                log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
+                pending, ok, bad = sampler.launch_each(self.model.ops, fwd.logits, srows)
+                failed.update({rows[i].seq_id: err for i, err in bad.items()})
+                rows = [rows[i] for i in ok]
         t3 = time.perf_counter()
         nxt = None
-        if pending is not None and self._can_overlap(batch, fwd):
+        if pending is not None and pending.tokens is not None and not failed and self._can_overlap(batch, fwd):
             nb = StepBatch([SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state)
                             for w in batch.seqs],
                            input_ids=pending.tokens)
@@ -345,6 +380,8 @@ class Engine:
             self.stats.overlapped_steps += 1
         t4 = time.perf_counter()
         sampled = pending.finish() if pending is not None else []
+        if pending is not None and pending.failed:  # a grammar refused its sampled token
+            failed.update({rows[i].seq_id: err for i, err in pending.failed.items()})
         t5 = time.perf_counter()
         self.timers.add("prepare", fwd.prepare_seconds)
         self.timers.add("forward", max(0.0, forward_s - fwd.prepare_seconds))
@@ -353,7 +390,7 @@ class Engine:
         self.stats.steps += 1
         if any(len(w.tokens) == 1 for w in batch.seqs):
             self.stats.decode_seconds += t5 - t2 + forward_s
-        for sid, err in fwd.failed.items():  # one sequence's failure (e.g. its media) is its own
+        for sid, err in failed.items():  # one sequence's failure (its media, its sampling) is its own
             live = self._live.get(sid)
             if live is not None:
                 self._finish(live, "error", error=err)
@@ -365,7 +402,7 @@ class Engine:
                     self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
         for w, s in zip(rows, sampled):
             live = self._live.get(w.seq_id)
-            if live is not None:
+            if live is not None and w.seq_id not in failed:
                 self._on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
         self._flush_outputs()
         self.timers.add("process", time.perf_counter() - t5)

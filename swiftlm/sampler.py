@@ -96,6 +96,7 @@ class Pending:
 
     def __init__(self, ops: BatchOps, rows: list[Row], tokens: Any, packed: Any, top_k: int):
         self.ops, self.rows, self.tokens, self.packed, self.top_k = ops, rows, tokens, packed, top_k
+        self.failed: dict[int, str] = {}  # row index -> error (its grammar refused the token): set by finish
         # the copy is queued right behind the sampler's kernels, ahead of whatever the caller queues next
         self.handle = ops.start_copy(tokens if packed is None else packed)
 
@@ -117,19 +118,58 @@ class Pending:
                 if k:
                     top = [(int(i), float(v)) for i, v in zip(host[r, 2:2 + k], host[r, 2 + K:2 + K + k])]
                 out.append(Sampled(tok, float(host[r, 1]), top))
-        for row, s in zip(self.rows, out):
+        for r, (row, s) in enumerate(zip(self.rows, out)):
             if row.state.constraint is not None:
-                row.state.constraint.consume(s.token)
+                try:  # one row's grammar failing is that row's error, not the batch's
+                    row.state.constraint.consume(s.token)
+                except Exception as exc:
+                    self.failed[r] = f"constrained decoding failed: {type(exc).__name__}: {exc}"
+        return out
+
+
+class PendingEach:
+    """Rows launched one by one (``launch_each``): the same ``finish`` over their results."""
+
+    def __init__(self, parts: list[Pending]):
+        self.parts = parts
+        self.tokens = None  # no single device tensor of ids: the next step is not overlapped
+        self.failed: dict[int, str] = {}
+
+    def finish(self) -> list[Sampled]:
+        out = []
+        for r, p in enumerate(self.parts):
+            out += p.finish()
+            if p.failed:
+                self.failed[r] = p.failed[0]
         return out
 
 
 def launch(ops: BatchOps, logits: Any, rows: list[Row]) -> Pending:
-    """Queue sampling of every row of ``logits`` [n, V] (row r with ``rows[r]``)."""
+    """Queue sampling of every row of ``logits`` [n, V] (row r with ``rows[r]``).  Each row's
+    draw counter advances only when the launch succeeds (a retry draws the same numbers)."""
+    pending = _launch(ops, logits, rows, [r.state.draws for r in rows])
+    for r in rows:
+        r.state.draws += 1
+    return pending
+
+
+def launch_each(ops: BatchOps, logits: Any, rows: list[Row]) -> tuple[PendingEach, list[int], dict[int, str]]:
+    """After a batched ``launch`` raised: launch row by row, so the row that fails (its logit
+    bias, its grammar mask ...) fails alone.  Returns (pending over the rows that launched, their
+    indices in ``rows``, {index: error} for the others)."""
+    parts, ok, failed = [], [], {}
+    for i, row in enumerate(rows):
+        try:
+            parts.append(launch(ops, ops.one_row(logits[i]), [row]))
+            ok.append(i)
+        except Exception as exc:
+            failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return PendingEach(parts), ok, failed
+
+
+def _launch(ops: BatchOps, logits: Any, rows: list[Row], counters: list[int]) -> Pending:
     P = [r.params for r in rows]
     S = [r.state for r in rows]
-    counters = [s.draws for s in S]
-    for s in S:
-        s.draws += 1
     if all(plain_greedy(p, s) for p, s in zip(P, S)):  # the fast path: one argmax, ids back
         return Pending(ops, rows, ops.argmax_rows(logits), None, 0)
     x = adjust(ops, logits, P, S)

@@ -204,7 +204,14 @@ def serve(settings: Settings) -> int:
         try:
             from ..llm import make_engine
 
-            state.engine = make_engine(settings, backend, spec)
+            engine = make_engine(settings, backend, spec)
+
+            def fatal(msg: str) -> None:  # the engine loop died: stop serving, exit non-zero
+                outcome["fatal"] = msg
+                server.should_exit = True
+
+            engine.on_fatal = fatal
+            state.engine = engine
             state.engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
         except Exception as exc:
             state.load_error = str(exc)
@@ -221,7 +228,7 @@ def serve(settings: Settings) -> int:
     server.run()
     if state.engine is not None:
         state.engine.shutdown()
-    code = 2 if "error" in outcome else 0
+    code = 2 if "error" in outcome else (1 if "fatal" in outcome else 0)
     if os.environ.get("SWIFTLM_FINALIZE") != "1":
         # Everything is shut down (the engine thread joined, streams ended): leave without the
         # interpreter's finalization, where a daemon thread still inside a C++ extension can be

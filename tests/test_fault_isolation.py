@@ -1,0 +1,109 @@
+"""One sequence's failure inside a step is that sequence's error: the other sequences of the same
+steps produce exactly what a clean run produces (seeded sampling, fp32 on CPU).  And if the
+engine loop itself dies, every waiter gets the error and new requests are refused (no hang)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import BACKENDS
+from swiftlm import LLM, SamplingParams
+from swiftlm import sampler as sampler_mod
+
+PROMPTS = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota", "kappa lambda mu", "nu xi omicron pi"]
+BAD_SEED = 666  # the injected failure hits the request with this seed
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=2.0, seed=BAD_SEED if i == 2 else 100 + i, ignore_eos=True)
+
+
+def _run_all(llm: LLM) -> dict[int, object]:
+    out: dict[int, object] = {}
+
+    def go(i: int) -> None:
+        try:
+            out[i] = llm.generate(PROMPTS[i], _params(i)).token_ids
+        except Exception as exc:  # the failed request's error reaches its caller
+            out[i] = exc
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(PROMPTS))]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    return out
+
+
+@pytest.fixture(params=BACKENDS)
+def llm(request, tiny_llama):
+    m = LLM(str(tiny_llama), backend=request.param, parallel=len(PROMPTS))
+    yield m
+    m.close()
+
+
+def test_sampling_failure_of_one_row(llm, monkeypatch):
+    clean = _run_all(llm)
+    real = sampler_mod._launch
+
+    def flaky(ops, logits, rows, counters):
+        if any(r.state.seed == BAD_SEED for r in rows) and rows[0].state.draws >= 3:
+            raise ValueError("injected: this row's sampling parameters broke the kernel")
+        return real(ops, logits, rows, counters)
+
+    monkeypatch.setattr(sampler_mod, "_launch", flaky)
+    got = _run_all(llm)
+    assert isinstance(got[2], Exception) or len(got[2]) < 8  # the bad request ended early, with an error
+    for i in (0, 1, 3, 4):
+        assert got[i] == clean[i], i  # everyone else: token for token the clean run
+    assert llm.engine.running
+
+
+def test_grammar_failure_of_one_row(llm, monkeypatch):
+    clean = _run_all(llm)
+
+    class Broken:
+        def __init__(self):
+            self.n = 0
+
+        def consume(self, token):
+            self.n += 1
+            if self.n == 3:
+                raise RuntimeError("injected: the grammar rejected the token")
+
+        def mask(self, *a, **k):  # no restriction: only consume fails
+            return None
+
+    real_finish = sampler_mod.Pending.finish
+
+    def finish(self):
+        for row in self.rows:
+            if row.state.seed == BAD_SEED and row.state.constraint is None:
+                row.state.constraint = Broken()
+        return real_finish(self)
+
+    monkeypatch.setattr(sampler_mod.Pending, "finish", finish)
+    monkeypatch.setattr(sampler_mod, "plain_greedy", lambda p, s: False)
+    got = _run_all(llm)
+    assert isinstance(got[2], Exception) or len(got[2]) < 8
+    for i in (0, 1, 3, 4):
+        assert got[i] == clean[i], i
+    assert llm.engine.running
+
+
+def test_engine_loop_death_is_reported_not_a_hang(tiny_llama, monkeypatch):
+    m = LLM(str(tiny_llama), backend="torch", parallel=2)
+    told: list[str] = []
+    m.engine.on_fatal = told.append
+    try:
+        def boom():
+            raise RuntimeError("injected: the scheduler broke")
+
+        monkeypatch.setattr(m.engine.scheduler, "schedule", boom)
+        with pytest.raises(Exception, match="engine loop died"):
+            m.generate("hello there", SamplingParams(max_tokens=4))
+        assert not m.engine.running and told and "scheduler broke" in told[0]
+        with pytest.raises(Exception, match="engine loop died"):  # refused at once, not queued forever
+            m.generate("again", SamplingParams(max_tokens=4))
+    finally:
+        m.close()
