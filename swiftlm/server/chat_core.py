@@ -237,4 +237,4 @@ class ChatRun:
         full = self.engine.tokenizer.decode(ids)
         rest = full[len(self.text[i]):] if full.startswith(self.text[i]) else full
         hits = [(rest.find(s), k, s) for k, s in enumerate(stops) if rest.find(s) >= 0]
-        return min(hits)[2] if hits else stops[0]
+        return min(hits)[2] if hits else None

@@ -440,6 +440,5 @@ def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
     from .app import _guard  # app imports this module first
 
     impl = ResponsesRoutes(state, chat)
-    state.responses = impl  # for tests / introspection
     return [Route("/v1/responses", _guard(state, impl.create, needs_key), methods=["POST"]),
             Route("/v1/responses/{response_id}", _guard(state, impl.item, needs_key), methods=["GET", "DELETE"])]
