@@ -288,7 +288,7 @@ class OutputBuilder:
         out = []
         if self.open is None or self.open["type"] != want:
             out += self.close()
-            out += self._open(want)
+            out += self.start(want)
         self.text += val
         idx, iid = len(self.items) - 1, self.open["id"]
         if want == "message":
@@ -299,7 +299,7 @@ class OutputBuilder:
                                   delta=val))
         return out
 
-    def _open(self, kind: str) -> list[dict]:
+    def start(self, kind: str) -> list[dict]:
         if kind == "message":
             item = {"id": _rid("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}
@@ -409,7 +409,7 @@ class ResponsesRoutes:
                 reason = step.finish_reason
         cut = reason == "length"
         if not out.items:  # nothing generated: an empty message, so output[0] is always there
-            for e in out._open("message"):
+            for e in out.start("message"):
                 yield e
         for e in out.close("incomplete" if cut else "completed"):
             yield e
