@@ -94,7 +94,7 @@ if $VENV/bin/python -c 'import importlib.metadata as m; m.version("llama-cpp-pyt
   $PIP uninstall -q -y llama-cpp-python
 fi
 if [ -n "$offline" ]; then
-  $PIPI "swiftlm[$extras]"
+  $PIPI --upgrade "swiftlm[$extras]"  # a newer bundle upgrades swiftlm (dependencies only if needed)
   where="from the bundle $offline"
 else
   $PIPI -e ".[$extras]"

