@@ -86,6 +86,19 @@ class Settings(BaseSettings):
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
     info: bool = _f(False, "Print the model facts and memory plan, then exit.", group="server")
+
+    # many models in one server (server/models.py)
+    models_file: str | None = _f(None, "TOML file of [[models]] entries (name, model, aliases, pin, and per-model "
+                                       "settings such as turbo_kv or ctx_size) served side by side and chosen by "
+                                       "the request's 'model' field; replaces --model.", group="models")
+    max_loaded_models: int = _f(0, "Models kept loaded at once (0: no limit); the least recently used idle, "
+                                   "unpinned one is unloaded to make room.", group="models")
+    models_memory_bytes: int = _f(0, "Bytes of checkpoints (size on disk) kept loaded at once (0: no limit); "
+                                     "least recently used idle models are unloaded to fit.", group="models")
+    model_ttl: float = _f(0.0, "Seconds a model may stay idle before it is unloaded and its memory returned "
+                               "(0: never).", group="models")
+    strict_model_names: bool = _f(False, "With one model, answer an unknown 'model' with 404 model_not_found "
+                                         "instead of serving the one model.", group="models")
     log_level: str = _f("info", "Log level: debug, info, warning, error.", group="server")
 
     # planned features: accepted by the parser so that they fail loudly
@@ -122,6 +135,13 @@ class Settings(BaseSettings):
     draft_model: str | None = _f(None, "Draft model for speculative decoding (any source --model takes; it must "
                                        "share the target's tokenizer).", group="engine")
     num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="engine")
+
+    @field_validator("max_loaded_models", "models_memory_bytes", "model_ttl")
+    @classmethod
+    def _models_non_negative(cls, v: Any) -> Any:
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
 
     @field_validator("speculative")
     @classmethod

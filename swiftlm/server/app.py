@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -18,12 +17,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config import Settings
 from ..memory import system_memory
 from .errors import APIError, error_response
+from .models import CURRENT, AppState, ModelEntry, ModelManager, entries_from_toml
 from .metrics import Metrics
 from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
@@ -45,17 +45,34 @@ def _authorized(request: Request, key: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+async def _releasing(body: Any, state: Any, entry: Any) -> Any:
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        state.models.release(entry)
+
+
 def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
            ) -> Callable[[Request], Awaitable[Response]]:
     async def handler(request: Request) -> Response:
+        streaming = False
         try:
             if needs_key() and not _authorized(request, state.settings.api_key):
                 raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
-            return await fn(request)
+            resp = await fn(request)  # reading the body picks the request's model (state.select_model)
+            if CURRENT.get() is not None and isinstance(resp, StreamingResponse):
+                # the model stays in use (and CURRENT set, for this task) until the stream ends
+                resp.body_iterator = _releasing(resp.body_iterator, state, CURRENT.get())
+                streaming = True
+            return resp
         except APIError as exc:
             state.metrics.errors.labels(str(exc.status)).inc()
             return error_response(exc.status, exc.message, exc.param, exc.code)
+        finally:
+            if not streaming and CURRENT.get() is not None:
+                state.release_model()
     return handler
 
 
@@ -89,8 +106,8 @@ def openapi_schema() -> dict:
 
 
 def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend: str | None = None) -> Starlette:
-    state = SimpleNamespace(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
-                            started=time.time(), load_error=None)
+    state = AppState(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
+                     started=time.time(), load_error=None)
     routes_impl = OpenAIRoutes(state)
     never = lambda: False  # noqa: E731
 
@@ -183,7 +200,17 @@ def serve(settings: Settings) -> int:
     from ..engine import Engine
     from ..registry import resolve
 
-    spec = resolve(settings.model, allow_download=False if settings.offline else None)
+    offline = False if settings.offline else None
+    if settings.models_file:  # several models, each loaded on demand (server/models.py)
+        try:
+            entries = entries_from_toml(settings.models_file)
+        except (OSError, ValueError) as exc:
+            print(f"swiftlm: error: --models-file: {exc}", file=sys.stderr)
+            return 2
+        spec = None
+    else:
+        spec = resolve(settings.model, allow_download=offline)
+        entries = [ModelEntry(name=spec.name, model=settings.model, pin=True)]
     backend, why = choose_backend(settings.backend)
     app = create_app(settings, spec=spec, backend=backend.name)
     state = app.state.swiftlm
@@ -200,19 +227,50 @@ def serve(settings: Settings) -> int:
     server = _Server(config)
     outcome: dict[str, Any] = {}
 
+    def fatal(msg: str) -> None:  # an engine loop died: stop serving, exit non-zero
+        outcome["fatal"] = msg
+        server.should_exit = True
+
+    def load_entry(e: ModelEntry) -> tuple[Any, Any]:
+        from ..llm import make_engine
+
+        s = settings.model_copy(update={**e.overrides, "model": e.model, "models_file": None})
+        sp = spec if (spec is not None and e.model == settings.model) else resolve(s.model, allow_download=offline)
+        be = backend if s.backend == settings.backend else choose_backend(s.backend)[0]
+        engine = make_engine(s, be, sp)
+        engine.on_fatal = fatal
+        engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
+        return engine, sp
+
+    sizes: dict[str, int] = {}
+
+    def size_of(e: ModelEntry) -> int:
+        if e.name not in sizes:
+            try:
+                sizes[e.name] = int(resolve(e.model, allow_download=False).size_bytes or 0)
+            except Exception:
+                sizes[e.name] = 0
+        return sizes[e.name]
+
+    manager = ModelManager(entries, load_entry, max_loaded=settings.max_loaded_models,
+                           memory_budget=settings.models_memory_bytes, ttl=settings.model_ttl,
+                           strict=settings.strict_model_names, size_of=size_of)
+
+    def follow() -> None:  # health and metrics read the first loaded model
+        state.engine = manager.default_engine()
+        first = next((x for x in manager.entries if x.engine is not None), None)
+        if first is not None or spec is None:
+            state.spec = first.view if first is not None else None
+
+    manager.on_change = follow
+    state.models = manager
+
     def load() -> None:
         try:
-            from ..llm import make_engine
-
-            engine = make_engine(settings, backend, spec)
-
-            def fatal(msg: str) -> None:  # the engine loop died: stop serving, exit non-zero
-                outcome["fatal"] = msg
-                server.should_exit = True
-
-            engine.on_fatal = fatal
-            state.engine = engine
-            state.engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
+            # at start-up: the one model, or the pinned ones of a models file (else its first)
+            for e in [x for x in entries if x.pin] or entries[:1]:
+                engine, sp = load_entry(e)
+                manager.adopt(e, engine, sp)
         except Exception as exc:
             state.load_error = str(exc)
             outcome["error"] = exc
@@ -221,13 +279,16 @@ def serve(settings: Settings) -> int:
             return
         while not server.started and not server.should_exit:
             time.sleep(0.05)
-        print(json.dumps({"event": "ready", "host": settings.host, "port": settings.port, "model": spec.name,
-                          "backend": backend.name, "backend_choice": why}), flush=True)
+        print(json.dumps({"event": "ready", "host": settings.host, "port": settings.port,
+                          "model": spec.name if spec is not None else entries[0].name,
+                          "models": manager.available(), "backend": backend.name, "backend_choice": why}),
+              flush=True)
 
     threading.Thread(target=load, name="swiftlm-load", daemon=True).start()
     server.run()
-    if state.engine is not None:
-        state.engine.shutdown()
+    for e in manager.entries:
+        if e.engine is not None:
+            e.engine.shutdown()
     code = 2 if "error" in outcome else (1 if "fatal" in outcome else 0)
     if os.environ.get("SWIFTLM_FINALIZE") != "1":
         # Everything is shut down (the engine thread joined, streams ended): leave without the

@@ -19,6 +19,7 @@ or unload them.  Routes never hold a model; they ask the manager for the engine 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import logging
 import threading
@@ -65,7 +66,17 @@ class ModelEntry:
     loaded_at: float = 0.0  # monotonic
     created: int = 0  # unix time of the last load
     load_seconds: float = 0.0
+    view: Any = None  # the spec as requests see it: named by the entry
     _loading: asyncio.Future | None = None
+
+
+def _view(e: ModelEntry, spec: Any) -> Any:
+    """The spec as requests see it: named by the entry (responses' 'model' field)."""
+    if spec is None or getattr(spec, "name", e.name) == e.name:
+        return spec
+    import dataclasses
+
+    return dataclasses.replace(spec, source=e.name, bundled=False)
 
 
 def entries_from_toml(path: str | Path) -> list[ModelEntry]:
@@ -132,6 +143,15 @@ class ModelManager:
         self.loads = self.unloads = 0
         self._lock = threading.Lock()  # guards state changes seen by the health/metrics threads
         self._ttl_task: asyncio.Task | None = None
+        self.on_change: Callable[[], None] | None = None  # after a load or an unload
+
+    def adopt(self, e: ModelEntry, engine: Any, spec: Any) -> None:
+        """Register a model loaded outside the manager (the start-up load)."""
+        e.engine, e.spec, e.view, e.state = engine, spec, _view(e, spec), "loaded"
+        e.loaded_at = e.last_used = time.monotonic()
+        e.created = int(time.time())
+        if self.on_change is not None:
+            self.on_change()
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -189,12 +209,15 @@ class ModelManager:
                 e.state, e.error = "loading", None
             t0 = time.monotonic()
             engine, spec = await asyncio.to_thread(self._load, e)
+            view = _view(e, spec)
             with self._lock:
-                e.engine, e.spec, e.state = engine, spec, "loaded"
+                e.engine, e.spec, e.view, e.state = engine, spec, view, "loaded"
                 e.loaded_at = e.last_used = time.monotonic()
                 e.load_seconds = round(e.loaded_at - t0, 3)
                 e.created = int(time.time())
             self.loads += 1
+            if self.on_change is not None:
+                self.on_change()
             log.info("loaded model %s in %.1f s", e.name, e.load_seconds)
             fut.set_result(None)
         except Exception as exc:
@@ -224,8 +247,10 @@ class ModelManager:
         if engine is None:
             return
         with self._lock:
-            e.engine, e.state = None, "unloaded"
+            e.engine, e.spec, e.view, e.state = None, None, None, "unloaded"
         self.unloads += 1
+        if self.on_change is not None:
+            self.on_change()
         await asyncio.to_thread(engine.shutdown)
         del engine
         await asyncio.to_thread(release_memory)
@@ -260,3 +285,59 @@ class ModelManager:
                                    **({"error": e.error} if e.error else {})},
                         "aliases": e.aliases})
         return out
+
+
+# ---------------------------------------------------------------------- the app's view
+CURRENT: "contextvars.ContextVar[ModelEntry | None]" = contextvars.ContextVar("swiftlm_model", default=None)
+
+
+class AppState:
+    """The app's shared state.  ``engine`` and ``spec`` are the current request's model (chosen by
+    ``select_model`` from the body's 'model' field, per request task) or, outside a request (health,
+    metrics), the server's default model; so the routes need not know how many models there are."""
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(_engine=None, _spec=None, models=None)
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    @property
+    def engine(self) -> Any:
+        e = CURRENT.get()
+        return e.engine if e is not None and e.engine is not None else self._engine
+
+    @engine.setter
+    def engine(self, v: Any) -> None:
+        self.__dict__["_engine"] = v
+
+    @property
+    def spec(self) -> Any:
+        e = CURRENT.get()
+        return e.view if e is not None and e.view is not None else self._spec
+
+    @spec.setter
+    def spec(self, v: Any) -> None:
+        self.__dict__["_spec"] = v
+
+    async def select_model(self, requested: Any) -> None:
+        """Pick (and load, if need be) the request's model; once per request."""
+        from .errors import APIError
+
+        if self.models is None or CURRENT.get() is not None:
+            return
+        self.models.start()  # the TTL task, on the server's loop (idempotent)
+        if requested is not None and not isinstance(requested, str):
+            raise APIError(400, "'model' must be a string", param="model")
+        try:
+            e = await self.models.acquire(requested)
+        except ModelNotFound as exc:
+            raise APIError(404, str(exc), param="model", code="model_not_found") from None
+        except ModelLoadFailed as exc:
+            raise APIError(503, str(exc), param="model", code="model_load_failed") from None
+        CURRENT.set(e)
+
+    def release_model(self) -> None:
+        e = CURRENT.get()
+        if e is not None and self.models is not None:
+            self.models.release(e)
+            CURRENT.set(None)

@@ -57,6 +57,9 @@ async def read_json(request: Request, limit: int) -> dict:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "request body contains invalid Unicode (a lone surrogate escape)") from None
+    state = getattr(request.app.state, "swiftlm", None) if "app" in request.scope else None
+    if state is not None and getattr(state, "models", None) is not None:
+        await state.select_model(body.get("model"))  # this request's engine from here on (server/models.py)
     return body
 
 
@@ -249,6 +252,8 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request: Request) -> Response:
+        if getattr(self.state, "models", None) is not None:  # every servable model, with its state
+            return JSONResponse({"object": "list", "data": self.state.models.listing()})
         name = self.state.spec.name if self.state.spec else None
         data = [{"id": name, "object": "model", "created": int(self.state.started), "owned_by": "swiftlm"}] if name else []
         return JSONResponse({"object": "list", "data": data})
