@@ -19,8 +19,12 @@ from .errors import NotSupportedYet
 
 
 def _f(default: Any, help: str, *, flag: str | None = None, group: str = "model", not_built: str | None = None,
-       nargs: str | None = None, const: Any = None) -> Any:
+       nargs: str | None = None, const: Any = None, append: bool = False, no_flag: bool = False) -> Any:
     extra: dict[str, Any] = {"group": group}
+    if append:
+        extra["append"] = True
+    if no_flag:
+        extra["no_flag"] = True
     if flag:
         extra["flag"] = flag
     if not_built:
@@ -36,7 +40,9 @@ class Settings(BaseSettings):
 
     # model and backend
     model: str | None = _f(None, "Model: HF repo id (from the local HF cache), a local HF-format directory, a .gguf "
-                                 "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted).")
+                                 "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted). "
+                                 "Repeat --model to serve several (the first loads at start-up, the others on "
+                                 "demand; see --models-file).", append=True)
     backend: str = _f("auto", "Backend plugin: 'auto' (macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch when "
                               "installed, else mlx), or a name listed by `swiftlm info`.")
     offline: bool = _f(False, "Never download from the Hugging Face hub (HF_HUB_OFFLINE=1 does the same).")
@@ -97,6 +103,10 @@ class Settings(BaseSettings):
                                      "least recently used idle models are unloaded to fit.", group="models")
     model_ttl: float = _f(0.0, "Seconds a model may stay idle before it is unloaded and its memory returned "
                                "(0: never).", group="models")
+    extra_models: list[str] = _f([], "Models after the first --model (set by repeating --model).", group="models",
+                                 no_flag=True)
+    pin: str | None = _f(None, "Comma-separated model names kept loaded: never evicted, never unloaded by "
+                               "--model-ttl.", group="models")
     strict_model_names: bool = _f(False, "With one model, answer an unknown 'model' with 404 model_not_found "
                                          "instead of serving the one model.", group="models")
     log_level: str = _f("info", "Log level: debug, info, warning, error.", group="server")
@@ -315,7 +325,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
     """Add one flag per setting (default SUPPRESS, so only flags given override env)."""
     for name, field in Settings.model_fields.items():
         extra = field.json_schema_extra or {}
-        if groups is not None and extra.get("group") not in groups:
+        if (groups is not None and extra.get("group") not in groups) or extra.get("no_flag"):
             continue
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
                               "help": f"{field.description} [env SWIFTLM_{name.upper()}]"}
@@ -330,9 +340,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
             if extra.get("nargs"):
                 kw["nargs"] = extra["nargs"]
                 kw["const"] = extra["const"]
+            if extra.get("append"):
+                kw["action"] = "append"
         parser.add_argument(flag_of(name), **kw)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    if isinstance(given.get("model"), list):  # --model repeated
+        models = given.pop("model")
+        given["model"], given["extra_models"] = models[0], models[1:]
     return Settings(**given)

@@ -149,3 +149,16 @@ def test_one_model_serves_any_name_unless_strict(tiny_llama):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     finally:
         assert s.stop() == 0, s.stderr_tail()
+
+
+def test_repeated_model_flag_and_pin(tiny_llama, big):
+    s = ServerProc("--model", str(tiny_llama), "--model", str(big), "--backend", "torch", "--pin", str(big))
+    try:
+        assert s.ready["models"] == [str(tiny_llama), str(big)]
+        assert states(s.base) == {str(tiny_llama): "loaded", str(big): "loaded"}  # --pin: loaded at start
+        r = chat(s.base, str(big))
+        assert r.status_code == 200 and r.json()["model"] == str(big)
+        r = chat(s.base, "gpt-4o")  # several models: an unknown name is a 404, not a guess
+        assert r.status_code == 404 and str(tiny_llama) in r.json()["error"]["message"]
+    finally:
+        assert s.stop() == 0, s.stderr_tail()

@@ -211,6 +211,11 @@ def serve(settings: Settings) -> int:
     else:
         spec = resolve(settings.model, allow_download=offline)
         entries = [ModelEntry(name=spec.name, model=settings.model, pin=True)]
+        for m in settings.extra_models:  # --model repeated: served side by side, loaded on demand
+            entries.append(ModelEntry(name=resolve(m, allow_download=offline).name, model=m))
+    pins = {n.strip() for n in (settings.pin or "").split(",") if n.strip()}
+    for e in entries:
+        e.pin = e.pin or bool(pins & {e.name, *e.aliases})
     backend, why = choose_backend(settings.backend)
     app = create_app(settings, spec=spec, backend=backend.name)
     state = app.state.swiftlm
