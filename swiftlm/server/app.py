@@ -29,7 +29,9 @@ from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
 from . import responses as responses_api
 from .openai_routes import OpenAIRoutes
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .embeddings import EmbeddingRequest
+from .schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
+                      CompletionRequest, ResponsesRequest)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ def openapi_schema() -> dict:
 
     paths = {"/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
              "/v1/completions": post(CompletionRequest, "Text completion"),
+             "/v1/responses": post(ResponsesRequest, "OpenAI Responses API"),
+             "/v1/messages": post(AnthropicMessagesRequest, "Anthropic Messages API"),
+             "/v1/messages/count_tokens": post(AnthropicCountTokensRequest, "Anthropic token count"),
+             "/v1/embeddings": post(EmbeddingRequest, "Embeddings"),
              "/v1/models": get("Models served"), "/health": get("Health and stats"),
              "/metrics": get("Prometheus metrics")}
     return {"openapi": "3.1.0", "info": {"title": "SwiftLM", "version": "0.1.0"}, "paths": paths,
