@@ -260,7 +260,7 @@ def _human(n: float) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .backend import choose_backend, discover_backends
-    from .memory import memory_plan, system_memory
+    from .memory import plan_for, system_memory
 
     settings = _settings(args)
     backends = discover_backends()
@@ -278,8 +278,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         out["model"] = spec.facts()
-        out["memory_plan"] = memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings),
-                                         stream_experts=settings.stream_experts, expert_top_k=settings.expert_top_k)
+        out["memory_plan"] = plan_for(spec, settings, backends)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -312,15 +311,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     settings.check_supported()
     if settings.info:
-        from .memory import memory_plan
+        from .memory import plan_for
         from .registry import resolve
 
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
-        print(json.dumps({"model": spec.facts(),
-                          "memory_plan": memory_plan(spec, settings.ctx_size, kv_format=_kv_format(settings),
-                                                     stream_experts=settings.stream_experts,
-                                                     expert_top_k=settings.expert_top_k)},
-                         indent=2))
+        print(json.dumps({"model": spec.facts(), "memory_plan": plan_for(spec, settings)}, indent=2))
         return 0
     _check_before_serving(settings)
     from .server.app import serve
@@ -438,12 +433,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     what = f"{args.repo_id} revision {args.revision}" if args.revision else args.repo_id
     print(f"removed {what} from the Hugging Face cache ({_human(freed)} freed)")
     return 0
-
-
-def _kv_format(settings: Any) -> Any:
-    from .turboquant.presets import settings_format
-
-    return settings_format(settings)
 
 
 def _add_one(parser: argparse.ArgumentParser, flag: str) -> None:

@@ -24,8 +24,9 @@ def test_info_json_lists_backends_and_model_plan():
     assert info["backends"]["mlx"]["available"] is HAS_MLX
     assert info["model"]["architecture"] == "llama" and info["model"]["context_length"] == 8192
     plan = info["memory_plan"]
-    assert plan["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # K+V, 30 layers, 3 KV heads, head_dim 64, 16-bit
-    assert plan["total_bytes"] == plan["weights_bytes"] + plan["kv_cache_bytes"]
+    # K+V, 30 layers, 3 KV heads, head_dim 64, in the chosen backend's KV dtype (fp32 on a CPU)
+    assert plan["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * plan["kv_element_size"]
+    assert plan["total_bytes"] == plan["weights_bytes"] + plan["kv_cache_bytes"] + plan["prompt_cache_bytes"]
 
 
 def test_serve_info_flag_prints_plan_and_exits():
