@@ -91,6 +91,9 @@ class Settings(BaseSettings):
                                        "a local Prometheus can scrape it).", group="server")
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
+    shutdown_timeout: float = _f(10.0, "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
+                                       "before they are ended (finish_reason 'length', then [DONE] on streams); "
+                                       "new connections are refused meanwhile.", group="server")
     info: bool = _f(False, "Print the model facts and memory plan, then exit.", group="server")
 
     # many models in one server (server/models.py)

@@ -219,6 +219,15 @@ class Engine:
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(("cancel", seq_id))
 
+    def end_all(self, reason: str = "length") -> None:
+        """End every live request now, as if it had reached its length limit: each stream gets
+        its last chunk and its finish reason (the server's graceful shutdown, after the grace time)."""
+        self._inbox.put(("end_all", reason))
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping:
             return
@@ -284,6 +293,9 @@ class Engine:
                 live = self._live.get(arg)
                 if live is not None:
                     self._finish(live, "stop", notify=False)
+            elif cmd == "end_all":
+                for live in list(self._live.values()):
+                    self._finish(live, arg)
             elif cmd == "embed":  # between steps: the device is free (no step in flight here)
                 prompts, fut = arg
                 if fut.set_running_or_notify_cancel():

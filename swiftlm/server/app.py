@@ -71,7 +71,8 @@ def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: 
             return resp
         except APIError as exc:
             state.metrics.errors.labels(str(exc.status)).inc()
-            return error_response(exc.status, exc.message, exc.param, exc.code)
+            retry = {"Retry-After": "1"} if exc.status in (429, 503) else None  # queue full, loading
+            return error_response(exc.status, exc.message, exc.param, exc.code, headers=retry)
         finally:
             if not streaming and CURRENT.get() is not None:
                 state.release_model()
@@ -226,14 +227,32 @@ def serve(settings: Settings) -> int:
     app = create_app(settings, spec=spec, backend=backend.name)
     state = app.state.swiftlm
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + 10)
+    draining = threading.Event()
+
+    def drain() -> None:
+        """Let in-flight requests generate for --shutdown-timeout, then end them (each stream gets
+        its last chunk and [DONE]); uvicorn meanwhile refuses new connections and waits for these."""
+        deadline = time.monotonic() + settings.shutdown_timeout
+        engines = lambda: [e.engine for e in manager.entries if e.engine is not None]  # noqa: E731
+        while time.monotonic() < deadline and any(eng.live_requests for eng in engines()):
+            time.sleep(0.05)
+        for eng in engines():
+            eng.end_all("length")
+
     class _Server(uvicorn.Server):
-        # SIGINT/SIGTERM: shut down gracefully and return (exit code 0) instead of
-        # re-raising the signal after shutdown as uvicorn does by default.
+        # SIGINT/SIGTERM: drain and shut down gracefully, then return (exit code 0) instead of
+        # re-raising the signal as uvicorn does by default; a second Ctrl-C forces the exit.
         def handle_exit(self, sig: int, frame: Any) -> None:
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
+                for e in manager.entries:
+                    if e.engine is not None:
+                        e.engine.end_all("length")
             self.should_exit = True
+            if not draining.is_set():
+                draining.set()
+                threading.Thread(target=drain, name="swiftlm-drain", daemon=True).start()
 
     server = _Server(config)
     outcome: dict[str, Any] = {}
