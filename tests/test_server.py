@@ -216,7 +216,7 @@ def test_disconnect_cancels_generation(tiny_server):
 def test_health_and_metrics(tiny_server):
     h = _health(tiny_server)
     assert h["status"] == "ok" and h["backend"] == tiny_server.backend
-    assert set(h["memory"]) == {"active", "peak", "cache", "total_system"} and h["memory"]["total_system"] > 0
+    assert {"active", "peak", "cache", "total_system"} <= set(h["memory"]) and h["memory"]["total_system"] > 0
     assert {"requests_total", "requests_active", "tokens_generated", "avg_tokens_per_sec"} <= set(h["stats"])
     m = httpx.get(tiny_server.base + "/metrics", timeout=10).text
     for name in ("swiftlm_requests_total", "swiftlm_generation_tokens_total", "swiftlm_requests_active",

@@ -52,11 +52,22 @@ class TorchMultimodal(MultimodalModel):
         out = self.module(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw)
         return out.logits[0, -1].float()
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, Any]:
+        """Measured memory, as TorchModel.memory: the CUDA caching allocator's figures, or on the CPU
+        this process's resident memory and malloc's free bytes; plus the weights held."""
+        from swiftlm.memory import host_memory
+
         if self.device.type == "cuda":
-            return {"active": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated(),
-                    "cache": torch.cuda.memory_reserved()}
-        return {"active": self.info.weight_bytes, "peak": self.info.weight_bytes, "cache": 0}
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
+            props = torch.cuda.get_device_properties(index)
+            out = {"device": "cuda", "architecture": props.name, "device_name": props.name,
+                   "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
+                   "reserved": reserved, "device_total": props.total_memory}
+        else:
+            out = host_memory()
+        out["weights"] = self.info.weight_bytes
+        return out
 
 
 def load_multimodal(spec: ModelSpec, cfg: Any) -> TorchMultimodal:

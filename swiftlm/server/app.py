@@ -21,10 +21,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config import Settings
-from ..memory import system_memory
 from .errors import APIError, error_response
 from .models import CURRENT, AppState, ModelEntry, ModelManager, entries_from_toml
-from .metrics import Metrics
+from .metrics import Metrics, health_memory
 from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
 from . import responses as responses_api
@@ -126,14 +125,17 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         if state.load_error:
             body["error"] = state.load_error
         if eng is not None:
-            mem = eng.model.memory()
             st = eng.stats
             kv = eng.kv_stats()
-            body["memory"] = {"active": mem.get("active", 0), "peak": mem.get("peak", 0),
-                              "cache": mem.get("cache", 0), "total_system": system_memory()}
+            body["memory"] = health_memory(eng)  # measured; SwiftLM's *_mb fields too (README "Health and metrics")
             body["stats"] = {"requests_total": st.requests_total, "requests_active": st.requests_active,
                              "tokens_generated": st.tokens_generated,
                              "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
+                             "busy_seconds": round(st.busy_wall_seconds(), 3),
+                             "requests_finished": dict(st.finished),
+                             "latency": {"queue": st.queue_time.snapshot(), "ttft": st.ttft.snapshot(),
+                                         "time_per_output_token": st.tpot.snapshot(),
+                                         "duration": st.duration.snapshot()},
                              "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
                              "kv_tokens_in_use": eng.scheduler.kv_in_use(),
                              "kv_bytes_in_use": kv["bytes"], "kv_cache": kv,

@@ -1,12 +1,159 @@
-"""Prometheus metrics (prometheus-client), all prefixed ``swiftlm_``."""
+"""Prometheus metrics (prometheus-client), all prefixed ``swiftlm_``.
+
+Types follow what each number is: counts since start are Counters (``*_total``), latencies are
+histograms, levels (requests live, bytes held, rates) are Gauges.  What the engine counts is read
+from it at scrape time (``EngineCollector``), so nothing is copied or goes stale.  SwiftLM's own
+names are served alongside with SwiftLM's meaning: ``swiftlm_tokens_generated_total``,
+``swiftlm_tokens_per_second``, ``swiftlm_memory_{active,peak,cache}_bytes``."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+
+def memory_figures(engine: Any) -> dict[str, Any]:
+    """Every memory figure /health and /metrics report, measured (see README "Health and metrics").
+
+    ``active``/``peak``/``cache``: the backend's device allocator (CUDA caching allocator, MLX
+    allocator) -- or, for torch on the CPU, this process's RSS / peak RSS / malloc's free bytes.
+    Plus the process's resident memory, the weights held, the KV bytes live sequences hold and
+    the KV storage allocated, and the prompt cache's bytes."""
+    from ..memory import allocator_stats, process_memory
+
+    mem = dict(engine.model.memory())
+    proc = process_memory()
+    kv = engine.kv_stats()
+    out = {k: v for k, v in mem.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out.update(device=mem.get("device", "cpu"), architecture=mem.get("architecture") or "cpu",
+               device_name=mem.get("device_name", ""), process_rss=proc["rss"], process_peak_rss=proc["peak_rss"],
+               allocator_free=allocator_stats().get("free", 0), kv=kv["bytes"],
+               prompt_cache=engine.prefix_cache.bytes)
+    for k in ("active", "peak", "cache", "weights"):
+        out.setdefault(k, 0)
+    out.setdefault("kv_allocated", kv["bytes"])
+    if not out.get("device_total"):
+        from ..memory import system_memory
+
+        out["device_total"] = system_memory()
+    return out
+
+
+def health_memory(engine: Any) -> dict[str, Any]:
+    """/health's ``memory`` object: our byte figures and SwiftLM's ``*_mb`` fields (MiB, rounded
+    down, as SwiftLM does), with SwiftLM's meaning: active/peak/cache of the device allocator, the
+    memory size of the device that active is counted on, and its architecture."""
+    from ..memory import MiB, system_memory
+
+    m = memory_figures(engine)
+    out = {"active": m["active"], "peak": m["peak"], "cache": m["cache"], "total_system": system_memory(),
+           "active_mb": m["active"] // MiB, "peak_mb": m["peak"] // MiB, "cache_mb": m["cache"] // MiB,
+           "total_system_mb": m["device_total"] // MiB, "gpu_architecture": m["architecture"],
+           "device": m["device"], "device_name": m["device_name"], "device_total_bytes": m["device_total"],
+           "process_rss_bytes": m["process_rss"], "process_peak_rss_bytes": m["process_peak_rss"],
+           "allocator_free_bytes": m["allocator_free"], "weights_bytes": m["weights"], "kv_bytes": m["kv"],
+           "kv_allocated_bytes": m["kv_allocated"], "prompt_cache_bytes": m["prompt_cache"]}
+    if "reserved" in m:
+        out["reserved_bytes"] = m["reserved"]
+    return out
+
+
+def _hist(name: str, doc: str, h: Any) -> HistogramMetricFamily:
+    buckets, total = h.cumulative()
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+class EngineCollector:
+    """What the engine counts and holds, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    def collect(self) -> Any:
+        eng = self.engine
+        if eng is None:
+            return
+        st = eng.stats
+        yield CounterMetricFamily("swiftlm_tokens_generated", "Total tokens generated (SwiftLM's name)",
+                                  value=st.tokens_generated)
+        yield CounterMetricFamily("swiftlm_engine_requests", "Requests the engine admitted (each choice of n counts)",
+                                  value=st.requests_total)
+        fin = CounterMetricFamily("swiftlm_requests_finished", "Requests the engine ended, by reason "
+                                  "(stop, length, cancelled, error)", labels=["reason"])
+        for reason, n in sorted(st.finished.items()):
+            fin.add_metric([reason], n)
+        yield fin
+        yield CounterMetricFamily("swiftlm_prompt_tokens_processed", "Prompt tokens of requests that produced a "
+                                  "first token", value=st.prompt_tokens)
+        yield CounterMetricFamily("swiftlm_engine_steps", "Engine steps run", value=st.steps)
+        yield CounterMetricFamily("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed",
+                                  value=eng.scheduler.preemptions)
+        yield CounterMetricFamily("swiftlm_busy_seconds", "Wall time with at least one request live",
+                                  value=st.busy_wall_seconds())
+        tps = st.avg_tokens_per_sec
+        yield GaugeMetricFamily("swiftlm_avg_tokens_per_second", "Tokens generated / wall time with requests live",
+                                value=tps)
+        yield GaugeMetricFamily("swiftlm_tokens_per_second", "Average token generation rate (SwiftLM's name; "
+                                "the same figure as swiftlm_avg_tokens_per_second)", value=tps)
+        yield GaugeMetricFamily("swiftlm_requests_active", "Requests being generated or waiting",
+                                value=st.requests_active)
+        yield GaugeMetricFamily("swiftlm_queue_depth", "Sequences waiting for a slot", value=len(eng.scheduler.waiting))
+        yield GaugeMetricFamily("swiftlm_running_sequences", "Sequences being decoded",
+                                value=len(eng.scheduler.running))
+        yield _hist("swiftlm_request_queue_seconds", "Submission to the first engine step that ran the request",
+                    st.queue_time)
+        yield _hist("swiftlm_engine_time_to_first_token_seconds", "Submission to first token sampled (engine side)",
+                    st.ttft)
+        yield _hist("swiftlm_request_duration_seconds", "Submission to the end of the request (any reason)",
+                    st.duration)
+        yield _hist("swiftlm_time_per_output_token_seconds", "Per request: (end - first token) / (tokens - 1)",
+                    st.tpot)
+
+        pc = eng.prefix_cache
+        yield CounterMetricFamily("swiftlm_prompt_cache_hits", "Requests that reused a cached prefix", value=pc.hits)
+        yield CounterMetricFamily("swiftlm_prompt_cache_misses", "Requests that found no cached prefix",
+                                  value=pc.misses)
+        yield CounterMetricFamily("swiftlm_prompt_cache_tokens_reused", "Prompt tokens served from the cache",
+                                  value=pc.tokens_reused)
+        yield GaugeMetricFamily("swiftlm_prompt_cache_hit_rate", "Prompt cache hit rate", value=pc.hit_rate)
+        yield GaugeMetricFamily("swiftlm_prompt_cache_bytes", "Bytes held by the prompt cache", value=pc.bytes)
+        yield GaugeMetricFamily("swiftlm_prompt_cache_entries", "Entries in the prompt cache", value=len(pc))
+
+        kv = eng.kv_stats()
+        yield GaugeMetricFamily("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (the backend's KV dtype)",
+                                value=eng.info.kv_bytes_per_token)
+        yield GaugeMetricFamily("swiftlm_kv_cache_bytes_in_use", "KV bytes held by running sequences",
+                                value=kv["bytes"])
+        yield GaugeMetricFamily("swiftlm_kv_cache_compression_ratio",
+                                "16-bit bytes / bytes held for the running sequences' KV", value=kv["compression_ratio"])
+
+        mem = memory_figures(eng)
+        fam = GaugeMetricFamily("swiftlm_memory_bytes", "Memory, measured: device allocator (active, peak, cache), "
+                                "process RSS, weights, KV, prompt cache", labels=["kind"])
+        for k, v in mem.items():
+            if isinstance(v, (int, float)):
+                fam.add_metric([k], v)
+        yield fam
+        yield GaugeMetricFamily("swiftlm_memory_active_bytes", "Active memory (SwiftLM's name: the backend "
+                                "allocator's live bytes; torch on CPU: process RSS)", value=mem["active"])
+        yield GaugeMetricFamily("swiftlm_memory_peak_bytes", "Peak of active memory (SwiftLM's name)",
+                                value=mem["peak"])
+        yield GaugeMetricFamily("swiftlm_memory_cache_bytes", "Memory the allocator holds free for reuse "
+                                "(SwiftLM's name)", value=mem["cache"])
+        yield GaugeMetricFamily("swiftlm_process_resident_memory_bytes", "Resident memory of the server process",
+                                value=mem["process_rss"])
+
+        if eng.speculator is not None:
+            sp = eng.speculator.stats
+            yield CounterMetricFamily("swiftlm_spec_drafted_tokens", "Speculative tokens drafted", value=sp.drafted)
+            yield CounterMetricFamily("swiftlm_spec_accepted_tokens", "Speculative drafts accepted",
+                                      value=sp.accepted)
+            yield GaugeMetricFamily("swiftlm_spec_acceptance_rate", "Accepted / drafted", value=sp.acceptance_rate)
+            yield GaugeMetricFamily("swiftlm_spec_tokens_per_target_step", "Tokens emitted per verify pass",
+                                    value=sp.tokens_per_step)
 
 
 class ExpertStreamCollector:
@@ -63,72 +210,50 @@ class StepCollector:
                                   "were read back", value=self.engine.stats.overlapped_steps)
 
 
+class _Uptime:
+    def __init__(self, started: float) -> None:
+        self.started = started
+
+    def collect(self) -> Any:
+        yield GaugeMetricFamily("swiftlm_uptime_seconds", "Seconds since the server started",
+                                value=time.time() - self.started)
+
+
 class Metrics:
+    """The server's registry.  Routes count requests, errors and streamed tokens here; the rest
+    is read from the engine when /metrics is scraped."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.experts = ExpertStreamCollector()
-        r.register(self.experts)
-        self.steps = StepCollector()
-        r.register(self.steps)
         self.started = time.time()
-        self.requests = Counter("swiftlm_requests", "Requests accepted by the OpenAI routes", ["route"], registry=r)
-        self.errors = Counter("swiftlm_request_errors", "Requests answered with an error", ["status"], registry=r)
-        self.prompt_tokens = Counter("swiftlm_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.gen_tokens = Counter("swiftlm_generation_tokens", "Tokens generated", registry=r)
-        self.active = Gauge("swiftlm_requests_active", "Requests being generated or waiting", registry=r)
-        self.queue = Gauge("swiftlm_queue_depth", "Sequences waiting for a slot", registry=r)
-        self.running = Gauge("swiftlm_running_sequences", "Sequences being decoded", registry=r)
-        self.tps = Gauge("swiftlm_avg_tokens_per_second", "Average decode throughput", registry=r)
-        self.uptime = Gauge("swiftlm_uptime_seconds", "Seconds since the server started", registry=r)
-        self.mem = Gauge("swiftlm_memory_bytes", "Backend memory", ["kind"], registry=r)
-        self.pc_hits = Gauge("swiftlm_prompt_cache_hits", "Requests that reused a cached prefix", registry=r)
-        self.pc_misses = Gauge("swiftlm_prompt_cache_misses", "Requests that found no cached prefix", registry=r)
-        self.pc_hit_rate = Gauge("swiftlm_prompt_cache_hit_rate", "Prompt cache hit rate", registry=r)
-        self.pc_bytes = Gauge("swiftlm_prompt_cache_bytes", "Bytes held by the prompt cache", registry=r)
-        self.pc_tokens = Gauge("swiftlm_prompt_cache_tokens_reused", "Prompt tokens served from the cache",
-                               registry=r)
-        self.kv_bytes = Gauge("swiftlm_kv_cache_bytes_per_token", "KV bytes per token (16-bit or model dtype)",
-                              registry=r)
-        self.kv_in_use = Gauge("swiftlm_kv_cache_bytes_in_use", "KV bytes held by running sequences", registry=r)
-        self.kv_ratio = Gauge("swiftlm_kv_cache_compression_ratio",
-                              "16-bit bytes / bytes held for the running sequences' KV", registry=r)
-        self.preemptions = Gauge("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed", registry=r)
-        self.spec_drafted = Gauge("swiftlm_spec_drafted_tokens", "Speculative tokens drafted", registry=r)
-        self.spec_accepted = Gauge("swiftlm_spec_accepted_tokens", "Speculative drafts accepted", registry=r)
-        self.spec_rate = Gauge("swiftlm_spec_acceptance_rate", "Accepted / drafted", registry=r)
-        self.spec_tps = Gauge("swiftlm_spec_tokens_per_target_step", "Tokens emitted per verify pass", registry=r)
-        self.ttft = Histogram("swiftlm_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self.itl = Histogram("swiftlm_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
-                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.engine_collector = EngineCollector()
+        self.experts = ExpertStreamCollector()
+        self.steps = StepCollector()
+        for c in (_Uptime(self.started), self.engine_collector, self.experts, self.steps):
+            r.register(c)
+        self.requests = Counter("swiftlm_requests", "Requests accepted by the API routes", ["route"], registry=r)
+        self.errors = Counter("swiftlm_request_errors", "Requests answered with an error: every 4xx/5xx response, "
+                              "and errors sent inside a stream (counted as 500)", ["status"], registry=r)
+        self.stream_errors = Counter("swiftlm_stream_errors", "Errors sent as an error frame inside a streamed "
+                                     "response (also counted in swiftlm_request_errors_total, as status 500)",
+                                     registry=r)
+        self.prompt_tokens = Counter("swiftlm_prompt_tokens", "Prompt tokens of requests submitted", registry=r)
+        self.gen_tokens = Counter("swiftlm_generation_tokens", "Tokens delivered to API clients", registry=r)
+        self.ttft = Histogram("swiftlm_time_to_first_token_seconds", "Request received to first token delivered "
+                              "(HTTP side)", registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.itl = Histogram("swiftlm_inter_token_latency_seconds", "Time between tokens delivered to a client",
+                             registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+
+    def count_error(self, status: int, where: str = "response") -> None:
+        """Count one error answered to a client: ``status`` of the response, or, for an error
+        frame sent inside a stream whose 200 header went out already (``where="stream"``), 500."""
+        if where == "stream":
+            self.stream_errors.inc()
+            status = 500
+        self.errors.labels(str(int(status))).inc()
 
     def render(self, engine: Any | None) -> bytes:
-        self.uptime.set(time.time() - self.started)
+        self.engine_collector.engine = engine
         self.experts.engine = engine
         self.steps.engine = engine
-        if engine is not None:
-            st = engine.stats
-            self.active.set(st.requests_active)
-            self.queue.set(len(engine.scheduler.waiting))
-            self.running.set(len(engine.scheduler.running))
-            self.tps.set(st.avg_tokens_per_sec)
-            for k, v in engine.model.memory().items():
-                self.mem.labels(k).set(v)
-            pc = engine.prefix_cache
-            self.pc_hits.set(pc.hits)
-            self.pc_misses.set(pc.misses)
-            self.pc_hit_rate.set(pc.hit_rate)
-            self.pc_bytes.set(pc.bytes)
-            self.pc_tokens.set(pc.tokens_reused)
-            self.kv_bytes.set(engine.info.kv_bytes_per_token)
-            kv = engine.kv_stats()
-            self.kv_in_use.set(kv["bytes"])
-            self.kv_ratio.set(kv["compression_ratio"])
-            self.preemptions.set(engine.scheduler.preemptions)
-            if engine.speculator is not None:
-                sp = engine.speculator.stats
-                self.spec_drafted.set(sp.drafted)
-                self.spec_accepted.set(sp.accepted)
-                self.spec_rate.set(sp.acceptance_rate)
-                self.spec_tps.set(sp.tokens_per_step)
         return generate_latest(self.registry)
