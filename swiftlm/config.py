@@ -91,6 +91,10 @@ class Settings(BaseSettings):
                                        "a local Prometheus can scrape it).", group="server")
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
+    max_json_depth: int = _f(64, "Deepest nesting of lists and objects accepted in a request body (400 beyond).",
+                             group="server")
+    max_json_items: int = _f(8192, "Most items in any one list or object of a request body (400 beyond).",
+                             group="server")
     shutdown_timeout: float = _f(10.0, "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
                                        "before they are ended (finish_reason 'length', then [DONE] on streams); "
                                        "new connections are refused meanwhile.", group="server")

@@ -28,7 +28,40 @@ def sse(obj: Any, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
 
 
+JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` without -H
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise APIError(400, f"request body has the key {k!r} twice in one object")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(400, f"request body contains {name}, which is not valid JSON (numbers must be finite)")
+
+
+def _check_shape(body: Any, max_depth: int, max_items: int) -> None:
+    """Nesting depth and container sizes, walked without recursion."""
+    stack = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise APIError(400, f"request body is nested deeper than {max_depth} levels (--max-json-depth)")
+        items = node.values() if isinstance(node, dict) else node
+        if len(node) > max_items:
+            raise APIError(400, f"request body has a list or object of {len(node)} items; at most {max_items} "
+                                "(--max-json-items)")
+        stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+
+
 async def read_json(request: Request, limit: int) -> dict:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype and ctype not in JSON_TYPES and not ctype.endswith("+json"):
+        raise APIError(415, f"request body must be JSON (Content-Type: application/json), not {ctype!r}")
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -48,11 +81,15 @@ async def read_json(request: Request, limit: int) -> dict:
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
     except json.JSONDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    st = getattr(getattr(request.app.state, "swiftlm", None), "settings", None) if "app" in request.scope else None
+    _check_shape(body, getattr(st, "max_json_depth", 64), getattr(st, "max_json_items", 8192))
     try:  # JSON escapes can encode lone surrogates, which no tokenizer accepts
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

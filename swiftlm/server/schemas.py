@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+# template arguments the server fills in itself (a request's chat_template_kwargs may not shadow them)
+SERVER_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+MAX_TOOLS = 128  # as OpenAI
 
 
 class _Req(BaseModel):
@@ -51,9 +56,18 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_server_owned(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = sorted(set(v or {}) & SERVER_TEMPLATE_KWARGS)
+        if clash:
+            raise ValueError(f"{', '.join(clash)} cannot be set here: the server passes "
+                             f"{'it' if len(clash) == 1 else 'them'} to the template itself")
+        return v
 
 
 class CompletionRequest(_Sampling):
