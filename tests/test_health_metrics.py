@@ -374,10 +374,6 @@ def test_count_error_api():
     assert 'swiftlm_request_errors_total{status="500"} 1.0' in text and "swiftlm_stream_errors_total 1.0" in text
 
 
-WIRING = "needs Metrics.count_error in app.py's http_error/server_error and openai_routes' stream error path"
-
-
-@pytest.mark.xfail(reason=WIRING, strict=True)
 def test_error_counter_counts_404_405(inproc):
     client, state, _ = inproc
     n404, n405 = _errors(state, "404"), _errors(state, "405")
@@ -386,7 +382,6 @@ def test_error_counter_counts_404_405(inproc):
     assert _errors(state, "404") == n404 + 1 and _errors(state, "405") == n405 + 1
 
 
-@pytest.mark.xfail(reason=WIRING, strict=True)
 def test_error_counter_counts_unhandled_500(inproc, monkeypatch):
     client, state, llm = inproc
     before = _errors(state, "500")
@@ -425,7 +420,6 @@ def test_engine_counts_failed_requests(inproc, monkeypatch):
     assert _errors(state, "500") == before + 1
 
 
-@pytest.mark.xfail(reason=WIRING, strict=True)
 def test_error_counter_counts_errors_sent_mid_stream(inproc, monkeypatch):
     client, state, llm = inproc
     before = _errors(state, "500")

@@ -188,10 +188,12 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        state.metrics.count_error(exc.status_code)
         return error_response(exc.status_code, msg.get(exc.status_code, exc.detail or "error"))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
+        state.metrics.count_error(500)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
     app = Starlette(routes=routes, middleware=middleware,

@@ -358,6 +358,7 @@ class OpenAIRoutes:
                     yield frame
                 continue
             if ev.error:
+                self.state.metrics.count_error(500, where="stream")
                 yield _stream_error(ev.error)
                 break
             if not started[i]:
@@ -470,6 +471,7 @@ class OpenAIRoutes:
                 continue
             self._observe(ev, clock)
             if ev.error:
+                self.state.metrics.count_error(500, where="stream")
                 yield _stream_error(ev.error)
                 break
             if ev.text or ev.logprobs:
