@@ -87,6 +87,15 @@ class Settings(BaseSettings):
     host: str = _f("127.0.0.1", "Address to bind.", group="server")
     port: int = _f(5413, "Port to listen on.", group="server")
     api_key: str | None = _f(None, "Require 'Authorization: Bearer <key>' on /v1 routes.", group="server")
+    api_keys_file: str | None = _f(None, "File of API keys, one per line ('name: key' or just the key; # "
+                                         "comments); any of them (or --api-key) is accepted on /v1 routes.",
+                                   group="server")
+    rate_limit: float = _f(0.0, "Requests per minute allowed per API key (per client address without keys); "
+                                "beyond it 429 with Retry-After (0: no limit).", group="server")
+    rate_burst: int = _f(0, "Requests a key may make at once before --rate-limit applies (0: a tenth of a "
+                            "minute's allowance, at least 1).", group="server")
+    ssl_certfile: str | None = _f(None, "TLS certificate (PEM): serve HTTPS.", group="server")
+    ssl_keyfile: str | None = _f(None, "TLS private key (PEM) for --ssl-certfile.", group="server")
     metrics_need_key: bool = _f(False, "Also require the API key on /metrics (default: open, like /health, so "
                                        "a local Prometheus can scrape it).", group="server")
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")

@@ -366,15 +366,12 @@ def _guard(state: Any, fn: Callable[[Request], Any], needs_key: Callable[[], boo
     """Auth (x-api-key or Bearer) and errors in Anthropic's shape."""
 
     async def handler(request: Request) -> Response:
-        from .app import _authorized  # app imports this module first
+        from .auth import run_guarded
 
-        try:
-            if needs_key() and not _authorized(request, state.settings.api_key):
-                raise APIError(401, "invalid API key (send 'x-api-key: <key>' or 'Authorization: Bearer <key>')")
-            return await fn(request)
-        except APIError as exc:
-            state.metrics.errors.labels(str(exc.status)).inc()
-            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
+        def render(exc: APIError, headers: dict | None) -> Response:
+            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=headers)
+
+        return await run_guarded(state, request, fn, needs_key(), render)
 
     return handler
 

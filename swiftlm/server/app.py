@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -10,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 from ..config import Settings
 from .errors import APIError, error_response
-from .models import CURRENT, AppState, ModelEntry, ModelManager, entries_from_toml
+from .auth import Gate, run_guarded
+from .models import AppState, ModelEntry, ModelManager, entries_from_toml
 from .metrics import Metrics, health_memory
 from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
@@ -36,45 +37,17 @@ log = logging.getLogger(__name__)
 
 
 def _authorized(request: Request, key: str | None) -> bool:
+    """Whether the request carries ``key`` (Bearer or x-api-key)."""
     if not key:
         return True
-    xkey = request.headers.get("x-api-key")  # Anthropic's SDK sends the key this way
-    if xkey is not None and hmac.compare_digest(xkey.strip().encode(), key.encode()):
-        return True
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-async def _releasing(body: Any, state: Any, entry: Any) -> Any:
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        state.models.release(entry)
+    return Gate(SimpleNamespace(api_key=key)).identify(request) is not None
 
 
 def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
            ) -> Callable[[Request], Awaitable[Response]]:
     async def handler(request: Request) -> Response:
-        streaming = False
-        try:
-            if needs_key() and not _authorized(request, state.settings.api_key):
-                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-            resp = await fn(request)  # reading the body picks the request's model (state.select_model)
-            if CURRENT.get() is not None and isinstance(resp, StreamingResponse):
-                # the model stays in use (and CURRENT set, for this task) until the stream ends
-                resp.body_iterator = _releasing(resp.body_iterator, state, CURRENT.get())
-                streaming = True
-            return resp
-        except APIError as exc:
-            state.metrics.errors.labels(str(exc.status)).inc()
-            retry = {"Retry-After": "1"} if exc.status in (429, 503) else None  # queue full, loading
-            return error_response(exc.status, exc.message, exc.param, exc.code, headers=retry)
-        finally:
-            if not streaming and CURRENT.get() is not None:
-                state.release_model()
+        return await run_guarded(state, request, fn, needs_key(), lambda exc, headers: error_response(
+            exc.status, exc.message, exc.param, exc.code, headers=headers))
     return handler
 
 
@@ -114,6 +87,7 @@ def openapi_schema() -> dict:
 def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend: str | None = None) -> Starlette:
     state = AppState(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
                      started=time.time(), load_error=None)
+    state.gate = Gate(settings)
     routes_impl = OpenAIRoutes(state)
     never = lambda: False  # noqa: E731
 
@@ -167,8 +141,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_schema())
 
-    v1_key = lambda: bool(settings.api_key)  # noqa: E731
-    metrics_key = lambda: bool(settings.api_key and settings.metrics_need_key)  # noqa: E731
+    v1_key = lambda: state.gate.enabled  # noqa: E731
+    metrics_key = lambda: state.gate.enabled and settings.metrics_need_key  # noqa: E731
     routes = [
         Route("/v1/chat/completions", _guard(state, routes_impl.chat, v1_key), methods=["POST"]),
         Route("/v1/completions", _guard(state, routes_impl.completions, v1_key), methods=["POST"]),
@@ -228,10 +202,23 @@ def serve(settings: Settings) -> int:
     for e in entries:
         e.pin = e.pin or bool(pins & {e.name, *e.aliases})
     backend, why = choose_backend(settings.backend)
-    app = create_app(settings, spec=spec, backend=backend.name)
+    for flag, f in (("--ssl-certfile", settings.ssl_certfile), ("--ssl-keyfile", settings.ssl_keyfile),
+                    ("--api-keys-file", settings.api_keys_file)):
+        if f and not os.path.isfile(f):
+            print(f"swiftlm: error: {flag}: no such file {f}", file=sys.stderr)
+            return 2
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        print("swiftlm: error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(settings, spec=spec, backend=backend.name)
+    except ValueError as exc:  # a malformed keys file
+        print(f"swiftlm: error: {exc}", file=sys.stderr)
+        return 2
     state = app.state.swiftlm
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + 10)
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + 10,
+                            ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
     draining = threading.Event()
 
     def drain() -> None:
@@ -314,6 +301,7 @@ def serve(settings: Settings) -> int:
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         print(json.dumps({"event": "ready", "host": settings.host, "port": settings.port,
+                          "scheme": "https" if settings.ssl_certfile else "http",
                           "model": spec.name if spec is not None else entries[0].name,
                           "models": manager.available(), "backend": backend.name, "backend_choice": why}),
               flush=True)
