@@ -203,6 +203,7 @@ class ChatOutputParser:
     def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None):
         self.reasoning, self.tools = reasoning, tools
         self.calls: list[ToolCall] = []
+        self._cut = False
 
     def _route(self, pieces: list[Piece], final: bool) -> list[Piece]:
         out: list[Piece] = []
@@ -212,7 +213,7 @@ class ChatOutputParser:
             else:
                 out.append((kind, val))
         if final and self.tools is not None:
-            out += self.tools.finish()
+            out += self.tools.finish(cut=self._cut)
         self.calls += [v for k, v in out if k == "tool_call"]  # type: ignore[misc]
         return merge(out)
 
@@ -220,17 +221,22 @@ class ChatOutputParser:
         pieces = self.reasoning.feed(text) if self.reasoning else [("content", text)]
         return self._route(pieces, final=False)
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """``cut``: the output ended at its token limit (an open tool call is dropped, not leaked)."""
+        self._cut = cut
         pieces = self.reasoning.finish() if self.reasoning else []
         return self._route(pieces, final=True)
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.calls and reason in ("stop", "length") else reason
+        """'tool_calls' when the answer ended with complete calls; 'length' when the token limit
+        cut a call off (it was dropped; complete calls before it stand)."""
+        cut_call = reason == "length" and self.tools is not None and self.tools.dropped
+        return "tool_calls" if self.calls and reason in ("stop", "length") and not cut_call else reason
 
     def result(self, text: str, reason: str | None) -> tuple[str | None, str | None, list[ToolCall], str | None]:
         """A whole output at once -> (content, reasoning_content, tool_calls, finish_reason); content
         is None when the answer is only tool calls (as in OpenAI's API)."""
-        pieces = self.feed(text) + self.finish()
+        pieces = self.feed(text) + self.finish(cut=reason == "length")
         content = "".join(v for k, v in pieces if k == "content")  # type: ignore[misc]
         reasoning = "".join(v for k, v in pieces if k == "reasoning")  # type: ignore[misc]
         return (content if content or not self.calls else None), (reasoning or None), list(self.calls), \

@@ -172,6 +172,7 @@ class ToolCallParser:
         self.in_call: str | None = None  # the opening marker of the call being read
         self.at_start = True   # nothing but whitespace handed out so far
         self.calls = 0
+        self.dropped = False  # an incomplete call was cut off by the token limit and left out
 
     def _hold(self, text: str, markers: tuple[str, ...]) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
@@ -239,13 +240,24 @@ class ToolCallParser:
             return out
         return out
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """``cut``: the output ended at the token limit, so an open call is incomplete: it is
+        dropped (never handed out as content markup); complete calls before it stand."""
         out: list[Piece] = []
         if self.in_call is not None:
             opener, self.in_call = self.in_call, None
-            if self.syntax.end is None or opener == "":
+            if cut:
+                # a call that expects a closing marker and never got it is incomplete; one that runs
+                # to the end of the output stands if what came parses as whole calls
+                expects_end = opener != "" and self.syntax.end is not None
+                calls = [] if expects_end else self.syntax.parse(self.buf, self.names)
+                for c in calls:
+                    out.append(("tool_call", c))
+                self.calls += len(calls)
+                self.dropped = not calls
+            elif self.syntax.end is None or opener == "":
                 self._emit_calls(opener, self.buf, "", out)
-            else:  # never closed (cut off): the text is content
+            else:  # never closed, and not cut off: the text is content
                 out.append(("content", opener + self.buf))
         else:
             self._content(self.buf, out)

@@ -190,7 +190,7 @@ class ChatRun:
                         and self.reasoning_tokens[i] >= self.budget):
                     pieces += self._close_reasoning(ev.seq_id, i)
                     if not self._seq:  # no room left for an answer
-                        pieces += parser.finish()
+                        pieces += parser.finish(cut=True)
                         self.completion_tokens += self._done_tokens[i]
                         yield Step(i, ev, pieces, parser.finish_reason("length"))
                         return
@@ -198,7 +198,7 @@ class ChatRun:
                     continue
                 finish = None
                 if ev.finished:
-                    pieces += parser.finish()
+                    pieces += parser.finish(cut=ev.finish_reason == "length")
                     self.completion_tokens += ev.completion_tokens + self._done_tokens[i]
                     finish = parser.finish_reason(ev.finish_reason)
                 yield Step(i, ev, pieces, finish)
