@@ -104,6 +104,8 @@ class Settings(BaseSettings):
                              group="server")
     max_json_items: int = _f(8192, "Most items in any one list or object of a request body (400 beyond).",
                              group="server")
+    request_timeout: float = _f(0.0, "Seconds a request may run from its arrival; past it, it ends with what it "
+                                      "has (finish_reason 'length'; 0: no limit).", group="server")
     shutdown_timeout: float = _f(10.0, "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
                                        "before they are ended (finish_reason 'length', then [DONE] on streams); "
                                        "new connections are refused meanwhile.", group="server")

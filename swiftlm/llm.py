@@ -114,7 +114,8 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
-                    speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes)
+                    speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes,
+                    request_timeout=settings.request_timeout)
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     engine.tool_parser = settings.tool_parser
     engine.media_processor = processor

@@ -86,3 +86,20 @@ def test_queue_full_is_429_with_retry_after(tiny_llama):
         assert any(r.status_code == 200 for r in codes)
     finally:
         assert s.stop() == 0, s.stderr_tail()
+
+
+def test_request_timeout_ends_a_long_request_with_what_it_has(tiny_llama):
+    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--request-timeout", "1.5")
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(s.base + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True})
+        took = time.monotonic() - t0
+        ch = r.json()["choices"][0]
+        assert r.status_code == 200 and ch["finish_reason"] == "length" and ch["message"]["content"]
+        assert 1.5 <= took < 10 and r.json()["usage"]["completion_tokens"] < 3000
+        quick = httpx.post(s.base + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert quick.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    finally:
+        assert s.stop() == 0, s.stderr_tail()
