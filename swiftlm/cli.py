@@ -331,8 +331,9 @@ def _check_before_serving(settings: Settings) -> None:
     from .media.processor import check_settings
     from .registry import resolve
 
-    spec = resolve(settings.model, allow_download=False if settings.offline else None)
-    check_settings(spec, settings)
+    if getattr(settings, "models_file", None) is None and (settings.model is None or isinstance(settings.model, str)):
+        spec = resolve(settings.model, allow_download=False if settings.offline else None)
+        check_settings(spec, settings)  # e.g. --vision on a text model
     if settings.port == 0:
         return
     try:
