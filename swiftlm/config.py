@@ -104,6 +104,13 @@ class Settings(BaseSettings):
                              group="server")
     max_json_items: int = _f(8192, "Most items in any one list or object of a request body (400 beyond).",
                              group="server")
+    json_close: bool = _f(True, "Structured output (response_format json_object / json_schema) near max_tokens "
+                                "ends with the shortest text that completes its JSON, so the content always "
+                                "parses (finish_reason still 'length'); --no-json-close turns it off.",
+                          group="sampling")
+    json_repeat_guard: int = _f(6, "Structured output that repeats one block of 3-64 tokens this many times in a "
+                                   "row is completed and ended (finish_reason 'stop'); 0 turns the guard off.",
+                                group="sampling")
     request_timeout: float = _f(0.0, "Seconds a request may run from its arrival; past it, it ends with what it "
                                       "has (finish_reason 'length'; 0: no limit).", group="server")
     shutdown_timeout: float = _f(10.0, "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
@@ -348,8 +355,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
                               "help": f"{field.description} [env SWIFTLM_{name.upper()}]"}
         ann = field.annotation
-        if ann is bool:
-            kw["action"] = "store_true"
+        if ann is bool:  # on-by-default switches also get --no-NAME
+            kw["action"] = argparse.BooleanOptionalAction if field.default is True else "store_true"
         else:
             base = {int: int, float: float}.get(ann) or (
                 int if ann == (int | None) else float if ann == (float | None) else str)

@@ -41,6 +41,23 @@ class QueueFull(SwiftLMError):
     pass
 
 
+JSON_CLOSE_WINDOW = 48  # tokens left at which structured output starts checking what closing it takes
+JSON_CLOSE_MARGIN = 2   # closing tokens can grow by a token or two per step: close with this much to spare
+
+
+def _repeats(tokens: list[int], times: int) -> bool:
+    """The tail is one block of 3..64 tokens repeated ``times`` times in a row.  Blocks that are
+    themselves a 1- or 2-token period (a run of zeros, "0, 0, ...") do not count: that is data."""
+    n = len(tokens)
+    for p in range(3, min(64, n // times) + 1):
+        block = tokens[n - p:]
+        if any(all(block[k] == block[k - d] for k in range(d, p)) for d in (1, 2)):
+            continue
+        if all(tokens[n - (k + 1) * p:n - k * p] == block for k in range(1, times)):
+            return True
+    return False
+
+
 @dataclass
 class _Live:
     seq: Sequence
@@ -55,6 +72,8 @@ class Engine:
                  speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0):
         self.model = model
         self.request_timeout = request_timeout  # seconds from submit; 0: none
+        self.json_close = True  # structured output closes its JSON before max_tokens (settings.json_close)
+        self.json_repeat_guard = 0  # structured output caught repeating a block this many times ends
         self._next_expiry_check = 0.0
         self.tokenizer = model.tokenizer
         self.info = model.info
@@ -492,8 +511,39 @@ class Engine:
         elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
                 len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
             out.reason = "length"
+        if out.reason is None and seq.state.constraint is not None and (self.json_close or self.json_repeat_guard):
+            self._close_json(live, out)
         if out.reason is not None:
             self._finish(live, out.reason, notify=False)
+
+    def _close_json(self, live: _Live, out: Out) -> None:
+        """Structured output near its token limit, or caught in a loop: feed the shortest text that
+        completes the JSON (chat.json_close) as the last tokens, so the content always parses.
+        Near the limit it ends 'length'; a loop (the same block of >= 3 tokens repeated
+        ``json_repeat_guard`` times) ends 'stop'."""
+        from .chat.json_close import closing_suffix
+
+        seq, params = live.seq, live.seq.params
+        room = min((params.max_tokens or 0) - len(seq.output_tokens),
+                   self.ctx_size - len(seq.prompt_tokens) - len(seq.output_tokens))
+        looping = bool(self.json_repeat_guard) and _repeats(seq.output_tokens, self.json_repeat_guard)
+        if not looping and (not self.json_close or room > JSON_CLOSE_WINDOW):
+            return
+        suffix = closing_suffix(self.tokenizer.decode(seq.output_tokens))
+        if suffix is None:
+            return
+        ids = self.tokenizer.encode(suffix, add_special_tokens=False)
+        if not ids or (not looping and len(ids) + JSON_CLOSE_MARGIN < room):
+            return
+        last = out
+        for t in ids:  # forced: the grammar is not asked (the sequence ends with them)
+            seq.output_tokens.append(t)
+            self.stats.tokens_generated += 1
+            last = Out(seq.seq_id, t)
+            self._outs.append(last)
+        last.reason = "stop" if looping else "length"
+        self.stats.json_closed += 1
+        self._finish(live, last.reason, notify=False)  # out (not last) keeps reason None: no second finish
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""

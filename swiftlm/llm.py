@@ -116,6 +116,7 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
                     speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes,
                     request_timeout=settings.request_timeout)
+    engine.json_close, engine.json_repeat_guard = settings.json_close, settings.json_repeat_guard
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     engine.tool_parser = settings.tool_parser
     engine.media_processor = processor

@@ -76,6 +76,7 @@ class EngineStats:
     prompt_tokens: int = 0
     decode_seconds: float = 0.0  # time in steps that decoded: a phase figure, not a throughput base
     steps: int = 0
+    json_closed: int = 0  # structured outputs completed by json_close (near max_tokens, or looping)
     overlapped_steps: int = 0  # steps launched before the previous step's ids were read back
     finished: dict[str, int] = field(default_factory=dict)  # requests ended, by reason (stop, length, cancelled, error)
     busy_seconds: float = 0.0  # wall time with at least one request live, closed periods
