@@ -55,20 +55,9 @@ class MLXMultimodal(MultimodalModel):
         return logits
 
     def memory(self) -> dict[str, Any]:
-        """MLX's allocator, as SwiftLM reports it: active (in live arrays), peak, cache (freed
-        buffers kept for reuse); on Metal the device's name, architecture and memory size from
-        mx.device_info().  Plus the weights held."""
-        from swiftlm.memory import cpu_name, system_memory
+        from .model import allocator_memory
 
-        try:
-            di = mx.device_info()
-        except Exception:  # older MLX: Metal only
-            di = mx.metal.device_info() if mx.metal.is_available() else {}
-        gpu = mx.default_device().type == mx.DeviceType.gpu
-        return {"device": "metal" if gpu else "cpu", "architecture": str(di.get("architecture", "")) if gpu else "cpu",
-                "device_name": str(di.get("device_name") or (cpu_name() if not gpu else "")),
-                "active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory(),
-                "device_total": int(di.get("memory_size") or system_memory()), "weights": self.info.weight_bytes}
+        return allocator_memory(self.info.weight_bytes)
 
 
 def _materialise(module: Any) -> None:

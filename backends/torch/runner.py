@@ -306,25 +306,30 @@ class TorchModel:
         this process's resident memory (active = RSS, peak = peak RSS) and the bytes glibc malloc
         holds free (cache).  Plus the weights and the KV storage allocated now (slot pool, live
         and pooled caches), counted from the tensors."""
-        from swiftlm.memory import host_memory
-
         caches = list(self.caches.values())
         kv = sum(c.nbytes() for c in caches if getattr(c, "slot", None) is None)
         kv += sum(c.nbytes() for c in list(self.free_slots))
         kv += sum(c.nbytes() for cs in list(self.turbo_free.values()) for c in list(cs))
         if self.pool is not None:
             kv += sum(t.numel() * t.element_size() for t in self.pool.k + self.pool.v)
-        if self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
-            props = torch.cuda.get_device_properties(index)
-            out = {"device": "cuda", "architecture": props.name, "device_name": props.name,
-                   "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
-                   "reserved": reserved, "device_total": props.total_memory}
-        else:
-            out = host_memory()
+        out = device_memory(self.device)
         out.update(weights=self.info.weight_bytes, kv_allocated=kv)
         return out
+
+
+def device_memory(device: torch.device) -> dict[str, Any]:
+    """The CUDA caching allocator's figures (active = allocated, peak = max allocated, cache =
+    reserved but unallocated), or on the CPU this process's resident memory and malloc's free bytes."""
+    from swiftlm.memory import host_memory
+
+    if device.type != "cuda":
+        return host_memory()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
+    props = torch.cuda.get_device_properties(index)
+    return {"device": "cuda", "architecture": props.name, "device_name": props.name,
+            "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
+            "reserved": reserved, "device_total": props.total_memory}
 
 
 def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:

@@ -53,21 +53,10 @@ class TorchMultimodal(MultimodalModel):
         return out.logits[0, -1].float()
 
     def memory(self) -> dict[str, Any]:
-        """Measured memory, as TorchModel.memory: the CUDA caching allocator's figures, or on the CPU
-        this process's resident memory and malloc's free bytes; plus the weights held."""
-        from swiftlm.memory import host_memory
+        """Measured memory, as TorchModel.memory (runner.device_memory), plus the weights held."""
+        from .runner import device_memory
 
-        if self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
-            props = torch.cuda.get_device_properties(index)
-            out = {"device": "cuda", "architecture": props.name, "device_name": props.name,
-                   "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
-                   "reserved": reserved, "device_total": props.total_memory}
-        else:
-            out = host_memory()
-        out["weights"] = self.info.weight_bytes
-        return out
+        return {**device_memory(self.device), "weights": self.info.weight_bytes}
 
 
 def load_multimodal(spec: ModelSpec, cfg: Any) -> TorchMultimodal:
