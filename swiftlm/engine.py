@@ -535,15 +535,14 @@ class Engine:
         ids = self.tokenizer.encode(suffix, add_special_tokens=False)
         if not ids or (not looping and len(ids) + JSON_CLOSE_MARGIN < room):
             return
-        last = out
         for t in ids:  # forced: the grammar is not asked (the sequence ends with them)
             seq.output_tokens.append(t)
             self.stats.tokens_generated += 1
-            last = Out(seq.seq_id, t)
-            self._outs.append(last)
-        last.reason = "stop" if looping else "length"
+            self._outs.append(Out(seq.seq_id, t))
+        reason = "stop" if looping else "length"
+        self._outs.append(Out(seq.seq_id, reason=reason))  # token-less: every forced token's text is kept
         self.stats.json_closed += 1
-        self._finish(live, last.reason, notify=False)  # out (not last) keeps reason None: no second finish
+        self._finish(live, reason, notify=False)  # ``out`` keeps reason None: no second finish
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""

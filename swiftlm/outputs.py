@@ -217,7 +217,7 @@ class OutputWorker:
                     reason = "stop"
                     self.on_stop(o.seq_id)
         if reason is not None:
-            if reason == "length":
+            if reason == "length" or o.token is None:  # a token-less end (the engine's, e.g. json_close)
                 text += st.stop.feed(st.detok.flush())[0] + st.stop.flush()
             st.done = True
             self.streams.pop(o.seq_id, None)

@@ -65,3 +65,21 @@ def test_repetition_guard_ends_a_loop():
     assert _repeats([1, 2] + block * 6, 6) and not _repeats([1, 2] + block * 5, 6)
     assert not _repeats([0, 1] * 20, 6)  # a period under 3 tokens (e.g. a zero vector) is not a loop
     assert _repeats(list(range(10)) * 6, 6)
+
+
+def test_a_loop_is_closed_and_the_text_parses(torch_llm, monkeypatch):
+    """The repetition guard's ending keeps every forced token's text (an end marked 'stop' on the
+    last forced token used to drop it, as for EOS)."""
+    from swiftlm import SamplingParams
+    from swiftlm.chat.structured import grammar_for
+
+    eng = torch_llm.engine
+    monkeypatch.setattr(eng, "json_repeat_guard", 2)  # trip it early
+    grammar = grammar_for({"type": "json_object"})
+    prompt = eng.chat_prompt([{"role": "user", "content": "Nested JSON please."}])
+    stops = 0
+    for seed in range(8):
+        o = torch_llm.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar))
+        json.loads(o.text)
+        stops += o.finish_reason == "stop"
+    assert stops  # the guard (or EOS after a complete object) ended some before the limit
