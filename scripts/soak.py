@@ -297,10 +297,11 @@ async def worker(i: int, client: httpx.AsyncClient, a: argparse.Namespace, endin
 
 
 async def sampler(url: str, pid: int | None, every: float, t0: float, stop: asyncio.Event, t: Tally,
-                  series: list[dict]) -> None:
+                  series: list[dict], tag: dict) -> None:
+    """Samples every ``every`` seconds, tagged with the current round and phase."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as hc:
         while True:
-            series.append(await sample(hc, pid, t0, t))
+            series.append({**await sample(hc, pid, t0, t), **tag})
             try:
                 await asyncio.wait_for(stop.wait(), every)
                 return
@@ -320,6 +321,7 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
     row["allocator_free"] = int(mem.get("allocator_free_bytes") or 0)
     row["prompt_cache_bytes"] = int(mem.get("prompt_cache_bytes") or (st.get("prompt_cache") or {}).get("bytes") or 0)
     row["kv_bytes"] = int(mem.get("kv_bytes") or st.get("kv_bytes_in_use") or 0)
+    row["kv_allocated"] = int(mem.get("kv_allocated_bytes") or row["kv_bytes"])
     for k in ("requests_active", "queue_depth", "running", "tokens_generated", "requests_total"):
         row[k] = st.get(k)
     row.update({k: t.c[k] for k in ("ok", "cancelled", "failed", "5xx", "bad_rejected")})
@@ -328,13 +330,22 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
 
 def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after: int | None,
               elapsed: float) -> dict:
+    """One round: RSS after the warm-up against its level at the end of the warm-up (the mean of
+    the last three samples).  Several rounds (load, then every client gone and requests_active back
+    to 0): the warm-up is the first round; each later round's RSS peak against the first round's,
+    and the idle RSS after each round against the idle RSS after the first."""
     load = [r for r in series if r.get("phase") == "load" and r["rss"]]
-    warm = [r for r in load if r["t"] <= a.warmup]
-    after = [r for r in load if r["t"] > a.warmup]
+    if a.rounds > 1:
+        warm = [r for r in load if r["round"] == 0]
+        after = [r for r in load if r["round"] > 0]
+    else:
+        warm = [r for r in load if r["t"] <= a.warmup]
+        after = [r for r in load if r["t"] > a.warmup]
+    idle = [r for r in series if r.get("phase") == "idle"]
     s: dict[str, Any] = {
-        "elapsed_s": round(elapsed, 1), "requests_sent": t.c["sent"], "ok": t.c["ok"], "cancelled": t.c["cancelled"],
-        "cancelled_at_end": t.c["cancelled_at_end"], "abandoned_at_end": t.c["abandoned_at_end"],
-        "drain_s": t.drain_seconds,
+        "elapsed_s": round(elapsed, 1), "rounds": a.rounds, "requests_sent": t.c["sent"], "ok": t.c["ok"],
+        "cancelled": t.c["cancelled"], "cancelled_at_end": t.c["cancelled_at_end"],
+        "abandoned_at_end": t.c["abandoned_at_end"], "drain_s": t.drain_seconds,
         "failed": t.c["failed"], "5xx": t.c["5xx"], "bad_rejected_4xx": t.c["bad_rejected"],
         "bad_accepted": t.c["bad_accepted"], "bad_5xx": t.c["bad_5xx"], "content_chunks": t.tokens,
         "status_counts": {str(k): v for k, v in sorted(t.status.items())},
@@ -342,18 +353,34 @@ def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after:
         "rss_start_bytes": load[0]["rss"] if load else None,
         "rss_max_bytes": max((r["rss"] for r in load), default=None),
         "rss_final_bytes": series[-1]["rss"] if series else None,
+        "rss_idle_after_each_round_bytes": [r["rss"] for r in idle],
+        "rss_peak_each_round_bytes": [max((r["rss"] for r in load if r["round"] == k), default=0)
+                                      for k in range(a.rounds)],
     }
+
+    def rest(r: dict) -> int:  # RSS less what live sequences' KV and the prompt cache hold (diagnostic)
+        return r["rss"] - r.get("kv_allocated", 0) - r.get("prompt_cache_bytes", 0)
+
     if warm and after:
-        base = sum(r["rss"] for r in warm[-3:]) / len(warm[-3:])  # the level at the end of the warm-up
+        if a.rounds > 1:
+            base, base_rest = max(r["rss"] for r in warm), max(rest(r) for r in warm)
+        else:
+            base = sum(r["rss"] for r in warm[-3:]) / len(warm[-3:])
+            base_rest = sum(rest(r) for r in warm[-3:]) / len(warm[-3:])
         peak = max(r["rss"] for r in after)
-        s.update({"rss_warmup_end_bytes": int(base), "rss_max_after_warmup_bytes": peak,
+        s.update({"rss_warmup_bytes": int(base), "rss_max_after_warmup_bytes": peak,
                   "rss_last_under_load_bytes": after[-1]["rss"],
                   "rss_growth_after_warmup": round(peak / base - 1, 4),
-                  "rss_growth_last_vs_warmup_end": round(after[-1]["rss"] / base - 1, 4)})
-    checks = {"no_failed_well_formed": t.c["failed"] == 0 and t.c["abandoned_at_end"] == 0, "no_5xx": t.c["5xx"] == 0,
-              "requests_active_back_to_0": active_after == 0}
+                  "rss_less_kv_and_prompt_cache_growth_after_warmup":
+                      round(max(rest(r) for r in after) / base_rest - 1, 4)})
+    if len(idle) > 1:
+        s["rss_idle_growth"] = round(max(r["rss"] for r in idle[1:]) / idle[0]["rss"] - 1, 4)
+    checks = {"no_failed_well_formed": t.c["failed"] == 0 and t.c["abandoned_at_end"] == 0,
+              "no_5xx": t.c["5xx"] == 0, "requests_active_back_to_0": active_after == 0}
     if "rss_growth_after_warmup" in s:
         checks["rss_growth_within_limit"] = s["rss_growth_after_warmup"] <= a.max_rss_growth
+    if "rss_idle_growth" in s:
+        checks["rss_idle_growth_within_limit"] = s["rss_idle_growth"] <= a.max_rss_growth
     s["checks"] = checks
     s["passed"] = all(checks.values())
     s["failures"] = t.failures
@@ -372,13 +399,22 @@ def plot(series: list[dict], summary: dict, a: argparse.Namespace, path: Path, t
     if any(r.get("prompt_cache_bytes") for r in series):
         ax.plot(ts, [r["prompt_cache_bytes"] / 2**20 for r in series], label="prompt cache (counted)",
                 color="tab:green")
+    if any(r.get("kv_allocated") for r in series):
+        ax.plot(ts, [r.get("kv_allocated", 0) / 2**20 for r in series], label="KV allocated (running and queued sequences)",
+                color="tab:purple", lw=1)
     if any(r.get("allocator_free") for r in series):
         ax.plot(ts, [r["allocator_free"] / 2**20 for r in series], label="malloc free (held)", color="tab:gray",
                 lw=1)
-    if "rss_warmup_end_bytes" in summary:
-        lim = summary["rss_warmup_end_bytes"] * (1 + a.max_rss_growth) / 2**20
-        ax.axhline(lim, color="tab:red", ls=":", lw=1, label=f"warm-up end +{a.max_rss_growth:.0%}")
-    ax.axvline(a.warmup / 60, color="k", ls="--", lw=1, label="end of warm-up")
+    if "rss_warmup_bytes" in summary:
+        lim = summary["rss_warmup_bytes"] * (1 + a.max_rss_growth) / 2**20
+        what = "first round's peak" if a.rounds > 1 else "warm-up end"
+        ax.axhline(lim, color="tab:red", ls=":", lw=1, label=f"{what} +{a.max_rss_growth:.0%}")
+    idle = [r for r in series if r.get("phase") == "idle"]
+    if idle:
+        ax.plot([r["t"] / 60 for r in idle], [r["rss"] / 2**20 for r in idle], "o", color="tab:blue", ms=6,
+                label="RSS idle after a round")
+    warm_end = idle[0]["t"] if a.rounds > 1 and idle else a.warmup
+    ax.axvline(warm_end / 60, color="k", ls="--", lw=1, label="end of warm-up")
     ax.set_xlabel("minutes")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
@@ -400,44 +436,46 @@ async def run(a: argparse.Namespace, url: str, pid: int | None) -> tuple[list[di
     t = Tally()
     series: list[dict] = []
     t0 = time.monotonic()
-    deadline = t0 + a.duration
     limits = httpx.Limits(max_connections=a.streams + 8, max_keepalive_connections=a.streams + 8)
     stop = asyncio.Event()
-    samp = asyncio.create_task(sampler(url, pid, a.sample_every, t0, stop, t, series))
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(a.request_timeout, connect=30),
-                                 limits=limits) as client:
-        ending = asyncio.Event()
-        workers = [asyncio.create_task(worker(i, client, a, ending, t)) for i in range(a.streams)]
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        ending.set()  # the load ends: open streams disconnect, non-streamed requests are waited for
-        stop.set()
-        await samp
-        for r in series:
-            r["phase"] = "load"
-        elapsed = time.monotonic() - t0
-        t_end = time.monotonic()
-        _, late = await asyncio.wait(workers, timeout=a.drain_timeout)
-        for w in late:  # still waiting after the drain timeout: given up
-            w.cancel()
-            t.c["abandoned_at_end"] += 1
-        await asyncio.gather(*workers, return_exceptions=True)
-        for w in workers:
-            if not w.cancelled() and w.exception() is not None:
-                t.fail("client error", error=repr(w.exception()))
-    # requests_active must drain to 0 (the disconnects above cancel); RSS keeps being sampled
-    active = None
-    async with httpx.AsyncClient(base_url=url, timeout=30) as hc:
-        end = t_end + a.drain_timeout
-        while True:
-            row = await sample(hc, pid, t0, t)
-            row["phase"] = "drain"
-            series.append(row)
-            active = row.get("requests_active")
-            if active == 0 or time.monotonic() > end:
-                break
-            await asyncio.sleep(1.0)
-    t.drain_seconds = round(time.monotonic() - t_end, 1)
-    return series, t, active, elapsed
+    tag = {"round": 0, "phase": "load"}
+    samp = asyncio.create_task(sampler(url, pid, a.sample_every, t0, stop, t, series, tag))
+    active, load_s = None, 0.0
+    # no read timeout: a client waits for its turn in the queue however long it takes
+    timeout = httpx.Timeout(None, connect=30, pool=None)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=url, timeout=30) as hc:
+        for k in range(a.rounds):
+            tag.update(round=k, phase="load")
+            ending = asyncio.Event()
+            t_start = time.monotonic()
+            workers = [asyncio.create_task(worker(i, client, a, ending, t)) for i in range(a.streams)]
+            await asyncio.sleep(a.duration / a.rounds)
+            ending.set()  # the load ends: open streams disconnect, non-streamed requests are waited for
+            tag["phase"] = "drain"
+            t_end = time.monotonic()
+            load_s += t_end - t_start
+            _, late = await asyncio.wait(workers, timeout=a.drain_timeout)
+            for w in late:  # still waiting after the drain timeout: given up
+                w.cancel()
+                t.c["abandoned_at_end"] += 1
+            await asyncio.gather(*workers, return_exceptions=True)
+            for w in workers:
+                if not w.cancelled() and w.exception() is not None:
+                    t.fail("client error", error=repr(w.exception()))
+            # requests_active must drain to 0 (the disconnects above cancel)
+            while True:
+                row = await sample(hc, pid, t0, t)
+                active = row.get("requests_active")
+                if active == 0 or time.monotonic() > t_end + a.drain_timeout:
+                    break
+                await asyncio.sleep(1.0)
+            t.drain_seconds = max(t.drain_seconds, round(time.monotonic() - t_end, 1))
+            await asyncio.sleep(2.0)
+            series.append({**await sample(hc, pid, t0, t), "round": k, "phase": "idle"})
+    stop.set()
+    await samp
+    return series, t, active, load_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,15 +488,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for that server (repeat), e.g. MALLOC_ARENA_MAX=2")
     p.add_argument("--streams", type=int, default=200, help="concurrent clients")
-    p.add_argument("--duration", type=float, default=1800, help="seconds of load")
-    p.add_argument("--warmup", type=float, default=300, help="seconds before RSS growth is measured")
+    p.add_argument("--duration", type=float, default=1800, help="seconds of load (all rounds together)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split the load into rounds, each followed by every client leaving and the server\n"
+                        "going idle; with more than one, the warm-up is the first round")
+    p.add_argument("--warmup", type=float, default=300, help="seconds before RSS growth is measured (one round)")
     p.add_argument("--sample-every", type=float, default=5.0)
     p.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens drawn")
     p.add_argument("--disconnect-share", type=float, default=0.3, help="streams the client cuts mid-way")
     p.add_argument("--bad-share", type=float, default=0.05, help="requests that are malformed")
     p.add_argument("--plain-share", type=float, default=0.1, help="well-formed requests that are not streamed")
     p.add_argument("--plain-max-tokens", type=int, default=32, help="largest max_tokens of a non-streamed request")
-    p.add_argument("--request-timeout", type=float, default=900)
     p.add_argument("--drain-timeout", type=float, default=300,
                    help="seconds to wait after the load for requests_active to reach 0")
     p.add_argument("--max-rss-growth", type=float, default=0.05)
