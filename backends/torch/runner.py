@@ -254,12 +254,10 @@ class TorchModel:
         if c is None or c.length == 0 or not isinstance(c, SeqCache):
             return None  # compressed caches are not kept by the prompt cache
         n = c.length
-        if self.static:  # the slot goes back to the pool: keep a compact copy
-            k = [t[:, :n].clone() for t in c.k]
-            v = [t[:, :n].clone() for t in c.v]
-        else:  # the growable cache is dropped by free(): take it over without copying
-            k = [t[:, :n] for t in c.k]
-            v = [t[:, :n] for t in c.v]
+        # a compact copy: the slot goes back to the pool, and a view of a grown CPU cache would keep
+        # its whole buffer (up to 2x the rows counted) alive in the prompt cache
+        k = [t[:, :n].clone() for t in c.k]
+        v = [t[:, :n].clone() for t in c.v]
         nbytes = sum(t.numel() * t.element_size() for t in k + v)
         return (k, v), nbytes, n
 

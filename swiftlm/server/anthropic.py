@@ -341,6 +341,8 @@ class MessagesRoutes:
             if ev.progress is not None:
                 continue
             if ev.error:
+                if stream:  # inside a stream whose 200 went out already (non-streamed: counted as its 500)
+                    self.state.metrics.count_error(500, where="stream")
                 yield "error", error_body(500, f"generation failed: {ev.error}")
                 return
             for name, data in (e for kind, val in step.pieces for e in out.feed(kind, val)):

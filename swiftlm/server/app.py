@@ -185,6 +185,9 @@ def serve(settings: Settings) -> int:
     from ..engine import Engine
     from ..registry import resolve
 
+    from ..memory import tune_allocator
+
+    tune_allocator()  # glibc: large freed blocks go back to the OS (see memory.tune_allocator)
     offline = False if settings.offline else None
     if settings.models_file:  # several models, each loaded on demand (server/models.py)
         try:

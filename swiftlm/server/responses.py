@@ -376,7 +376,12 @@ class ResponsesRoutes:
         resp = self._skeleton(_rid("resp_"), req, self.state.spec.name)
         events = self._events(run, resp, history + items, len(job.prompt))
         if req.stream:
-            return StreamingResponse((sse(ev, event=ev["type"]) async for ev in events),
+            def counted(ev: dict) -> dict:  # an error inside a stream whose 200 went out already
+                if ev["type"] == "response.failed":
+                    metrics.count_error(500, where="stream")
+                return ev
+
+            return StreamingResponse((sse(counted(ev), event=ev["type"]) async for ev in events),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         last = None
