@@ -103,6 +103,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
+        if vocab_size and self.top_k >= vocab_size:  # every token: the same as no top-k (and no int64 overflow)
+            self.top_k = 0
         if not 0.01 <= self.repetition_penalty <= 10:
             raise bad("repetition_penalty", "must be in [0.01, 10]")
         if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:

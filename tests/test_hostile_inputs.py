@@ -83,3 +83,14 @@ def test_anthropic_route_keeps_its_error_shape(server):
     assert r.status_code == 400
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and "NaN" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": MSG, "max_tokens": 2, "top_k": 9999999999999999999}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "top_k": 9999999999999999999}),
+])
+def test_top_k_past_the_vocabulary_means_no_top_k(server, path, body):
+    """A top_k of every token (or more than int64 holds: schemathesis found a 500) samples from
+    the whole vocabulary, as top_k 0 does."""
+    r = httpx.post(server.base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
