@@ -64,6 +64,7 @@ class _Live:
     submitted: float
     first_token_at: float | None = None
     cached_tokens: int = 0
+    prefix: tuple[int, Any] | None = None  # a prompt-cache hit, restored when the sequence is about to run
 
 
 class Engine:
@@ -280,14 +281,8 @@ class Engine:
                 self._live[arg.seq.seq_id] = arg
                 if self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params) and arg.seq.media is None:
                     n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
-                    if n:
-                        try:
-                            self.model.restore_prefix(arg.seq.seq_id, payload, n)  # type: ignore[attr-defined]
-                            arg.seq.num_computed = arg.cached_tokens = n
-                            self._outs.append(Out(arg.seq.seq_id, cached_tokens=n))
-                        except Exception:  # a cache failure costs a full prefill, never the request
-                            log.exception("prompt cache restore failed; prefilling in full")
-                            self.model.free([arg.seq.seq_id])
+                    if n:  # restored at admission, not now: a queued request holds no KV
+                        arg.prefix = (n, payload)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
             elif cmd == "cancel":
@@ -325,6 +320,7 @@ class Engine:
                 if self._stopping or not self.scheduler.has_work():
                     continue
                 t0 = time.perf_counter()
+                self._restore_prefixes()
                 batch = self.scheduler.schedule()
                 if not batch.seqs:
                     continue
@@ -359,6 +355,26 @@ class Engine:
             self.model.ops.end_thread()  # MLX: this thread's streams go with it (a clean exit)
         except Exception:  # pragma: no cover
             log.exception("releasing the engine thread's device streams failed")
+
+    def _restore_prefixes(self) -> None:
+        """Prompt-cache hits of the sequences the scheduler can admit now (the first free-slot
+        count of the queue, FCFS): their KV is restored just before they run."""
+        sch = self.scheduler
+        for seq in list(sch.waiting)[:max(0, sch.max_running - len(sch.running))]:
+            live = self._live.get(seq.seq_id)
+            if live is None or live.prefix is None:
+                continue
+            n, payload = live.prefix
+            live.prefix = None
+            if seq.num_computed or seq.output_tokens:  # preempted and resumed: recomputed, not restored
+                continue
+            try:
+                self.model.restore_prefix(seq.seq_id, payload, n)  # type: ignore[attr-defined]
+                seq.num_computed = live.cached_tokens = n
+                self._outs.append(Out(seq.seq_id, cached_tokens=n))
+            except Exception:  # a cache failure costs a full prefill, never the request
+                log.exception("prompt cache restore failed; prefilling in full")
+                self.model.free([seq.seq_id])
 
     def _expire(self) -> None:
         """--request-timeout: a request past its deadline ends as at its length limit (its text so
