@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -34,13 +33,6 @@ from .schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest, Cha
                       CompletionRequest, ResponsesRequest)
 
 log = logging.getLogger(__name__)
-
-
-def _authorized(request: Request, key: str | None) -> bool:
-    """Whether the request carries ``key`` (Bearer or x-api-key)."""
-    if not key:
-        return True
-    return Gate(SimpleNamespace(api_key=key)).identify(request) is not None
 
 
 def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
