@@ -19,6 +19,12 @@ $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --u
     .gpu/old || exit 1
 export PYTHONPATH=
 NS=${NS:-"1 8 32 64 128"}
+PYSPY=  # pip --target leaves a wheel's scripts out: take py-spy's binary from its wheel
+for w in $REPO/.whl/py_spy-*.whl; do
+  [ -f "$w" ] && python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+open('/tmp/py-spy', 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('scripts/py-spy'))))" "$w" \
+    && chmod +x /tmp/py-spy && PYSPY=/tmp/py-spy
+done
 mkdir -p /tmp/run && cd /tmp/run                 # import the installed copies, not the source tree
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
@@ -42,15 +48,21 @@ serve_and_bench() {  # version model
     sleep 1
   done
   for n in $NS; do
-    local reqs=$(( n < 8 ? 8 : 2 * n ))
-    if [ "${PYSPY_N:-}" = "$n" ] && [ -x /tmp/site/bin/py-spy ]; then  # a sampling profile of the server under load
-      (sleep 8; /tmp/site/bin/py-spy record --pid $pid -d 12 -r 250 --threads --nonblocking -f raw \
-          -o "$OUT/pyspy_${ver}_${m}_n$n.txt" > "$OUT/pyspy_${ver}_${m}_n$n.log" 2>&1) &
+    local reqs=$(( n < 8 ? 8 : ${REQ_MULT:-2} * n ))
+    if [ "${PYSPY_N:-}" = "$n" ] && [ -n "$PYSPY" ]; then  # sampling profiles of the server under load
+      (sleep 3; $PYSPY record --pid $pid -d 4 -r 250 --threads --nonblocking -f raw \
+          -o "$OUT/pyspy_${ver}_${m}_n$n.txt" > "$OUT/pyspy_${ver}_${m}_n$n.log" 2>&1
+       $PYSPY record --pid $pid -d 4 -r 250 --threads --gil --nonblocking -f raw \
+          -o "$OUT/pyspy_gil_${ver}_${m}_n$n.txt" >> "$OUT/pyspy_${ver}_${m}_n$n.log" 2>&1) &
+      reqs=$(( 8 * n ))
     fi
     PYTHONPATH=/tmp/site timeout 240 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
         --concurrency $n --num-requests $reqs --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 --output-tokens 128 --ignore-eos \
         --tokenizer $REPO/.gpu/tok --no-progress --label "${ver}_${m}_n$n" --json "$OUT/serve_${ver}_${m}_n$n.json" \
         2>&1 | grep -E "output tok/s|ITL|TTFT|failed" | sed "s/^/[$ver $m N=$n] /"
+  done
+  for f in "$OUT"/pyspy*_${ver}_${m}_n*.txt; do
+    [ -f "$f" ] && $PY $REPO/scripts/pyspy_top.py "$f" --top 25 > "${f%.txt}.top.txt" && head -80 "${f%.txt}.top.txt"
   done
   curl -s "http://127.0.0.1:$port/health" > "$OUT/health_${ver}_$m.json"
   curl -s "http://127.0.0.1:$port/metrics" | grep -E "^swiftlm_step_seconds_(sum|count)" > "$OUT/steps_${ver}_$m.txt"
@@ -65,6 +77,19 @@ for what in "$@"; do
     engine1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/
               PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams ${PNS:-1,64,128} \
                   --tokens 128 --ctx-size 1024 --json "$OUT/profile_engine_1b.json" 2>&1 | tail -8 ;;
+    sync1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/   # where the host blocks
+              PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams 1,64 \
+                  --tokens 64 --ctx-size 1024 --sync-debug --json "$OUT/sync_engine_1b.json" 2>&1 | tail -50 ;;
+    ab1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/  # page-locked inputs off / on
+              for v in 0 1; do echo "SWIFTLM_PINNED_H2D=$v"
+                SWIFTLM_PINNED_H2D=$v PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b \
+                  --streams 1,128,64 --tokens 128 --ctx-size 1024 --torch-profile "$OUT/tprof_pinned$v.txt" \
+                  --json "$OUT/profile_engine_1b_pinned$v.json" 2>&1 | tail -5; done ;;
+    native1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/  # py-spy with C frames
+              PYTHONPATH=/tmp/site timeout 300 $PYSPY record --native --threads -r 200 -f raw -o "$OUT/native_engine_1b.txt" -- \
+                  $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams 64 --tokens 512 --ctx-size 1024 2>&1 | tail -4
+              $PY $REPO/scripts/pyspy_top.py "$OUT/native_engine_1b.txt" --top 30 > "$OUT/native_engine_1b.top.txt"
+              head -120 "$OUT/native_engine_1b.top.txt" ;;
     kernel) PYTHONPATH=/tmp/site timeout 300 $PY $REPO/scripts/bench_paged_attention.py --quick \
               --json "$OUT/bench_paged_attention_gpu.json" 2>&1 | tail -40 ;;
   esac

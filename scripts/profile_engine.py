@@ -48,6 +48,61 @@ def run(llm, n: int, tokens: int, temperature: float) -> dict:
             "overlapped_steps": llm.engine.stats.overlapped_steps}
 
 
+def profiled(llm, n: int, a, path: str) -> dict:
+    """One run under torch.profiler (CUPTI sees every thread's CUDA calls and kernels): tables of
+    the runtime calls by host time and of the kernels by device time, and the device's busy share."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        row = run(llm, n, a.tokens, a.temperature)
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka if e.device_type.name == "CUDA") / 1e6
+    row["device_busy_s"] = round(busy, 4)
+    with open(path, "w") as f:
+        f.write(f"N={n}: wall {row['seconds']} s, device kernels {busy:.3f} s ({100 * busy / row['seconds']:.1f}%)\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=30) + "\n")
+    print(f"  torch profile: device busy {busy:.3f} s of {row['seconds']} s -> {path}")
+    return row
+
+
+class SyncLog:
+    """torch's CUDA sync debug mode, recording where each blocking call came from (the innermost
+    frames in swiftlm or the backends) instead of printing a warning each time."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def start(self) -> None:
+        import traceback
+        import warnings
+
+        import torch
+
+        self.counts = {}
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack() if "swiftlm" in f.filename or "backends" in f.filename]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
+            key = f"{str(message)[:60]} @ {where}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> dict[str, int]:
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        top = dict(sorted(self.counts.items(), key=lambda kv: -kv[1])[:20])
+        for k, v in top.items():
+            print(f"  sync x{v}: {k}")
+        return top
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="torch")
@@ -57,14 +112,32 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--json", default=None)
     ap.add_argument("--ctx-size", type=int, default=None)
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="CUDA: after warm-up, report every host-blocking CUDA call of the runs (file:line, count)")
+    ap.add_argument("--torch-profile", default=None, metavar="TXT",
+                    help="CUDA: run the last N under torch.profiler and write its op tables (CPU and device) here")
     a = ap.parse_args()
     from swiftlm import LLM
 
     ns = [int(n) for n in a.streams.split(",")]
     extra = {"ctx_size": a.ctx_size} if a.ctx_size else {}
     llm = LLM(a.model, backend=a.backend, parallel=max(ns), prompt_cache_bytes=0, **extra)  # one load for all N
+    syncs = None
+    if a.sync_debug:
+        import torch
+
+        syncs = SyncLog() if torch.cuda.is_available() else print("--sync-debug: no CUDA device; ignored")
     try:
-        rows = [run(llm, n, a.tokens, a.temperature) for n in ns]
+        rows = []
+        for n in ns:
+            if syncs:
+                syncs.start()
+            if a.torch_profile and n == ns[-1]:
+                rows.append(profiled(llm, n, a, a.torch_profile))
+            else:
+                rows.append(run(llm, n, a.tokens, a.temperature))
+            if syncs:
+                rows[-1]["host_syncs"] = syncs.stop()
     finally:
         llm.close()
     from swiftlm.timers import PHASES

@@ -268,7 +268,7 @@ def _draw(ops: BatchOps, x: Any, P: list[SamplingParams], greedy: np.ndarray, u:
             off = np.log(mps).astype(np.float32).reshape(n, 1)  # min_p 0 -> -inf: nothing masked
         y = ops.where(ls < ops.max_rows(ls) + ops.vec(off), NEG_INF, y)
     cdf = ops.cumsum_rows(ops.softmax_rows(y))
-    total = ops.take_along(cdf, ops.vec(np.full((n, 1), _width(y) - 1, np.int64)))
+    total = cdf[:, -1:]  # the last column: a view, no host-to-device copy
     target = ops.vec(u.astype(np.float32).reshape(n, 1)) * total
     tok = ops.count_below(cdf, target)
     tok = ops.where_int(tok < _width(y), tok, _width(y) - 1)

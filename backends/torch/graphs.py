@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import MLP, SeqCache, Transformer, apply_rope, project_qkv
+from .staging import stager
 
 BUCKET_MIN = 256
 
@@ -357,7 +358,7 @@ class GraphDecoder:
             entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange,
                                                                            splits), (t, s_, p))
         g, (t, s_, p), out = entry
-        dev = host.to(self.device, non_blocking=True)  # staged and queued, no wait on the running step
+        dev = stager(self.device).to_device(host)  # page-locked: queued, no wait on the running step
         t.copy_(dev[0])
         if on_dev:
             t[:B].copy_(tokens)

@@ -18,6 +18,7 @@ from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
+from .staging import stager
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
 from .model import PackedAttend, SeqCache, build, decode_batch, param_bytes
 from .ops import TorchOps
@@ -239,8 +240,8 @@ class TorchModel:
             seg += [n] * L
             last.append(len(toks) - 1)
         host = torch.tensor([toks, slots, pos, seg])
-        t, s_, p, g = host.to(self.device, non_blocking=True).unbind(0)
-        last_t = torch.tensor(last).to(self.device, non_blocking=True)
+        t, s_, p, g = stager(self.device).to_device(host).unbind(0)
+        last_t = stager(self.device).to_device(torch.tensor(last))
         logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
         for w, c in keep:
             c.length = len(w.tokens)
@@ -339,6 +340,12 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     device, dtype = pick_device(cfg)
     _apply_mem_limit(cfg, device)
+    if device.type == "cuda":
+        # SDPA's cuDNN backend (torch's first choice for bf16 on Hopper) builds and compiles (NVRTC) a
+        # kernel for every new query/key length: with prompts of varied lengths that put 25% of the
+        # engine thread's time in the compiler and 100-350 ms stalls in the inter-token latency
+        # (py-spy --native on the H100). Flash / memory-efficient attention need no per-shape build.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     reader = None
     if getattr(cfg, "stream_experts", False):
         from swiftlm.experts import ExpertReader
