@@ -39,7 +39,7 @@ ckpt() {  # name hidden layers heads kv head_dim inter
 serve_and_bench() {  # version model
   local ver=$1 m=$2 port=$((6000 + RANDOM % 1000)) site=/tmp/site
   [ $ver = old ] && site=/tmp/site_old
-  PYTHONPATH=$site $PY -m swiftlm.cli serve --model /tmp/m$m --backend torch --parallel 128 \
+  env PYTHONPATH=$site ${SERVE_ENV:-} $PY -m swiftlm.cli serve --model /tmp/m$m --backend torch --parallel 128 \
       --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port > "$OUT/serve_${ver}_$m.log" 2>&1 &
   local pid=$!
   for i in $(seq 1 240); do
@@ -57,7 +57,7 @@ serve_and_bench() {  # version model
       reqs=$(( 8 * n ))
     fi
     PYTHONPATH=/tmp/site timeout 240 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
-        --concurrency $n --num-requests $reqs --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 --output-tokens 128 --ignore-eos \
+        --concurrency $n --num-requests $reqs --workers $(( n >= 32 ? 4 : 1 )) --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 --output-tokens 128 --ignore-eos \
         --tokenizer $REPO/.gpu/tok --no-progress --label "${ver}_${m}_n$n" --json "$OUT/serve_${ver}_${m}_n$n.json" \
         2>&1 | grep -E "output tok/s|ITL|TTFT|failed" | sed "s/^/[$ver $m N=$n] /"
   done
@@ -80,11 +80,11 @@ for what in "$@"; do
     sync1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/   # where the host blocks
               PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams 1,64 \
                   --tokens 64 --ctx-size 1024 --sync-debug --json "$OUT/sync_engine_1b.json" 2>&1 | tail -50 ;;
-    ab1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/  # page-locked inputs off / on
-              for v in 0 1; do echo "SWIFTLM_PINNED_H2D=$v"
-                SWIFTLM_PINNED_H2D=$v PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b \
-                  --streams 1,128,64 --tokens 128 --ctx-size 1024 --torch-profile "$OUT/tprof_pinned$v.txt" \
-                  --json "$OUT/profile_engine_1b_pinned$v.json" 2>&1 | tail -5; done ;;
+    ab1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/  # A/B of an env knob
+              for v in ${AB_VALUES:-0 1}; do echo "${AB_VAR:-SWIFTLM_PINNED_H2D}=$v"
+                env ${AB_VAR:-SWIFTLM_PINNED_H2D}=$v PYTHONPATH=/tmp/site timeout 300 $PY /tmp/run/profile_engine.py --model /tmp/m1b \
+                  --streams 1,128,64 --tokens 128 --ctx-size 1024 ${TPROF:+--torch-profile "$OUT/tprof_ab$v.txt"} \
+                  --json "$OUT/profile_engine_1b_ab$v.json" 2>&1 | tail -5; done ;;
     native1b) ckpt 1b 2048 16 32 8 64 8192; cp $REPO/scripts/profile_engine.py /tmp/run/  # py-spy with C frames
               PYTHONPATH=/tmp/site timeout 300 $PYSPY record --native --threads -r 200 -f raw -o "$OUT/native_engine_1b.txt" -- \
                   $PY /tmp/run/profile_engine.py --model /tmp/m1b --streams 64 --tokens 512 --ctx-size 1024 2>&1 | tail -4
