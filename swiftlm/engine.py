@@ -13,9 +13,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -114,9 +112,6 @@ class Engine:
         self._stopping = False
         self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
         self.on_fatal: Any = None  # called with that message (the server exits non-zero)
-        gil_switch = os.environ.get("SWIFTLM_GIL_SWITCH_MS")
-        if gil_switch:  # experiment knob: how long a thread waiting for the GIL waits before asking for it
-            sys.setswitchinterval(float(gil_switch) / 1e3)
         self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)

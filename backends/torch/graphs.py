@@ -350,13 +350,15 @@ class GraphDecoder:
             if on_dev:
                 t = t.clone()
                 t[:B] = tokens
-            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange, splits)[:B]
+            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange, splits)[:B].float()
         key = ("batch", Bp, L)
         entry = self.graphs.get(key)
         if entry is None:
             t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
+            # float32 logits out of the graph: the sampler's cast was its slowest call on the H100 (the
+            # op re-takes the GIL inside, so it queued behind the HTTP loop: py-spy --native)
             entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange,
-                                                                           splits), (t, s_, p))
+                                                                           splits).float(), (t, s_, p))
         g, (t, s_, p), out = entry
         dev = stager(self.device).to_device(host)  # page-locked: queued, no wait on the running step
         t.copy_(dev[0])
