@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -132,7 +133,8 @@ class TorchModel:
             cache.length = start + 1
             return out
         ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.module(ids, cache, start)[-1]
+        with prefill_attention(self.device, len(ids)):
+            return self.module(ids, cache, start)[-1]
 
     @torch.inference_mode()
     def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
@@ -242,7 +244,8 @@ class TorchModel:
         host = torch.tensor([toks, slots, pos, seg])
         t, s_, p, g = stager(self.device).to_device(host).unbind(0)
         last_t = stager(self.device).to_device(torch.tensor(last))
-        logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
+        with prefill_attention(self.device, len(toks)):
+            logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
         for w, c in keep:
             c.length = len(w.tokens)
         return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
@@ -316,6 +319,19 @@ class TorchModel:
         return out
 
 
+def prefill_attention(device: torch.device, T: int) -> Any:
+    """SDPA without its cuDNN backend for prompt chunks on CUDA.  cuDNN (torch's first choice for
+    bf16 on Hopper) builds and NVRTC-compiles a kernel for every new query/key length: with prompts
+    of varied lengths that was 25% of the engine thread's time and 100-350 ms stalls in the
+    inter-token latency (py-spy --native, H100).  Decode keeps it: its shapes are fixed per captured
+    graph, and turning it off there cost 1B/8B single-stream decode ~20% (measured)."""
+    if device.type != "cuda" or T <= 1:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def device_memory(device: torch.device) -> dict[str, Any]:
     """The CUDA caching allocator's figures (active = allocated, peak = max allocated, cache =
     reserved but unallocated), or on the CPU this process's resident memory and malloc's free bytes."""
@@ -340,12 +356,6 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     device, dtype = pick_device(cfg)
     _apply_mem_limit(cfg, device)
-    if device.type == "cuda":
-        # SDPA's cuDNN backend (torch's first choice for bf16 on Hopper) builds and compiles (NVRTC) a
-        # kernel for every new query/key length: with prompts of varied lengths that put 25% of the
-        # engine thread's time in the compiler and 100-350 ms stalls in the inter-token latency
-        # (py-spy --native on the H100). Flash / memory-efficient attention need no per-shape build.
-        torch.backends.cuda.enable_cudnn_sdp(False)
     reader = None
     if getattr(cfg, "stream_experts", False):
         from swiftlm.experts import ExpertReader
