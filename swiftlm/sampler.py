@@ -172,6 +172,11 @@ def _launch(ops: BatchOps, logits: Any, rows: list[Row], counters: list[int]) ->
     S = [r.state for r in rows]
     if all(plain_greedy(p, s) for p, s in zip(P, S)):  # the fast path: one argmax, ids back
         return Pending(ops, rows, ops.argmax_rows(logits), None, 0)
+    fused = getattr(ops, "sample_simple", None)
+    if fused is not None:
+        host = simple_inputs(P, S, counters, _width(logits))
+        if host is not None:  # temperature / logit bias / greedy only: one fused call (a graph on CUDA)
+            return Pending(ops, rows, fused(logits, host), None, 0)
     x = adjust(ops, logits, P, S)
     want_lp = any(p.logprobs for p in P)
     lp = ops.log_softmax_rows(x) if want_lp else None
@@ -189,6 +194,38 @@ def _launch(ops: BatchOps, logits: Any, rows: list[Row], counters: list[int]) ->
         vals, idx = ops.topk_rows(lp, K)
         cols += [idx, vals]
     return Pending(ops, rows, tok, ops.pack(cols), K)
+
+
+SIMPLE_BIAS = 8  # logit-bias entries per row the fused path carries
+
+
+def simple_inputs(P: list[SamplingParams], S: list[SamplerState], counters: Sequence[int], V: int
+                  ) -> np.ndarray | None:
+    """The per-row inputs of the fused sampler (``BatchOps.sample_simple``) as one float32 array
+    [n, 3 + 2 * SIMPLE_BIAS]: temperature (1 for greedy rows), the row's uniform, greedy (0/1), the
+    logit-bias token ids (exact in float32 below 2**24) and values, zero-padded.  None when a row
+    needs more (top-k/p, min-p, penalties, logprobs, a grammar, many biases, a bias outside the
+    vocabulary): then the general path runs, with its errors."""
+    K = SIMPLE_BIAS
+    if V >= 1 << 24:
+        return None
+    for p, s in zip(P, S):
+        if (p.logprobs or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or s.constraint is not None or len(p.logit_bias) > K):
+            return None
+        if not p.greedy and ((p.top_k or 0) > 0 or p.top_p < 1.0 or p.min_p > 0):
+            return None
+        if any(not (0 <= int(t) < V) for t in p.logit_bias):
+            return None
+    n = len(P)
+    host = np.zeros((n, 3 + 2 * K), np.float32)
+    host[:, 0] = [1.0 if p.greedy else p.temperature for p in P]
+    host[:, 1] = uniforms([s.seed for s in S], counters).astype(np.float32)
+    host[:, 2] = [p.greedy for p in P]
+    for i, p in enumerate(P):
+        for j, (tok, b) in enumerate(p.logit_bias.items()):
+            host[i, 3 + j], host[i, 3 + K + j] = int(tok), b
+    return host
 
 
 def adjust(ops: BatchOps, logits: Any, P: list[SamplingParams], S: list[SamplerState]) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ class TorchOps:
     def __init__(self, device: torch.device):
         self.device = device
         self._pinned: dict[tuple, list] = {}  # (shape, dtype) -> [ring of 3 page-locked buffers, next index]
+        self._fused: Any = None  # fused_sampler.GraphedSampler, made on first use
 
     def asarray(self, values, dtype):
         return torch.tensor(values, dtype=_DT[dtype], device=self.device)
@@ -147,6 +150,14 @@ class TorchOps:
 
     def pack(self, cols):
         return torch.cat([c.float().reshape(c.shape[0], -1) for c in cols], dim=1)
+
+    def sample_simple(self, logits, host):
+        """Temperature / logit bias / greedy rows in one call (``swiftlm.sampler.simple_inputs``)."""
+        if self._fused is None:
+            from .fused_sampler import GraphedSampler
+
+            self._fused = GraphedSampler(self.device)
+        return self._fused(logits, host)
 
     def where_int(self, cond, a, b):
         return torch.where(cond, a, b).long()  # scalars as scalars (no blocking copy)
