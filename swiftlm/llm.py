@@ -246,6 +246,38 @@ class LLM(_Base):
             _split(o, plan)
         return out  # type: ignore[return-value]
 
+    # ---------------------------------------------------------- test-time compute (swiftlm.test_time)
+    def _test_time(self, prompt: Any, params: SamplingParams | None, spec: dict, kwargs: dict | None) -> Any:
+        from . import test_time
+
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        tk = dict(kwargs or {})
+        tk.setdefault("enable_thinking", self.settings.thinking)
+        p = params or SamplingParams(temperature=0.7 if spec["strategy"] != "refinement" else 0.0, max_tokens=256)
+        return test_time.run(self.engine, messages, p, spec, tk)
+
+    def generate_with_self_consistency(self, prompt: Any, n: int = 8, params: SamplingParams | None = None, *,
+                                       answer: str = "last_number", pattern: str | None = None,
+                                       json_field: str | None = None, chat_template_kwargs: dict | None = None) -> Any:
+        """N sampled chains in one batch, an answer extracted from each, majority vote
+        (``TestTimeResult``: ``answer``, ``votes``, ``candidates``)."""
+        return self._test_time(prompt, params, {"strategy": "self_consistency", "n": n, "answer": answer,
+                                                "pattern": pattern, "field": json_field}, chat_template_kwargs)
+
+    def generate_best_of_n(self, prompt: Any, n: int = 8, params: SamplingParams | None = None, *,
+                           score: str = "mean_logprob", chat_template_kwargs: dict | None = None) -> Any:
+        """N sampled chains in one batch; the best by the model's log-probability (or a verifier prompt)."""
+        return self._test_time(prompt, params, {"strategy": "best_of_n", "n": n, "score": score},
+                               chat_template_kwargs)
+
+    def generate_with_refinement(self, prompt: Any, rounds: int = 2, params: SamplingParams | None = None, *,
+                                 critique_prompt: str | None = None, revise_prompt: str | None = None,
+                                 chat_template_kwargs: dict | None = None) -> Any:
+        """Answer, then ``rounds`` x (critique -> revise) on the same model."""
+        return self._test_time(prompt, params, {"strategy": "refinement", "rounds": rounds,
+                                                "critique_prompt": critique_prompt, "revise_prompt": revise_prompt},
+                               chat_template_kwargs)
+
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
                chat_template_kwargs: dict | None = None) -> Iterator[StreamDelta]:
         toks = self._tokens(prompt, chat_template_kwargs)

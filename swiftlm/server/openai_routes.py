@@ -287,6 +287,36 @@ class OpenAIRoutes:
     def _check_stream_opts(self, req: Any) -> bool:
         return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
+    async def _chat_test_time(self, req: Any, job: Any, cid: str, created: int, model: str) -> Response:
+        """The ``test_time`` extension: N chains of this request in one batch, a strategy over them
+        (swiftlm.test_time), the chosen answer as the message and the votes / scores beside it."""
+        from .. import test_time
+
+        if req.stream:
+            raise APIError(400, "test_time requests are not streamed: set stream to false", param="stream")
+        if req.n != 1:
+            raise APIError(400, "test_time chooses one answer from its own chains: leave n at 1", param="n")
+        try:
+            spec = test_time.check_request(req.test_time)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.enable_thinking is not None:
+            kwargs.setdefault("enable_thinking", req.enable_thinking)
+        try:
+            result = await asyncio.to_thread(test_time.run, self.engine, list(req.messages), job.params, spec,
+                                             kwargs, job.prompt)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full") from None
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        message, reason = _chat_message(job.plan.parser(), result.text, "stop")
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+                             "system_fingerprint": "swiftlm", "test_time": result.to_dict(),
+                             "usage": {"prompt_tokens": len(job.prompt), "completion_tokens": result.completion_tokens,
+                                       "total_tokens": len(job.prompt) + result.completion_tokens}})
+
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request: Request) -> Response:
         if getattr(self.state, "models", None) is not None:  # every servable model, with its state
@@ -313,6 +343,8 @@ class OpenAIRoutes:
         cid = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         model = self.state.spec.name
+        if req.test_time is not None:
+            return await self._chat_test_time(req, job, cid, created, model)
         if req.stream:
             run = ChatRun(self, job, req.n)
             run.start()

@@ -58,6 +58,8 @@ class ChatCompletionRequest(_Sampling):
     enable_thinking: bool | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[str, dict[str, Any], None] = None
+    # SwiftLM extension: test-time compute over N chains of this request (swiftlm.test_time.check_request)
+    test_time: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 
     @field_validator("chat_template_kwargs")
