@@ -59,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (chat template only)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--verbose", action="store_true", help="print timing to stderr")
+    tt = g.add_argument_group("test-time compute (swiftlm.test_time; N chains in one batch)")
+    tt.add_argument("--self-consistency", type=int, metavar="N", help="N sampled chains, majority vote on the answer")
+    tt.add_argument("--best-of-n", type=int, metavar="N", help="N sampled chains, the best by --score")
+    tt.add_argument("--refinement-rounds", type=int, metavar="N", help="answer, then N critique -> revise rounds")
+    tt.add_argument("--answer", default="last_number", choices=("last_number", "final_line", "regex", "json"),
+                    help="how self-consistency reads a chain's answer (default last_number)")
+    tt.add_argument("--answer-pattern", default=None, help="the regular expression of --answer regex")
+    tt.add_argument("--score", default="mean_logprob", choices=("mean_logprob", "logprob", "verifier"),
+                    help="how best-of-N ranks chains (default mean_logprob)")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     add_settings_arguments(c, groups=("model", "engine", "experts", "sampling", "planned"))
@@ -191,6 +200,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
     params = _sampling(settings, args, stop=args.stop)
+    if args.self_consistency or args.best_of_n or args.refinement_rounds is not None:
+        return _generate_test_time(llm, request, params, args)
     t1 = time.perf_counter()
     first = None
     n = 0
@@ -206,6 +217,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dec = (n - 1) / (end - first) if n > 1 and end > first else 0.0
         print(f"[load {load_s:.2f}s, backend {llm.backend_choice}; ttft {first - t1:.3f}s; "
               f"{n} tokens, decode {dec:.2f} tok/s]", file=sys.stderr)
+    llm.close()
+    return 0
+
+
+def _generate_test_time(llm: Any, request: Any, params: Any, args: argparse.Namespace) -> int:
+    from . import test_time
+
+    if sum(x is not None and x is not False for x in (args.self_consistency, args.best_of_n,
+                                                        args.refinement_rounds)) > 1:
+        print("swiftlm generate: choose one of --self-consistency, --best-of-n, --refinement-rounds", file=sys.stderr)
+        return 2
+    if args.self_consistency:
+        spec = {"strategy": "self_consistency", "n": args.self_consistency, "answer": args.answer,
+                "pattern": args.answer_pattern}
+    elif args.best_of_n:
+        spec = {"strategy": "best_of_n", "n": args.best_of_n, "score": args.score}
+    else:
+        spec = {"strategy": "refinement", "rounds": args.refinement_rounds}
+    messages = request if isinstance(request, list) else [{"role": "user", "content": request}]
+    try:
+        r = test_time.run(llm.engine, messages, params, spec, {"enable_thinking": llm.settings.thinking})
+    except SwiftLMError as exc:
+        print(f"swiftlm generate: {exc}", file=sys.stderr)
+        llm.close()
+        return 2
+    print(r.text)
+    if r.votes:
+        print("votes: " + ", ".join(f"{a} x{n}" for a, n in r.votes), file=sys.stderr)
+    if spec["strategy"] == "best_of_n":
+        print("scores: " + ", ".join(f"#{c.index} {c.score:.3f}" for c in r.candidates), file=sys.stderr)
+    print(f"[{spec['strategy']}: {len(r.candidates)} chain(s), {len(r.rounds)} round(s), "
+          f"{r.completion_tokens} tokens]", file=sys.stderr)
     llm.close()
     return 0
 
