@@ -131,3 +131,15 @@ def test_server_extension(tiny_llama):
             assert r.status_code == 400 and r.json()["error"]["param"] == "test_time.n"
     finally:
         llm.close()
+
+
+@needs_torch
+def test_cli_flags():
+    from conftest import run_cli
+
+    r = run_cli("generate", "--backend", "torch", "-p", Q, "--self-consistency", "3", "--temp", "0.8", "--seed", "1",
+                "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "[self_consistency: 3 chain(s), 0 round(s)" in r.stderr and r.stdout.strip()
+    r = run_cli("generate", "--backend", "torch", "-p", Q, "--self-consistency", "2", "--best-of-n", "2")
+    assert r.returncode == 2 and "choose one of" in r.stderr
