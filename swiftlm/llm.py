@@ -163,6 +163,8 @@ class _Base:
     def _tokens(self, prompt: PromptLike, chat_template_kwargs: dict | None = None) -> list[int]:
         if isinstance(prompt, str):
             return self.engine.text_prompt(prompt)
+        if hasattr(prompt, "media"):  # a MediaPrompt (encode_plan's ids with the decoded media): as it is
+            return prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
         kwargs = dict(chat_template_kwargs or {})
@@ -240,7 +242,7 @@ class LLM(_Base):
         params = params or SamplingParams()
         if plan.grammar is not None:
             params = replace(params, grammar=plan.grammar)
-        toks = self.engine.tokenizer.encode(plan.text, add_special_tokens=False)
+        toks = self.engine.encode_plan(plan)  # with the plan's images / audio (plain ids dropped them)
         out = self.generate(toks, params)
         for o in out.outputs:  # type: ignore[union-attr]
             _split(o, plan)
