@@ -319,6 +319,8 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
     row["rss"] = rss_of(pid) if pid else int(mem.get("process_rss_bytes") or mem.get("active") or 0)
     row["peak_rss"] = int(mem.get("process_peak_rss_bytes") or 0)
     row["allocator_free"] = int(mem.get("allocator_free_bytes") or 0)
+    row["allocator_in_use"] = int(mem.get("allocator_in_use_bytes") or 0)  # malloc'd and live (C/C++/Rust heap)
+    row["python_blocks"] = int(mem.get("python_allocated_blocks") or 0)     # live pymalloc blocks
     row["prompt_cache_bytes"] = int(mem.get("prompt_cache_bytes") or (st.get("prompt_cache") or {}).get("bytes") or 0)
     row["kv_bytes"] = int(mem.get("kv_bytes") or st.get("kv_bytes_in_use") or 0)
     row["kv_allocated"] = int(mem.get("kv_allocated_bytes") or row["kv_bytes"])
@@ -373,6 +375,12 @@ def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after:
                   "rss_growth_after_warmup": round(peak / base - 1, 4),
                   "rss_less_kv_and_prompt_cache_growth_after_warmup":
                       round(max(rest(r) for r in after) / base_rest - 1, 4)})
+        for key in ("allocator_in_use", "python_blocks"):  # where growth lives: C/C++/Rust heap or Python objects
+            w = [r.get(key, 0) for r in warm[-3:]]
+            if all(w):
+                s[f"{key}_warmup"] = int(sum(w) / len(w))
+                s[f"{key}_max_after_warmup"] = max(r.get(key, 0) for r in after)
+                s[f"{key}_growth_after_warmup"] = round(s[f"{key}_max_after_warmup"] / s[f"{key}_warmup"] - 1, 4)
     if len(idle) > 1:
         s["rss_idle_growth"] = round(max(r["rss"] for r in idle[1:]) / idle[0]["rss"] - 1, 4)
     checks = {"no_failed_well_formed": t.c["failed"] == 0 and t.c["abandoned_at_end"] == 0,
@@ -402,6 +410,9 @@ def plot(series: list[dict], summary: dict, a: argparse.Namespace, path: Path, t
     if any(r.get("kv_allocated") for r in series):
         ax.plot(ts, [r.get("kv_allocated", 0) / 2**20 for r in series], label="KV allocated (running and queued sequences)",
                 color="tab:purple", lw=1)
+    if any(r.get("allocator_in_use") for r in series):
+        ax.plot(ts, [r.get("allocator_in_use", 0) / 2**20 for r in series], label="malloc in use", color="tab:brown",
+                lw=1)
     if any(r.get("allocator_free") for r in series):
         ax.plot(ts, [r["allocator_free"] / 2**20 for r in series], label="malloc free (held)", color="tab:gray",
                 lw=1)

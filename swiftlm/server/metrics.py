@@ -8,6 +8,8 @@ names are served alongside with SwiftLM's meaning: ``swiftlm_tokens_generated_to
 
 from __future__ import annotations
 
+import sys
+
 import time
 from typing import Any
 
@@ -26,12 +28,13 @@ def memory_figures(engine: Any) -> dict[str, Any]:
 
     mem = dict(engine.model.memory())
     proc = process_memory()
+    alloc = allocator_stats()
     kv = engine.kv_stats()
     out = {k: v for k, v in mem.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     out.update(device=mem.get("device", "cpu"), architecture=mem.get("architecture") or "cpu",
                device_name=mem.get("device_name", ""), process_rss=proc["rss"], process_peak_rss=proc["peak_rss"],
-               allocator_free=allocator_stats().get("free", 0), kv=kv["bytes"],
-               prompt_cache=engine.prefix_cache.bytes)
+               allocator_free=alloc.get("free", 0), allocator_in_use=alloc.get("in_use", 0),
+               python_blocks=sys.getallocatedblocks(), kv=kv["bytes"], prompt_cache=engine.prefix_cache.bytes)
     for k in ("active", "peak", "cache", "weights"):
         out.setdefault(k, 0)
     out.setdefault("kv_allocated", kv["bytes"])
@@ -54,7 +57,8 @@ def health_memory(engine: Any) -> dict[str, Any]:
            "total_system_mb": m["device_total"] // MiB, "gpu_architecture": m["architecture"],
            "device": m["device"], "device_name": m["device_name"], "device_total_bytes": m["device_total"],
            "process_rss_bytes": m["process_rss"], "process_peak_rss_bytes": m["process_peak_rss"],
-           "allocator_free_bytes": m["allocator_free"], "weights_bytes": m["weights"], "kv_bytes": m["kv"],
+           "allocator_free_bytes": m["allocator_free"], "allocator_in_use_bytes": m["allocator_in_use"],
+           "python_allocated_blocks": m["python_blocks"], "weights_bytes": m["weights"], "kv_bytes": m["kv"],
            "kv_allocated_bytes": m["kv_allocated"], "prompt_cache_bytes": m["prompt_cache"]}
     if "reserved" in m:
         out["reserved_bytes"] = m["reserved"]
