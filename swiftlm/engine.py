@@ -64,7 +64,7 @@ class _Live:
     submitted: float
     first_token_at: float | None = None
     cached_tokens: int = 0
-    prefix: tuple[int, Any] | None = None  # a prompt-cache hit, restored when the sequence is about to run
+    prefix_pending: bool = False  # look the prompt cache up when the sequence is about to run
 
 
 class Engine:
@@ -279,10 +279,11 @@ class Engine:
             block = False
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
-                if self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params) and arg.seq.media is None:
-                    n, payload = self.prefix_cache.lookup(arg.seq.prompt_tokens)
-                    if n:  # restored at admission, not now: a queued request holds no KV
-                        arg.prefix = (n, payload)
+                # looked up and restored at admission, not now: a queued request holds no KV, not even a
+                # reference to a cache entry (the 30-minute soak found ~184 queued requests pinning entries
+                # the cache had evicted: ~400 MiB of malloc'd memory counted nowhere)
+                arg.prefix_pending = (self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params)
+                                      and arg.seq.media is None)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
             elif cmd == "cancel":
@@ -362,11 +363,13 @@ class Engine:
         sch = self.scheduler
         for seq in list(sch.waiting)[:max(0, sch.max_running - len(sch.running))]:
             live = self._live.get(seq.seq_id)
-            if live is None or live.prefix is None:
+            if live is None or not live.prefix_pending:
                 continue
-            n, payload = live.prefix
-            live.prefix = None
+            live.prefix_pending = False
             if seq.num_computed or seq.output_tokens:  # preempted and resumed: recomputed, not restored
+                continue
+            n, payload = self.prefix_cache.lookup(seq.prompt_tokens)
+            if not n:
                 continue
             try:
                 self.model.restore_prefix(seq.seq_id, payload, n)  # type: ignore[attr-defined]
