@@ -39,25 +39,3 @@ def test_growth_stops_at_the_context():
         c.update(layer, 0, torch.zeros(a.kv_heads, 190, a.head_dim), torch.zeros(a.kv_heads, 190, a.head_dim))
     assert c.capacity == 200
 
-
-def test_cpu_caches_are_reused_while_sequences_run_and_dropped_when_idle():
-    from swiftlm.backends.torch.runner import TorchModel
-    from swiftlm.turboquant.presets import KVFormat
-
-    a = _args()
-    m = TorchModel.__new__(TorchModel)  # only the cache bookkeeping: no weights needed
-    m.module, m.dtype, m.device = SimpleNamespace(a=a), torch.float32, torch.device("cpu")
-    m.kv_default, m.kv_formats, m.caches, m.free_slots, m.turbo_free = KVFormat(), {}, {}, [], {}
-    m.static, m.pool, m.cpu_free, m.cpu_free_max = False, None, [], 2
-    m.info = SimpleNamespace(weight_bytes=0)
-    first, other = m._cache(1, 0), m._cache(2, 0)
-    for layer in range(a.layers):
-        first.update(layer, 0, torch.ones(a.kv_heads, 300, a.head_dim), torch.ones(a.kv_heads, 300, a.head_dim))
-    grown = first.capacity
-    m.free([1])
-    assert m.cpu_free == [first]
-    again = m._cache(3, 0)  # the next sequence takes the grown cache, empty
-    assert again is first and again.length == 0 and again.capacity == grown
-    assert m.memory()["kv_allocated"] == sum(c.nbytes() for c in (first, other))
-    m.free([2, 3])  # nothing runs any more: the pooled caches are given back
-    assert m.cpu_free == [] and m.caches == {}

@@ -45,12 +45,6 @@ class TorchModel:
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
-        # CPU: caches of finished sequences, reused by the next ones (at most one per slot) while any
-        # sequence runs, so that memory under a steady load stops moving once the caches have grown
-        # (allocating fresh per request let RSS follow the mix of lengths: +20% in a 15-minute soak);
-        # dropped when the last sequence ends, so an idle server gives the memory back
-        self.cpu_free: list[SeqCache] = []
-        self.cpu_free_max = max(1, slots)
         self.ops = TorchOps(device)
         self.static = device.type == "cuda"
         if use_graphs is None:
@@ -91,8 +85,9 @@ class TorchModel:
                         self.module.a, self.dtype, self.device, capacity=self.info.context_length)
                 c.length = 0
             else:
-                c = self.cpu_free.pop() if self.cpu_free else SeqCache(self.module.a, self.dtype, self.device)
-                c.length = 0
+                # a fresh cache sized to this sequence (reusing finished sequences' caches was tried: their
+                # capacities only ratchet up, KV allocated rose 250 -> 400 MiB over a 30-minute soak)
+                c = SeqCache(self.module.a, self.dtype, self.device)
             self.caches[seq_id] = c
         if c.length > start:  # recompute / rollback: later positions are simply overwritten
             c.length = start
@@ -296,10 +291,6 @@ class TorchModel:
                     self.pool.give_back(c)
                 else:
                     self.free_slots.append(c)
-            elif type(c) is SeqCache and len(self.cpu_free) < self.cpu_free_max:
-                self.cpu_free.append(c)
-        if not self.caches:
-            self.cpu_free.clear()
 
     def kv_stats(self) -> dict[str, int]:
         """KV storage the running sequences hold now, and what a 16-bit cache would need for them."""
@@ -321,7 +312,7 @@ class TorchModel:
         and pooled caches), counted from the tensors."""
         caches = list(self.caches.values())
         kv = sum(c.nbytes() for c in caches if getattr(c, "slot", None) is None)
-        kv += sum(c.nbytes() for c in list(self.free_slots) + list(self.cpu_free))
+        kv += sum(c.nbytes() for c in list(self.free_slots))
         kv += sum(c.nbytes() for cs in list(self.turbo_free.values()) for c in list(cs))
         if self.pool is not None:
             kv += sum(t.numel() * t.element_size() for t in self.pool.k + self.pool.v)
