@@ -121,6 +121,9 @@ class Model(Protocol):
     def memory(self) -> dict[str, int]:
         """Bytes: active, peak, cache (backend allocator figures)."""
 
+    # Optional: ``reset_peak_memory()`` starts memory()["peak"] again from the current figure
+    # (`swiftlm bench` measures each request's own peak with it).
+
     def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
         """Each prompt's final-norm hidden states, [T, hidden] float32 numpy arrays (embeddings;
         the engine calls it between steps, on its own thread)."""

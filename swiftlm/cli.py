@@ -89,8 +89,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)")
     v.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
 
-    b = sub.add_parser("bench", help="benchmarks: `bench serve` loads any OpenAI-compatible server")
-    bsub = b.add_subparsers(dest="bench_command")
+    b = sub.add_parser("bench", help="the speed and memory matrix of a model (vanilla / TurboQuant presets / "
+                       "expert streaming x context lengths); `bench serve` loads any OpenAI-compatible server",
+                       description="Measure a model across configurations (vanilla, --turbo-kv presets, "
+                       "--stream-experts, both) and context lengths: prefill and decode tok/s, TTFT, peak process and "
+                       "device memory, KV bytes, and throughput at batch sizes. Writes JSON, a Markdown table and "
+                       "PNG plots. `swiftlm bench serve --help` is the HTTP load generator.")
+    from .bench.matrix import add_arguments as add_bench_matrix_arguments
+
+    add_bench_matrix_arguments(b)
+    bsub = b.add_subparsers(dest="bench_command", metavar="{serve}")
     from .bench.serve import add_arguments as add_bench_serve_arguments
 
     add_bench_serve_arguments(bsub.add_parser(
@@ -412,8 +420,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.serve import run
 
         return run(args)
-    print("swiftlm bench: give a benchmark: serve (see `swiftlm bench serve --help`)", file=sys.stderr)
-    return 2
+    from .bench.matrix import run as run_matrix
+
+    return run_matrix(args)
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -237,6 +237,9 @@ class MLXModel:
     def memory(self) -> dict[str, Any]:
         return allocator_memory(self.info.weight_bytes)
 
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
 
 def allocator_memory(weight_bytes: int) -> dict[str, Any]:
     """MLX's allocator, as SwiftLM reports it: active (in live arrays), peak, cache (freed

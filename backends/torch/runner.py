@@ -304,6 +304,10 @@ class TorchModel:
             fp16 += c.length * per_tok16
         return {"bytes": held, "fp16_bytes": fp16}
 
+    def reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def memory(self) -> dict[str, Any]:
         """Measured memory.  CUDA: the caching allocator's figures (active = allocated, peak = max
         allocated, cache = reserved but unallocated).  CPU, where torch keeps no allocator counts:
