@@ -14,8 +14,8 @@ tokens (greedy, EOS ignored, prompt cache off): prefill tok/s = prompt tokens / 
 the first / time after the first, peak process RSS and peak device memory over that request (both reset before
 it), the KV bytes the request held at its largest, and a digest of the generated tokens (a configuration that
 must not change the output, ``experts``, shows the same digest as ``vanilla``).  Then ``--batch-sizes`` concurrent requests at
-``--batch-context`` give throughput (output tokens / wall time, prefill included; ``--parallel`` is set to the
-largest batch).  Ratios are against the
+``--batch-context`` give throughput (output tokens / wall time, prefill included), from a second load with
+``--parallel`` set to the largest batch and the context to the batched requests' length.  Ratios are against the
 ``vanilla`` row of the same run.  Results: JSON, a Markdown table and PNG plots (matplotlib) under ``--out``.
 """
 
@@ -190,22 +190,32 @@ def _throughput(llm: Any, base: list[int], context: int, batch: int, decode: int
             "output_digest": _digest([t for o in outs for t in o.token_ids])}
 
 
-def worker(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Load one configuration and measure it: yields one dict per measurement (the parent reads JSON lines)."""
-    from ..errors import SwiftLMError
+def _load(spec: dict[str, Any], ctx_size: int, parallel: int) -> Any:
     from ..llm import LLM
 
     settings: dict[str, Any] = dict(spec.get("settings") or {})
     settings.setdefault("prompt_cache_bytes", 0)
-    settings.setdefault("parallel", max(spec["batch_sizes"] or [1]))  # the batches decode together
-    settings["ctx_size"] = spec["ctx_size"]
+    settings.setdefault("parallel", parallel)
+    settings["ctx_size"] = ctx_size
     if spec["turbo"]:
         settings["turbo_kv"] = spec["turbo"]
     if spec["experts"]:
         settings["stream_experts"] = True
+    return LLM(spec["model"], backend=spec["backend"], **settings)
+
+
+def worker(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Load one configuration and measure it: yields one dict per measurement (the parent reads JSON lines).
+
+    Two loads: the context sweep with one sequence slot as long as the longest context, then the batches with
+    as many slots as the largest batch, each as long as a batched request (a CUDA slot pool of many
+    full-length slots would not fit the device)."""
+    from ..errors import SwiftLMError
+
+    decode = spec["decode_tokens"]
     t0 = time.perf_counter()
     try:
-        llm = LLM(spec["model"], backend=spec["backend"], **settings)
+        llm = _load(spec, max(spec["contexts"]) + decode + 16, 1)
     except (SwiftLMError, ValueError) as e:
         yield {"kind": "skipped", "reason": str(e).splitlines()[0]}
         return
@@ -220,9 +230,18 @@ def worker(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
         base = llm.engine.text_prompt(FILLER)[:64] or [1, 2, 3]
         _measure(llm, _prompt(base, 16), 4)  # warm-up: first-step compilation and graph capture
         for ctx in spec["contexts"]:
-            yield {"kind": "context", **_measure(llm, _prompt(base, ctx), spec["decode_tokens"])}
+            yield {"kind": "context", **_measure(llm, _prompt(base, ctx), decode)}
+    finally:
+        llm.close()
+    if not spec["batch_sizes"]:
+        return
+    t0 = time.perf_counter()
+    llm = _load(spec, spec["batch_context"] + decode + 16, max(spec["batch_sizes"]))
+    try:
+        load_s = time.perf_counter() - t0
+        _throughput(llm, base, 16, min(spec["batch_sizes"]), 4)  # warm-up
         for b in spec["batch_sizes"]:
-            yield {"kind": "batch", **_throughput(llm, base, spec["batch_context"], b, spec["decode_tokens"])}
+            yield {"kind": "batch", "load_s": load_s, **_throughput(llm, base, spec["batch_context"], b, decode)}
     finally:
         llm.close()
 
@@ -296,7 +315,6 @@ def run(args: argparse.Namespace) -> int:
     if args.quick and args.configs is None and spec.is_moe:
         configs += expand_configs("experts", True)
     extra = _settings(args.set)
-    ctx_size = max(contexts + [bctx]) + decode + 16
     meta = report.run_meta(spec, args, contexts=contexts, decode=decode, batches=batches, batch_context=bctx,
                            configs=[c["name"] for c in configs], settings=extra)
     results: list[dict[str, Any]] = []
@@ -305,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         for cfg in configs:
             wspec = {"model": args.model, "backend": args.backend, "turbo": cfg["turbo"], "experts": cfg["experts"],
                      "contexts": contexts, "decode_tokens": decode, "batch_sizes": batches, "batch_context": bctx,
-                     "ctx_size": ctx_size, "settings": extra}
+                     "settings": extra}
             rows = _run_config(wspec, args.timeout, lambda r, n=cfg["name"]: advance(n, r))
             results.append({"config": cfg["name"], "turbo": cfg["turbo"], "experts": cfg["experts"], "rows": rows})
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
