@@ -19,7 +19,7 @@ for what in "$@"; do
           > /dev/null || exit 1
       python3 -m swiftlm.cli bench --model /tmp/m8b --backend torch --configs ${CONFIGS8B:-vanilla,turbo} \
           --contexts ${CTX8B:-512,4096,16384,40960,102400} --decode-tokens ${DECODE:-128} --batch-sizes 1,8,32 \
-          --batch-context 512 --timeout ${TIMEOUT:-300} --out "$OUT" --name bench_h100_8b 2>&1 | tail -40 ;;
+          --batch-context 512 --timeout ${TIMEOUT:-300} --out "$OUT" --name bench_h100_8b > "$OUT/bench_h100_8b.log" 2>&1; tail -40 "$OUT/bench_h100_8b.log" ;;
     moe)
       # 16 layers x 32 experts x 17.3 MB (bf16, hidden 2048, expert intermediate 1408) = 8.9 GB of experts
       [ -f /tmp/moe9g/config.json ] || /usr/bin/time -f "checkpoint moe: %e s" python3 $REPO/scripts/make_checkpoint.py \
@@ -29,7 +29,7 @@ for what in "$@"; do
       python3 -m swiftlm.cli bench --model /tmp/moe9g --backend torch \
           --configs ${CONFIGSMOE:-vanilla,turbo:k4v3,experts,experts+turbo:k4v3} --contexts ${CTXMOE:-512,4096,16384} \
           --decode-tokens ${DECODE_MOE:-32} --batch-sizes 1,8 --batch-context 512 --timeout ${TIMEOUT:-300} \
-          --out "$OUT" --name bench_h100_moe 2>&1 | tail -40 ;;
+          --out "$OUT" --name bench_h100_moe > "$OUT/bench_h100_moe.log" 2>&1; tail -40 "$OUT/bench_h100_moe.log" ;;
     *) echo "gpu_bench.sh: unknown run '$what' (8b, moe)"; exit 2 ;;
   esac
 done

@@ -318,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     meta = report.run_meta(spec, args, contexts=contexts, decode=decode, batches=batches, batch_context=bctx,
                            configs=[c["name"] for c in configs], settings=extra)
     results: list[dict[str, Any]] = []
+    name = args.name
     t_start = time.perf_counter()
     with report.progress(len(configs) * (1 + len(contexts) + len(batches))) as advance:
         for cfg in configs:
@@ -326,9 +327,13 @@ def run(args: argparse.Namespace) -> int:
                      "settings": extra}
             rows = _run_config(wspec, args.timeout, lambda r, n=cfg["name"]: advance(n, r))
             results.append({"config": cfg["name"], "turbo": cfg["turbo"], "experts": cfg["experts"], "rows": rows})
+            # what is measured so far is on disk at once (a long matrix cut short keeps its finished configurations)
+            name = name or report.write({"meta": dict(meta, partial=True), "results": results}, Path(args.out),
+                                        name, plots=False)[0].stem
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
+    meta["partial"] = False
     doc = {"meta": meta, "results": results}
-    paths = report.write(doc, Path(args.out), args.name, plots=not args.no_plots)
+    paths = report.write(doc, Path(args.out), name, plots=not args.no_plots)
     print(report.markdown(doc))
     for p in paths:
         print(f"wrote {p}")
