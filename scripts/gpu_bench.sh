@@ -2,7 +2,7 @@
 # `swiftlm bench` matrices on the lent GPU machine (no network): an 8B-shape dense checkpoint (vanilla and every
 # TurboQuant preset, contexts up to 100K) and a MoE checkpoint (vanilla / --stream-experts / both / TurboQuant).
 # Carries: .whl/ (wheels for the device's python), .gpu/tok (SmolLM2 tokenizer files).  Results go to $OUT.
-#   bash scripts/gpu_bench.sh 8b moe
+#   bash scripts/gpu_bench.sh test 8b moe
 # Env: CTX8B (contexts of the 8B run), CTXMOE, DECODE (tokens per request), TIMEOUT (seconds per configuration).
 set -uo pipefail
 REPO=$(pwd)
@@ -30,6 +30,9 @@ for what in "$@"; do
           --configs ${CONFIGSMOE:-vanilla,turbo:k4v3,experts,experts+turbo:k4v3} --contexts ${CTXMOE:-512,4096,16384} \
           --decode-tokens ${DECODE_MOE:-32} --batch-sizes 1,8 --batch-context 512 --timeout ${TIMEOUT:-300} \
           --out "$OUT" --name bench_h100_moe > "$OUT/bench_h100_moe.log" 2>&1; tail -40 "$OUT/bench_h100_moe.log" ;;
-    *) echo "gpu_bench.sh: unknown run '$what' (8b, moe)"; exit 2 ;;
+    test)  # the CUDA variants of the kernel-level tests this script's runs depend on
+      python3 -m pytest -p no:cacheprovider -q $REPO/tests/test_chunk_attention.py > "$OUT/test_chunk_attention_gpu.log" 2>&1
+      tail -3 "$OUT/test_chunk_attention_gpu.log" ;;
+    *) echo "gpu_bench.sh: unknown run '$what' (8b, moe, test)"; exit 2 ;;
   esac
 done

@@ -147,11 +147,24 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                  is_causal=True, enable_gqa=rep > 1)
         else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
-            S = start + T
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                 attn_mask=mask, enable_gqa=rep > 1)
+            out = chunk_attention(q, keys, values, start, rep)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int) -> torch.Tensor:
+    """Attention of a prompt chunk at positions [start, start + T) over keys [0, start + T): causal
+    within the chunk, full to the past.  On CUDA through a lower-right causal bias, which SDPA runs in
+    its flash kernel; an explicit [T, S] mask sent every chunk of a long prompt to a slow kernel (an
+    8B shape on an H100: 100K tokens prefilled at 588 tok/s, 512-token chunks).  Returns [1, H, T, D]."""
+    T, S = q.shape[1], keys.shape[1]
+    if q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask: Any = causal_lower_right(T, S)
+    else:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                                          enable_gqa=rep > 1)
 
 
 class MLP(nn.Module):
