@@ -103,3 +103,33 @@ def test_compare_refuses_a_file_that_is_not_a_bench_result(tmp_path):
     bad.write_text('{"hello": 1}')
     r = run_cli("bench", "--compare", str(bad), str(bad), "--out", str(tmp_path))
     assert r.returncode == 2 and "is not a swiftlm bench JSON file" in r.stderr
+
+
+def test_a_configuration_is_killed_at_its_timeout_mid_measurement():
+    """The watchdog stops a worker stuck inside one measurement (not only between rows), keeps the rows it
+    reported, and reports the timeout; a hung 100K-token prefill must not eat the whole matrix."""
+    import sys
+    import time
+
+    from swiftlm.bench.matrix import _run_config
+
+    script = ("import json, time; print(json.dumps({'kind': 'loaded', 'load_s': 0.1, 'device': 'cpu'}), flush=True);"
+              " time.sleep(60)")
+    seen = []
+    t0 = time.monotonic()
+    rows = _run_config({}, 2.0, seen.append, cmd=[sys.executable, "-c", script])
+    took = time.monotonic() - t0
+    assert took < 20, took  # killed at ~2 s, not after the child's 60 s sleep
+    assert [r["kind"] for r in rows] == ["loaded", "error"]
+    assert "--timeout 2" in rows[-1]["reason"]
+    assert seen == rows  # the caller saw every row as it came, the timeout included
+
+
+def test_a_worker_that_crashes_reports_its_last_stderr_line():
+    import sys
+
+    from swiftlm.bench.matrix import _run_config
+
+    rows = _run_config({}, 30.0, lambda r: None,
+                       cmd=[sys.executable, "-c", "import sys; print('boom: out of memory', file=sys.stderr); sys.exit(3)"])
+    assert rows == [{"kind": "error", "reason": "the worker failed: boom: out of memory"}]

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -271,29 +272,49 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _run_config(spec: dict[str, Any], timeout: float, on_row: Any) -> list[dict[str, Any]]:
+def _run_config(spec: dict[str, Any], timeout: float, on_row: Any,
+                cmd: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run one configuration in a child process; a watchdog kills it at ``timeout`` seconds even in the middle of
+    a measurement (a 100K-token prefill or a slow decode does not get to overrun the whole matrix)."""
     rows: list[dict[str, Any]] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "swiftlm.bench.matrix", "--worker", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + timeout
+    cmd = cmd or [sys.executable, "-m", "swiftlm.bench.matrix", "--worker", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timed_out = threading.Event()
+
+    def _kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    watchdog = threading.Timer(timeout, _kill)
+    watchdog.daemon = True
+    watchdog.start()
+    # stderr is drained beside stdout: a chatty child must not block on a full pipe
+    err_lines: list[str] = []
+    drain = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
+    drain.start()
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        row = json.loads(line)
+    try:
+        for line in proc.stdout:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            rows.append(row)
+            on_row(row)
+    finally:
+        watchdog.cancel()
+    rc = proc.wait()
+    drain.join(timeout=5)
+    if timed_out.is_set():
+        row = {"kind": "error", "reason": f"took longer than --timeout {timeout:g} s"}
         rows.append(row)
         on_row(row)
-        if time.monotonic() > deadline:
-            proc.kill()
-            rows.append({"kind": "error", "reason": f"took longer than --timeout {timeout:g} s"})
-            break
-    err = proc.stderr.read() if proc.stderr else ""
-    rc = proc.wait()
-    if rc != 0 and not any(r["kind"] in ("error", "skipped") for r in rows):
-        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or [f"exit code {rc}"]
-        rows.append({"kind": "error", "reason": f"the worker failed: {tail[0]}"})
+    elif rc != 0 and not any(r["kind"] in ("error", "skipped") for r in rows):
+        tail = [ln.strip() for ln in err_lines if ln.strip()][-1:] or [f"exit code {rc}"]
+        row = {"kind": "error", "reason": f"the worker failed: {tail[0]}"}
+        rows.append(row)
+        on_row(row)
     return rows
 
 
@@ -325,11 +346,18 @@ def run(args: argparse.Namespace) -> int:
             wspec = {"model": args.model, "backend": args.backend, "turbo": cfg["turbo"], "experts": cfg["experts"],
                      "contexts": contexts, "decode_tokens": decode, "batch_sizes": batches, "batch_context": bctx,
                      "settings": extra}
-            rows = _run_config(wspec, args.timeout, lambda r, n=cfg["name"]: advance(n, r))
-            results.append({"config": cfg["name"], "turbo": cfg["turbo"], "experts": cfg["experts"], "rows": rows})
-            # what is measured so far is on disk at once (a long matrix cut short keeps its finished configurations)
-            name = name or report.write({"meta": dict(meta, partial=True), "results": results}, Path(args.out),
-                                        name, plots=False)[0].stem
+            entry = {"config": cfg["name"], "turbo": cfg["turbo"], "experts": cfg["experts"], "rows": []}
+            results.append(entry)
+
+            def on_row(row: dict[str, Any], n: str = cfg["name"], entry: dict[str, Any] = entry) -> None:
+                nonlocal name
+                entry["rows"].append(row)
+                advance(n, row)
+                # every measurement is on disk at once: a matrix cut short keeps what it measured
+                name = report.write({"meta": dict(meta, partial=True), "results": results}, Path(args.out),
+                                    name, plots=False)[0].stem
+
+            entry["rows"] = _run_config(wspec, args.timeout, on_row)
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     meta["partial"] = False
     doc = {"meta": meta, "results": results}
