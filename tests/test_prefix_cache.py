@@ -135,14 +135,17 @@ def test_a_queued_request_holds_no_kv_until_it_runs(tiny_llama):
         prompt = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron"
         greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         first = llm.generate(prompt, greedy)  # fills the prompt cache
-        long = threading.Thread(target=lambda: llm.generate("other words here", SamplingParams(
-            max_tokens=200, temperature=0, ignore_eos=True)))
-        long.start()
-        time.sleep(0.3)
+        # the long request holds the one slot: a stream we stop reading (cancelled at the end), with
+        # more tokens than any machine decodes in the polling window below
+        long = llm.stream("other words here", SamplingParams(max_tokens=100_000, temperature=0,
+                                                             ignore_eos=True))
+        next(long)  # it is running: its first token came back
         out: dict = {}
         queued = threading.Thread(target=lambda: out.setdefault("r", llm.generate(prompt, greedy)))
         queued.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not llm.engine.scheduler.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
         waiting = list(llm.engine.scheduler.waiting)
         assert waiting, "the second request should be queued behind the first"
         assert all(s.seq_id not in llm.engine.model.caches for s in waiting)  # no KV while queued
@@ -151,7 +154,7 @@ def test_a_queued_request_holds_no_kv_until_it_runs(tiny_llama):
         payload = next(iter(llm.engine.prefix_cache._entries.values())).payload
         held = [v for s in waiting for v in vars(llm.engine._live[s.seq_id]).values()]
         assert not any(v is payload or (isinstance(v, tuple) and any(x is payload for x in v)) for v in held)
-        long.join(120)
+        long.close()  # cancels the long request: the queued one is admitted
         queued.join(120)
         assert out["r"].token_ids == first.token_ids
         assert llm.engine.prefix_cache.hits >= 1
