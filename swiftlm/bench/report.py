@@ -89,7 +89,10 @@ def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"# swiftlm bench: {m['model']}", ""]
     loaded = {c: x for c, x in _rows(doc, "loaded")}
-    dev = next(iter(loaded.values()), {})
+    dev = dict(next(iter(loaded.values()), {}))
+    ran_on = {x.get("device") for _, x in _rows(doc, "context")} - {None, "cpu"}
+    if dev.get("device", "cpu") == "cpu" and ran_on:  # the requests' own memory rows say where they ran
+        dev["device"] = sorted(ran_on)[0]
     lines.append(f"{m['date']} · swiftlm {m['swiftlm']} {m.get('commit', '')} · backend {dev.get('backend', '?')} "
                  f"on {dev.get('device_name') or dev.get('device', '?')}"
                  + (f" (host {m['cpu']})" if dev.get("device", "cpu") != "cpu" else "") + " · "
