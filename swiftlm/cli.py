@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p._serve_parser = s  # type: ignore[attr-defined]
 
     g = sub.add_parser("generate", help="generate from a prompt and print the text")
-    add_settings_arguments(g, groups=("model", "engine", "experts", "sampling", "planned"))
+    add_settings_arguments(g, groups=("model", "engine", "experts", "sampling", "planned", "distributed"))
     g.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--system", default=None, help="system message (chat template only)")
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="how best-of-N ranks chains (default mean_logprob)")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    add_settings_arguments(c, groups=("model", "engine", "experts", "sampling", "planned"))
+    add_settings_arguments(c, groups=("model", "engine", "experts", "sampling", "planned", "distributed"))
     c.add_argument("--system", default=None, help="system message")
 
     i = sub.add_parser("info", help="backends found, device and memory; with --model, the model's facts and plan")
@@ -368,6 +368,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         print(json.dumps({"model": spec.facts(), "memory_plan": plan_for(spec, settings)}, indent=2))
         return 0
+    if settings.distributed:  # under mlx.launch: ranks > 0 run rank 0's steps and never serve HTTP
+        from .distributed.external import follow_unless_rank0
+
+        code = follow_unless_rank0(settings)
+        if code is not None:
+            return code
+    if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1:  # --nnodes: only rank 0 serves HTTP
+        from .distributed.launch import follow_unless_rank0 as follow_rank0
+
+        code = follow_rank0(settings)
+        if code is not None:
+            return code
     _check_before_serving(settings)
     from .server.app import serve
 

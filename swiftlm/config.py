@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
                            group="engine")
     parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
+    engine_process: str = _f("auto", "Run the model and the engine's step loop in a child process (on), or on a "
+                                     "thread of the server's process (off); auto: on when `swiftlm serve` runs the "
+                                     "torch backend on CUDA, off otherwise (the Python API's LLM: off unless set). The child keeps the step loop clear of the HTTP "
+                                     "server's Python work (the GIL).", group="engine")
+    data_parallel: int = _f(1, "Data-parallel replicas: N engines (torch backend), one per GPU (cuda:0..N-1; on a "
+                               "CPU-only machine N engines on the CPU) behind one server; each request goes to the "
+                               "least-loaded replica, with prefix affinity (see README 'Data-parallel replicas').",
+                            group="engine")
     prompt_cache_bytes: int = _f(1 << 30, "Bytes of KV state kept for prompt (prefix) reuse across requests, LRU "
                                           "(0 disables the prompt cache).", group="engine")
     kv_budget_bytes: int = _f(0, "KV-cache bytes that running sequences may use together (0: no limit beyond "
@@ -149,7 +157,12 @@ class Settings(BaseSettings):
                                       "router and ask the kernel to start reading them.", group="experts")
     expert_top_k: int = _f(0, "Experts per token at run time (0: the model's value; larger values are clamped "
                               "to it). Lowers quality and the bytes read per token.", group="experts")
-    gpu_layers: int | None = _f(None, "Layers to place on the GPU.", group="planned", not_built="partial offload")
+    gpu_layers: int | None = _f(None, "Partial offload (torch backend): the first N transformer layers on the GPU, "
+                                      "the rest on the CPU in --offload-dtype (embedding, final norm and LM head stay "
+                                      "on the GPU; CUDA graphs off). Default: every layer on the GPU.")
+    offload_dtype: str = _f("float32", "dtype of the CPU layers under --gpu-layers: float32 or bfloat16.")
+    device: str | None = _f(None, "Device of the torch backend: cpu, cuda or cuda:N (default: cuda when available, "
+                                  "else cpu). --data-parallel gives each replica its own.")
     vision: bool = _f(False, "Accept image inputs (OpenAI image_url parts) on a vision-language model.",
                       group="media")
     audio: bool = _f(False, "Accept audio inputs (OpenAI input_audio parts) on an audio-language model.",
@@ -170,6 +183,33 @@ class Settings(BaseSettings):
     draft_model: str | None = _f(None, "Draft model for speculative decoding (any source --model takes; it must "
                                        "share the target's tokenizer).", group="engine")
     num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="engine")
+
+    # distribution (swiftlm/distributed): one model over several processes
+    tensor_parallel: int = _f(1, "Tensor parallelism (torch backend): N ranks, one process per GPU (NCCL; gloo on "
+                                 "a CPU), each holding 1/N of every layer (attention heads, MLP columns, vocabulary); "
+                                 "rank 0 serves and schedules, the others execute its steps.",
+                              group="distributed")
+    pipeline_parallel: int | None = _f(None, "Pipeline parallelism (torch backend): the layers split into N "
+                                             "contiguous stages, one rank each (send/recv between stages: gloo on "
+                                             "a CPU, NCCL on GPUs); rank 0 holds the last stage, serves and "
+                                             "samples; decode batches run as N micro-batches.", group="distributed")
+    nnodes: int = _f(1, "Hosts taking part in --tensor-parallel / --pipeline-parallel; start the same command on "
+                        "each with its --node-rank (or run under torchrun).", group="distributed")
+    node_rank: int = _f(0, "This host's index among --nnodes hosts (0: rank 0's host, which serves HTTP).",
+                        group="distributed")
+    master_addr: str = _f("127.0.0.1", "Address of rank 0 for the ranks' rendezvous and its step broadcast.",
+                          group="distributed")
+    master_port: int = _f(0, "Port of the ranks' rendezvous on --master-addr (0: a free port on one host, 29500 "
+                             "with --nnodes > 1; the control socket takes this port, the process group the next).",
+                          group="distributed")
+    distributed: bool = _f(False, "MLX distributed: run every rank under `mlx.launch` (ring, JACCL or MPI; "
+                                  "mx.distributed gives the rank and size) with the same command; rank 0 serves "
+                                  "HTTP and schedules, the other ranks run its steps on their shard (see README "
+                                  "'MLX distributed').", group="distributed")
+    distributed_sharding: str = _f("auto", "How --distributed splits the model (mlx-lm's sharding): 'tensor' (every "
+                                           "layer split over the ranks), 'pipeline' (contiguous layers per rank), "
+                                           "or 'auto' (tensor where the architecture has it, else pipeline).",
+                                   group="distributed")
 
     @field_validator("max_loaded_models", "models_memory_bytes", "model_ttl")
     @classmethod
@@ -216,6 +256,22 @@ class Settings(BaseSettings):
             raise ValueError("must be positive")
         return v
 
+    @field_validator("distributed_sharding")
+    @classmethod
+    def _sharding_ok(cls, v: str) -> str:
+        v = str(v).strip().lower()
+        if v not in ("auto", "tensor", "pipeline"):
+            raise ValueError("must be auto, tensor or pipeline")
+        return v
+
+    @field_validator("engine_process")
+    @classmethod
+    def _engine_process_ok(cls, v: str) -> str:
+        v = str(v).strip().lower()
+        if v not in ("auto", "on", "off"):
+            raise ValueError("must be auto, on or off")
+        return v
+
     @field_validator("expert_read_mode")
     @classmethod
     def _known_read_mode(cls, v: str) -> str:
@@ -235,6 +291,29 @@ class Settings(BaseSettings):
     def _mem_limit_ok(cls, v: str | None) -> str | None:
         if v is not None:
             parse_bytes(v)
+        return v
+
+    @field_validator("gpu_layers")
+    @classmethod
+    def _gpu_layers_ok(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError("must be >= 0 (the number of layers kept on the GPU)")
+        return v
+
+    @field_validator("offload_dtype")
+    @classmethod
+    def _offload_dtype_ok(cls, v: str) -> str:
+        if v not in ("float32", "bfloat16"):
+            raise ValueError("must be float32 or bfloat16")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, v: str | None) -> str | None:
+        import re
+
+        if v is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", v):
+            raise ValueError("must be cpu, cuda or cuda:N")
         return v
 
     @field_validator("tool_parser")
@@ -280,7 +359,7 @@ class Settings(BaseSettings):
             raise ValueError("must be in [0.01, 10]")
         return v
 
-    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes")
+    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes", "data_parallel")
     @classmethod
     def _at_least_one(cls, v: int) -> int:
         if v < 1:
@@ -301,7 +380,21 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 0")
         return v
 
-    @field_validator("port")
+    @field_validator("tensor_parallel", "pipeline_parallel", "nnodes")
+    @classmethod
+    def _ranks_ok(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= 1024:
+            raise ValueError("must be between 1 and 1024")
+        return v
+
+    @field_validator("node_rank")
+    @classmethod
+    def _node_rank_ok(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("port", "master_port")
     @classmethod
     def _port_ok(cls, v: int) -> int:
         if not 0 <= v <= 65535:

@@ -19,7 +19,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import sampler
 from .backend import Model, SampledToken, SeqWork, StepBatch
@@ -39,6 +39,26 @@ log = logging.getLogger(__name__)
 
 class QueueFull(SwiftLMError):
     pass
+
+
+def pooled(raw: "Future[list[Any]]", mode: str, dimensions: int | None) -> "Future[list[Any]]":
+    """A future of the pooled, L2-normalised embeddings of ``raw``'s hidden states."""
+    from .embeddings import embed
+
+    out: Future[list[Any]] = Future()
+
+    def done(f: Future) -> None:
+        try:
+            hidden = f.result()
+            if dimensions and hidden and dimensions > hidden[0].shape[-1]:
+                raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
+                                     f"{hidden[0].shape[-1]}", param="dimensions")
+            out.set_result(embed(hidden, mode, dimensions))
+        except Exception as exc:
+            out.set_exception(exc)
+
+    raw.add_done_callback(done)
+    return out
 
 
 JSON_CLOSE_WINDOW = 48  # tokens left at which structured output starts checking what closing it takes
@@ -67,57 +87,11 @@ class _Live:
     prefix_pending: bool = False  # look the prompt cache up when the sequence is about to run
 
 
-class Engine:
-    def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
-                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
-                 speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0):
-        self.model = model
-        self.request_timeout = request_timeout  # seconds from submit; 0: none
-        self.json_close = True  # structured output closes its JSON before max_tokens (settings.json_close)
-        self.json_repeat_guard = 0  # structured output caught repeating a block this many times ends
-        self._next_expiry_check = 0.0
-        self.tokenizer = model.tokenizer
-        self.info = model.info
-        self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
-        self.default_max_tokens = default_max_tokens
-        self.max_queue = max_queue
-        kv_tokens = None
-        if kv_budget_bytes and model.info.kv_bytes_per_token:
-            kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
-            if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
-                log.warning("--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
-                            kv_budget_bytes, kv_tokens, self.ctx_size)
-                kv_tokens = self.ctx_size + 1
-        self.scheduler = Scheduler(max_running, prefill_size, kv_budget_tokens=kv_tokens)
-        self.stats = EngineStats()
-        # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
-        can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
-        self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
-        self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
-        from .media import MediaPolicy
+class PromptSide:
+    """Prompt rendering and request checks, shared by ``Engine`` and the engine-process client
+    (``engine_process.EngineClient``): both hold ``tokenizer``, ``info``, ``ctx_size``, ``media_policy``,
+    ``media_processor``, ``tool_parser``, ``fatal`` and ``_stopping``."""
 
-        self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
-        self.media_processor: Any = None   # media.MediaProcessor for multimodal models
-        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
-        self._eos = frozenset(self.tokenizer.eos_token_ids)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.timers = StepTimers()
-        self.outputs = OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)),
-                                    timers=self.timers)
-        self._outs: list[Out] = []  # this step's messages for the output worker
-        self._live: dict[int, _Live] = {}
-        self._ids = itertools.count(1)
-        self._pending = 0  # submitted, not yet finished (guarded by _lock)
-        self._lock = threading.Lock()
-        self._stopping = False
-        self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
-        self.on_fatal: Any = None  # called with that message (the server exits non-zero)
-        self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
-        self._thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
-
-    # ------------------------------------------------------------------ prompts
     def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
         bag: list = []
@@ -153,43 +127,9 @@ class Engine:
             raise InvalidRequest("'prompt' must be a string", param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    # ------------------------------------------------------------------ requests
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
-        """Embeddings of token lists (one job for the batch, run by the engine thread between
-        steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
-        from .embeddings import embed
 
-        if not hasattr(self.model, "hidden_states"):
-            raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
-        if self._stopping:
-            raise QueueFull("the server is shutting down")
-        for p in prompts:
-            if not p:
-                raise InvalidRequest("an embedding input is empty", param="input")
-            if len(p) > self.ctx_size:
-                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
-                                     param="input")
-            if min(p) < 0 or max(p) >= self.info.vocab_size:
-                raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
-        raw: Future[list[Any]] = Future()
-        out: Future[list[Any]] = Future()
-        mode = self.info.pooling
-
-        def done(f: Future) -> None:
-            try:
-                hidden = f.result()
-                if dimensions and hidden and dimensions > hidden[0].shape[-1]:
-                    raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
-                                         f"{hidden[0].shape[-1]}", param="dimensions")
-                out.set_result(embed(hidden, mode, dimensions))
-            except Exception as exc:
-                out.set_exception(exc)
-
-        raw.add_done_callback(done)
-        self._inbox.put(("embed", (prompts, raw)))
-        return out
-
-    def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
+    def _check(self, prompt_tokens: list[int], params: SamplingParams) -> None:
+        """What makes a submission a 4xx (or a 429/503), raised in the caller's thread."""
         if self.info.embedding_only:
             raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
                                  param="model")
@@ -203,6 +143,89 @@ class Engine:
                                  param="messages")
         if any(not 0 <= t < self.info.vocab_size for t in prompt_tokens):
             raise InvalidRequest("the prompt contains token ids outside the vocabulary", param="prompt")
+
+    def _check_embed(self, prompts: list[list[int]]) -> None:
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        for p in prompts:
+            if not p:
+                raise InvalidRequest("an embedding input is empty", param="input")
+            if len(p) > self.ctx_size:
+                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
+                                     param="input")
+            if min(p) < 0 or max(p) >= self.info.vocab_size:
+                raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
+
+
+class Engine(PromptSide):
+    def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
+                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
+                 speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0,
+                 publish: Callable[[list[Out], list[int]], None] | None = None):
+        """``publish``: where each step's outputs go instead of an output worker of this process,
+        called on the engine thread with (outputs, ids of the sequences ended since the last
+        call), also when both are empty (the engine process, ``engine_process.py``)."""
+        self.model = model
+        self.request_timeout = request_timeout  # seconds from submit; 0: none
+        self.json_close = True  # structured output closes its JSON before max_tokens (settings.json_close)
+        self.json_repeat_guard = 0  # structured output caught repeating a block this many times ends
+        self._next_expiry_check = 0.0
+        self.tokenizer = model.tokenizer
+        self.info = model.info
+        self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
+        self.default_max_tokens = default_max_tokens
+        self.max_queue = max_queue
+        kv_tokens = None
+        if kv_budget_bytes and model.info.kv_bytes_per_token:
+            kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
+            if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
+                log.warning("--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
+                            kv_budget_bytes, kv_tokens, self.ctx_size)
+                kv_tokens = self.ctx_size + 1
+        self.scheduler = Scheduler(max_running, prefill_size, kv_budget_tokens=kv_tokens)
+        self.stats = EngineStats()
+        # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
+        can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
+        self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
+        self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
+        from .media import MediaPolicy
+
+        self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
+        self.media_processor: Any = None   # media.MediaProcessor for multimodal models
+        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
+        self._eos = frozenset(self.tokenizer.eos_token_ids)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.timers = StepTimers()
+        self._publish = publish
+        self._ended: list[int] = []  # with ``publish``: sequences dropped since the last publish
+        self.outputs = None if publish is not None else OutputWorker(
+            self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)), timers=self.timers)
+        self._outs: list[Out] = []  # this step's messages for the output worker
+        self._live: dict[int, _Live] = {}
+        self._ids = itertools.count(1)
+        self._pending = 0  # submitted, not yet finished (guarded by _lock)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
+        self.on_fatal: Any = None  # called with that message (the server exits non-zero)
+        self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
+        self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
+
+    # ------------------------------------------------------------------ requests
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
+        """Embeddings of token lists (one job for the batch, run by the engine thread between
+        steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
+        if not hasattr(self.model, "hidden_states"):
+            raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
+        self._check_embed(prompts)
+        raw: Future[list[Any]] = Future()
+        self._inbox.put(("embed", (prompts, raw)))
+        return pooled(raw, self.info.pooling, dimensions)
+
+    def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
+        self._check(prompt_tokens, params)
         with self._lock:
             if self._pending >= self.max_queue + self.scheduler.max_running:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
@@ -210,18 +233,41 @@ class Engine:
         seq_id = next(self._ids)
         if params.max_tokens is None:
             params.max_tokens = self.default_max_tokens
+        try:
+            live = self._make_live(seq_id, prompt_tokens, params, getattr(prompt_tokens, "media", None),
+                                   time.perf_counter())
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+            raise
+        self.outputs.open(seq_id, sink, params.stop, len(live.seq.prompt_tokens))
+        self._inbox.put(("add", live))
+        return seq_id
+
+    def add_checked(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
+                    submitted: float) -> None:
+        """A request another process checked and counted already (``engine_process``): the engine
+        process's side of ``submit``.  A grammar that fails to compile ends it with an error."""
+        try:
+            live = self._make_live(seq_id, prompt_tokens, params, media, submitted)
+        except Exception as exc:
+            self._inbox.put(("refused", (seq_id, f"{type(exc).__name__}: {exc}")))
+            return
+        with self._lock:
+            self._pending += 1
+        self._inbox.put(("add", live))
+
+    def _make_live(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
+                   submitted: float) -> _Live:
         state = SamplerState(seed=params.seed)
         if params.grammar is not None:
             from .chat.structured import Constraint
 
             state.constraint = Constraint(self.tokenizer, params.grammar, self.info.vocab_size)
-        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=getattr(prompt_tokens, "media", None))
+        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=media)
         state.prompt_tokens = seq.prompt_tokens
         state.output_tokens = seq.output_tokens
-        live = _Live(seq, time.perf_counter())
-        self.outputs.open(seq_id, sink, params.stop, len(seq.prompt_tokens))
-        self._inbox.put(("add", live))
-        return seq_id
+        return _Live(seq, submitted)
 
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(("cancel", seq_id))
@@ -241,7 +287,8 @@ class Engine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
-        self.outputs.close(timeout)
+        if self.outputs is not None:
+            self.outputs.close(timeout)
 
     @property
     def running(self) -> bool:
@@ -286,6 +333,10 @@ class Engine:
                                       and arg.seq.media is None)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
+            elif cmd == "refused":  # add_checked could not build the request (its grammar): it ends here
+                sid, err = arg
+                self._ended.append(sid)
+                self._outs.append(Out(sid, reason="error", error=err))
             elif cmd == "cancel":
                 live = self._live.get(arg)
                 if live is not None:
@@ -391,7 +442,10 @@ class Engine:
                 self._finish(live, "length")
 
     def _flush_outputs(self) -> None:
-        if self._outs:
+        if self._publish is not None:
+            outs, ended, self._outs, self._ended = self._outs, self._ended, [], []
+            self._publish(outs, ended)
+        elif self._outs:
             self.outputs.put(self._outs)
             self._outs = []
 
@@ -625,5 +679,7 @@ class Engine:
         self.stats.request_finished(reason, live.submitted, live.first_token_at, len(seq.output_tokens))
         with self._lock:
             self._pending -= 1
+        if self._publish is not None:
+            self._ended.append(seq.seq_id)
         if notify:
             self._outs.append(Out(seq.seq_id, reason=reason, error=error))

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator, Union
 
@@ -97,6 +98,31 @@ def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
 
 def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     """Load the model (and a draft model) with ``backend`` and start the engine."""
+    if settings.tensor_parallel > 1 and settings.data_parallel > 1:
+        raise ConfigError("--data-parallel cannot be combined with --tensor-parallel yet")
+    pipeline = (settings.pipeline_parallel or 1) > 1
+    if pipeline and settings.data_parallel > 1:
+        raise ConfigError("--data-parallel cannot be combined with --pipeline-parallel yet")
+    if pipeline and settings.engine_process == "on":
+        raise ConfigError("--engine-process on does not combine with --pipeline-parallel (rank 0 already drives "
+                          "the other ranks' processes); use --engine-process off")
+    if settings.distributed:  # one rank of an mlx.launch group: no replicas, no engine child process
+        from .distributed.external import check_settings as check_distributed
+
+        check_distributed(settings, backend)
+    if settings.data_parallel > 1:  # N engines, one per device, behind one interface
+        from .distributed.replicas import build_replicas
+
+        return build_replicas(settings, backend, spec, make_engine)  # type: ignore[return-value]
+    from .engine_process import EngineClient, wanted
+
+    if not pipeline and wanted(settings, backend):  # --engine-process: the model and the step loop in a child process
+        return EngineClient(settings, backend, spec)  # type: ignore[return-value]
+    return load_engine(settings, backend, spec)
+
+
+def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: Any) -> Engine:
+    """Load the model (and a draft model) in this process and start its engine thread."""
     draft_spec = None
     if settings.draft_model and settings.speculative in (None, "draft"):  # a bad draft fails before the big load
         draft_spec = resolve(settings.draft_model, allow_download=False if settings.offline else None)
@@ -104,7 +130,16 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     from .media.processor import check_settings
 
     check_settings(spec, settings)
-    model = backend.load(spec, settings)
+    if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1:  # ranks 1..N-1 elsewhere; this is 0
+        from .distributed.launch import load_parallel
+
+        model = load_parallel(backend, spec, settings)
+    elif settings.distributed:  # started by mlx.launch: rank 0 returns here; the others follow it and exit
+        from .distributed.external import load_distributed
+
+        model = load_distributed(backend, spec, settings)
+    else:
+        model = backend.load(spec, settings)
     from .embeddings import is_embedding_only, pooling_for
 
     model.info.embedding_only = is_embedding_only(spec.config or {})
@@ -115,13 +150,23 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
                     speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes,
-                    request_timeout=settings.request_timeout)
+                    request_timeout=settings.request_timeout, **engine_kw)
     engine.json_close, engine.json_repeat_guard = settings.json_close, settings.json_repeat_guard
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     engine.tool_parser = settings.tool_parser
     engine.media_processor = processor
     engine.media_policy = MediaPolicy.from_settings(settings, processor.modalities if processor else (), spec.arch)
+    if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1 or settings.distributed:
+        model.on_failure = lambda msg: _rank_failed(engine, msg)
     return engine
+
+
+def _rank_failed(engine: Engine, msg: str) -> None:
+    """A tensor-parallel rank died (distributed.control.Leader's watchdog): refuse new requests,
+    and stop the server as a dead engine loop does (a step in flight fails on its own)."""
+    engine.fatal = engine.fatal or msg
+    if engine.on_fatal is not None:
+        engine.on_fatal(msg)
 
 
 def _speculator(settings: Settings, backend: Any, model: Any, dspec: ModelSpec | None) -> Any:
@@ -156,6 +201,10 @@ def check_same_tokenizer(target: Any, draft: Any, name: str) -> None:
 
 class _Base:
     def __init__(self, model: str | None = None, *, backend: str = "auto", **settings: Any):
+        if "engine_process" not in settings and not os.environ.get("SWIFTLM_ENGINE_PROCESS"):
+            # the Python API has no HTTP event loop competing for the GIL: --engine-process auto is the
+            # server's rule (on for torch on CUDA); here the engine stays on a thread unless asked
+            settings["engine_process"] = "off"
         self.settings = Settings(model=model, backend=backend, **settings)
         self.engine, self.spec, self.backend_choice = build_engine(self.settings)
         self.tokenizer = self.engine.tokenizer
@@ -183,6 +232,9 @@ class _Base:
 
     def close(self) -> None:
         self.engine.shutdown()
+        close = getattr(self.engine.model, "close", None)  # --tensor-parallel: the other ranks exit
+        if close is not None:
+            close()
 
     def __enter__(self):
         return self

@@ -265,7 +265,8 @@ def held_weights(spec: ModelSpec, backend: str | None, device: str = "cpu") -> t
 
 def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int | None = None, kv_format: Any = None,
                 stream_experts: bool = False, expert_top_k: int = 0, backend: str | None = None,
-                device: str = "cpu", parallel: int = 1, prompt_cache_bytes: int = 0) -> dict[str, Any]:
+                device: str = "cpu", parallel: int = 1, prompt_cache_bytes: int = 0, gpu_layers: int | None = None,
+                offload_dtype: str = "float32") -> dict[str, Any]:
     """Weights as the backend will hold them (``held_weights``; the file size is given too), plus
     the KV cache of ``parallel`` sequences at full context in the backend's KV dtype: fp32 on the
     CPU (torch and MLX), 16-bit on CUDA and Metal (``dtype_bytes`` overrides).  On CUDA the torch
@@ -317,11 +318,74 @@ def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int |
         ex = expert_plan(spec, expert_top_k)
         plan.update({f"stream_{k}": v for k, v in ex.items()})
         plan["weights_bytes"] = ex["resident_bytes"] + ex["read_buffer_bytes"]
+    layers = int((spec.config.get("text_config") or spec.config).get("num_hidden_layers") or 0)
+    if backend == "torch" and gpu_layers is not None and gpu_layers < layers:
+        plan.update(offload_plan(spec, gpu_layers, layers, plan, 2 if device == "cuda" else 4,
+                                 4 if offload_dtype == "float32" else 2, parallel))
     plan["prompt_cache_bytes"] = int(prompt_cache_bytes or 0)  # the prompt cache's cap (--prompt-cache-bytes)
     plan["total_bytes"] = plan["weights_bytes"] + plan["kv_cache_bytes"] + plan["prompt_cache_bytes"]
     plan["system_memory_bytes"] = system_memory()
     plan["fits"] = plan["total_bytes"] < plan["system_memory_bytes"] * 0.8 if plan["system_memory_bytes"] else None
     return plan
+
+
+def layer_elements(spec: ModelSpec) -> tuple[int, list[int]]:
+    """(elements outside the transformer layers: embedding, final norm, head; elements of each
+    layer), from the checkpoint's headers (safetensors ``layers.N.``, GGUF ``blk.N.``)."""
+    import re
+
+    cfg = spec.config.get("text_config") or spec.config
+    per = [0] * int(cfg.get("num_hidden_layers") or 0)
+    outside = 0
+    pat = re.compile(r"(?:^|\.)(?:layers|blk)\.([0-9]+)\.")
+
+    def add(name: str, n: int) -> None:
+        nonlocal outside
+        m = pat.search(name)
+        if m and int(m.group(1)) < len(per):
+            per[int(m.group(1))] += n
+        else:
+            outside += n
+
+    if spec.format == "gguf":
+        from .gguf_file import read_gguf_header
+
+        for t in read_gguf_header(spec.path)[1]:
+            add(t.name, t.n_elements)
+    else:
+        from .registry import _read_safetensors_header
+
+        for f in spec.weight_files:
+            for name, t in _read_safetensors_header(f).items():
+                if name != "__metadata__":
+                    n = 1
+                    for d in t["shape"]:
+                        n *= d
+                    add(name, n)
+    return outside, per
+
+
+def offload_plan(spec: ModelSpec, gpu_layers: int, layers: int, plan: dict[str, Any], main_bytes: int,
+                 off_bytes: int, parallel: int) -> dict[str, Any]:
+    """The split of ``--gpu-layers``: layers [0, N), the embedding, the final norm and the head on
+    the device in its dtype; layers [N, L) and their KV rows on the CPU in --offload-dtype.  KV is
+    counted for ``parallel`` sequences at full context (no preallocated slot pool when offloaded)."""
+    outside, per = layer_elements(spec)
+    kv_layer = plan["kv_bytes_per_token"] // max(1, layers) // max(1, plan["kv_element_size"])  # elements
+    ctx, seqs = plan["context_tokens"], max(1, parallel)
+    dev_w = (outside + sum(per[:gpu_layers])) * main_bytes
+    cpu_w = sum(per[gpu_layers:]) * off_bytes
+    dev_kv = kv_layer * gpu_layers * main_bytes * ctx * seqs
+    cpu_kv = kv_layer * (layers - gpu_layers) * off_bytes * ctx * seqs
+    return {"gpu_layers": gpu_layers, "cpu_layers": layers - gpu_layers,
+            "offload_dtype": "float32" if off_bytes == 4 else "bfloat16",
+            "device_weights_bytes": dev_w, "cpu_weights_bytes": cpu_w,
+            "device_kv_cache_bytes": dev_kv, "cpu_kv_cache_bytes": cpu_kv,
+            "device_bytes": dev_w + dev_kv, "cpu_bytes": cpu_w + cpu_kv,
+            "weights_bytes": dev_w + cpu_w, "kv_cache_bytes": dev_kv + cpu_kv,
+            "kv_cache_bytes_per_sequence": (dev_kv + cpu_kv) // seqs,
+            "kv_bytes_per_token": kv_layer * (gpu_layers * main_bytes + (layers - gpu_layers) * off_bytes),
+            "kv_preallocated": False}
 
 
 def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, Any]:
@@ -343,4 +407,6 @@ def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, 
     return memory_plan(spec, settings.ctx_size, kv_format=settings_format(settings),
                        stream_experts=settings.stream_experts, expert_top_k=settings.expert_top_k,
                        backend=name, device=device, parallel=getattr(settings, "parallel", 1),
-                       prompt_cache_bytes=getattr(settings, "prompt_cache_bytes", 0))
+                       prompt_cache_bytes=getattr(settings, "prompt_cache_bytes", 0),
+                       gpu_layers=getattr(settings, "gpu_layers", None),
+                       offload_dtype=getattr(settings, "offload_dtype", "float32"))

@@ -146,14 +146,17 @@ class Out:
 
 
 class OutputWorker:
-    def __init__(self, tokenizer: Any, on_stop: Callable[[int], None], timers: Any = None):
+    def __init__(self, tokenizer: Any, on_stop: Callable[[int], None], timers: Any = None, thread: bool = True):
+        """``thread=False``: no thread of its own; the caller runs ``process`` (the engine-process
+        client's reader thread does, as each step's message arrives)."""
         self.tok = tokenizer
         self.timers = timers  # timers.StepTimers: the "output" phase
         self.on_stop = on_stop  # tell the engine a stop string ended this sequence
         self.streams: dict[int, Stream] = {}
         self.q: queue.SimpleQueue[list[Out] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="swiftlm-output", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="swiftlm-output", daemon=True) if thread else None
+        if self._thread is not None:
+            self._thread.start()
 
     def open(self, seq_id: int, sink: Sink, stops: list[str], prompt_tokens: int) -> None:
         self.streams[seq_id] = Stream(seq_id, sink, IncrementalDetokenizer(self.tok), StopMatcher(stops),
@@ -164,30 +167,41 @@ class OutputWorker:
             self.q.put(outs)
 
     def close(self, timeout: float = 5.0) -> None:
-        self.q.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self.q.put(None)
+            self._thread.join(timeout)
+
+    def end_all(self, reason: str, error: str | None = None) -> None:
+        """End every open stream now (the engine process died or was stopped)."""
+        self.process([Out(sid, reason=reason, error=error) for sid in list(self.streams)])
 
     def _run(self) -> None:
         while True:
             outs = self.q.get()
             if outs is None:
                 return
-            t0 = time.perf_counter()
-            pairs: list[tuple[Sink, Event]] = []
-            for o in outs:
-                try:
-                    self._one(o, pairs)
-                except Exception as exc:  # pragma: no cover - one stream's failure is its own
-                    log.exception("output processing failed for sequence %d", o.seq_id)
-                    st = self.streams.pop(o.seq_id, None)
-                    if st is not None and not st.done:
-                        st.done = True
-                        pairs.append((st.sink, Event(o.seq_id, finished=True, finish_reason="error",
-                                                     error=f"{type(exc).__name__}: {exc}")))
-                        self.on_stop(o.seq_id)
-            deliver(pairs)
-            if self.timers is not None:
-                self.timers.add("output", time.perf_counter() - t0)
+            self.process(outs)
+
+    def process(self, outs: list[Out]) -> None:
+        """One step's outputs: text, stop strings, events delivered (one wake-up per loop)."""
+        if not outs:
+            return
+        t0 = time.perf_counter()
+        pairs: list[tuple[Sink, Event]] = []
+        for o in outs:
+            try:
+                self._one(o, pairs)
+            except Exception as exc:  # pragma: no cover - one stream's failure is its own
+                log.exception("output processing failed for sequence %d", o.seq_id)
+                st = self.streams.pop(o.seq_id, None)
+                if st is not None and not st.done:
+                    st.done = True
+                    pairs.append((st.sink, Event(o.seq_id, finished=True, finish_reason="error",
+                                                 error=f"{type(exc).__name__}: {exc}")))
+                    self.on_stop(o.seq_id)
+        deliver(pairs)
+        if self.timers is not None:
+            self.timers.add("output", time.perf_counter() - t0)
 
     def _one(self, o: Out, pairs: list[tuple[Sink, Event]]) -> None:
         st = self.streams.get(o.seq_id)

@@ -63,16 +63,23 @@ def test_bad_turbo_kv_preset_exits_2_from_cli():
 
 
 def test_unbuilt_features_are_refused():
-    s = _parse(["--gpu-layers", "4"])
-    with pytest.raises(NotSupportedYet, match="not supported yet"):
-        s.check_supported()
+    """The not-built mark (no field carries it today: --pipeline-parallel, the last one, is built) still
+    refuses a set flag loudly and leaves an unset one alone."""
+    from swiftlm.config import _f
+
+    class Later(Settings):
+        teleport: bool = _f(False, "Not yet.", group="planned", not_built="teleportation")
+
+    Later().check_supported()  # unset: fine
+    with pytest.raises(NotSupportedYet, match="--teleport: teleportation is not supported yet"):
+        Later(teleport=True).check_supported()
+    assert not [n for n, f in Settings.model_fields.items() if (f.json_schema_extra or {}).get("not_built")]
 
 
-def test_unbuilt_flag_exits_2_from_cli():
-    r = run_cli("generate", "-p", "hi", "--gpu-layers", "4")
-    assert r.returncode == 2
-    assert "partial offload is not supported yet" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_pipeline_parallel_is_accepted():
+    s = _parse(["--pipeline-parallel", "2"])
+    s.check_supported()
+    assert s.pipeline_parallel == 2
 
 
 @pytest.mark.parametrize("flag,tower", [("--vision", "vision"), ("--audio", "audio")])

@@ -41,6 +41,18 @@ class MLXBackend:
 
         return load_model(spec, cfg)
 
+    def join_distributed(self, cfg: Any) -> Any:
+        """``--distributed``: this process's rank in the ``mx.distributed`` group (distributed.MLXRanks)."""
+        from .distributed import join
+
+        return join(cfg)
+
+    def check_distributed(self, spec: ModelSpec, cfg: Any, size: int | None = None) -> str:
+        """'tensor' or 'pipeline' for ``spec`` (over ``size`` ranks); a ConfigError when mlx-lm cannot split it."""
+        from .distributed import check
+
+        return check(spec, cfg, size)
+
     def export_quantized_gguf(self, spec: ModelSpec, out: Any, dtype: str) -> dict:
         """Used by `swiftlm convert --keep-quantized`."""
         from .export import export_quantized_gguf

@@ -59,9 +59,11 @@ def _to_compute_dtype(model: nn.Module) -> None:
         model.set_dtype(mx.float32)
 
 
-def load_hf(spec: ModelSpec, cfg: Any = None) -> tuple[nn.Module, Any, dict, Any]:
+def load_hf(spec: ModelSpec, cfg: Any = None, shard: Any = None) -> tuple[nn.Module, Any, dict, Any]:
     """(model, tokenizer, config, expert reader or None).  With ``cfg.stream_experts`` the
-    weights are loaded lazily and the experts replaced by streamed layers before evaluation."""
+    weights are loaded lazily and the experts replaced by streamed layers before evaluation;
+    ``shard`` (distributed.shard_module) splits the lazily loaded model before evaluation, so a
+    rank reads only its part of the weights."""
     from pathlib import Path
 
     from mlx_lm.utils import load_model
@@ -73,9 +75,11 @@ def load_hf(spec: ModelSpec, cfg: Any = None) -> tuple[nn.Module, Any, dict, Any
 
         layout = streamable_layout(spec)  # a clear error for dense models and GGUF files
     try:
-        model, config = load_model(Path(spec.path), lazy=stream)
+        model, config = load_model(Path(spec.path), lazy=stream or shard is not None)
     except (ValueError, KeyError) as exc:
         raise CorruptModel(f"{spec.path}: mlx-lm could not build the model from its weights: {exc}") from exc
+    if shard is not None:
+        shard(model)
     if stream:
         from swiftlm.experts import ExpertReader
 
@@ -97,7 +101,7 @@ def gguf_name_to_mlx(name: str) -> str:
     raise CorruptModel(f"unexpected tensor {name!r} in a llama GGUF")
 
 
-def load_gguf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
+def load_gguf(spec: ModelSpec, shard: Any = None) -> tuple[nn.Module, Any, dict]:
     from mlx_lm.models import llama
 
     if spec.arch not in GGUF_ARCHITECTURES:
@@ -133,6 +137,8 @@ def load_gguf(spec: ModelSpec) -> tuple[nn.Module, Any, dict]:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise CorruptModel(f"{spec.path}: weights do not match a llama model: {exc}") from exc
+    if shard is not None:
+        shard(model)
     _to_compute_dtype(model)
     mx.eval(model.parameters())
     tokenizer = load_gguf_tokenizer(spec.gguf_meta or {})

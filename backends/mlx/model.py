@@ -44,6 +44,9 @@ class MLXModel:
         self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None
         self.expert_stream: Any = None          # swiftlm.experts.ExpertReader with --stream-experts
+        # --distributed: evaluate each sequence's logits as it is built, so that every rank runs the
+        # collectives (all-sums, send/recv pairs) of the step's sequences in the same order
+        self.eval_each = False
 
     def _make_cache(self, fmt: KVFormat | None = None) -> list[Any]:
         from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -171,6 +174,8 @@ class MLXModel:
                 _eval_cache(self.caches[w.seq_id])
                 continue
             out.append(self.logits(w.seq_id, w.tokens, w.start_pos))
+            if self.eval_each:
+                mx.eval(out[-1])
         sample = [w.seq_id for w in batch.seqs if w.sample]
         if batched is not None and sample == [w.seq_id for w in decode]:
             return Forward(batched)
@@ -279,18 +284,23 @@ def _eval_cache(cache: list[Any]) -> None:
 
 def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
     reader = None
+    shard = None
+    if getattr(cfg, "distributed", False):  # one rank of an mlx.launch group: load only this rank's part
+        from .distributed import shard_module
+
+        shard = shard_module(spec, cfg)
     if spec.format == "gguf":
         if getattr(cfg, "stream_experts", False):
             from swiftlm.memory import streamable_layout
 
             streamable_layout(spec)  # raises: GGUF experts are not streamed
-        module, tokenizer, config = load_gguf(spec)
+        module, tokenizer, config = load_gguf(spec, shard=shard)
     else:
         if spec.arch not in supported_architectures():
             raise UnsupportedArchitecture(
                 f"architecture {spec.arch!r} is not supported by the mlx backend (mlx-lm {_mlx_lm_version()}); "
                 f"supported: {', '.join(sorted(supported_architectures()))}")
-        module, tokenizer, config, reader = load_hf(spec, cfg)
+        module, tokenizer, config, reader = load_hf(spec, cfg, shard=shard)
     _apply_mem_limit(cfg)
     k_used = 0
     if spec.is_moe:
@@ -312,6 +322,10 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                      experts_per_token=k_used)
     model = MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
     model.expert_stream = reader
+    if shard is not None:
+        from .distributed import per_rank_kv
+
+        per_rank_kv(model, shard)
     return model
 
 

@@ -38,5 +38,27 @@ class TorchBackend:
 
         return load_model(spec, cfg)
 
+    def check_tensor_parallel(self, spec: ModelSpec, world: int) -> None:
+        """--tensor-parallel ``world``: ConfigError (one sentence) if this model cannot be split so."""
+        from swiftlm.convert import hf_config
+
+        from .loader import check_arch
+        from .parallel import make_plan
+
+        check_arch(spec)
+        config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+        for r in range(world):
+            make_plan(config, r, world)
+
+    def check_pipeline_parallel(self, spec: ModelSpec, world: int) -> None:
+        """--pipeline-parallel ``world``: ConfigError (one sentence) if this model cannot be split so."""
+        from swiftlm.convert import hf_config
+
+        from .loader import check_arch
+        from .pipeline import check_split
+
+        check_arch(spec)
+        check_split(hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config), world)
+
 
 __all__ = ["TorchBackend"]

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .offload import from_offload, layer_places, place, to_offload
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma")
 
 
@@ -43,6 +45,7 @@ class Args:
     shared_intermediate: int = 0
     rope_scaling: dict | None = None
     gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
+    offload: Any = None  # --gpu-layers: (first CPU layer, its device, its dtype); see offload.py
 
     @classmethod
     def from_config(cls, c: dict) -> "Args":
@@ -274,8 +277,9 @@ class SeqCache:
         shape = (a.kv_heads, self.capacity, a.head_dim)
         # zeros, not empty: the fixed-shape decode reads rows past the position (masked out,
         # but 0 * NaN garbage would still be NaN)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        places = layer_places(a, device, dtype)  # --gpu-layers: each layer's rows where the layer is
+        self.k = [torch.zeros(shape, dtype=dt, device=dev) for dev, dt in places]
+        self.v = [torch.zeros(shape, dtype=dt, device=dev) for dev, dt in places]
         self.length = 0
 
     def _grow(self, need: int) -> None:
@@ -332,9 +336,13 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         for i, layer in enumerate(self.layers):
+            if self.a.offload is not None and i == self.a.offload[0]:
+                x, cos, sin = to_offload(self.a, x, cos, sin)
             x = layer(x, cos, sin, kv, i, start)
         if last_only:
             x = x[-1:]
+        if self.a.offload is not None:
+            x = from_offload(x, self.norm.weight)
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
@@ -364,11 +372,19 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     return F.linear(x, w, b)
 
 
+def out_proj(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``rows_linear`` through an output projection (``o_proj`` / ``down_proj``); a tensor-parallel
+    row layer (parallel.RowParallelLinear) then sums the ranks' partial outputs."""
+    y = rows_linear(x, lin.weight)
+    reduce = getattr(lin, "reduce", None)
+    return reduce(y) if reduce is not None else y
+
+
 def _mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(mlp, MLP) or not hasattr(mlp, "gate_up"):
         return mlp(x)
     g, u = rows_linear(x, mlp.gate_up).chunk(2, dim=-1)
-    return rows_linear(mlp.act(g) * u, mlp.down_proj.weight)
+    return out_proj(mlp.down_proj, mlp.act(g) * u)
 
 
 def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor,
@@ -383,15 +399,19 @@ def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch
     return (probs @ values).reshape(1, a.heads * a.head_dim)
 
 
-def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], positions: list[int]) -> torch.Tensor:
+def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] | None, positions: list[int],
+                 x: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
     """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
     MLP / experts, LM head) run on [B, hidden] rows, so the weights are read once per step
     instead of once per sequence; attention runs per sequence over its own cache.
-    Returns logits [B, V]."""
+    Returns logits [B, V].  A pipeline stage (pipeline.py) passes the previous stage's
+    activations ``x`` instead of ``tokens``, and ``head=False`` for the pre-norm activations."""
     a = model.a
-    B, H, KVH, D = len(tokens), a.heads, a.kv_heads, a.head_dim
-    dev = model.embed_tokens.weight.device
-    x = model.embed(tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev))
+    B, H, KVH, D = len(positions), a.heads, a.kv_heads, a.head_dim
+    dev = model.cos.device  # a pipeline stage may hold no embedding
+    if x is None:
+        x = model.embed(tokens.long() if torch.is_tensor(tokens) else
+                        torch.tensor(tokens, dtype=torch.long, device=dev))
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
     rep, scale = H // KVH, D ** -0.5
@@ -399,12 +419,14 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
     pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
     plain = all(isinstance(c, SeqCache) for c in caches)
     for i, blk in enumerate(model.layers):
+        if a.offload is not None and i == a.offload[0]:
+            x, cos, sin, pad_mask = to_offload(a, x, cos, sin, pad_mask)
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x), rows_linear)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if not plain:  # compressed caches (possibly mixed with plain ones): attention per row
             out = torch.cat([_row_attention(attn, caches[b], i, positions[b], q[b], k[b], v[b]) for b in range(B)])
-            x = x + rows_linear(out, attn.o_proj.weight)
+            x = x + out_proj(attn.o_proj, out)
             x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
             continue
         ks, vs = [], []
@@ -420,8 +442,12 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int], 
         scores = scores.float().masked_fill(pad_mask.view(B, 1, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(Vp.dtype)
         out = torch.matmul(probs, Vp).reshape(B, H * D)
-        x = x + rows_linear(out, attn.o_proj.weight)
+        x = x + out_proj(attn.o_proj, out)
         x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
+    if not head:
+        return x
+    if a.offload is not None:
+        x = from_offload(x, model.norm.weight)
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(x, w)
@@ -456,7 +482,8 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-          expert_reader: Any = None) -> Transformer:
+          expert_reader: Any = None, first_cpu_layer: int | None = None,
+          offload_dtype: torch.dtype = torch.float32) -> Transformer:
     """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
@@ -475,7 +502,10 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     # convert one tensor at a time, dropping the stored one: peak = the model + one tensor
     model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
     model.init_rope()
-    model.to(device)
+    if first_cpu_layer is not None:  # --gpu-layers: layers [first_cpu_layer, L) stay on the CPU
+        place(model, first_cpu_layer, device, offload_dtype)
+    else:
+        model.to(device)
     for layer in model.layers:
         if hasattr(layer.mlp, "to_device"):
             layer.mlp.to_device()

@@ -46,7 +46,8 @@ class TorchModel:
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
-        self.static = device.type == "cuda"
+        # --gpu-layers: CPU layers in the forward, so no slot pool, CUDA graphs or overlapped steps
+        self.static = device.type == "cuda" and module.a.offload is None
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
         self.graphs = GraphDecoder(module, device) if use_graphs else None
@@ -144,6 +145,7 @@ class TorchModel:
         Prompts are packed into forwards of up to EMBED_PACK_TOKENS tokens (one GEMM per weight
         for the pack; attention causal within each prompt and blind across them), so a vector
         differs from the prompt's solo run only by summation order."""
+        bind_thread(self.device)
         out: list[Any] = []
         i = 0
         while i < len(prompts):
@@ -164,6 +166,7 @@ class TorchModel:
         (speculative verification).  On CUDA the block is padded to ``pad_to`` tokens and
         replayed from a graph (the padding writes KV rows past the block, which the next step
         overwrites: rollback is by position)."""
+        bind_thread(self.device)
         cache = self._cache(seq_id, start)
         T = len(tokens)
         width = max(T, pad_to or T)
@@ -179,6 +182,7 @@ class TorchModel:
         """Decode rows of several sequences go through one batched pass (a graph replay over the
         slot pool on CUDA, ``decode_batch`` otherwise); a lone decode row uses the per-slot CUDA
         graph (on GPU); prefill chunks run per sequence.  Logits [n_sample, V] in batch order."""
+        bind_thread(self.device)
         t0 = time.perf_counter()
         for w in batch.seqs:
             if w.seq_id not in self.caches:
@@ -270,6 +274,7 @@ class TorchModel:
     @torch.inference_mode()
     def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
         """Start ``seq_id`` with a copy of the first ``n`` cached rows (never shared)."""
+        bind_thread(self.device)
         k, v = payload
         c = self._cache(seq_id, 0)
         if not self.static and c.capacity < n:
@@ -353,14 +358,41 @@ def device_memory(device: torch.device) -> dict[str, Any]:
             "reserved": reserved, "device_total": props.total_memory}
 
 
+def bind_thread(device: torch.device) -> None:
+    """A model on cuda:N (--device, --data-parallel) makes N the calling thread's current device:
+    graph capture, Triton launches and new streams follow the current device, not the tensors."""
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device.index)
+
+
 def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
+    want = getattr(cfg, "device", None) if cfg is not None else None
+    if want:  # --device (one sentence if it does not exist here)
+        dev = torch.device(want)
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (dev.index or 0) >= n:
+                from swiftlm.errors import ConfigError
+
+                raise ConfigError(f"--device {want}: this machine has {n} CUDA device(s)")
+            return dev, torch.bfloat16
+        return dev, torch.float32
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
+    if int(getattr(cfg, "tensor_parallel", 1) or 1) > 1:  # this process is one rank (parallel.py)
+        from .parallel import load_sharded
+
+        return load_sharded(spec, cfg)
+    if int(getattr(cfg, "pipeline_parallel", None) or 1) > 1:  # this process is one stage (pipeline.py)
+        from .pipeline import load_stage
+
+        return load_stage(spec, cfg)
     device, dtype = pick_device(cfg)
+    bind_thread(device)
     _apply_mem_limit(cfg, device)
     reader = None
     if getattr(cfg, "stream_experts", False):
@@ -380,7 +412,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,
                               chunk=max(1, spec.experts_per_token), alloc=alloc)
     config, state = load_state(spec, skip=reader.layout.expert_tensors if reader else frozenset())
-    module = build(config, state, dtype, device, expert_reader=reader)
+    from .offload import DTYPES, offload_split
+
+    first_cpu = offload_split(cfg, int(config.get("num_hidden_layers") or 0))
+    module = build(config, state, dtype, device, expert_reader=reader, first_cpu_layer=first_cpu,
+                   offload_dtype=DTYPES[getattr(cfg, "offload_dtype", "float32")])
     del state
     if reader is not None and getattr(cfg, "expert_prefetch", False):
         from .streamed_moe import link_prefetch
@@ -404,6 +440,12 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                      streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
                      experts_per_token=a.top_k)
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
+    if module.a.offload is not None:  # CPU layers keep their KV rows in --offload-dtype
+        from .offload import kv_bytes_per_token
+
+        info.kv_bytes_per_token = kv_bytes_per_token(a, device, dtype)
+        log.info("partial offload: layers 0-%d on %s, %d-%d on the CPU (%s)", first_cpu - 1, device, first_cpu,
+                 a.layers - 1, str(module.a.offload[2])[6:])
     model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
     model.expert_stream = reader
     return model

@@ -118,6 +118,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
             es = eng.expert_stream_stats()
             if es is not None:
                 body["stats"]["expert_streaming"] = es
+            if hasattr(type(eng), "routing_stats"):  # --data-parallel: routing and each replica's figures
+                body["stats"]["data_parallel"] = eng.routing_stats()
             if eng.speculator is not None:
                 sp = eng.speculator.stats
                 body["stats"]["speculative"] = {
@@ -179,7 +181,11 @@ def serve(settings: Settings) -> int:
 
     from ..memory import tune_allocator
 
-    tune_allocator()  # glibc: large freed blocks go back to the OS (see memory.tune_allocator)
+    if tune_allocator():  # glibc: large freed blocks go back to the OS (see memory.tune_allocator)
+        from ..memory import DEFAULT_MMAP_THRESHOLD
+
+        # the same policy in the server's child processes (--engine-process), which glibc reads at their start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(DEFAULT_MMAP_THRESHOLD)
     offline = False if settings.offline else None
     if settings.models_file:  # several models, each loaded on demand (server/models.py)
         try:

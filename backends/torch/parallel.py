@@ -1,0 +1,332 @@
+"""Tensor parallelism for the torch backend (``--tensor-parallel N``), Megatron style.
+
+Each rank holds a slice of every layer: attention by heads (the K/V heads of its query heads;
+with fewer KV heads than ranks each rank keeps a copy of the one KV head its query heads read),
+the MLP column-parallel (gate/up rows) then row-parallel (down columns), the embedding and the LM
+head by vocabulary.  Two all-reduces per layer (after ``o_proj`` and after ``down_proj``) and one
+for the embedding; the LM head's vocabulary slices are gathered once per step, outside any CUDA
+graph, so that rank 0's sampler sees full logits.  The paged KV cache is sharded by heads for free:
+every cache is built from the rank's local ``Args`` (its own head count).
+
+The model code is the single-process one (``model.py``, ``graphs.py``): the sharded layers are
+drop-in subclasses of ``nn.Linear`` / ``nn.Embedding`` whose forward ends in the collective, so
+eager steps, batched decode and CUDA-graph capture all run them (NCCL collectives are captured in
+the graphs).  Which rank runs what is the core's business (``swiftlm.distributed``): every rank
+executes the same ``Model`` calls in the same order.
+
+Loading: each rank reads only its slices from safetensors (``safe_open(...).get_slice``).  A GGUF
+file is dequantized tensor by tensor and each rank keeps its slices of each (one full tensor at a
+time in memory, but every rank dequantizes the whole file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
+from swiftlm.registry import ModelSpec
+
+from .model import Args, MLP, Transformer, hf_state_to_ours, param_bytes
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- the split
+@dataclass(frozen=True)
+class Plan:
+    """What rank ``rank`` of ``world`` holds: query heads [q0, q1), KV heads [kv0, kv1), MLP
+    columns [i0, i1), vocabulary rows [v0, v0 + vocab_rows) (the last rank's slice is padded with
+    zero rows past the real vocabulary, so that every rank's logits have the same width)."""
+
+    rank: int
+    world: int
+    q0: int
+    q1: int
+    kv0: int
+    kv1: int
+    i0: int
+    i1: int
+    v0: int
+    vocab_rows: int
+    vocab: int  # the full vocabulary
+
+
+def make_plan(c: dict, rank: int, world: int) -> Plan:
+    """The split of a model config over ``world`` ranks; ConfigError (one sentence naming
+    --tensor-parallel) when the model cannot be split that way."""
+    a = Args.from_config(c)
+    H, KVH = a.heads, a.kv_heads
+    if a.experts:
+        raise ConfigError("--tensor-parallel does not support MoE models yet (experts are not sharded); "
+                          "serve this model without it")
+    if H % KVH:
+        raise ConfigError(f"--tensor-parallel: {H} query heads are not a multiple of {KVH} KV heads")
+    rep = H // KVH
+    if KVH >= world:  # whole KV groups per rank (as even as the head count allows)
+        kv0, kv1 = rank * KVH // world, (rank + 1) * KVH // world
+        q0, q1 = kv0 * rep, kv1 * rep
+    else:  # fewer KV heads than ranks: split the query heads, replicate the KV head they read
+        q0, q1 = rank * H // world, (rank + 1) * H // world
+        if q1 <= q0 or q0 // rep != (q1 - 1) // rep:
+            raise ConfigError(f"--tensor-parallel {world}: the model's {H} query heads over {KVH} KV heads cannot be "
+                              f"split so that each rank's query heads share one KV head; use a divisor of {H} that "
+                              f"is a multiple of {KVH}")
+        kv0, kv1 = q0 // rep, q0 // rep + 1
+    inter = a.intermediate
+    if inter < world or H < world:
+        raise ConfigError(f"--tensor-parallel {world} is more ranks than the model's {H} heads / {inter} MLP columns")
+    rows = -(-a.vocab // world)
+    return Plan(rank, world, q0, q1, kv0, kv1, rank * inter // world, (rank + 1) * inter // world, rank * rows, rows,
+                a.vocab)
+
+
+def local_args(a: Args, p: Plan) -> Args:
+    return replace(a, heads=p.q1 - p.q0, kv_heads=p.kv1 - p.kv0, intermediate=p.i1 - p.i0, vocab=p.vocab_rows)
+
+
+def slice_rule(name: str, a: Args, p: Plan) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of an HF tensor name this rank keeps a slice of; None: kept whole."""
+    D = a.head_dim
+    if ".self_attn.q_proj." in name:
+        return 0, p.q0 * D, p.q1 * D
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return 0, p.kv0 * D, p.kv1 * D
+    if name.endswith(".self_attn.o_proj.weight"):
+        return 1, p.q0 * D, p.q1 * D
+    if name.endswith(".mlp.gate_proj.weight") or name.endswith(".mlp.up_proj.weight"):
+        return 0, p.i0, p.i1
+    if name.endswith(".mlp.down_proj.weight"):
+        return 1, p.i0, p.i1
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        return 0, p.v0, min(p.v0 + p.vocab_rows, p.vocab)
+    return None
+
+
+def _pad_vocab(name: str, t: torch.Tensor, p: Plan) -> torch.Tensor:
+    if (name.endswith("embed_tokens.weight") or name == "lm_head.weight") and t.shape[0] < p.vocab_rows:
+        t = torch.cat([t, t.new_zeros(p.vocab_rows - t.shape[0], *t.shape[1:])])
+    return t
+
+
+def load_shard(spec: ModelSpec, config: dict, p: Plan) -> dict[str, torch.Tensor]:
+    """This rank's tensors (HF names): slices read with ``get_slice`` (safetensors) or cut from
+    each dequantized GGUF tensor as it is produced."""
+    a = Args.from_config(config)
+    state: dict[str, torch.Tensor] = {}
+    if spec.format == "gguf":
+        from swiftlm.convert import iter_dequantized
+
+        for name, arr in iter_dequantized(spec):
+            r = slice_rule(name, a, p)
+            if r is not None:
+                arr = arr[r[1]:r[2]] if r[0] == 0 else arr[:, r[1]:r[2]]
+            state[name] = _pad_vocab(name, torch.from_numpy(arr.copy()), p)
+        return state
+    from safetensors import safe_open
+
+    if (spec.config.get("quantization") or {}).get("bits"):
+        raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized weights, which the torch backend does "
+                                      "not read; use the mlx backend or a 16-bit checkpoint")
+    for f in spec.weight_files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    r = slice_rule(name, a, p)
+                    if r is None:
+                        t = fh.get_tensor(name)
+                    else:
+                        s = fh.get_slice(name)
+                        t = s[r[1]:r[2]] if r[0] == 0 else s[:, r[1]:r[2]]
+                    state[name] = _pad_vocab(name, t, p)
+        except Exception as exc:
+            raise CorruptModel(f"{f} could not be read: {exc}") from exc
+    return state
+
+
+# ---------------------------------------------------------------------------- the layers
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split over the ranks: each computes a partial
+    output, summed by an all-reduce (``o_proj``, ``down_proj``).  No bias (these never have one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(F.linear(x, self.weight))
+
+    @staticmethod
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + num_embeddings) of the embedding; ids outside them give zeros, and an
+    all-reduce assembles each id's row from the rank that holds it.  Its weight is also the
+    rank's slice of a tied LM head."""
+
+    def __init__(self, rows: int, dim: int, start: int):
+        super().__init__(rows, dim)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out)
+        return out
+
+
+def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """[..., vocab_rows] logits of every rank -> [..., vocab] (all ranks take part)."""
+    if logits is None:
+        return None
+    logits = logits.contiguous()
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, logits)
+    return torch.cat(parts, dim=-1)[..., :vocab]
+
+
+def build_sharded(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                  p: Plan) -> Transformer:
+    """``model.build`` for one rank's slices: the same module tree with this rank's head, column
+    and vocabulary counts, and the sharded layers where a collective is needed."""
+    a = Args.from_config(config)
+    if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
+        a.tie = True
+    la = local_args(a, p)
+    with torch.device("meta"):
+        model = Transformer(la)
+        model.embed_tokens = VocabParallelEmbedding(la.vocab, la.hidden, p.v0)
+        for blk in model.layers:
+            blk.self_attn.o_proj = RowParallelLinear(la.heads * la.head_dim, la.hidden, bias=False)
+            blk.mlp.down_proj = RowParallelLinear(la.intermediate, la.hidden, bias=False)
+    sd = hf_state_to_ours(la, state)
+    if a.gemma:
+        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
+    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
+    model.init_rope()
+    model.to(device)
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
+    model.eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+    model.plan = p
+    return model
+
+
+# ---------------------------------------------------------------------------- the Model
+def sharded_model_class(base: type) -> type:
+    """``base`` (runner.TorchModel) with full-vocabulary logits: the ranks' slices are gathered at
+    the end of every call that returns logits, and the overlapped decode's on-device input ids
+    (rank 0's sampler output) are broadcast to the other ranks first."""
+
+    class ShardedTorchModel(base):  # type: ignore[misc, valid-type]
+        def forward(self, batch: StepBatch) -> Forward:
+            if batch.input_ids is not None:
+                if dist.get_rank() == 0:
+                    ids = batch.input_ids.to(device=self.device, dtype=torch.long).contiguous()
+                else:  # the leader sent a placeholder holding the row count (swiftlm.distributed.control)
+                    ids = torch.empty(int(batch.input_ids.n), dtype=torch.long, device=self.device)
+                dist.broadcast(ids, 0)
+                batch = StepBatch(batch.seqs, batch.preempted, ids)
+            fwd = super().forward(batch)
+            fwd.logits = gather_vocab(fwd.logits, self.module.plan.vocab)
+            return fwd
+
+        def logits(self, seq_id: int, tokens: Any, start: int) -> torch.Tensor:
+            return gather_vocab(super().logits(seq_id, tokens, start), self.module.plan.vocab)
+
+        def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> torch.Tensor:
+            return gather_vocab(super().score(seq_id, tokens, start, pad_to), self.module.plan.vocab)
+
+        def close(self) -> None:
+            """Leave the process group (rank 0 after its followers have stopped; a follower on stop),
+            so that this process can load another tensor-parallel model later."""
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    return ShardedTorchModel
+
+
+def _leave_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - exiting anyway
+        pass
+
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """Join the process group of this rank (``swiftlm.distributed.launch.current_rank``): NCCL on
+    CUDA, gloo on CPU.  Returns (rank, world)."""
+    from swiftlm.distributed.launch import current_rank
+
+    info = current_rank()
+    if info is None:
+        raise ConfigError("--tensor-parallel: this process was not started as a rank (swiftlm.distributed.launch)")
+    if dist.is_initialized():
+        raise ConfigError("--tensor-parallel: another tensor-parallel model is loaded in this process; one per "
+                          "process (close it first)")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    import atexit
+
+    atexit.register(_leave_group)  # left to interpreter teardown, a group with a dead peer aborts the process
+    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                            rank=info.rank, world_size=info.world,
+                            timeout=timedelta(seconds=float(os.environ.get("SWIFTLM_TP_TIMEOUT", "600"))))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
+    """This rank's ``TorchModel`` (``runner.load_model`` with --tensor-parallel): join the group,
+    read this rank's slices, build, wrap."""
+    from swiftlm.convert import hf_config
+    from swiftlm.distributed.launch import current_rank
+    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+    from swiftlm.turboquant.presets import settings_format
+
+    from .loader import check_arch
+    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
+
+    info = current_rank()
+    if torch.cuda.is_available() and info is not None:
+        torch.cuda.set_device(info.local_rank)
+    device, dtype = pick_device(cfg)
+    _apply_mem_limit(cfg, device)
+    if device.type == "cpu" and info is not None:  # the ranks share this host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world))
+    rank, world = init_distributed(device.type)
+    check_arch(spec)
+    config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+    plan = make_plan(config, rank, world)
+    state = load_shard(spec, config, plan)
+    module = build_sharded(config, state, dtype, device, plan)
+    del state
+    log.info("tensor-parallel rank %d/%d: query heads [%d, %d), KV heads [%d, %d), MLP columns [%d, %d), "
+             "vocabulary rows [%d, %d)", rank, world, plan.q0, plan.q1, plan.kv0, plan.kv1, plan.i0, plan.i1,
+             plan.v0, plan.v0 + plan.vocab_rows)
+    tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
+                 else load_hf_tokenizer(spec.path, spec.config))
+    a = module.a
+    ctx_cfg = getattr(cfg, "ctx_size", None)
+    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    # weights and KV bytes are this rank's (each rank holds its heads' cache); the vocabulary is the full one
+    minfo = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=plan.vocab,
+                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+                      weight_bytes=param_bytes(module),
+                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8)
+    slots = max(1, int(getattr(cfg, "parallel", 1) or 1))
+    cls = sharded_model_class(TorchModel)
+    return cls(module, tokenizer, minfo, device, dtype, slots=slots, kv_default=settings_format(cfg))

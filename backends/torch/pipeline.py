@@ -1,0 +1,388 @@
+"""Pipeline parallelism for the torch backend (``--pipeline-parallel P``).
+
+The model's layers are split into P contiguous stages, balanced by layer count (stage s holds
+layers [s*L//P, (s+1)*L//P)); the first stage also holds the embedding, the last the final norm
+and the LM head (and the embedding too when the head is tied to it).  Each rank reads only its
+stage's tensors and keeps only its layers' KV caches.
+
+Which rank is which stage: rank 0 (the leader: engine, scheduler, sampler, HTTP) is the *last*
+stage, ranks 1..P-1 are stages 0..P-2.  Every rank receives the step's inputs (token ids,
+positions) through the control plane (``swiftlm.distributed.control``), so the first stage need
+not be rank 0; with the head on rank 0 the logits ([rows, vocab], the largest tensor of a step)
+never leave the process that samples them, and only [rows, hidden] activations cross the wire
+(torch.distributed send/recv: gloo on CPU, NCCL on CUDA).
+
+A step is a list of *units*, the same on every rank because it is derived from the step's
+``StepBatch`` alone: the decode rows split into up to P micro-batches (contiguous, as even as
+possible), then each other sequence's chunk (a prompt chunk) as a unit of its own.  Each stage
+runs the units in order: receive the unit's activations from the previous stage (the first
+stage embeds the tokens), run its layers, send the result on with a non-blocking send, and go
+on to the next unit at once; so while stage s+1 works on micro-batch m, stage s already works
+on micro-batch m+1.  With P stages and M micro-batches of equal cost a step lasts M + P - 1
+micro-batch times, of which each rank is busy M: idle (P - 1) / (M + P - 1) of a step, against
+(P - 1) / P without micro-batches (P = M = 2: 1/3 instead of 1/2).  Prompt chunks are units of
+their own, so a step with several prompts pipelines them too.
+
+But each micro-batch reads the stage's weights again, and a decode step of a modest batch is
+bound by weight reads, not arithmetic: measured here (SmolLM2-135M, 2 stages on a 2-core CPU,
+8 and 32 concurrent streams) micro-batching cut rank 0's in-step idle time from 40% to 25% (8
+streams) and 29% to 21% (32) yet lowered throughput 63 -> 43 and 132 -> 110 tok/s.  So decode
+rows are split only when every micro-batch gets at least ``SWIFTLM_PP_MICRO_MIN_ROWS`` rows
+(default 64, where a step starts to be bound by arithmetic on a GPU; unmeasured here), into
+``SWIFTLM_PP_MICROBATCHES`` parts (default P).  Rank 0's values are sent to every rank at load
+(every rank must cut a step into the same units).
+
+Exactness: a stage boundary is a copy of an fp32 (or bf16) tensor; no arithmetic changes.  A
+step without micro-batches computes bit-for-bit what the single-process model computes.  A
+micro-batched decode step runs its matmuls on fewer rows at a time, which may pick a different
+GEMM kernel (the same rounding effect the engine's own batching has).
+
+Not here (refused before any process starts, swiftlm.distributed.launch): MoE, compressed KV
+caches, speculative decoding, --gpu-layers, embeddings (``hidden_states``).  No CUDA graphs:
+stages run eagerly with growing caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
+from swiftlm.registry import ModelSpec
+
+from .model import Args, MLP, Transformer, decode_batch, hf_state_to_ours, param_bytes, rope_tables
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
+
+
+def stage_layers(layers: int, stage: int, stages: int) -> tuple[int, int]:
+    """Layers [l0, l1) of ``stage`` (balanced by count; earlier stages get the smaller share)."""
+    return stage * layers // stages, (stage + 1) * layers // stages
+
+
+def stage_of(rank: int, world: int) -> int:
+    """Rank 0 is the last stage; ranks 1..P-1 are stages 0..P-2."""
+    return (rank - 1) % world
+
+
+def rank_of(stage: int, world: int) -> int:
+    return (stage + 1) % world
+
+
+def check_split(config: dict, world: int) -> None:
+    """ConfigError (one sentence naming --pipeline-parallel) when the model cannot be split so."""
+    a = Args.from_config(config)
+    if a.experts:
+        raise ConfigError("--pipeline-parallel does not support MoE models yet; serve this model without it")
+    if a.layers < world:
+        raise ConfigError(f"--pipeline-parallel {world} is more stages than the model's {a.layers} layers")
+
+
+def _wanted(name: str, l0: int, l1: int, first: bool, last: bool, embed_on_last: bool) -> str | None:
+    """This stage's name for an HF tensor (layers renumbered from 0), or None: not this stage's."""
+    m = _LAYER.match(name)
+    if m:
+        i = int(m.group(2))
+        if not l0 <= i < l1:
+            return None
+        return f"{m.group(1) or ''}layers.{i - l0}.{name[m.end():]}"
+    if name.endswith("embed_tokens.weight"):
+        return name if first or (last and embed_on_last) else None
+    if name == "lm_head.weight" or name.endswith("model.norm.weight") or name == "norm.weight":
+        return name if last else None
+    return None
+
+
+def load_stage_state(spec: ModelSpec, config: dict, l0: int, l1: int, first: bool, last: bool) -> dict[str, Any]:
+    """This stage's tensors only: safetensors reads just those (``safe_open(...).get_tensor``); a
+    GGUF file is dequantized tensor by tensor and the other stages' tensors are dropped at once."""
+    a = Args.from_config(config)
+    if spec.format == "gguf":
+        from swiftlm.convert import iter_dequantized
+
+        items = list(_gguf_names(spec))
+        embed_on_last = a.tie or "lm_head.weight" not in items
+        state: dict[str, Any] = {}
+        for name, arr in iter_dequantized(spec):
+            ours = _wanted(name, l0, l1, first, last, embed_on_last)
+            if ours is not None:
+                state[ours] = torch.from_numpy(arr.copy())
+        return state
+    from safetensors import safe_open
+
+    if (spec.config.get("quantization") or {}).get("bits"):
+        raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized weights, which the torch backend does "
+                                      "not read; use the mlx backend or a 16-bit checkpoint")
+    names: dict[str, Any] = {}
+    try:
+        for f in spec.weight_files:
+            with safe_open(str(f), framework="pt") as fh:
+                for n in fh.keys():
+                    names[n] = f
+    except Exception as exc:
+        raise CorruptModel(f"{spec.path} could not be read: {exc}") from exc
+    embed_on_last = a.tie or "lm_head.weight" not in names
+    state = {}
+    by_file: dict[Any, list[tuple[str, str]]] = {}
+    for n, f in names.items():
+        ours = _wanted(n, l0, l1, first, last, embed_on_last)
+        if ours is not None:
+            by_file.setdefault(f, []).append((n, ours))
+    for f, pairs in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for n, ours in pairs:
+                    state[ours] = fh.get_tensor(n)
+        except Exception as exc:
+            raise CorruptModel(f"{f} could not be read: {exc}") from exc
+    return state
+
+
+def _gguf_names(spec: ModelSpec) -> list[str]:
+    from swiftlm.convert import hf_name
+    from swiftlm.gguf_file import read_gguf_header
+
+    _, tensors = read_gguf_header(spec.path)
+    return [hf_name(t.name) for t in tensors]
+
+
+def build_stage(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                l0: int, l1: int, first: bool, last: bool) -> Transformer:
+    """A ``Transformer`` of this stage's layers only (numbered from 0): the embedding on the first
+    stage (and on the last when the head is tied), the final norm and head on the last."""
+    a = Args.from_config(config)
+    if not a.tie and not any(k.endswith("lm_head.weight") for k in state) and last:
+        a.tie = True
+    la = replace(a, layers=l1 - l0)
+    with torch.device("meta"):
+        model = Transformer(la)
+        if not first and not (last and la.tie):
+            model.embed_tokens = None
+        if not last:
+            model.norm = None
+            model.lm_head = None
+    sd = hf_state_to_ours(la, state)
+    if a.gemma:
+        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
+    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
+    model.cos, model.sin = rope_tables(la, device)
+    model.to(device)
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
+    model.eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+    return model
+
+
+def units_of(batch: StepBatch, micro: int, min_rows: int = 1) -> tuple[list[list[int]], bool]:
+    """The step's units (lists of indices into ``batch.seqs``) and whether decode rows run batched.
+    Decode rows (one token, sampled) first, split into up to ``micro`` contiguous micro-batches of
+    at least ``min_rows`` rows; then every other sequence alone.  Derived from the batch only:
+    every rank gets the same list."""
+    decode = [i for i, w in enumerate(batch.seqs) if len(w.tokens) == 1 and w.sample]
+    units: list[list[int]] = []
+    m = max(1, min(micro, len(decode) // max(1, min_rows)))
+    for k in range(m):
+        part = decode[k * len(decode) // m:(k + 1) * len(decode) // m]
+        if part:
+            units.append(part)
+    rest = set(decode)
+    units += [[i] for i in range(len(batch.seqs)) if i not in rest]
+    return units, len(decode) > 1
+
+
+def micro_settings(stages: int, device: torch.device) -> tuple[int, int]:
+    """(micro-batches, least rows per micro-batch): rank 0's environment, sent to every rank."""
+    mine = torch.tensor([int(os.environ.get("SWIFTLM_PP_MICROBATCHES", "0") or 0) or stages,
+                         int(os.environ.get("SWIFTLM_PP_MICRO_MIN_ROWS", "64") or 64)], dtype=torch.long)
+    t = mine.to(device)
+    dist.broadcast(t, 0)
+    micro, rows = (int(v) for v in t.cpu())
+    return max(1, micro), max(1, rows)
+
+
+def pipeline_model_class(base: type) -> type:
+    """``base`` (runner.TorchModel) for one pipeline stage: its KV-cache bookkeeping, prompt-cache
+    hooks and memory figures, with a forward that runs this stage's layers and passes activations on."""
+
+    class PipelineTorchModel(base):  # type: ignore[misc, valid-type]
+        def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
+                     stage: int, stages: int, kv_default: Any = None):
+            from swiftlm.turboquant.presets import KVFormat
+
+            from .ops import TorchOps
+
+            self.module, self.tokenizer, self.info = module, tokenizer, info
+            self.kv_default = kv_default or KVFormat()
+            self.kv_formats: dict[int, Any] = {}
+            self.turbo_free: dict[Any, list] = {}
+            self.device, self.dtype = device, dtype
+            self.caches: dict[int, Any] = {}
+            self.free_slots: list = []
+            self.ops = TorchOps(device)
+            self.static = False  # growing caches, eager steps, no overlapped decode (ids go through the control plane)
+            self.graphs = None
+            self.pool = None
+            self.expert_stream = None
+            self.overlap = False
+            self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
+            self.stage, self.stages = stage, stages
+            self.first, self.last = stage == 0, stage == stages - 1
+            self.prev = rank_of(stage - 1, stages) if not self.first else None
+            self.next = rank_of(stage + 1, stages) if not self.last else None
+            self.micro, self.micro_min_rows = micro_settings(stages, device)
+            # seconds this rank waited for the previous stage's activations inside steps, and spent in steps
+            self.pp_stats = {"steps": 0, "micro_batched_steps": 0, "step_seconds": 0.0, "recv_wait_seconds": 0.0}
+
+        # embeddings and speculative verification are not pipelined: absent, so the engine says so
+        @property
+        def hidden_states(self) -> Any:
+            raise AttributeError("hidden_states")
+
+        @property
+        def score(self) -> Any:
+            raise AttributeError("score")
+
+        @property
+        def logits(self) -> Any:
+            raise AttributeError("logits")
+
+        def _recv(self, rows: int) -> torch.Tensor:
+            x = torch.empty(rows, self.module.a.hidden, dtype=self.dtype, device=self.device)
+            t0 = time.perf_counter()
+            dist.recv(x, self.prev)
+            self.pp_stats["recv_wait_seconds"] += time.perf_counter() - t0
+            return x
+
+        def _layers(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+            m = self.module
+            T = x.shape[0]
+            cos, sin = m.cos[start:start + T], m.sin[start:start + T]
+            for i, layer in enumerate(m.layers):
+                x = layer(x, cos, sin, cache, i, start)
+            return x
+
+        def _head(self, x: torch.Tensor) -> torch.Tensor:
+            m = self.module
+            w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+            return F.linear(m.norm(x), w)
+
+        @torch.inference_mode()
+        def forward(self, batch: StepBatch) -> Forward:
+            from swiftlm.turboquant.presets import request_format
+
+            from .runner import bind_thread
+
+            bind_thread(self.device)
+            t_step = time.perf_counter()
+            for w in batch.seqs:
+                if w.seq_id not in self.caches:
+                    self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
+            units, batched = units_of(batch, self.micro, self.micro_min_rows)
+            if sum(1 for u in units if len(batch.seqs[u[0]].tokens) == 1 and batch.seqs[u[0]].sample) > 1:
+                self.pp_stats["micro_batched_steps"] += 1
+            out: dict[int, torch.Tensor] = {}
+            sends: list[Any] = []
+            m = self.module
+            for unit in units:
+                seqs = [batch.seqs[i] for i in unit]
+                if len(unit) > 1 or (batched and len(seqs[0].tokens) == 1 and seqs[0].sample):
+                    # decode rows: the single-process model's batched pass (model.decode_batch) over this stage
+                    caches = [self._cache(w.seq_id, w.start_pos) for w in seqs]
+                    positions = [w.start_pos for w in seqs]
+                    x = None if self.first else self._recv(len(seqs))
+                    toks = [w.tokens[0] for w in seqs] if self.first else None
+                    y = decode_batch(m, caches, toks, positions, x=x, head=self.last)
+                    if self.last:
+                        for j, i in enumerate(unit):
+                            out[i] = y[j]
+                        continue
+                else:
+                    (w,) = seqs
+                    cache = self._cache(w.seq_id, w.start_pos)
+                    if self.first:
+                        x = m.embed(torch.tensor(w.tokens, dtype=torch.long, device=self.device))
+                    else:
+                        x = self._recv(len(w.tokens))
+                    y = self._layers(x, cache, w.start_pos)
+                    if self.last:
+                        if w.sample:  # as Transformer.forward(last_only=True): norm and head of the last row
+                            out[unit[0]] = self._head(y[-1:])[-1]
+                        continue
+                sends.append(dist.isend(y.contiguous(), self.next))
+            for s in sends:
+                s.wait()
+            self.pp_stats["steps"] += 1
+            self.pp_stats["step_seconds"] += time.perf_counter() - t_step
+            if not self.last:
+                return Forward(None)
+            rows = [out[i] for i, w in enumerate(batch.seqs) if w.sample]
+            return Forward(torch.stack(rows) if rows else None)
+
+        def close(self) -> None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    return PipelineTorchModel
+
+
+def load_stage(spec: ModelSpec, cfg: Any) -> Any:
+    """This rank's stage (``runner.load_model`` with --pipeline-parallel): join the group, read
+    this stage's tensors, build, wrap."""
+    from swiftlm.convert import hf_config
+    from swiftlm.distributed.launch import current_rank
+    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+    from swiftlm.turboquant.presets import settings_format
+
+    from .loader import check_arch
+    from .parallel import init_distributed
+    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
+
+    info = current_rank()
+    if torch.cuda.is_available() and info is not None:
+        torch.cuda.set_device(info.local_rank)
+    device, dtype = pick_device(cfg)
+    if device.type == "cuda" and info is not None:
+        device = torch.device("cuda", info.local_rank)
+    _apply_mem_limit(cfg, device)
+    if device.type == "cpu" and info is not None:  # the ranks of one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world or info.world)))
+    rank, world = init_distributed(device.type)
+    check_arch(spec)
+    config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+    check_split(config, world)
+    a = Args.from_config(config)
+    stage = stage_of(rank, world)
+    l0, l1 = stage_layers(a.layers, stage, world)
+    first, last = stage == 0, stage == world - 1
+    state = load_stage_state(spec, config, l0, l1, first, last)
+    module = build_stage(config, state, dtype, device, l0, l1, first, last)
+    del state
+    log.info("pipeline-parallel rank %d/%d: stage %d, layers [%d, %d)%s%s", rank, world, stage, l0, l1,
+             ", embedding" if first else "", ", norm + LM head" if last else "")
+    tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
+                 else load_hf_tokenizer(spec.path, spec.config))
+    ctx_cfg = getattr(cfg, "ctx_size", None)
+    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    la = module.a
+    # weights and KV bytes are this stage's
+    minfo = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
+                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+                      weight_bytes=param_bytes(module),
+                      kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8)
+    cls = pipeline_model_class(TorchModel)
+    return cls(module, tokenizer, minfo, device, dtype, stage, world, kv_default=settings_format(cfg))
