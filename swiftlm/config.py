@@ -161,6 +161,8 @@ class Settings(BaseSettings):
                                       "the rest on the CPU in --offload-dtype (embedding, final norm and LM head stay "
                                       "on the GPU; CUDA graphs off). Default: every layer on the GPU.")
     offload_dtype: str = _f("float32", "dtype of the CPU layers under --gpu-layers: float32 or bfloat16.")
+    torch_dtype: str = _f("auto", "Weights and activations of the torch backend on a GPU: auto (bfloat16), "
+                                  "bfloat16, float16 or float32 (on the CPU the backend computes in float32).")
     device: str | None = _f(None, "Device of the torch backend: cpu, cuda or cuda:N (default: cuda when available, "
                                   "else cpu). --data-parallel gives each replica its own.")
     vision: bool = _f(False, "Accept image inputs (OpenAI image_url parts) on a vision-language model.",
@@ -298,6 +300,13 @@ class Settings(BaseSettings):
     def _gpu_layers_ok(cls, v: int | None) -> int | None:
         if v is not None and v < 0:
             raise ValueError("must be >= 0 (the number of layers kept on the GPU)")
+        return v
+
+    @field_validator("torch_dtype")
+    @classmethod
+    def _torch_dtype_ok(cls, v: str) -> str:
+        if v not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError("must be auto, bfloat16, float16 or float32")
         return v
 
     @field_validator("offload_dtype")

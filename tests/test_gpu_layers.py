@@ -109,10 +109,13 @@ def test_info_shows_the_split_and_the_memory_plan(ckpt4):
     kvd = cfg["num_key_value_heads"] * cfg["head_dim"]
     layer = H * cfg["num_attention_heads"] * cfg["head_dim"] * 2 + 2 * H * kvd + 3 * H * I + 2 * H
     outside = V * H + H + (0 if cfg.get("tie_word_embeddings") else V * H)
-    assert plan["device_weights_bytes"] == (outside + layer) * 4  # CPU machine: the main dtype is fp32
-    assert plan["cpu_weights_bytes"] == 3 * layer * 4
+    import torch
+
+    main = 2 if torch.cuda.is_available() else 4  # the device's dtype: bf16 on a GPU, fp32 on a CPU-only machine
+    assert plan["device_weights_bytes"] == (outside + layer) * main
+    assert plan["cpu_weights_bytes"] == 3 * layer * 4  # offloaded layers: fp32
     assert plan["weights_bytes"] == plan["device_weights_bytes"] + plan["cpu_weights_bytes"]
-    assert plan["device_kv_cache_bytes"] * 3 == plan["cpu_kv_cache_bytes"]
+    assert plan["device_kv_cache_bytes"] * 3 * 4 == plan["cpu_kv_cache_bytes"] * main
     r = run_cli("info", "--model", str(ckpt4), "--gpu-layers", "-1", timeout=120)
     assert r.returncode == 2 and "gpu" in r.stderr.lower() and "Traceback" not in r.stderr
 

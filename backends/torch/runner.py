@@ -366,7 +366,12 @@ def bind_thread(device: torch.device) -> None:
 
 
 def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
+    """--device (default: cuda when available) and the compute dtype there: --torch-dtype on a GPU
+    (auto: bfloat16), float32 on the CPU."""
     want = getattr(cfg, "device", None) if cfg is not None else None
+    name = getattr(cfg, "torch_dtype", "auto") if cfg is not None else "auto"
+    gpu_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float32": torch.float32}.get(name if isinstance(name, str) else "auto", torch.bfloat16)
     if want:  # --device (one sentence if it does not exist here)
         dev = torch.device(want)
         if dev.type == "cuda":
@@ -375,10 +380,10 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
                 from swiftlm.errors import ConfigError
 
                 raise ConfigError(f"--device {want}: this machine has {n} CUDA device(s)")
-            return dev, torch.bfloat16
+            return dev, gpu_dtype
         return dev, torch.float32
     if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
+        return torch.device("cuda"), gpu_dtype
     return torch.device("cpu"), torch.float32
 
 
