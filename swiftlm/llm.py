@@ -106,6 +106,9 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     if pipeline and settings.engine_process == "on":
         raise ConfigError("--engine-process on does not combine with --pipeline-parallel (rank 0 already drives "
                           "the other ranks' processes); use --engine-process off")
+    if settings.gpu_layers is not None and getattr(backend, "name", "") != "torch":
+        raise ConfigError(f"--gpu-layers is built for the torch backend only (this is {backend.name}): the MLX "
+                          "backend keeps every layer on the GPU of Apple's unified memory")
     if settings.distributed:  # one rank of an mlx.launch group: no replicas, no engine child process
         from .distributed.external import check_settings as check_distributed
 

@@ -140,3 +140,12 @@ def test_cuda_split_places_layers_and_kv_and_runs(ckpt4):
         outs = llm.generate(PROMPTS, p)
         assert all(len(o.token_ids) == 8 for o in outs)
         assert len(llm.generate(PROMPTS[0], p).token_ids) == 8  # alone: the single-sequence forward
+
+
+def test_gpu_layers_on_mlx_is_refused_not_ignored(tiny_llama):
+    pytest.importorskip("mlx.core", reason="mlx is not installed on this machine")
+    from swiftlm import LLM
+    from swiftlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--gpu-layers is built for the torch backend only"):
+        LLM(str(tiny_llama), backend="mlx", gpu_layers=1)
