@@ -509,7 +509,13 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     for layer in model.layers:
         if hasattr(layer.mlp, "to_device"):
             layer.mlp.to_device()
-    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)  # as HF: rope in the model's dtype
+    return finish_load(model, dtype)
+
+
+def finish_load(model: "Transformer", dtype: torch.dtype) -> "Transformer":
+    """The last steps of every load (one process, a tensor-parallel rank, a pipeline stage), once the
+    weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections."""
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
     model.eval()
     with torch.no_grad():
         for layer in model.layers:

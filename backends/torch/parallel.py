@@ -36,7 +36,7 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .model import Args, MLP, Transformer, hf_state_to_ours, param_bytes
+from .model import Args, Transformer, finish_load, hf_state_to_ours, param_bytes
 
 log = logging.getLogger(__name__)
 
@@ -215,13 +215,7 @@ def build_sharded(config: dict, state: dict[str, torch.Tensor], dtype: torch.dty
     model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
     model.init_rope()
     model.to(device)
-    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
-    model.eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.fuse()
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.fuse()
+    finish_load(model, dtype)
     model.plan = p
     return model
 

@@ -59,7 +59,7 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .model import Args, MLP, Transformer, decode_batch, hf_state_to_ours, param_bytes, rope_tables
+from .model import Args, Transformer, decode_batch, finish_load, hf_state_to_ours, param_bytes, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +178,7 @@ def build_stage(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype
     model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
     model.cos, model.sin = rope_tables(la, device)
     model.to(device)
-    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
-    model.eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.fuse()
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.fuse()
+    finish_load(model, dtype)
     return model
 
 
