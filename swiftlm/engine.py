@@ -205,6 +205,7 @@ class Engine(PromptSide):
         self._ids = itertools.count(1)
         self._pending = 0  # submitted, not yet finished (guarded by _lock)
         self._lock = threading.Lock()
+        self._orphan_lock = threading.Lock()  # _end_orphans: the dying loop and late submits
         self._stopping = False
         self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
         self.on_fatal: Any = None  # called with that message (the server exits non-zero)
@@ -242,6 +243,8 @@ class Engine(PromptSide):
             raise
         self.outputs.open(seq_id, sink, params.stop, len(live.seq.prompt_tokens))
         self._inbox.put(("add", live))
+        if self.fatal is not None:  # the loop died after the checks above: end it here, not never
+            self._end_orphans()
         return seq_id
 
     def add_checked(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
@@ -256,6 +259,8 @@ class Engine(PromptSide):
         with self._lock:
             self._pending += 1
         self._inbox.put(("add", live))
+        if self.fatal is not None:
+            self._end_orphans()
 
     def _make_live(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
                    submitted: float) -> _Live:
@@ -303,6 +308,28 @@ class Engine(PromptSide):
             self.fatal = f"engine loop died: {type(exc).__name__}: {exc}"
             self._stopping = True
             log.critical(self.fatal, exc_info=True)
+            self._end_orphans()
+            try:
+                self.model.ops.end_thread()
+            except Exception:  # pragma: no cover
+                pass
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+
+    def _end_orphans(self) -> None:
+        """Once the loop has died (``fatal`` is set first): every live request, and every one still in
+        the inbox (submitted while the last step ran, or racing the death), ends with the error --
+        nothing else would ever run them.  Called by the dying loop and by a submit that finds it dead."""
+        with self._orphan_lock:
+            while True:
+                try:
+                    cmd, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd == "add":
+                    self._live[arg.seq.seq_id] = arg
+                elif cmd == "embed":
+                    arg[1].set_exception(RuntimeError(self.fatal))
             for live in list(self._live.values()):
                 try:
                     self._finish(live, "error", error=self.fatal)
@@ -310,11 +337,8 @@ class Engine(PromptSide):
                     pass
             try:
                 self._flush_outputs()
-                self.model.ops.end_thread()
             except Exception:  # pragma: no cover
                 pass
-            if self.on_fatal is not None:
-                self.on_fatal(self.fatal)
 
     # ------------------------------------------------------------------ loop
     def _drain(self, block: bool) -> None:

@@ -107,3 +107,49 @@ def test_engine_loop_death_is_reported_not_a_hang(tiny_llama, monkeypatch):
             m.generate("again", SamplingParams(max_tokens=4))
     finally:
         m.close()
+
+
+class _Killed(BaseException):
+    """Not an Exception: a per-step fault handler does not catch it, so the loop itself dies."""
+
+
+def test_requests_queued_when_the_loop_dies_end_with_its_error(tiny_llama, monkeypatch):
+    """A request waiting in the inbox while the loop dies (submitted during the last step) ends with
+    the loop's error at once -- it used to wait forever, as nothing drained the inbox any more."""
+    m = LLM(str(tiny_llama), backend="torch", parallel=2)
+    m.engine.on_fatal = lambda msg: None
+    inside, release = threading.Event(), threading.Event()
+    real = m.engine.scheduler.schedule
+
+    def schedule(*a, **kw):
+        if m.engine.scheduler.running or m.engine.scheduler.waiting:
+            inside.set()
+            release.wait(30)
+            raise _Killed("injected: the loop is killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(m.engine.scheduler, "schedule", schedule)
+    errors: dict[str, BaseException] = {}
+
+    def go(name: str) -> None:
+        try:
+            m.generate(name, SamplingParams(max_tokens=4))
+        except Exception as exc:
+            errors[name] = exc
+
+    try:
+        first = threading.Thread(target=go, args=("first",))
+        first.start()
+        assert inside.wait(30)  # the loop is inside a step with the first request
+        second = threading.Thread(target=go, args=("second",))
+        second.start()
+        deadline = threading.Event()
+        deadline.wait(0.3)  # the second request is submitted: it sits in the inbox
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive(), "a request waited forever on a dead loop"
+        assert "loop is killed" in str(errors["first"]) and "loop is killed" in str(errors["second"])
+    finally:
+        release.set()
+        m.close()
