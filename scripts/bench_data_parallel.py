@@ -111,7 +111,7 @@ def main() -> int:
             rnd = bench(args, base, out / f"dp{r}_random.json", ["--prompt-tokens", str(args.prompt_tokens),
                                                                     "--tokenizer", args.model])
             h0 = httpx.get(base + "/health", timeout=30).json()["stats"]
-            shr = bench(args, base, out / f"dp{r}_shared.json", ["--dataset", str(data)])
+            shr = bench(args, base, out / f"dp{r}_shared.json", ["--dataset", str(data), "--tokenizer", args.model])
             h1 = httpx.get(base + "/health", timeout=30).json()["stats"]
             hits = h1["prompt_cache"]["hits"] - h0["prompt_cache"]["hits"]
             misses = h1["prompt_cache"]["misses"] - h0["prompt_cache"]["misses"]

@@ -6,6 +6,7 @@
 # stays off (NCCL_NVLS_ENABLE=0).  PP runs with micro-batching at its default (split only at 64+ rows
 # per micro-batch) and, for 8b, once more with SWIFTLM_PP_MICRO_MIN_ROWS=1 (forced on) at N=64.
 #   bash scripts/gpu_tp.sh [8b] [1b] [tiny]      (device kind nvidia-h200-x2)
+#   bash scripts/gpu_tp.sh 8b-base               (one GPU: the TP=1 baseline at N=1/64/128, --parallel 128)
 # Needs carried: .whl (wheels), .gpu/tok (SmolLM2 tokenizer files), like scripts/gpu_engine.sh.
 set -uo pipefail
 REPO=$(pwd)
@@ -52,7 +53,7 @@ serve_and_bench() {  # tp model  (tp: 1, 2, pp2 = --pipeline-parallel 2, pp2m = 
   local tp=$1 m=$2 port=$((6000 + RANDOM % 1000)) par="--tensor-parallel $1" micro=64
   case $tp in pp2) par="--pipeline-parallel 2" ;; pp2m) par="--pipeline-parallel 2"; micro=1 ;; esac
   env PYTHONPATH=/tmp/site SWIFTLM_PP_MICRO_MIN_ROWS=$micro $PY -m swiftlm.cli serve --model /tmp/m$m --backend torch \
-      --parallel 64 --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port $par \
+      --parallel ${PAR:-64} --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port $par \
       > "$OUT/serve_tp${tp}_$m.log" 2>&1 &
   local pid=$!
   for i in $(seq 1 300); do
@@ -80,5 +81,7 @@ for what in "$@"; do
     8b) CKPT_EXTRA=--reuse-layers ckpt 8b 4096 32 32 8 128 14336; equal 8b
         for tp in ${TPS:-1 2 pp2}; do serve_and_bench $tp 8b; done
         NS=64 serve_and_bench pp2m 8b ;;
+    8b-base)  # the TP=1 baseline of issue 26 on a one-GPU machine (an H200): N=1/64/128, --parallel 128
+      CKPT_EXTRA=--reuse-layers ckpt 8b 4096 32 32 8 128 14336; PAR=128 NS=${BASE_NS:-"1 64 128"} serve_and_bench 1 8b ;;
   esac
 done
