@@ -84,17 +84,26 @@ def test_batched_concurrent_requests_equal(pair):
     assert pp.engine.model.pp_stats["micro_batched_steps"] - before >= 16  # decode steps ran as 2 micro-batches
 
 
-def test_first_step_logits_exactly_equal(pair):
-    """One prompt chunk: the same fp32 operations in the same order on the two stages as in one
-    process (the boundary is a copy), so the logits are equal bit for bit -- no tolerance."""
+def test_first_step_logits_equal_within_fp32_rounding(pair):
+    """One prompt chunk: the same fp32 operations on the two stages as in one process (the boundary is a
+    copy), so the logits are bit for bit equal when every process runs its matmuls on the same number of
+    threads (OMP_NUM_THREADS=1 here: measured equal); a BLAS that splits a reduction differently over
+    another thread count re-associates sums (CI measured 2.2e-5 on SmolLM2's logits of ~20), bounded by
+    L * K * 2**-24 * max|logit| as in tests/test_tensor_parallel.py.  A wrong stage split moves logits by O(1)."""
     import torch
 
     name, single, pp = pair
+    a = single.engine.model.module.a
+    K = max(a.hidden, a.heads * a.head_dim, a.intermediate)
     for p in PROMPTS[:2]:
         toks = single.engine.text_prompt(p)
         want, got = first_logits(single, toks), first_logits(pp, toks)
         assert got.shape == want.shape
-        assert torch.equal(got, want), (name, float((got - want).abs().max()))
+        if torch.get_num_threads() == 1 and os.environ.get("OMP_NUM_THREADS") == "1":
+            assert torch.equal(got, want), (name, float((got - want).abs().max()))
+        tol = a.layers * K * 2.0**-24 * float(want.abs().max())
+        assert float((got - want).abs().max()) <= tol, (name, float((got - want).abs().max()), tol)
+        assert int(got.argmax()) == int(want.argmax())
 
 
 def test_prompt_cache_reuse_per_stage(pair):
