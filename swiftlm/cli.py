@@ -17,7 +17,7 @@ from typing import Any
 from .config import Settings, add_settings_arguments, settings_from_args
 from .errors import SwiftLMError
 
-SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert", "bench", "download", "models", "rm")
+SUBCOMMANDS = ("serve", "generate", "chat", "info", "convert", "bench", "download", "models", "rm", "finetune")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,6 +89,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)")
     v.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
 
+    ft = sub.add_parser("finetune", help="train a LoRA adapter on a JSONL chat dataset (PEFT format; serve it with "
+                        "--adapter NAME=PATH)")
+    ft.add_argument("--model", required=True, help="base model (local HF directory, HF cache id or .gguf)")
+    ft.add_argument("--data", required=True, help="JSONL: {\"messages\": [...]} (last message: the assistant's "
+                    "target), {\"prompt\", \"completion\"} or {\"text\"} per line")
+    ft.add_argument("--out", required=True, help="output directory of the adapter")
+    ft.add_argument("--backend", choices=("torch", "mlx"), default="torch")
+    ft.add_argument("--rank", type=int, default=8)
+    ft.add_argument("--alpha", type=float, default=16.0)
+    ft.add_argument("--steps", type=int, default=100)
+    ft.add_argument("--lr", type=float, default=1e-3)
+    ft.add_argument("--batch-size", type=int, default=8, help="examples per step (packed into one forward)")
+    ft.add_argument("--targets", default="q_proj,v_proj", help="comma-separated projections to adapt")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ft.add_argument("--fuse", action="store_true", help="also write OUT/fused: the base with the adapter merged in")
+
     b = sub.add_parser("bench", help="the speed and memory matrix of a model (vanilla / TurboQuant presets / "
                        "expert streaming x context lengths); `bench serve` loads any OpenAI-compatible server",
                        description="Measure a model across configurations (vanilla, --turbo-kv presets, "
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
                 "convert": cmd_convert, "bench": cmd_bench, "download": cmd_download, "models": cmd_models,
-                "rm": cmd_rm}[args.command](args)
+                "rm": cmd_rm, "finetune": cmd_finetune}[args.command](args)
     except SwiftLMError as exc:
         print(f"swiftlm: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -330,6 +347,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         spec = resolve(settings.model, allow_download=False if settings.offline else None)
         out["model"] = spec.facts()
         out["memory_plan"] = plan_for(spec, settings, backends)
+        try:  # how each available backend would run it: e.g. torch "native" or "transformers fallback"
+            paths = {n: e.backend.model_path(spec) for n, e in backends.items()
+                     if e.availability.ok and hasattr(e.backend, "model_path")}
+        except Exception as exc:  # pragma: no cover - info must still print what it has
+            paths = {"error": f"{type(exc).__name__}: {exc}"}
+        if paths:
+            out["model"]["runs_as"] = paths
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -424,6 +448,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     out = convert_gguf(args.gguf, args.out, dtype=args.dtype, keep_quantized=args.keep_quantized, force=args.force)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    if args.backend == "mlx":
+        print("swiftlm: error: finetune --backend mlx is not built yet; use mlx_lm.lora (its adapters load with "
+              "--adapter on the torch backend) or --backend torch", file=sys.stderr)
+        return 2
+    from .finetune import finetune_torch
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 10 == 0 or step == args.steps:
+            print(f"step {step}: loss {loss:.4f}", flush=True)
+
+    res = finetune_torch(args.model, args.data, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
+                         lr=args.lr, batch_size=args.batch_size,
+                         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()), fuse=args.fuse,
+                         seed=args.seed, device=args.device, progress=progress)
+    print(json.dumps({"adapter": res.adapter_dir, "fused": res.fused_dir, "steps": len(res.losses),
+                      "first_loss": round(res.losses[0], 4), "last_loss": round(res.losses[-1], 4),
+                      "target_tokens": res.tokens, "seconds": res.seconds}))
     return 0
 
 

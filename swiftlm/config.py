@@ -43,6 +43,9 @@ class Settings(BaseSettings):
                                  "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted). "
                                  "Repeat --model to serve several (the first loads at start-up, the others on "
                                  "demand; see --models-file).", append=True)
+    adapter: list[str] = _f([], "LoRA adapter NAME=PATH (a PEFT or mlx-lm adapter directory) served on the first "
+                               "--model; a request selects it with model=NAME or BASE:NAME. Repeatable (torch "
+                               "backend).", append=True)
     backend: str = _f("auto", "Backend plugin: 'auto' (macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch when "
                               "installed, else mlx), or a name listed by `swiftlm info`.")
     offline: bool = _f(False, "Never download from the Hugging Face hub (HF_HUB_OFFLINE=1 does the same).")
@@ -373,6 +376,19 @@ class Settings(BaseSettings):
     def _at_least_one(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapters_ok(cls, v: list[str]) -> list[str]:
+        names = []
+        for s in v:
+            name, sep, path = str(s).partition("=")
+            if not sep or not name.strip() or not path.strip() or ":" in name:
+                raise ValueError(f"{s!r}: expected NAME=PATH (a name without ':' and an adapter directory)")
+            if name.strip() in names:
+                raise ValueError(f"adapter name {name.strip()!r} is used twice")
+            names.append(name.strip())
         return v
 
     @field_validator("ctx_size")

@@ -136,6 +136,9 @@ class PromptSide:
         if self.fatal or self._stopping:
             raise QueueFull(self.fatal or "the server is shutting down")
         params.validate(self.info.vocab_size)
+        if params.adapter and hasattr(self.model, "forward") and \
+                params.adapter not in getattr(getattr(self.model, "lora", None), "names", ()):  # (model here)
+            raise InvalidRequest(f"LoRA adapter {params.adapter!r} is not loaded on this model", param="model")
         if not prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt_tokens) >= self.ctx_size:
@@ -354,7 +357,7 @@ class Engine(PromptSide):
                 # reference to a cache entry (the 30-minute soak found ~184 queued requests pinning entries
                 # the cache had evicted: ~400 MiB of malloc'd memory counted nowhere)
                 arg.prefix_pending = (self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params)
-                                      and arg.seq.media is None)
+                                      and arg.seq.media is None and not arg.seq.params.adapter)  # LoRA: own KV
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
             elif cmd == "refused":  # add_checked could not build the request (its grammar): it ends here
@@ -683,7 +686,7 @@ class Engine(PromptSide):
         seq = live.seq
         self._live.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
-        if self.prefix_cache.enabled and reason != "error" and seq.media is None:  # ids alone do not name media
+        if self.prefix_cache.enabled and reason != "error" and seq.media is None and not seq.params.adapter:
             try:
                 snap = self.model.snapshot_prefix(seq.seq_id)  # type: ignore[attr-defined]
                 if snap is not None:

@@ -132,6 +132,9 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     from .media import MediaPolicy, processor_for
     from .media.processor import check_settings
 
+    if settings.adapter and (settings.speculative or settings.draft_model):
+        raise ConfigError("--adapter does not combine with speculative decoding yet (drafts would be verified on "
+                          "the base weights, not the adapter's)")
     check_settings(spec, settings)
     if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1:  # ranks 1..N-1 elsewhere; this is 0
         from .distributed.launch import load_parallel
@@ -143,6 +146,8 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
         model = load_distributed(backend, spec, settings)
     else:
         model = backend.load(spec, settings)
+    if settings.adapter and getattr(model, "lora", None) is None:
+        raise ConfigError(f"--adapter is built for the torch backend only (this is {backend.name})")
     from .embeddings import is_embedding_only, pooling_for
 
     model.info.embedding_only = is_embedding_only(spec.config or {})

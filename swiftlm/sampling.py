@@ -54,6 +54,7 @@ class SamplingParams:
     turbo_kv: str | None = None  # KV-cache format for this request: a TurboQuant preset or "off"
     kv_bits: int | None = None   # or affine-quantized KV (4 or 8 bits, kv_group_size coordinates per group)
     kv_group_size: int = 64
+    adapter: str | None = None  # a LoRA adapter served on the model (--adapter NAME=PATH); None: the base
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

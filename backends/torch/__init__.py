@@ -34,9 +34,19 @@ class TorchBackend:
             from .vlm import load_multimodal
 
             return load_multimodal(spec, cfg)
+        from .fallback import NAME, load_fallback, path_for
+
+        if path_for(spec) == NAME:  # an architecture model.py does not implement: transformers runs it
+            return load_fallback(spec, cfg)
         from .runner import load_model
 
         return load_model(spec, cfg)
+
+    def model_path(self, spec: ModelSpec) -> str:
+        """"native" or "transformers fallback": how this backend would run ``spec`` (for ``swiftlm info``)."""
+        from .fallback import path_for
+
+        return path_for(spec)
 
     def check_tensor_parallel(self, spec: ModelSpec, world: int) -> None:
         """--tensor-parallel ``world``: ConfigError (one sentence) if this model cannot be split so."""

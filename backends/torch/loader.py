@@ -39,7 +39,28 @@ def load_gguf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(arr) for name, arr in iter_dequantized(spec)}
 
 
+GGUF_ARCHITECTURES = ("llama",)  # as the mlx backend: tensor names and Q/K layout mapped for llama only
+
+
+def check_gguf(spec: ModelSpec) -> None:
+    """A GGUF is read as a llama (swiftlm.convert.hf_config): refuse, in one sentence, any other
+    architecture and any metadata that llama mapping would drop (experts, rope scaling, sliding window)."""
+    arch = spec.arch
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} is not supported by the torch backend "
+                                      f"(supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}), so give "
+                                      "an HF-format directory for it")
+    meta = spec.gguf_meta or {}
+    for key in ("expert_count", "rope.scaling.type", "attention.sliding_window", "attn_logit_softcapping"):
+        value = meta.get(f"{arch}.{key}")
+        if value not in (None, 0, "none"):
+            raise UnsupportedArchitecture(f"GGUF field {arch}.{key}={value!r} is not implemented by the torch "
+                                          "backend's GGUF reader")
+
+
 def check_arch(spec: ModelSpec) -> None:
+    if spec.format == "gguf":
+        check_gguf(spec)
     arch = spec.config.get("model_type") or spec.arch
     if arch not in SUPPORTED:
         raise UnsupportedArchitecture(f"architecture {arch!r} is not supported by the torch backend; "

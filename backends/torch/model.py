@@ -46,25 +46,110 @@ class Args:
     rope_scaling: dict | None = None
     gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
     offload: Any = None  # --gpu-layers: (first CPU layer, its device, its dtype); see offload.py
+    windows: tuple = ()  # per layer: sliding-window width in keys (0: full causal attention)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     @classmethod
     def from_config(cls, c: dict) -> "Args":
         arch = c["model_type"]
         heads = c["num_attention_heads"]
         experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        check_config(c)
+        rs = rope_params(c)
+        ctx = c.get("max_position_embeddings", 4096)
+        if rope_type(rs) == "yarn" and rs.get("factor") and rs.get("original_max_position_embeddings"):
+            ctx = max(ctx, int(rs["original_max_position_embeddings"] * rs["factor"]))  # YaRN's extended context
         return cls(arch=arch, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                    intermediate=c.get("intermediate_size", 0), vocab=c["vocab_size"],
-                   eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-                   ctx=c.get("max_position_embeddings", 4096), tie=c.get("tie_word_embeddings", False),
+                   eps=c.get("rms_norm_eps", 1e-6),
+                   rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0,
+                   ctx=ctx, tie=c.get("tie_word_embeddings", False),
                    attn_bias=c.get("attention_bias", arch in ("qwen2", "qwen2_moe")),
                    qk_norm=arch in ("qwen3", "qwen3_moe"), experts=experts,
                    top_k=c.get("num_experts_per_tok", 0),
                    moe_intermediate=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
                    norm_topk=c.get("norm_topk_prob", arch == "mixtral"),
                    shared_intermediate=c.get("shared_expert_intermediate_size", 0),
-                   rope_scaling=c.get("rope_scaling"), gemma=arch == "gemma")
+                   rope_scaling=rs, gemma=arch == "gemma", windows=sliding_windows(c, ctx))
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+
+
+def rope_params(c: dict) -> dict | None:
+    """The rope scaling dict, under either name (transformers 5 writes ``rope_parameters``)."""
+    rs = c.get("rope_scaling") or c.get("rope_parameters")
+    return dict(rs) if isinstance(rs, dict) else None
+
+
+def rope_type(rs: dict | None) -> str:
+    return str((rs or {}).get("rope_type", (rs or {}).get("type", "default")) or "default")
+
+
+def sliding_windows(c: dict, ctx: int) -> tuple:
+    """Per-layer sliding-window widths as transformers applies them (0: full attention).  Mistral,
+    Mixtral and Qwen3-MoE slide every layer; Qwen2/Qwen3/Qwen2-MoE slide the layers ``layer_types``
+    names (derived from ``use_sliding_window`` and ``max_window_layers`` when absent).  Llama and
+    Gemma(1) have no sliding window.  A window no shorter than the context changes nothing."""
+    arch, n, w = c["model_type"], c["num_hidden_layers"], c.get("sliding_window")
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
+        w = None
+    if not w or arch in ("llama", "gemma"):
+        return ()
+    if arch in ("mistral", "mixtral", "qwen3_moe"):
+        kinds = ["sliding_attention"] * n
+    else:
+        kinds = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28)
+                                         else "full_attention" for i in range(n)]
+    out = tuple(int(w) if k == "sliding_attention" and int(w) < ctx else 0 for k in kinds)
+    return out if any(out) else ()
+
+
+def check_config(c: dict) -> None:
+    """Refuse, in one sentence naming the field and its value, any config field that changes the
+    computation and that this model file does not implement (nothing is dropped silently)."""
+    from swiftlm.errors import UnsupportedArchitecture
+
+    def refuse(field: str, value: Any) -> None:
+        raise UnsupportedArchitecture(f"config field {field}={value!r} ({c['model_type']}) is not implemented by "
+                                      "the torch backend's native path")
+
+    rs = rope_params(c) or {}
+    if rope_type(rs) not in ROPE_TYPES:
+        refuse("rope_scaling.rope_type", rope_type(rs))
+    for field in ("partial_rotary_factor",):
+        for where, d in (("", c), ("rope_scaling.", rs)):
+            if d.get(field) not in (None, 1, 1.0):
+                refuse(where + field, d[field])
+    if rope_type(rs) == "yarn":
+        for field in ("mscale", "mscale_all_dim"):
+            if rs.get(field):
+                refuse(f"rope_scaling.{field}", rs[field])
+        if not rs.get("original_max_position_embeddings"):
+            refuse("rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings"))
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "query_pre_attn_scalar",
+                  "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if c.get(field) is not None:
+            refuse(field, c[field])
+    for field in ("mlp_bias", "use_qk_norm"):
+        if c.get(field):
+            refuse(field, c[field])
+    if c["model_type"] == "gemma":
+        if c.get("hidden_activation") not in (None, "gelu_pytorch_tanh"):
+            refuse("hidden_activation", c["hidden_activation"])
+    elif c.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", c["hidden_act"])
+    if c.get("decoder_sparse_step", 1) != 1:
+        refuse("decoder_sparse_step", c["decoder_sparse_step"])
+    if c.get("mlp_only_layers"):
+        refuse("mlp_only_layers", c["mlp_only_layers"])
+    kinds = set(c.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        refuse("layer_types", sorted(kinds)[0])
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +165,28 @@ class RMSNorm(nn.Module):
 def rope_tables(a: Args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
     rs = a.rope_scaling or {}
-    if rs.get("rope_type", rs.get("type")) == "llama3":  # Llama-3.1 frequency scaling
+    kind, attn_factor = rope_type(rs), 1.0
+    # "dynamic" (NTK) rescales only past max_position_embeddings, which is also our context limit
+    # (Args.ctx): within it transformers computes the plain frequencies, and so do we.
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "yarn":  # YaRN (Qwen2.5 long context): per-frequency blend of interpolation and extrapolation
+        factor, dim, base = rs["factor"], a.head_dim, a.rope_theta
+        old = rs["original_max_position_embeddings"]
+        attn_factor = rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+        def corr(rot: float) -> float:
+            return dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = corr(rs.get("beta_fast") or 32), corr(rs.get("beta_slow") or 1)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        extrap = 1 - ramp
+        inv = inv / factor * (1 - extrap) + inv * extrap
+    if kind == "llama3":  # Llama-3.1 frequency scaling
         factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
         old = rs.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv
@@ -91,7 +197,7 @@ def rope_tables(a: Args, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     t = torch.arange(a.ctx, dtype=torch.float64)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float().to(device), emb.sin().float().to(device)
+    return (emb.cos() * attn_factor).float().to(device), (emb.sin() * attn_factor).float().to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,7 +231,7 @@ class Attention(nn.Module):
                 start: int) -> torch.Tensor:
         a = self.a
         T = x.shape[0]
-        q, k, v = F.linear(x, *self.qkv).split(self.splits, dim=-1)
+        q, k, v = lora_add(self, x, F.linear(x, *self.qkv)).split(self.splits, dim=-1)
         q = q.view(T, a.heads, a.head_dim)
         k = k.view(T, a.kv_heads, a.head_dim)
         v = v.view(T, a.kv_heads, a.head_dim)
@@ -133,11 +239,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)
+        w = a.window(layer)
+        if isinstance(kv, PackedAttend):
+            return self.o_proj(kv.update_attend(layer, start, q, k, v.transpose(0, 1), window=w))
         if not isinstance(kv, SeqCache):  # a compressed cache attends over its own layout
+            if w and start + T > w:
+                raise NotImplementedError(f"sliding_window={w} is not implemented for a compressed KV cache; "
+                                          "use the plain KV format for this model")
             return self.o_proj(kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
         keys, values = kv.update(layer, start, k, v.transpose(0, 1))  # [KVH, start+T, D]
         rep = a.heads // a.kv_heads
-        if T == 1:
+        if w and T == 1:  # sliding window: the last w keys
+            keys, values = keys[:, -w:], values[:, -w:]
+        if w and start + T > w and T > 1:
+            out = chunk_attention(q, keys, values, start, rep, window=w)
+        elif T == 1:
             # One query row attends to everything so far: two small matmuls beat the fused
             # kernel's setup cost on CPU (measured ~1 ms/layer for SDPA vs ~0.1 ms here).
             S = keys.shape[1]
@@ -154,13 +270,17 @@ class Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int,
+                    window: int = 0) -> torch.Tensor:
     """Attention of a prompt chunk at positions [start, start + T) over keys [0, start + T): causal
     within the chunk, full to the past.  On CUDA through a lower-right causal bias, which SDPA runs in
     its flash kernel; an explicit [T, S] mask sent every chunk of a long prompt to a slow kernel (an
-    8B shape on an H100: 100K tokens prefilled at 588 tok/s, 512-token chunks).  Returns [1, H, T, D]."""
+    8B shape on an H100: 100K tokens prefilled at 588 tok/s, 512-token chunks).  Returns [1, H, T, D].
+    ``window``: each query sees only the last ``window`` keys up to itself (sliding-window attention)."""
     T, S = q.shape[1], keys.shape[1]
-    if q.is_cuda:
+    if window:
+        mask = window_mask(T, S, start, window, q.device)
+    elif q.is_cuda:
         from torch.nn.attention.bias import causal_lower_right
 
         mask: Any = causal_lower_right(T, S)
@@ -168,6 +288,12 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
                                           enable_gqa=rep > 1)
+
+
+def window_mask(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool, True where query ``start + i`` may see key ``j``: ``start + i - window < j <= start + i``."""
+    ones = torch.ones(T, S, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=start) & ones.triu(diagonal=start - window + 1)
 
 
 class MLP(nn.Module):
@@ -185,7 +311,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up"):
-            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            g, u = lora_add(self, x, F.linear(x, self.gate_up)).chunk(2, dim=-1)
             return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -251,7 +377,12 @@ class PackedAttend:
         self.lengths = lengths
         self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
 
-    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      window: int = 0) -> torch.Tensor:
+        if window and max(self.lengths) > window:  # sliding window: one masked attention per sequence
+            outs = [chunk_attention(qs, ks, vs, 0, q.shape[0] // k.shape[0], window=window)[0]
+                    for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))]
+            return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape[1], -1)
         # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
         # (sum T)^2 and leave SDPA's fused kernels for its masked fallback: measured 2x slower)
         gqa = q.shape[0] != k.shape[0]
@@ -351,11 +482,17 @@ class Transformer(nn.Module):
         return F.linear(x, w)
 
 
+def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """LoRA adapters (lora.py): the selected rows' low-rank terms added to a fused projection's output."""
+    lo = owner.__dict__.get("lora")
+    return y if lo is None else lo(x, y)
+
+
 def project_qkv(attn: "Attention", x: torch.Tensor, linear: Any = F.linear
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [n, H, D], k and v [n, KVH, D] for n rows (fused QKV matmul, then q/k norms if any)."""
     a, n = attn.a, x.shape[0]
-    q, k, v = linear(x, *attn.qkv).split(attn.splits, dim=-1)
+    q, k, v = lora_add(attn, x, linear(x, *attn.qkv)).split(attn.splits, dim=-1)
     q, k, v = q.view(n, a.heads, a.head_dim), k.view(n, a.kv_heads, a.head_dim), v.view(n, a.kv_heads, a.head_dim)
     if a.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -375,7 +512,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
 def out_proj(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``rows_linear`` through an output projection (``o_proj`` / ``down_proj``); a tensor-parallel
     row layer (parallel.RowParallelLinear) then sums the ranks' partial outputs."""
-    y = rows_linear(x, lin.weight)
+    y = lora_add(lin, x, rows_linear(x, lin.weight))
     reduce = getattr(lin, "reduce", None)
     return reduce(y) if reduce is not None else y
 
@@ -383,7 +520,7 @@ def out_proj(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(mlp, MLP) or not hasattr(mlp, "gate_up"):
         return mlp(x)
-    g, u = rows_linear(x, mlp.gate_up).chunk(2, dim=-1)
+    g, u = lora_add(mlp, x, rows_linear(x, mlp.gate_up)).chunk(2, dim=-1)
     return out_proj(mlp.down_proj, mlp.act(g) * u)
 
 
@@ -394,6 +531,8 @@ def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch
     if not isinstance(cache, SeqCache):
         return cache.update_attend(layer, pos, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
     keys, values = cache.update(layer, pos, k.unsqueeze(1), v.unsqueeze(1))
+    if a.window(layer):  # sliding window: the last w keys
+        keys, values = keys[:, -a.window(layer):], values[:, -a.window(layer):]
     qg = q.reshape(a.kv_heads, a.heads // a.kv_heads, a.head_dim)
     probs = torch.softmax((qg @ keys.transpose(1, 2) * a.head_dim ** -0.5).float(), dim=-1).to(values.dtype)
     return (probs @ values).reshape(1, a.heads * a.head_dim)
@@ -439,7 +578,11 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
         K = torch.nn.utils.rnn.pad_sequence(ks, batch_first=True).permute(0, 2, 3, 1)  # [B, KVH, D, Lmax]
         Vp = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True).transpose(1, 2)     # [B, KVH, Lmax, D]
         scores = torch.matmul(q.view(B, KVH, rep, D), K) * scale                      # [B, KVH, rep, Lmax]
-        scores = scores.float().masked_fill(pad_mask.view(B, 1, 1, -1), float("-inf"))
+        hide = pad_mask
+        if a.window(i):  # sliding window: also hide keys at or before pos - w
+            hide = pad_mask | (torch.arange(lmax, device=pad_mask.device).view(1, lmax)
+                               <= (pos.to(pad_mask.device) - a.window(i)).view(B, 1))
+        scores = scores.float().masked_fill(hide.view(B, 1, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(Vp.dtype)
         out = torch.matmul(probs, Vp).reshape(B, H * D)
         x = x + out_proj(attn.o_proj, out)
@@ -512,9 +655,20 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     return finish_load(model, dtype)
 
 
+def check_device(a: Args, device: torch.device) -> None:
+    """A live sliding window on CUDA is refused: CUDA graphs and paged attention attend to all keys."""
+    if a.windows and device.type == "cuda":
+        from swiftlm.errors import UnsupportedArchitecture
+
+        raise UnsupportedArchitecture(f"config field sliding_window={max(a.windows)} is not implemented on CUDA "
+                                      "(its CUDA graphs and paged attention attend to every key), so run this "
+                                      "model on the CPU")
+
+
 def finish_load(model: "Transformer", dtype: torch.dtype) -> "Transformer":
     """The last steps of every load (one process, a tensor-parallel rank, a pipeline stage), once the
     weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections."""
+    check_device(model.a, model.cos.device)
     model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
     model.eval()
     with torch.no_grad():

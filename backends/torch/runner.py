@@ -55,6 +55,7 @@ class TorchModel:
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = SlotPool(module.a, slots, info.context_length, dtype, device) if self.static else None
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
+        self.lora: Any = None  # lora.LoraSet with --adapter: per-request LoRA adapters
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
@@ -118,9 +119,15 @@ class TorchModel:
         return c
 
     @torch.inference_mode()
-    def logits(self, seq_id: int, tokens: list[int] | torch.Tensor, start: int) -> torch.Tensor:
-        """Last position's logits; ``tokens`` may be a device tensor (overlapped decode)."""
+    def logits(self, seq_id: int, tokens: list[int] | torch.Tensor, start: int, adapter: int = 0) -> torch.Tensor:
+        """Last position's logits; ``tokens`` may be a device tensor (overlapped decode).  ``adapter``: a
+        LoRA adapter's index (lora.py), run eagerly (no CUDA graph)."""
         cache = self._cache(seq_id, start)
+        if adapter:
+            ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long,
+                                                                             device=self.device)
+            with prefill_attention(self.device, len(ids)), self.lora.rows(single=adapter):
+                return self.module(ids, cache, start)[-1]
         if len(tokens) == 1 and isinstance(cache, CompressedCache):
             if self.graphs is not None and cache.graphable():
                 return self.graphs.run_turbo(cache, int(tokens[0]), start)
@@ -187,6 +194,10 @@ class TorchModel:
         for w in batch.seqs:
             if w.seq_id not in self.caches:
                 self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
+        failed: dict[int, str] = {}
+        aid: dict[int, int] = {}
+        if self.lora is not None or any(getattr(w.params, 'adapter', None) for w in batch.seqs):
+            batch, aid, failed = self._adapters(batch)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         dev = batch.input_ids  # overlapped decode: the ids are still on the device (row i: batch.seqs[i])
         rows: dict[int, torch.Tensor] = {}
@@ -197,14 +208,18 @@ class TorchModel:
             toks = dev if dev is not None else [w.tokens[0] for w in decode]
             positions = [w.start_pos for w in decode]
             prep = time.perf_counter() - t0
-            if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches):
+            if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches) and \
+                    not any(aid.get(w.seq_id) for w in decode):  # adapter rows run eagerly (no CUDA graph)
                 batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
                 for c, p in zip(caches, positions):
                     c.length = p + 1
+            elif any(aid.get(w.seq_id) for w in decode):
+                with self.lora.rows([aid.get(w.seq_id, 0) for w in decode], self.device):
+                    batched = decode_batch(self.module, caches, toks, positions)
             else:
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
-        packed = self._prefill_packed(batch) if dev is None else {}
+        packed = self._prefill_packed(batch, aid) if dev is None else {}
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
@@ -214,7 +229,8 @@ class TorchModel:
             if w.seq_id in packed:
                 logits = packed[w.seq_id]
             else:
-                logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos)
+                logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos,
+                                     **({"adapter": aid[w.seq_id]} if aid.get(w.seq_id) else {}))
             if w.sample:
                 out.append(logits)
         sample = [w for w in batch.seqs if w.sample]
@@ -223,15 +239,35 @@ class TorchModel:
             logits = batched  # the common decode step: no copy
         else:
             logits = torch.stack(out) if out else None
-        return Forward(logits, prepare_seconds=prep or 0.0)
+        return Forward(logits, failed=failed, prepare_seconds=prep or 0.0)
+
+    def _adapters(self, batch: StepBatch) -> tuple[StepBatch, dict[int, int], dict[int, str]]:
+        """Each sequence's adapter index (from ``params.adapter``); sequences naming an adapter this
+        model does not serve fail (and leave the batch) instead of running on the base."""
+        aid: dict[int, int] = {}
+        failed: dict[int, str] = {}
+        for w in batch.seqs:
+            name = getattr(w.params, "adapter", None)
+            try:
+                aid[w.seq_id] = self.lora.index(name) if self.lora is not None else (0 if not name else -1)
+            except KeyError:
+                aid[w.seq_id] = -1
+            if aid[w.seq_id] < 0:
+                failed[w.seq_id] = f"LoRA adapter {name!r} is not loaded on this model"
+        if failed:
+            keep = [i for i, w in enumerate(batch.seqs) if w.seq_id not in failed]
+            ids = batch.input_ids[keep] if batch.input_ids is not None else None
+            batch = StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
+        return batch, aid, failed
 
     @torch.inference_mode()
-    def _prefill_packed(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+    def _prefill_packed(self, batch: StepBatch, aid: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
         """On CUDA, the first chunks (start 0) of two or more prompts with plain pool-slot caches
         run as one packed forward (``graphs.prefill_packed_static``).  Their last-row logits."""
         if self.pool is None:
             return {}
         work = [w for w in batch.seqs if w.start_pos == 0 and len(w.tokens) > 1 and w.media is None
+                and not (aid or {}).get(w.seq_id)  # adapter prompts: eager, per sequence
                 and not self.kv_formats.get(w.seq_id, self.kv_default).compressed]
         if len(work) < 2:
             return {}
@@ -388,6 +424,12 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
+    adapters = list(getattr(cfg, "adapter", None) or [])
+    if adapters and (int(getattr(cfg, "tensor_parallel", 1) or 1) > 1 or int(getattr(cfg, "pipeline_parallel", None)
+                                                                          or 1) > 1):
+        from swiftlm.errors import ConfigError
+
+        raise ConfigError("--adapter is not supported with --tensor-parallel or --pipeline-parallel")
     if int(getattr(cfg, "tensor_parallel", 1) or 1) > 1:  # this process is one rank (parallel.py)
         from .parallel import load_sharded
 
@@ -453,6 +495,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                  a.layers - 1, str(module.a.offload[2])[6:])
     model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
     model.expert_stream = reader
+    if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
+        from .lora import attach
+
+        model.lora = attach(module, adapters)
+        log.info("LoRA adapters: %s", ", ".join(model.lora.names))
     return model
 
 

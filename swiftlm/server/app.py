@@ -256,7 +256,8 @@ def serve(settings: Settings) -> int:
     def load_entry(e: ModelEntry) -> tuple[Any, Any]:
         from ..llm import make_engine
 
-        s = settings.model_copy(update={**e.overrides, "model": e.model, "models_file": None})
+        s = settings.model_copy(update={**e.overrides, "model": e.model, "models_file": None,
+                                        "adapter": settings.adapter if e is entries[0] else []})  # LoRA: 1st model
         sp = spec if (spec is not None and e.model == settings.model) else resolve(s.model, allow_download=offline)
         be = backend if s.backend == settings.backend else choose_backend(s.backend)[0]
         engine = make_engine(s, be, sp)
@@ -284,6 +285,7 @@ def serve(settings: Settings) -> int:
         if first is not None or spec is None:
             state.spec = first.view if first is not None else None
 
+    manager.adapters = {a.partition("=")[0].strip(): entries[0].name for a in settings.adapter}
     manager.on_change = follow
     state.models = manager
 

@@ -144,6 +144,7 @@ class ModelManager:
         self._lock = threading.Lock()  # guards state changes seen by the health/metrics threads
         self._ttl_task: asyncio.Task | None = None
         self.on_change: Callable[[], None] | None = None  # after a load or an unload
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the entry it is served on (--adapter)
 
     def adopt(self, e: ModelEntry, engine: Any, spec: Any) -> None:
         """Register a model loaded outside the manager (the start-up load)."""
@@ -159,7 +160,7 @@ class ModelManager:
         return len(self.entries) == 1
 
     def available(self) -> list[str]:
-        return [e.name for e in self.entries]
+        return [e.name for e in self.entries] + list(self.adapters)
 
     def entry(self, requested: str | None) -> ModelEntry:
         e = self._names.get(requested) if requested else None
@@ -170,6 +171,19 @@ class ModelManager:
         if requested is None and not self.strict:
             return self.entries[0]
         raise ModelNotFound(str(requested), self.available())
+
+    def split_adapter(self, requested: str) -> tuple[str, str | None]:
+        """'NAME' or 'BASE:NAME' naming a LoRA adapter -> (its base entry's name, NAME); any other
+        name -> (name, None).  With adapters configured an unknown name is a 404 even with one model
+        (a mistyped adapter must not be answered by the base)."""
+        if not self.adapters or requested in self._names:
+            return requested, None
+        if requested in self.adapters:
+            return self.adapters[requested], requested
+        base, sep, name = requested.rpartition(":")
+        if sep and base in self._names and self.adapters.get(name) == self._names[base].name:
+            return base, name
+        raise ModelNotFound(requested, self.available())
 
     def loaded(self) -> list[ModelEntry]:
         return [e for e in self.entries if e.state == "loaded"]
@@ -284,11 +298,17 @@ class ModelManager:
                         "status": {"value": e.state, "in_flight": e.in_flight, "pinned": e.pin,
                                    **({"error": e.error} if e.error else {})},
                         "aliases": e.aliases})
+            for name, base in self.adapters.items():  # LoRA adapters served on this entry
+                if base == e.name:
+                    out.append({"id": name, "object": "model", "owned_by": "swiftlm", "created": e.created,
+                                "parent": e.name, "kind": "lora_adapter",
+                                "status": {"value": e.state, "in_flight": e.in_flight, "pinned": e.pin}})
         return out
 
 
 # ---------------------------------------------------------------------- the app's view
 CURRENT: "contextvars.ContextVar[ModelEntry | None]" = contextvars.ContextVar("swiftlm_model", default=None)
+ADAPTER: "contextvars.ContextVar[str | None]" = contextvars.ContextVar("swiftlm_adapter", default=None)  # LoRA
 
 
 class AppState:
@@ -328,16 +348,21 @@ class AppState:
         self.models.start()  # the TTL task, on the server's loop (idempotent)
         if requested is not None and not isinstance(requested, str):
             raise APIError(400, "'model' must be a string", param="model")
+        adapter = None
         try:
+            if requested is not None:
+                requested, adapter = self.models.split_adapter(requested)
             e = await self.models.acquire(requested)
         except ModelNotFound as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
         except ModelLoadFailed as exc:
             raise APIError(503, str(exc), param="model", code="model_load_failed") from None
         CURRENT.set(e)
+        ADAPTER.set(adapter)
 
     def release_model(self) -> None:
         e = CURRENT.get()
         if e is not None and self.models is not None:
             self.models.release(e)
             CURRENT.set(None)
+            ADAPTER.set(None)

@@ -17,6 +17,7 @@ from ..errors import InvalidRequest
 from ..sampling import SamplingParams
 from .chat_core import ChatRun, prepare_chat
 from .errors import APIError
+from .models import ADAPTER
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 PROGRESS_HEADER = "x-swiftlm-prefill-progress"
@@ -192,7 +193,8 @@ class OpenAIRoutes:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=bias, seed=req.seed if req.seed is not None else s.seed, stop=stop,
             logprobs=logprobs, top_logprobs=top,
-            turbo_kv=req.turbo_kv, kv_bits=req.kv_bits, kv_group_size=req.kv_group_size)
+            turbo_kv=req.turbo_kv, kv_bits=req.kv_bits, kv_group_size=req.kv_group_size,
+            adapter=ADAPTER.get())  # a LoRA adapter named by the request's 'model' (server/models.py)
         try:
             return p.validate(self.engine.info.vocab_size)
         except InvalidRequest as exc:
