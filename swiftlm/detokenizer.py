@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.tokens: list[int] = []
-        self.prefix = 0
+        self.prefix = 0  # pragma: no mutate (None slices the same as 0)
         self.read = 0
 
     def _decode(self, ids: list[int]) -> str:
@@ -67,7 +67,7 @@ class StopMatcher:
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            self.pending = ""
+            self.pending = ""  # pragma: no mutate (never read once stopped: flush returns "")
             return buf[: min(hits)], True
         hold = 0
         for s in self.stops:

@@ -42,9 +42,9 @@ class Sequence:
         """Tokens [start, end) of prompt + output, without building the whole context."""
         P = len(self.prompt_tokens)
         end = P + len(self.output_tokens) if end is None else end
-        if start >= P:
+        if start >= P:  # pragma: no mutate (start == P: both branches give output_tokens[:end - P])
             return self.output_tokens[start - P:end - P]
-        if end <= P:
+        if end <= P:  # pragma: no mutate (end == P: both branches give prompt_tokens[start:])
             return self.prompt_tokens[start:end]
         return self.prompt_tokens[start:] + self.output_tokens[:end - P]
 

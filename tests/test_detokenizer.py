@@ -65,3 +65,42 @@ def test_partial_stop_prefix_is_released_when_it_does_not_match():
 
 def test_earliest_of_several_stops_wins():
     assert _run(["xyz", "b"], ["a", "bcxyz"]) == ("a", True)
+
+
+def test_special_tokens_are_skipped_unless_asked(tok):
+    ids = tok.encode("<|im_end|>hi")
+    assert len(ids) == 2
+    d = IncrementalDetokenizer(tok)
+    assert d.skip is True and d.add(ids[0]) == "" and d.add(ids[1]) == "hi"
+    d = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert d.add(ids[0]) == "<|im_end|>" and d.add(ids[1]) == "hi"
+
+
+def test_flush_returns_an_unfinished_sequence_and_resets_the_window(tok):
+    ids = tok.encode("a🦙")
+    d = IncrementalDetokenizer(tok)
+    assert [d.add(i) for i in ids[:-1]] == ["a"] + [""] * (len(ids) - 2)
+    assert d.flush() == "\ufffd"  # the held bytes, as the full decode shows them
+    assert (d.prefix, d.read) == (len(ids) - 1, len(ids) - 1)
+    assert d.flush() == ""
+    assert d.add(tok.encode("b")[0]) == "b"
+    d = IncrementalDetokenizer(tok)
+    assert d.flush() == ""
+
+
+def test_stop_matcher_feed_and_flush_contract():
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False) and m.flush() == ""
+    m = StopMatcher(["", "END"])
+    assert m.stops == ["END"] and m.stopped is False
+    assert m.feed("abc") == ("abc", False)  # nothing that could start a stop: nothing held
+    assert m.feed("xEN") == ("x", False) and m.pending == "EN"
+    assert m.flush() == "EN" and m.flush() == ""
+    assert m.feed("zz") == ("zz", False)
+    m = StopMatcher(["END"])
+    assert m.feed("aENDbEND") == ("a", True)  # the first occurrence
+    assert m.stopped is True
+    assert m.feed("more") == ("", True)
+    assert m.flush() == ""
+    m = StopMatcher(["ab", "b"])
+    assert m.feed("xa") == ("x", False) and m.feed("b") == ("", True)

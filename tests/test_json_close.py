@@ -83,3 +83,16 @@ def test_a_loop_is_closed_and_the_text_parses(torch_llm, monkeypatch):
         json.loads(o.text)
         stops += o.finish_reason == "stop"
     assert stops  # the guard (or EOS after a complete object) ended some before the limit
+
+
+def test_edges_of_the_state_machine():
+    assert closing_suffix('  \n{"a"') == ":null}"  # leading whitespace is skipped
+    assert closing_suffix('["\\') == 'n"]'  # an escape owed at the very first string character
+    assert closing_suffix('["\\u1') == '000"]'
+    assert closing_suffix('[1E') == "0]" and closing_suffix('[1e') == "0]" and closing_suffix('[1e+') == "0]"
+    assert closing_suffix('[1.5E3') == "]" and closing_suffix('[-') == "0]"
+    assert closing_suffix('[tx') is None  # no literal starts so
+    assert closing_suffix('[1X') is None and closing_suffix('X{') is None and closing_suffix('[1 ?') is None
+    assert closing_suffix('[true') == "]" and closing_suffix('[f') == "alse]"
+    assert closing_suffix('{"a": [1, {"b": "c') == '"}]}'
+    assert closing_suffix(']') is None and closing_suffix('[1]]') is None

@@ -145,3 +145,38 @@ def test_reasoning_then_tool_call():
         pieces = merge(pieces + p.finish())
         assert [k for k, _ in pieces] == ["reasoning", "tool_call"], pieces
         assert pieces[0][1] == "Need the weather." and pieces[1][1].name == "get_weather"
+
+
+def test_reasoning_finish_hands_back_what_is_held():
+    r = ReasoningSplitter(("<think>", "</think>"))
+    assert r.feed("abc</thi") == [("reasoning", "abc")]
+    assert r.finish() == [("reasoning", "</thi")] and r.finish() == []
+    r = ReasoningSplitter()
+    assert r.feed("<thi") == [] and r.finish() == [("content", "<thi")]
+    r = ReasoningSplitter()
+    assert r.feed("<think>a</think>\n\n") == [("reasoning", "a")] and r.state == "after"
+    assert r.finish() == []  # only the blank lines after the reasoning: nothing
+    r = ReasoningSplitter()
+    assert r.feed("<think>\n\n  x\n</think>\n\nanswer\n\n") == [("reasoning", "  x\n"), ("content", "answer\n\n")]
+    r = ReasoningSplitter()
+    assert r.feed("<think>\n") == [] and r.feed("\nx") == [("reasoning", "x")] and r.feed("\ny") == \
+        [("reasoning", "\ny")]
+    r = ReasoningSplitter()
+    assert r.feed("hi") == [("content", "hi")] and r.state == "content" and r.feed(" <think>") == \
+        [("content", " <think>")]
+    r = ReasoningSplitter(("<think>", "</think>"))
+    assert r.feed("a</think>b</think>c") == [("reasoning", "a"), ("content", "b</think>c")]
+    r = ReasoningSplitter(("<think>", "</think>"))
+    assert r.feed("a</thinx") == [("reasoning", "a</thinx")]
+
+
+def test_reasoning_for_prompt_detects_an_open_block():
+    assert ReasoningSplitter.for_prompt("<|im_start|>assistant\n<think>\n  ").state == "reasoning"
+    assert ReasoningSplitter.for_prompt("<think>").pair == ("<think>", "</think>")
+    assert ReasoningSplitter.for_prompt("x [THINK]\n").pair == ("[THINK]", "[/THINK]")
+    assert ReasoningSplitter.for_prompt("<think>a</think>\n").state == "start"
+    assert ReasoningSplitter.for_prompt("<think>a</think><think>\n").state == "reasoning"
+    assert ReasoningSplitter.for_prompt("<think>\nhello").state == "start"  # text after the marker
+    assert ReasoningSplitter.for_prompt("</think><think>").state == "reasoning"
+    assert ReasoningSplitter.for_prompt("no markers").pair is None
+    assert ReasoningSplitter.for_prompt("  <think>\n").state == "reasoning"
