@@ -92,6 +92,19 @@ class PromptSide:
     (``engine_process.EngineClient``): both hold ``tokenizer``, ``info``, ``ctx_size``, ``media_policy``,
     ``media_processor``, ``tool_parser``, ``fatal`` and ``_stopping``."""
 
+    def _take_slot(self, params: SamplingParams) -> int:
+        """Count a new request against the queue (429 when full), give it an id and its default max_tokens;
+        ``_lock``, ``_pending``, ``_ids``, ``max_queue``, ``scheduler.max_running`` and ``default_max_tokens``
+        are the subclass's."""
+        with self._lock:
+            if self._pending >= self.max_queue + self.scheduler.max_running:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._pending += 1
+        seq_id = next(self._ids)
+        if params.max_tokens is None:
+            params.max_tokens = self.default_max_tokens
+        return seq_id
+
     def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
         bag: list = []
@@ -230,13 +243,7 @@ class Engine(PromptSide):
 
     def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
         self._check(prompt_tokens, params)
-        with self._lock:
-            if self._pending >= self.max_queue + self.scheduler.max_running:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self._pending += 1
-        seq_id = next(self._ids)
-        if params.max_tokens is None:
-            params.max_tokens = self.default_max_tokens
+        seq_id = self._take_slot(params)
         try:
             live = self._make_live(seq_id, prompt_tokens, params, getattr(prompt_tokens, "media", None),
                                    time.perf_counter())

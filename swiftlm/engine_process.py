@@ -405,13 +405,7 @@ class EngineClient(PromptSide):
             is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(params.grammar)
             if is_err:
                 raise InvalidRequest(f"invalid grammar: {msgs[0] if msgs else 'rejected'}", param="response_format")
-        with self._lock:
-            if self._pending >= self.max_queue + self.scheduler.max_running:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self._pending += 1
-        seq_id = next(self._ids)
-        if params.max_tokens is None:
-            params.max_tokens = self.default_max_tokens
+        seq_id = self._take_slot(params)
         media = getattr(prompt_tokens, "media", None)
         self.outputs.open(seq_id, sink, params.stop, len(prompt_tokens))
         try:

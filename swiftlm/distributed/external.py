@@ -26,13 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
-import time
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
 from ..errors import ConfigError
-from .launch import RankStartupError
+from .launch import RankStartupError, accept_followers
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +110,7 @@ def _leader(backend: Any, spec: Any, settings: Any, ranks: Any) -> Any:
     log.info("distributed: rank 0 of %d, control socket %s:%d", ranks.size, host, port)
     conns: dict[int, Connection] = {}
     try:
-        _accept(listener, ranks.size - 1, conns)
+        accept_followers(listener, {}, conns, ranks.size - 1, "--distributed", CONNECT_TIMEOUT)
         model = backend.load(spec, settings)
         _wait_ready(conns)
     except BaseException:
@@ -123,31 +121,6 @@ def _leader(backend: Any, spec: Any, settings: Any, ranks: Any) -> Any:
         listener.close()
     log.info("distributed: %d ranks ready", ranks.size)
     return Leader(model, conns)
-
-
-def _accept(listener: Listener, n: int, conns: dict[int, Connection]) -> None:
-    got: list[Any] = []
-
-    def run() -> None:
-        for _ in range(n):
-            try:
-                got.append(listener.accept())
-            except Exception as exc:  # noqa: BLE001 - reported below
-                got.append(exc)
-                return
-
-    threading.Thread(target=run, name="swiftlm-dist-accept", daemon=True).start()
-    end = time.monotonic() + CONNECT_TIMEOUT
-    while len(got) < n and not any(isinstance(c, Exception) for c in got):
-        if time.monotonic() > end:
-            raise RankStartupError(f"--distributed: {n - len(got)} of {n} ranks did not connect to rank 0's control "
-                                   f"socket {listener.address[0]}:{listener.address[1]} within "
-                                   f"{CONNECT_TIMEOUT:.0f} s (a firewall, or --master-addr not reachable from them?)")
-        time.sleep(0.05)
-    for c in got:
-        if isinstance(c, Exception):
-            raise RankStartupError(f"--distributed: a rank's control connection failed: {c}")
-        conns[c.recv()] = c  # its rank, sent first
 
 
 def _wait_ready(conns: dict[int, Connection]) -> None:

@@ -219,7 +219,7 @@ def load_parallel(backend: Any, spec: Any, settings: Any) -> Any:
     procs = _spawn(topo, spec, settings, backend, listener.address, authkey, port)
     conns: dict[int, Connection] = {}
     try:
-        _accept(listener, procs, conns, world - 1, flag, CONNECT_TIMEOUT if topo.multi else None)
+        accept_followers(listener, procs, conns, world - 1, flag, CONNECT_TIMEOUT if topo.multi else None)
         _current = RankInfo(0, world, topo.local_base, addr, port, topo.per)
         model = _load_rank0(backend, spec, settings, procs, conns, flag)
     except BaseException:
@@ -272,7 +272,7 @@ def run_node(topo: Topology, backend: Any, spec: Any, settings: Any, authkey: by
     return code
 
 
-def _accept(listener: Listener, procs: dict[int, Any], conns: dict[int, Connection], n: int, flag: str,
+def accept_followers(listener: Listener, procs: dict[int, Any], conns: dict[int, Connection], n: int, flag: str,
             timeout: float | None) -> None:
     """Accept one authenticated connection per follower; a follower of this host that dies first is
     an error, and so (several hosts) is a rank that has not connected within ``timeout`` seconds."""
