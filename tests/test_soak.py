@@ -37,3 +37,39 @@ def test_soak_short(tiny_llama, tmp_path):
     assert s["checks"]["rss_growth_within_limit"] and s["server_exit_code"] == 0
     assert len(doc["series"]) > 20 and all(row["rss"] > 0 for row in doc["series"])
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def _soak_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak_script", ROOT / "scripts" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _series(rss_at):
+    return [{"t": float(t), "rss": rss_at(t), "phase": "load", "round": 0, "kv_allocated": 0,
+             "prompt_cache_bytes": 0} for t in range(0, 1800, 5)]
+
+
+def test_rss_growth_is_peak_against_peak():
+    """A load whose RSS swings +-5% around a flat level passes (the warm-up's peak is the level it
+    swings to); a 1%-per-5-minutes trend on the same swing fails; the older 'warm-up end' figure is
+    still reported."""
+    import argparse
+    import math
+
+    soak = _soak_module()
+    a = argparse.Namespace(rounds=1, warmup=300.0, max_rss_growth=0.05)
+    swing = lambda t: 1.0 + 0.05 * math.sin(t / 37.0)  # noqa: E731
+    flat = soak.summarize(_series(lambda t: int(1e9 * swing(t))), soak.Tally(), a, 0, 1800.0)
+    assert flat["rss_growth_after_warmup"] < 0.01 and flat["checks"]["rss_growth_within_limit"]
+    assert "rss_growth_vs_warmup_end" in flat and len(flat["rss_windows"]) == 6
+    trend = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.01 * t / 300))), soak.Tally(), a, 0,
+                           1800.0)
+    assert trend["rss_growth_after_warmup"] > 0.04
+    steeper = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.02 * t / 300))), soak.Tally(), a, 0,
+                             1800.0)
+    assert not steeper["checks"]["rss_growth_within_limit"]
+    assert [w["from_s"] for w in flat["rss_windows"]] == [0, 300, 600, 900, 1200, 1500]
