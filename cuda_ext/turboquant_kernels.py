@@ -19,70 +19,204 @@ _PLANES = {1: (1, 0), 2: (2, 0), 3: (2, 1), 4: (4, 0)}
 
 
 @triton.jit
-def _codes(p0, p1, row_bytes0, row_bytes1, n_idx, d_idx, W0: tl.constexpr, W1: tl.constexpr):
-    """[BLOCK_N, D] codes from one or two bit planes."""
-    per0: tl.constexpr = 8 // W0
-    b0 = tl.load(p0 + n_idx[:, None] * row_bytes0 + (d_idx // per0)[None, :])
-    c = (b0.to(tl.int32) >> ((d_idx % per0) * W0)[None, :]) & ((1 << W0) - 1)
-    if W1 > 0:
-        per1: tl.constexpr = 8 // W1
-        b1 = tl.load(p1 + n_idx[:, None] * row_bytes1 + (d_idx // per1)[None, :])
-        c = c | (((b1.to(tl.int32) >> ((d_idx % per1) * W1)[None, :]) & ((1 << W1) - 1)) << W0)
-    return c
+def _field(ptr, row_bytes, nn, j, s, W: tl.constexpr, PER0: tl.constexpr):
+    """[BLOCK_N, PER0, SW] W-bit fields of a bit plane (8 // W fields per byte, little-end first)
+    for coordinate ``PER0 * j + s`` of each row: the "s-major" order, in which a plane whose bytes
+    hold PER0 fields is read as one contiguous [BLOCK_N, SW] byte tile (SW = D / PER0, vectorised
+    loads) and split by shifts -- no byte is loaded once per field.  A narrower plane (more fields
+    per byte, e.g. the 1-bit plane of 3-bit codes or QJL signs) is read with index j // G."""
+    G: tl.constexpr = (8 // W) // PER0
+    b = tl.load(ptr + nn[:, None] * row_bytes + (j // G)[None, :]).to(tl.int32)     # [BLOCK_N, SW]
+    sh = ((j % G) * PER0)[None, None, :] + s[None, :, None]                          # field within its byte
+    return (b[:, None, :] >> (sh * W)) & ((1 << W) - 1)
 
 
 @triton.jit
-def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
+def _codes(p0, p1, row_bytes0, row_bytes1, nn, j, s, W0: tl.constexpr, W1: tl.constexpr, PER0: tl.constexpr,
+           BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D] codes in s-major column order (column s * SW + j is coordinate PER0 * j + s)."""
+    c = _field(p0, row_bytes0, nn, j, s, W0, PER0)
+    if W1 > 0:
+        c = c | (_field(p1, row_bytes1, nn, j, s, W1, PER0) << W0)
+    return tl.reshape(c, (BLOCK_N, D))
+
+
+@triton.jit
+def _u16_to_f16(x):
+    return (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _lut_tile(p0, p1, row_bytes0, row_bytes1, nn, lut_ptr, W0: tl.constexpr, W1: tl.constexpr,
+              BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D] fp16 centroids in natural coordinate order, through a byte lookup table
+    (``_lut``): a 4-bit byte -> two fp16 centroids in one int32; a 2-bit byte (plus, for 3-bit
+    codes, the 4 matching bits of the 1-bit plane) -> four fp16 centroids in one int64.  One
+    gather per 2 or 4 coordinates instead of one per coordinate, and no shift-and-mask per code."""
+    if W0 == 4:
+        j = tl.arange(0, D // 2)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        w = tl.load(lut_ptr + b)
+        out = tl.interleave(_u16_to_f16(w), _u16_to_f16(w >> 16))
+    else:
+        j = tl.arange(0, D // 4)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        if W1 > 0:  # coordinates 4j..4j+3 take bits 4(j%2).. of byte j//2 of the 1-bit plane
+            b1 = tl.load(p1 + nn[:, None] * row_bytes1 + (j // 2)[None, :]).to(tl.int32)
+            b = b | (((b1 >> ((j % 2) * 4)[None, :]) & 15) << 8)
+        w = tl.load(lut_ptr + b)
+        v0, v1, v2, v3 = _u16_to_f16(w), _u16_to_f16(w >> 16), _u16_to_f16(w >> 32), _u16_to_f16(w >> 48)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    return out
+
+
+@triton.jit
+def _signs_nat(ptr, nn, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, D] QJL signs (+-1, fp16) in natural coordinate order from a 1-bit plane."""
+    j = tl.arange(0, D // 8)
+    t = tl.arange(0, 8)
+    b = tl.load(ptr + nn[:, None] * (D // 8) + j[None, :]).to(tl.int32)
+    bits = (b[:, :, None] >> t[None, None, :]) & 1
+    return tl.reshape(2 * bits - 1, (BLOCK_N, D)).to(tl.float16)
+
+
+@triton.jit
+def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr, klut, vlut,
                     m_out, l_out, acc_out, N, n_ptr, qjl_scale,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, REP: tl.constexpr,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                    QJL: tl.constexpr, N_PTR: tl.constexpr):
-    """One program per (KV head, chunk of rows): the REP query heads sharing that KV head are
-    scored together (rows of a [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked
-    and looked up once, not once per query head."""
+                    QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KLUT: tl.constexpr,
+                    VLUT: tl.constexpr, DIAG: tl.constexpr = 0):
+    """One program per (KV head, split): the REP query heads sharing that KV head are scored
+    together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
+    looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
+    BLOCK_N tiles, sized from the row count (read on the device when N_PTR: a CUDA graph replays
+    with any count).  Codes are unpacked in s-major order; the query (and QJL's S q) is loaded in
+    the keys' s-major order, and the value sum is kept in the values' order and stored back in the
+    natural one.  F16: dots on fp16 operands with fp32 accumulation (tensor cores); else fp32."""
     g = tl.program_id(0)   # KV head
-    sp = tl.program_id(1)  # which CHUNK of rows (split-K: partials merged by the caller)
+    sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
-    if N_PTR:  # the row count lives on the device (CUDA graphs: the grid covers the capacity)
+    if N_PTR:
         N = tl.load(n_ptr)
+    KPER: tl.constexpr = 8 // KW0
+    VPER: tl.constexpr = 8 // VW0
+    KSW: tl.constexpr = D // KPER
+    VSW: tl.constexpr = D // VPER
+    kj, ks_ = tl.arange(0, KSW), tl.arange(0, KPER)
+    vj, vs_ = tl.arange(0, VSW), tl.arange(0, VPER)
+    col = tl.arange(0, D)
+    # s-major column -> coordinate; the lookup-table paths give natural order
+    kcoord = col if KLUT else (col % KSW) * KPER + col // KSW   # keys (and the query, QJL's S q)
+    vcoord = col if VLUT else (col % VSW) * VPER + col // VSW   # values (the accumulator)
     r = tl.arange(0, RP)
     rv = r < REP
-    d = tl.arange(0, D)
     h = g * REP + r
-    q = tl.load(q_ptr + h[:, None] * D + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)  # [RP, D]
+    q = tl.load(q_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)  # [RP, D]
+    q = q.to(tl.float16) if F16 else q.to(tl.float32)
     if QJL:
-        sq = tl.load(sq_ptr + h[:, None] * D + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
+        sq = tl.load(sq_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)
+        sq = sq.to(tl.float16) if F16 else sq.to(tl.float32)
+    tiles = tl.cdiv(N, BLOCK_N)
+    per = tl.cdiv(tiles, S)
+    lo = sp * per * BLOCK_N
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
     acc = tl.zeros((RP, D), tl.float32)
-    for i in range(0, CHUNK, BLOCK_N):
-        n = sp * CHUNK + i + tl.arange(0, BLOCK_N)
+    for t in range(0, per):
+        n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
         nn = tl.where(ok, n, 0)
-        kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, d, KW0, KW1)
-        kvec = tl.load(kc_ptr + kc)                                   # centroids [BLOCK_N, D]
+        if KLUT:
+            kvec = _lut_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, klut, KW0, KW1, BLOCK_N, D)
+        else:
+            kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kj, ks_, KW0, KW1, KPER, BLOCK_N, D)
+            if DIAG == 1:  # diagnostics (scripts/bench_tq_kernel.py): no centroid gather
+                kvec = kc.to(tl.float32) * 0.01
+            else:
+                kvec = tl.load(kc_ptr + kc)                           # centroids [BLOCK_N, D]
+            kvec = kvec.to(tl.float16) if F16 else kvec
         kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
-        dot = tl.dot(q, tl.trans(kvec), input_precision="ieee")     # [RP, BLOCK_N]
-        if QJL:  # + ‖r‖ √(π/2)/d <S q, sign(S r)>
-            sg = _codes(ks_ptr + g * ks_head, ks_ptr + g * ks_head, D // 8, D // 8, nn, d, 1, 0)
+        dot = tl.dot(q, tl.trans(kvec), input_precision="ieee") if not F16 else tl.dot(q, tl.trans(kvec))
+        if QJL:  # + |r| sqrt(pi/2)/d <S q, sign(S r)>
+            if KLUT:
+                sgn = _signs_nat(ks_ptr + g * ks_head, nn, D, BLOCK_N)
+            else:
+                sg = tl.reshape(_field(ks_ptr + g * ks_head, D // 8, nn, kj, ks_, 1, KPER), (BLOCK_N, D))
+                sgn = (2 * sg - 1).to(tl.float16) if F16 else (2 * sg - 1).to(tl.float32)
+            qj = tl.dot(sq, tl.trans(sgn), input_precision="ieee") if not F16 else tl.dot(sq, tl.trans(sgn))
             rn = tl.load(kr_ptr + g * kr_head + nn).to(tl.float32)
-            qj = tl.dot(sq, tl.trans((2 * sg - 1).to(tl.float32)), input_precision="ieee")
             dot += qjl_scale * rn[None, :] * qj
         s = tl.where(ok[None, :], dot * kn[None, :], float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk past the rows: all -inf, no NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a range past the rows: all -inf, no NaN
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, d, VW0, VW1)
-        vvec = tl.load(vc_ptr + vc)
+        if VLUT:
+            vvec = _lut_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vlut, VW0, VW1, BLOCK_N, D)
+        else:
+            vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vj, vs_, VW0, VW1, VPER, BLOCK_N, D)
+            if DIAG == 1:
+                vvec = vc.to(tl.float32) * 0.01
+            else:
+                vvec = tl.load(vc_ptr + vc)
         vn = tl.load(vn_ptr + g * vn_head + nn).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p * vn[None, :], vvec, input_precision="ieee")
+        pv = p * vn[None, :]
+        if DIAG == 2:  # diagnostics: no value side
+            acc = acc * alpha[:, None]
+        elif F16:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float16), vvec.to(tl.float16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, vvec, input_precision="ieee")
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     tl.store(m_out + h * S + sp, m, mask=rv)
     tl.store(l_out + h * S + sp, l, mask=rv)
-    tl.store(acc_out + (h[:, None] * S + sp) * D + d[None, :], acc, mask=rv[:, None])
+    tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
+
+
+@triton.jit
+def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
+                       dk_head, dk_row, dv_head, dv_row,
+                       D: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
+                       VALID: tl.constexpr):
+    """One program per query head: merge its S split partials ([BS, D] at once), rotate the code
+    part back (acc @ R), attend over the 16-bit rows (dense window, original domain; ``valid``
+    masks a static buffer's rows) and write the normalised output in the output's dtype."""
+    h = tl.program_id(0)
+    g = h // REP
+    d = tl.arange(0, D)
+    sidx = tl.arange(0, BS)
+    sok = sidx < S
+    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
+    mc = tl.max(ms, axis=0)
+    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
+    w = tl.exp(ms - mc_safe)
+    l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
+    accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + d[None, :], mask=sok[:, None], other=0.0)
+    acc = tl.sum(w[:, None] * accs, axis=0)                               # [D], rotated domain
+    rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])                 # R [D, D]
+    code = tl.sum(acc[:, None] * rot, axis=0)                            # acc @ R
+    q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    m = mc
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        ok = rr < R
+        if VALID:
+            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
+        kd = tl.load(dk_ptr + g * dk_head + rr[:, None] * dk_row + d[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.sum(kd.to(tl.float32) * q[None, :], axis=1) * scale
+        sc = tl.where(ok, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe)
+        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + d[None, :], mask=ok[:, None], other=0.0)
+        code = code * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(out_ptr + h * D + d, (code / l).to(out_ptr.dtype.element_ty))
 
 
 def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
@@ -92,28 +226,61 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
     return p0, p1, p0.stride(0), p1.stride(0), p0.stride(1), p1.stride(1), w0, w1
 
 
-def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
-                        k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
-                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
-                        rep: int = 1, chunk: int = 256, qjl: tuple | None = None,
-                        n_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
-    views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
-    centroids [2^bits].  Query head h reads KV head h // rep.  ``qjl``: (S q scaled [H, D], sign
-    plane [H // rep, N, D / 8], fp16 residual norms [H // rep, >= N], √(π/2)/d) for QJL keys.
-    Rows are split into chunks of ``chunk`` (one program per head and chunk, so long histories fill
-    the GPU), and the partials are merged here.  ``n_rows`` (int device tensor [1]): read only that
-    many rows of the given planes, with the grid sized for all of them (no host sync: capturable).
-    Returns (m [H], l [H], acc [H, D]): softmax max, denominator and Σ p‖v‖c in the rotated domain."""
+_LUTS: dict[tuple, tuple] = {}
+
+
+def _lut(centroids: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """The byte lookup table of ``_lut_tile`` for a codebook (built with device ops once per
+    codebook tensor, no host sync): 4 bits -> int32 [256]; 2 bits -> int64 [256]; 3 bits
+    (2-bit plane byte | 4 high bits << 8) -> int64 [4096]; other widths: None (per-code gathers)."""
+    if bits not in (2, 3, 4):
+        return None
+    key = (centroids.data_ptr(), bits, centroids.device)
+    hit = _LUTS.get(key)
+    if hit is not None and hit[0] is centroids:
+        return hit[1]
+    c16 = centroids.float().half().view(torch.int16).to(torch.int64) & 0xFFFF
+    if bits == 4:
+        i = torch.arange(256, device=centroids.device)
+        lut = c16[i & 15] | (c16[i >> 4] << 16)
+        lut = torch.where(lut >= 2 ** 31, lut - 2 ** 32, lut).to(torch.int32)
+    else:
+        i = torch.arange(256 if bits == 2 else 4096, device=centroids.device)
+        lut = torch.zeros_like(i)
+        for t in range(4):
+            code = (i >> (2 * t)) & 3
+            if bits == 3:
+                code = code | (((i >> (8 + t)) & 1) << 2)
+            lut = lut | (c16[code] << (16 * t))
+    _LUTS[key] = (centroids, lut)
+    return lut
+
+
+_SM_COUNT: dict[int, int] = {}
+_TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages) set by scripts/bench_tq_kernel.py sweeps
+
+
+def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
+    """Splits per KV head: about four programs per SM in all, never more than the row tiles (on
+    the CPU interpreter, a range of ``chunk`` rows as before)."""
+    if device.type != "cuda":
+        return max(1, triton.cdiv(rows, 256))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(triton.cdiv(4 * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
+
+
+def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
+                block_n, rep, qjl, n_rows, f16, splits):
     H, D = q_rot.shape
     N = k_planes[0].shape[1]
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
-    block_n = block_n or (64 if D <= 64 else 32)
-    chunk = max(block_n, chunk // block_n * block_n)
-    S = max(1, triton.cdiv(N, chunk))
     kp0, kp1, hk0, hk1, rk0, rk1, kw0, kw1 = _planes(k_planes, k_bits)
     vp0, vp1, hv0, hv1, rv0, rv1, vw0, vw1 = _planes(v_planes, v_bits)
     dev = q_rot.device
+    block_n = block_n or (64 if f16 or D <= 64 else 32)
+    S = splits or _splits(dev, H // rep, N, block_n)
     m = torch.empty(H, S, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     acc = torch.empty(H, S, D, dtype=torch.float32, device=dev)
@@ -124,19 +291,71 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
         ks_head, kr_head = ks.stride(0), kr.stride(0)
     else:
         sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
+    klut = _lut(k_centroids, kw0 + kw1) if f16 and D % 8 == 0 else None
+    vlut = _lut(v_centroids, vw0 + vw1) if f16 and D % 8 == 0 else None
     _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr,
+                            klut if klut is not None else m, vlut if vlut is not None else m, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale),
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
-                            ks_head, kr_head, D=D, BLOCK_N=block_n, CHUNK=chunk, REP=rep,
+                            ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
-                            N_PTR=n_rows is not None)
-    if S == 1:
+                            N_PTR=n_rows is not None, F16=f16, KLUT=klut is not None, VLUT=vlut is not None,
+                            **_TUNE)
+    return m, l, acc
+
+
+def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
+                        k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
+                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
+                        rep: int = 1, qjl: tuple | None = None, n_rows: torch.Tensor | None = None,
+                        f16: bool = False, splits: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
+    views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
+    centroids [2^bits].  Query head h reads KV head h // rep.  ``qjl``: (S q scaled [H, D], sign
+    plane [H // rep, N, D / 8], fp16 residual norms [H // rep, >= N], sqrt(pi/2)/d) for QJL keys.
+    Rows are split into ``splits`` ranges per KV head (default: enough programs to fill the GPU),
+    merged here.  ``n_rows`` (int device tensor [1]): read only that many rows of the given planes,
+    with the ranges computed on the device (no host sync: capturable).  ``f16``: fp16 operands with
+    fp32 accumulation in the dots (tensor cores), else fp32 throughout.
+    Returns (m [H], l [H], acc [H, D]): softmax max, denominator and sum p|v|c in the rotated domain."""
+    m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
+                            v_bits, block_n, rep, qjl, n_rows, f16, splits)
+    if m.shape[1] == 1:
         return m[:, 0], l[:, 0], acc[:, 0]
     M = m.max(dim=1).values
     w = torch.exp(m - torch.where(torch.isinf(M), torch.zeros_like(M), M)[:, None])  # no rows at all: 0, not NaN
     return M, (l * w).sum(1), (acc * w[..., None]).sum(1)
+
+
+def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: list[torch.Tensor],
+                             k_norms: torch.Tensor, k_centroids: torch.Tensor, k_bits: int,
+                             v_planes: list[torch.Tensor], v_norms: torch.Tensor, v_centroids: torch.Tensor,
+                             v_bits: int, v_rotation: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                             scale: float, rep: int = 1, qjl: tuple | None = None,
+                             n_rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                             f16: bool = True, block_n: int | None = None, splits: int | None = None
+                             ) -> torch.Tensor:
+    """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
+    the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
+    splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
+    ``dk``/``dv`` [H // rep, R, D] with the unrotated query ``q`` [H, D] times ``scale`` (``valid``
+    [R] bool masks a static buffer's rows) and normalises.  Returns [H, D] in ``q``'s dtype."""
+    H, D = q.shape
+    m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
+                            v_bits, block_n, rep, qjl, n_rows, f16, splits)
+    S = m.shape[1]
+    out = torch.empty(H, D, dtype=q.dtype, device=q.device)
+    assert dk.stride(2) == 1 and dv.stride(2) == 1
+    R = dk.shape[1]
+    _tq_combine_kernel[(H,)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
+                             valid if valid is not None else m, out, R, S, float(scale),
+                             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                             D=D, BS=max(2, triton.next_power_of_2(S)), REP=rep, BLOCK_R=16,
+                             VALID=valid is not None, num_warps=8)
+    return out
 
 
 def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,

@@ -89,6 +89,9 @@ for D, N, kb, vb in [(64, 100, 4, 3), (128, 77, 3, 2), (64, 33, 2, 4), (128, 64,
     vc = torch.tensor(vq.codebook.centroids, dtype=torch.float32, device=dev)
     m, l, acc = tq_decode_attention(q_rot, kp, kn, kc, kb, vp, vn, vc, vb)
     mr, lr, accr = tq_decode_attention_ref(q_rot, kp, kn, kc, kb, vp, vn, vc, vb)
+    m16, l16, acc16 = tq_decode_attention(q_rot, kp, kn, kc, kb, vp, vn, vc, vb, f16=True, splits=2)
+    out[f"f16/{{D}}/{{N}}/k{{kb}}v{{vb}}"] = [float(((acc16 / l16[:, None]) - (accr / lr[:, None])).abs().max()
+                                               / (accr / lr[:, None]).abs().max()), 0.0, 0.0]
     got = np.stack([vq.rotation.inverse((acc[i] / l[i]).double().cpu().numpy()) for i in range(3)])
     ref = np.stack([heads[i].attend(q[i]) for i in range(3)])
     out[f"{{D}}/{{N}}/k{{kb}}v{{vb}}"] = [float((acc - accr).abs().max() / accr.abs().max()),
@@ -116,18 +119,19 @@ for D, bits in [(64, 4), (128, 3), (64, 2), (128, 1)]:
 from swiftlm.backends.torch.compressed_cache import CompressedCache
 from swiftlm.turboquant.presets import parse_turbo
 a = SimpleNamespace(layers=1, kv_heads=2, heads=6, head_dim=64)
-for preset in ("k4v3", "k3qjl-v3"):
-    caches = [CompressedCache(a, parse_turbo(preset, window=16), torch.float32, torch.device(dev)) for _ in range(2)]
+for preset, dt in (("k4v3", torch.float32), ("k3qjl-v3", torch.float32), ("k4v3", torch.float16),
+                   ("k3qjl-v3", torch.float16), ("k3v2", torch.float16)):
+    caches = [CompressedCache(a, parse_turbo(preset, window=16), dt, torch.device(dev)) for _ in range(2)]
     caches[0].use_triton = caches[0].kc.use_triton = caches[0].vc.use_triton = True
     g = torch.Generator(device=dev).manual_seed(0)
     worst = 0.0
     pos = 0
     for T in [300, 1, 1, 600, 1]:  # 900+ compressed rows: several split-K chunks
-        q, k, v = (torch.randn(n, T, 64, generator=g, device=dev) for n in (6, 2, 2))
+        q, k, v = (torch.randn(n, T, 64, generator=g, device=dev).to(dt) for n in (6, 2, 2))
         o1, o2 = (c.update_attend(0, pos, q, k, v) for c in caches)
         worst = max(worst, float((o1 - o2).abs().max()))
         pos += T
-    out["cache/" + preset] = [worst, 0.0, 0.0]
+    out[("cache/" if dt == torch.float32 else "cache16/") + preset] = [worst, 0.0, 0.0]
 # a static TurboQuant cache decoding through decode_turbo_static (graph replay on a GPU, eager under the
 # interpreter) gives the logits of the dynamic cache's plain path, across compressions and a rollback
 from swiftlm.backends.torch.model import Args, MLP, Transformer
@@ -199,6 +203,16 @@ def _check_tq(name: str, a: float, b: float, c: float, ref_max: float = 1.0, gpu
         # code (the kernel's dot product sums in another order): a rare flip, not an error; norms
         # are fp16 values at most one ulp apart (norms of these vectors are < 16: ulp <= 2^-7 < 8e-3)
         assert a < 2e-3 and b <= 1e-3 * 8, (name, a, b)
+    elif name.startswith("f16/"):
+        # fp16 operands (query, centroids, p * |v|) with fp32 accumulation: each operand rounded once
+        # (u = 2^-11), the output a convex combination of values: ~ a few u relative to its largest
+        # value; 4e-3 is 8 u
+        assert a < 4e-3, (name, a)
+    elif name.startswith("cache16/"):
+        # fp16 cache: the kernel's fp16 dot operands (lookup-table centroids, p * |v|) against the
+        # plain path's fp32 math, both outputs rounded to fp16 (values < 4 here: ulp <= 2^-9); 1e-2
+        # is a few ulps plus the operand rounding (~6e-4 relative, measured)
+        assert a < 1e-2, (name, a)
     elif name.startswith("cache/"):
         # kernel path vs plain-torch path of the cache, fp32 (measured ~1e-7): the two paths encode
         # the rows with different kernels, so a boundary flip (see encode/) may move an output by a

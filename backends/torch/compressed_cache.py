@@ -256,27 +256,21 @@ class CompressedCache:
         """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
         planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
         (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
-        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention
+        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention_full
 
         a = self.a
         H, D = q.shape
-        KVH, rep = a.kv_heads, H // a.kv_heads
+        rep = H // a.kv_heads
         scale = D ** -0.5
         qf = q.float()
         kp, kn, vp, vn, ks = views
         qjl = ((qf @ self.kc.S.T) * scale, ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
-        m, l, acc = tq_decode_attention((qf @ self.kc.R.T) * scale, kp, kn, self.kc.centroids, self.kc.mse_bits,
-                                        vp, vn, self.vc.centroids, self.vc.bits, rep=rep, qjl=qjl, n_rows=n_rows)
-        R = dk.shape[1]
-        s = (qf.view(KVH, rep, D) @ dk.float().transpose(1, 2)).view(H, R) * scale
-        if valid is not None:
-            s = s.masked_fill(~valid.view(1, R), float("-inf"))
-        m2 = torch.maximum(m, s.amax(-1))
-        p = torch.exp(s - m2[:, None])
-        alpha = torch.exp(m - m2)
-        dense = (p.view(KVH, rep, R) @ dv.float()).view(H, D)
-        out = ((acc * alpha[:, None]) @ self.vc.R + dense) / (l * alpha + p.sum(-1))[:, None]
-        return out.reshape(1, H * D).to(q.dtype)
+        # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
+        out = tq_decode_attention_full(q, (qf @ self.kc.R.T) * scale, kp, kn, self.kc.centroids, self.kc.mse_bits,
+                                       vp, vn, self.vc.centroids, self.vc.bits, self.vc.R, dk, dv, scale, rep=rep,
+                                       qjl=qjl, n_rows=n_rows, valid=valid,
+                                       f16=q.dtype in (torch.float16, torch.bfloat16))
+        return out.reshape(1, H * D)
 
     def truncate(self, L: _Layer, start: int) -> None:
         held = L.n_code + L.n_dense

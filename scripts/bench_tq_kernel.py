@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""TurboQuant decode-attention kernels against the 16-bit paged decode kernel, one layer, on a GPU.
+
+    python scripts/bench_tq_kernel.py [--contexts 32768,131072] [--batch 1] [--json out.json]
+
+For the Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128) and each context, the
+time of one layer's decode attention for one row per sequence: the 16-bit cache through
+``paged_decode_attention`` (bf16) and each TurboQuant preset through ``tq_decode_attention_full``
+(split pass over packed codes + combine pass with a 64-row 16-bit window), both replayed from a CUDA
+graph (no launch overhead), median of several replays.  Bytes are the fewest the kernel must read
+(codes, norms, the window, the query); the ceiling is a device-to-device copy measured here
+(bytes read + written over time).  Ratios are against the 16-bit kernel timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H, KVH, D = 32, 8, 128
+WINDOW = 64
+
+
+def timed(fn, reps: int = 20, inner: int = 10) -> float:
+    """Median seconds per call of ``fn`` captured in a CUDA graph ``inner`` times."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / inner)
+    return statistics.median(out)
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = timed(lambda: y.copy_(x), reps=10, inner=5)
+    return 2 * x.numel() / t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--presets", default="k4v3,k3v2,k3qjl-v3")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", default="", help="block_n:num_warps:num_stages,... variants timed per preset")
+    a = ap.parse_args()
+    import torch
+
+    from swiftlm.backends.torch.kv_quant import TurboCodec
+    from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
+    from swiftlm.cuda_ext import turboquant_kernels as tk
+    from swiftlm.cuda_ext.turboquant_kernels import _PLANES, tq_decode_attention_full
+    from swiftlm.turboquant.presets import parse_turbo
+
+    dev = torch.device("cuda")
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name(0)}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for N in [int(x) for x in a.contexts.split(",")]:
+        B = a.batch
+        q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(B, KVH, N, D, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.arange(B, device=dev, dtype=torch.int32)[:, None]
+        lens = torch.full((B,), N, device=dev, dtype=torch.int32)
+        ns = default_splits(N, B, KVH)
+        t16 = timed(lambda: paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=ns))
+        b16 = 2 * B * KVH * N * D * 2
+        rows.append({"context": N, "batch": B, "format": "bf16 (paged kernel)", "us": t16 * 1e6,
+                     "bytes": b16, "GB_s": b16 / t16 / 1e9, "of_copy_bw": b16 / t16 / bw, "vs_16bit": 1.0})
+        print(f"{N:>7} bf16        {t16 * 1e6:8.1f} us  {b16 / t16 / 1e9:7.0f} GB/s  {b16 / t16 / bw:5.1%}", flush=True)
+        del kc, vc
+        for name in a.presets.split(","):
+            fmt = parse_turbo(name, window=WINDOW)
+            kcod = TurboCodec(D, fmt.key_bits, 1, dev, qjl=fmt.key_qjl)
+            vcod = TurboCodec(D, fmt.value_bits, 2, dev)
+            kb, vb = kcod.mse_bits, vcod.bits
+            def planes(bits):
+                return [torch.randint(0, 256, (KVH, N, D * w // 8), generator=g, device=dev, dtype=torch.uint8)
+                        for w in _PLANES[bits] if w]
+            seqs = []
+            for _ in range(B):
+                kp, vp = planes(kb), planes(vb)
+                kn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
+                vn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
+                ks = planes(1)[0] if fmt.key_qjl else None
+                kr = (torch.rand(KVH, N, generator=g, device=dev)).half() if fmt.key_qjl else None
+                dk = torch.randn(KVH, WINDOW, D, device=dev, dtype=torch.bfloat16)
+                dv = torch.randn_like(dk)
+                seqs.append((kp, vp, kn, vn, ks, kr, dk, dv))
+            qf = q.float()
+            scale = D ** -0.5
+
+            def run(bn=None):
+                for b, (kp, vp, kn, vn, ks, kr, dk, dv) in enumerate(seqs):
+                    qjl = ((qf[b] @ kcod.S.T) * scale, ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
+                    tq_decode_attention_full(q[b], (qf[b] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,
+                                             vcod.centroids, vb, vcod.R, dk, dv, scale, rep=H // KVH, qjl=qjl,
+                                             block_n=bn)
+            t = timed(run)
+            kp, vp, kn, vn, ks, kr, dk, dv = seqs[0]
+            qjl0 = ((qf[0] @ kcod.S.T) * scale, ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
+            split = lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,  # noqa: E731
+                                           vcod.centroids, vb, None, H // KVH, qjl0, None, True, None)
+            parts = {"split pass (one sequence)": timed(split)}
+            for diag, what in ((1, "split pass, no centroid gather (per-code path only)"),
+                               (2, "split pass, no value side")):
+                tk._TUNE.update(DIAG=diag)  # diagnostics: parts of the work left out (wrong results)
+                parts[what] = timed(split)
+                tk._TUNE.clear()
+            for what, tv in parts.items():
+                print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
+            for v in filter(None, a.sweep.split(",")):
+                bn, nw, st = (int(x) for x in v.split(":"))
+                tk._TUNE.clear()
+                tk._TUNE.update(num_warps=nw, num_stages=st)
+                try:
+                    tv = timed(lambda: run(bn))
+                    print(f"        sweep {name} block_n={bn} warps={nw} stages={st}: {tv * 1e6:8.1f} us", flush=True)
+                except Exception as exc:  # a variant that does not compile (registers, shared memory)
+                    print(f"        sweep {name} {v}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                tk._TUNE.clear()
+            nbytes = B * (KVH * N * (D * (kb + vb + (1 if fmt.key_qjl else 0)) // 8 + 4 + (2 if fmt.key_qjl else 0))
+                          + 2 * KVH * WINDOW * D * 2)
+            rows.append({"context": N, "batch": B, "format": name, "us": t * 1e6, "bytes": nbytes,
+                         "parts_us": {k: v * 1e6 for k, v in parts.items()},
+                         "GB_s": nbytes / t / 1e9, "of_copy_bw": nbytes / t / bw, "vs_16bit": t16 / t})
+            print(f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
+                  f"{t16 / t:5.2f}x bf16", flush=True)
+            del seqs
+        torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "copy_GB_s": bw / 1e9,
+                                            "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "window": WINDOW},
+                                            "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
