@@ -71,6 +71,57 @@ def _lut_tile(p0, p1, row_bytes0, row_bytes1, nn, lut_ptr, W0: tl.constexpr, W1:
 
 
 @triton.jit
+def _mux(x, c_ptr, BITS: tl.constexpr):
+    """fp16 centroid of each code in ``x`` by a tree of selects on its bits (2^BITS - 1 selects,
+    no memory access per element: the centroids are BITS-many scalar loads)."""
+    b0 = (x & 1) != 0
+    v = tl.where(b0, tl.load(c_ptr + 1).to(tl.float16), tl.load(c_ptr).to(tl.float16))
+    if BITS >= 2:
+        b1 = (x & 2) != 0
+        v = tl.where(b1, tl.where(b0, tl.load(c_ptr + 3).to(tl.float16), tl.load(c_ptr + 2).to(tl.float16)), v)
+        if BITS >= 3:
+            b2 = (x & 4) != 0
+            w = tl.where(b0, tl.load(c_ptr + 5).to(tl.float16), tl.load(c_ptr + 4).to(tl.float16))
+            w = tl.where(b1, tl.where(b0, tl.load(c_ptr + 7).to(tl.float16), tl.load(c_ptr + 6).to(tl.float16)), w)
+            v = tl.where(b2, w, v)
+            if BITS >= 4:
+                b3 = (x & 8) != 0
+                u = tl.where(b0, tl.load(c_ptr + 9).to(tl.float16), tl.load(c_ptr + 8).to(tl.float16))
+                u = tl.where(b1, tl.where(b0, tl.load(c_ptr + 11).to(tl.float16),
+                                          tl.load(c_ptr + 10).to(tl.float16)), u)
+                y = tl.where(b0, tl.load(c_ptr + 13).to(tl.float16), tl.load(c_ptr + 12).to(tl.float16))
+                y = tl.where(b1, tl.where(b0, tl.load(c_ptr + 15).to(tl.float16),
+                                          tl.load(c_ptr + 14).to(tl.float16)), y)
+                u = tl.where(b2, y, u)
+                v = tl.where(b3, u, v)
+    return v
+
+
+@triton.jit
+def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
+              BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
+    split off by shifts, ``_mux`` per code, interleaved back into coordinate order."""
+    if W0 == 4:
+        j = tl.arange(0, D // 2)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        out = tl.interleave(_mux(b & 15, c_ptr, 4), _mux(b >> 4, c_ptr, 4))
+    else:
+        j = tl.arange(0, D // 4)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        if W1 > 0:  # coordinates 4j..4j+3 take bits 4(j%2).. of byte j//2 of the 1-bit plane
+            b1 = tl.load(p1 + nn[:, None] * row_bytes1 + (j // 2)[None, :]).to(tl.int32)
+            b = b | (((b1 >> ((j % 2) * 4)[None, :]) & 15) << 8)
+        B: tl.constexpr = W0 + W1
+        v0 = _mux((b & 3) | ((b >> 6) & 4), c_ptr, B)
+        v1 = _mux(((b >> 2) & 3) | ((b >> 7) & 4), c_ptr, B)
+        v2 = _mux(((b >> 4) & 3) | ((b >> 8) & 4), c_ptr, B)
+        v3 = _mux(((b >> 6) & 3) | ((b >> 9) & 4), c_ptr, B)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    return out
+
+
+@triton.jit
 def _signs_nat(ptr, nn, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N, D] QJL signs (+-1, fp16) in natural coordinate order from a 1-bit plane."""
     j = tl.arange(0, D // 8)
@@ -87,7 +138,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KLUT: tl.constexpr,
-                    VLUT: tl.constexpr, DIAG: tl.constexpr = 0):
+                    VLUT: tl.constexpr, MUX: tl.constexpr = 1, DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -128,7 +179,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
         nn = tl.where(ok, n, 0)
-        if KLUT:
+        if KLUT and MUX:
+            kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D)
+        elif KLUT:
             kvec = _lut_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, klut, KW0, KW1, BLOCK_N, D)
         else:
             kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kj, ks_, KW0, KW1, KPER, BLOCK_N, D)
@@ -153,7 +206,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a range past the rows: all -inf, no NaN
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        if VLUT:
+        if VLUT and MUX:
+            vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D)
+        elif VLUT:
             vvec = _lut_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vlut, VW0, VW1, BLOCK_N, D)
         else:
             vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vj, vs_, VW0, VW1, VPER, BLOCK_N, D)
@@ -179,14 +234,17 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
 @triton.jit
 def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
                        dk_head, dk_row, dv_head, dv_row,
-                       D: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
-                       VALID: tl.constexpr):
-    """One program per query head: merge its S split partials ([BS, D] at once), rotate the code
-    part back (acc @ R), attend over the 16-bit rows (dense window, original domain; ``valid``
-    masks a static buffer's rows) and write the normalised output in the output's dtype."""
+                       D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
+                       BLOCK_R: tl.constexpr, VALID: tl.constexpr):
+    """One program per (query head, DS output coordinates): merge the head's S split partials
+    ([BS, D] at once), rotate the code part back for its coordinates (acc @ R[:, slice]), attend
+    over the 16-bit rows (dense window, original domain; ``valid`` masks a static buffer's rows;
+    scores over all D, values for the slice) and write the normalised slice in the output's dtype."""
     h = tl.program_id(0)
+    c0 = tl.program_id(1) * DS
     g = h // REP
     d = tl.arange(0, D)
+    e = c0 + tl.arange(0, DS)
     sidx = tl.arange(0, BS)
     sok = sidx < S
     ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
@@ -196,8 +254,8 @@ def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, va
     l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
     accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + d[None, :], mask=sok[:, None], other=0.0)
     acc = tl.sum(w[:, None] * accs, axis=0)                               # [D], rotated domain
-    rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])                 # R [D, D]
-    code = tl.sum(acc[:, None] * rot, axis=0)                            # acc @ R
+    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])                 # R[:, slice] [D, DS]
+    code = tl.sum(acc[:, None] * rot, axis=0)                            # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     m = mc
     for r0 in range(0, R, BLOCK_R):
@@ -212,11 +270,11 @@ def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, va
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(sc - m_safe)
-        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + d[None, :], mask=ok[:, None], other=0.0)
+        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + e[None, :], mask=ok[:, None], other=0.0)
         code = code * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
-    tl.store(out_ptr + h * D + d, (code / l).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
 
 
 def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
@@ -261,14 +319,15 @@ _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages) set by scrip
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
-    """Splits per KV head: about four programs per SM in all, never more than the row tiles (on
-    the CPU interpreter, a range of ``chunk`` rows as before)."""
+    """Splits per KV head: about eight programs per SM in all (H100, 8B shape at 32K: 91.5 us
+    against 98 us at four and 185 us at one; docs/results/tq_kernel_h100_b1_splits.log), never more
+    than the row tiles (on the CPU interpreter, ranges of 256 rows)."""
     if device.type != "cuda":
         return max(1, triton.cdiv(rows, 256))
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(triton.cdiv(4 * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
+    return max(1, min(triton.cdiv(8 * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
 
 
 def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
@@ -350,11 +409,12 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
     R = dk.shape[1]
-    _tq_combine_kernel[(H,)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
-                             valid if valid is not None else m, out, R, S, float(scale),
-                             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                             D=D, BS=max(2, triton.next_power_of_2(S)), REP=rep, BLOCK_R=16,
-                             VALID=valid is not None, num_warps=8)
+    ds = min(D, 32)
+    _tq_combine_kernel[(H, D // ds)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
+                                     valid if valid is not None else m, out, R, S, float(scale),
+                                     dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                                     D=D, DS=ds, BS=max(2, triton.next_power_of_2(S)), REP=rep, BLOCK_R=16,
+                                     VALID=valid is not None, num_warps=4)
     return out
 
 

@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--presets", default="k4v3,k3v2,k3qjl-v3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--splits", default="", help="split counts per KV head to time the split pass with")
     ap.add_argument("--sweep", default="", help="block_n:num_warps:num_stages,... variants timed per preset")
     a = ap.parse_args()
     import torch
@@ -130,11 +131,16 @@ def main() -> None:
             split = lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,  # noqa: E731
                                            vcod.centroids, vb, None, H // KVH, qjl0, None, True, None)
             parts = {"split pass (one sequence)": timed(split)}
-            for diag, what in ((1, "split pass, no centroid gather (per-code path only)"),
-                               (2, "split pass, no value side")):
-                tk._TUNE.update(DIAG=diag)  # diagnostics: parts of the work left out (wrong results)
+            for knobs, what in (({"MUX": 0}, "split pass, byte lookup tables instead of select trees"),
+                                ({"DIAG": 2}, "split pass, no value side (diagnostic: wrong result)")):
+                tk._TUNE.update(knobs)
                 parts[what] = timed(split)
                 tk._TUNE.clear()
+            for sp in filter(None, a.splits.split(",")):
+                sp = int(sp)
+                parts[f"split pass, {sp} splits per KV head"] = timed(
+                    lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,
+                                           vcod.centroids, vb, None, H // KVH, qjl0, None, True, sp))
             for what, tv in parts.items():
                 print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
             for v in filter(None, a.sweep.split(",")):

@@ -7,7 +7,7 @@ source scripts/gpu_site.sh
 rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests /tmp/gt/ && cp scripts/bench_tq_kernel.py scripts/bench_turboquant.py /tmp/gt/
 cd /tmp/gt
 timeout 200 python3 -m pytest -q -rs tests/test_cuda_ext.py -k "turboquant and gpu" 2>&1 | tail -4
-timeout 200 python3 bench_tq_kernel.py --contexts 32768,131072 --json $OUT/tq_kernel_h100_b1.json 2>&1 | tee $OUT/tq_kernel_h100_b1.log
+timeout 200 python3 bench_tq_kernel.py --contexts 32768,131072 ${SPLITS:+--splits $SPLITS} --json $OUT/tq_kernel_h100_b1.json 2>&1 | tee $OUT/tq_kernel_h100_b1.log
 if [ "${1:-}" = e2e ]; then
   timeout 400 python3 bench_turboquant.py --backend torch --shape 8b --contexts 32768 --steps 16 \
     --presets fp16,k4v3,k3v2 --json "$OUT/bench_turboquant_gpu_8b.json" 2>&1 | tee "$OUT/bench_turboquant_gpu_8b.log" | tail -14
