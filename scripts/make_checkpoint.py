@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """Write a random-weight checkpoint in Hugging Face hub layout.
 
-    python scripts/make_checkpoint.py OUT --arch llama|qwen3|qwen3_moe|mixtral|gemma|gemma4 \
+    python scripts/make_checkpoint.py OUT --arch llama|qwen3|qwen3_moe|mixtral|gemma|gemma2|gemma3_text|phi3|olmo2|
+                                                smollm3|gpt_oss|deepseek_v2|deepseek_v3|gemma4 \
         [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --intermediate 512 \
          --experts 8 --experts-per-token 2 --moe-intermediate 256] \
+        [--sliding-window 16 --attn-softcap 50 --final-softcap 30 --partial-rotary 0.5 --longrope 64] \
+        [--yarn 64 --swiglu-limit 7 --kv-lora-rank 32 --q-lora-rank 24 --qk-nope 16 --qk-rope 8 --v-head-dim 12 \
+         --shared-experts 1 --first-dense 1 --n-group 4 --topk-group 2 --routed-scale 2.5 --mscale 1 1] \
         [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--stacked-experts] [--seed 0]
 
 config.json, sharded safetensors with model.safetensors.index.json, and the SmolLM2
@@ -23,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -34,7 +38,10 @@ from swiftlm.convert import _save_bf16  # noqa: E402
 from swiftlm.registry import resolve  # noqa: E402
 from swiftlm.tokenizer import load_gguf_tokenizer  # noqa: E402
 
-ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma4")
+ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
+          "gpt_oss", "deepseek_v2", "deepseek_v3", "gemma4")
+MLA = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (q/kv low-rank projections)
+GEMMA_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm weights w where the norm multiplies by (1 + w)
 
 
 def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
@@ -49,7 +56,64 @@ def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
     }
     cfg["architectures"] = {"llama": ["LlamaForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
                             "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"],
-                            "gemma": ["GemmaForCausalLM"]}[a.arch]
+                            "gemma": ["GemmaForCausalLM"], "gemma2": ["Gemma2ForCausalLM"],
+                            "gemma3_text": ["Gemma3ForCausalLM"], "phi3": ["Phi3ForCausalLM"],
+                            "olmo2": ["Olmo2ForCausalLM"], "smollm3": ["SmolLM3ForCausalLM"],
+                            "gpt_oss": ["GptOssForCausalLM"], "deepseek_v2": ["DeepseekV2ForCausalLM"],
+                            "deepseek_v3": ["DeepseekV3ForCausalLM"]}[a.arch]
+    if a.arch in ("gpt_oss",) + MLA:  # their config classes' default pad ids lie outside our vocabulary
+        cfg["pad_token_id"] = eos
+    yarn = None
+    if a.yarn:  # YaRN over original_max_position_embeddings = a.yarn, up to the context
+        yarn = {"rope_type": "yarn", "factor": a.ctx / a.yarn, "original_max_position_embeddings": a.yarn,
+                "beta_fast": 32.0, "beta_slow": 1.0}
+    if a.arch == "gpt_oss":  # attention sinks, biases, alternating sliding / full layers, clamped-SwiGLU experts
+        cfg.update({"num_local_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
+                    "intermediate_size": a.moe_intermediate, "attention_bias": True, "rope_theta": 150000.0,
+                    "sliding_window": a.sliding_window or 128, "swiglu_limit": a.swiglu_limit or 7.0,
+                    "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)],
+                    "rope_scaling": dict(yarn, truncate=False) if yarn else None})
+    if a.arch in MLA:  # DeepSeek-V2-Lite / V3 layouts, scaled down
+        cfg.update({"n_routed_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
+                    "moe_intermediate_size": a.moe_intermediate, "n_shared_experts": a.shared_experts,
+                    "first_k_dense_replace": a.first_dense, "kv_lora_rank": a.kv_lora_rank,
+                    "q_lora_rank": a.q_lora_rank or None, "qk_nope_head_dim": a.qk_nope, "qk_rope_head_dim": a.qk_rope,
+                    "v_head_dim": a.v_head_dim, "head_dim": a.qk_rope, "num_key_value_heads": a.heads,
+                    "n_group": a.n_group, "topk_group": a.topk_group, "routed_scaling_factor": a.routed_scale,
+                    "rope_scaling": (dict(yarn, mscale=a.mscale[0], mscale_all_dim=a.mscale[1]) if yarn else None)})
+        if a.arch == "deepseek_v2":
+            cfg.update({"topk_method": "group_limited_greedy" if a.n_group > 1 else "greedy", "norm_topk_prob": False,
+                        "scoring_func": "softmax"})
+        else:
+            cfg.update({"topk_method": "noaux_tc", "norm_topk_prob": True, "scoring_func": "sigmoid",
+                        "rope_interleave": True})
+    if a.arch in ("gemma2", "gemma3_text"):
+        # as the published checkpoints write them: soft caps, query_pre_attn_scalar, and for Gemma 3 the
+        # pre-transformers-5 rope fields (global rope_theta + rope_scaling, rope_local_base_freq for sliding
+        # layers) with sliding_window_pattern instead of layer_types
+        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True, "query_pre_attn_scalar": a.query_pre_attn_scalar or head_dim,
+                    "attn_logit_softcapping": a.attn_softcap, "final_logit_softcapping": a.final_softcap,
+                    "sliding_window": a.sliding_window or 4096})
+        if a.arch == "gemma2":
+            cfg["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)]
+        else:
+            cfg.update({"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 2,
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    if a.arch == "phi3":  # fused qkv_proj / gate_up_proj (make_weights); Phi-3.5 / Phi-4-mini style rope
+        cfg.update({"sliding_window": a.sliding_window, "partial_rotary_factor": a.partial_rotary or 1.0})
+        if a.longrope:
+            half = int(head_dim * (a.partial_rotary or 1.0)) // 2
+            g = np.random.default_rng(a.seed + 1)
+            cfg.update({"original_max_position_embeddings": a.longrope,
+                        "rope_scaling": {"type": "longrope",
+                                         "short_factor": (1.0 + g.random(half)).round(4).tolist(),
+                                         "long_factor": (1.0 + 8.0 * g.random(half)).round(4).tolist()}})
+    if a.arch in ("phi3", "olmo2", "smollm3"):  # their config classes' default pad ids lie outside our vocabulary
+        cfg["pad_token_id"] = eos
+    if a.arch == "smollm3":  # a NoPE layer every second layer (SmolLM3 itself: every fourth)
+        cfg.update({"no_rope_layer_interval": 2, "no_rope_layers": [int((i + 1) % 2 != 0) for i in range(a.layers)],
+                    "use_sliding_window": False, "sliding_window": None})
     if a.arch == "gemma":
         cfg.update({"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
                     "tie_word_embeddings": True})
@@ -83,7 +147,7 @@ def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
         return w
 
     def norm(n: int) -> np.ndarray:  # Gemma stores w where the norm multiplies by (1 + w)
-        base = 0.0 if arch == "gemma" else 1.0
+        base = 0.0 if arch in GEMMA_NORMS else 1.0
         return (base + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
     yield "model.embed_tokens.weight", rng.standard_normal((V, H), dtype=np.float32) * 0.5
@@ -93,13 +157,27 @@ def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
     for i in range(cfg["num_hidden_layers"]):
         w: dict[str, np.ndarray] = {}
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(H)
+        if arch in ("gpt_oss",) + MLA:
+            yield from _moe_layer(cfg, p, i, lin, norm, rng).items()
+            continue
+        if arch != "olmo2":  # OLMo 2 normalizes after attention and MLP only
+            w[p + "input_layernorm.weight"] = norm(H)
         w[p + "post_attention_layernorm.weight"] = norm(H)
-        w[p + "self_attn.q_proj.weight"] = lin(nh * hd, H)
-        w[p + "self_attn.k_proj.weight"] = lin(nkv * hd, H)
-        w[p + "self_attn.v_proj.weight"] = lin(nkv * hd, H)
+        if arch in ("gemma2", "gemma3_text"):
+            w[p + "pre_feedforward_layernorm.weight"] = norm(H)
+        if arch in ("gemma2", "gemma3_text", "olmo2"):
+            w[p + "post_feedforward_layernorm.weight"] = norm(H)
+        if arch == "phi3":
+            w[p + "self_attn.qkv_proj.weight"] = np.concatenate([lin(nh * hd, H), lin(nkv * hd, H), lin(nkv * hd, H)])
+        else:
+            w[p + "self_attn.q_proj.weight"] = lin(nh * hd, H)
+            w[p + "self_attn.k_proj.weight"] = lin(nkv * hd, H)
+            w[p + "self_attn.v_proj.weight"] = lin(nkv * hd, H)
         w[p + "self_attn.o_proj.weight"] = lin(H, nh * hd)
-        if arch in ("qwen3", "qwen3_moe"):
+        if arch == "olmo2":  # q/k norms over the whole projection
+            w[p + "self_attn.q_norm.weight"] = norm(nh * hd)
+            w[p + "self_attn.k_norm.weight"] = norm(nkv * hd)
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         if arch in ("qwen3_moe", "mixtral"):
@@ -115,11 +193,67 @@ def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
                 for e in range(E):
                     for name, (o, n) in zip(names, ((MI, H), (MI, H), (H, MI))):
                         w[blk + f"experts.{e}.{name}.weight"] = lin(o, n)
+        elif arch == "phi3":
+            w[p + "mlp.gate_up_proj.weight"] = np.concatenate([lin(I, H), lin(I, H)])
+            w[p + "mlp.down_proj.weight"] = lin(H, I)
         else:
             w[p + "mlp.gate_proj.weight"] = lin(I, H)
             w[p + "mlp.up_proj.weight"] = lin(I, H)
             w[p + "mlp.down_proj.weight"] = lin(H, I)
         yield from w.items()
+
+
+def _moe_layer(cfg: dict, p: str, i: int, lin: Any, norm: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One gpt_oss / deepseek_v2 / deepseek_v3 layer, by HF names (GPT-OSS: fused [E, H, 2I] experts with
+    interleaved gate / up columns; DeepSeek: one tensor per expert).  Biases, sinks and the V3 score correction
+    bias are drawn large enough that each one moves the logits."""
+    arch, H, nh = cfg["model_type"], cfg["hidden_size"], cfg["num_attention_heads"]
+
+    def rand(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+    w = {p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H)}
+    a = p + "self_attn."
+    if arch == "gpt_oss":
+        nkv, hd, E, I = cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_local_experts"], cfg["intermediate_size"]
+        for name, o in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            w[a + name + ".weight"], w[a + name + ".bias"] = lin(o, H), rand(o)
+        w[a + "o_proj.weight"], w[a + "o_proj.bias"] = lin(H, nh * hd), rand(H)
+        w[a + "sinks"] = rand(nh, scale=1.5)
+        m = p + "mlp."
+        w[m + "router.weight"], w[m + "router.bias"] = lin(E, H), rand(E)
+        w[m + "experts.gate_up_proj"] = np.stack([lin(2 * I, H).T.copy() for _ in range(E)]) * 2.0
+        w[m + "experts.gate_up_proj_bias"] = rand(E, 2 * I)
+        w[m + "experts.down_proj"] = np.stack([lin(H, I).T.copy() for _ in range(E)])
+        w[m + "experts.down_proj_bias"] = rand(E, H)
+        return w
+    r, q, nope, rope, v = (cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                           cfg["v_head_dim"])
+    if q:
+        w[a + "q_a_proj.weight"], w[a + "q_a_layernorm.weight"] = lin(q, H), norm(q)
+        w[a + "q_b_proj.weight"] = lin(nh * (nope + rope), q)
+    else:
+        w[a + "q_proj.weight"] = lin(nh * (nope + rope), H)
+    w[a + "kv_a_proj_with_mqa.weight"], w[a + "kv_a_layernorm.weight"] = lin(r + rope, H), norm(r)
+    w[a + "kv_b_proj.weight"] = lin(nh * (nope + v), r)
+    w[a + "o_proj.weight"] = lin(H, nh * v)
+    m = p + "mlp."
+    if i < cfg["first_k_dense_replace"]:
+        I = cfg["intermediate_size"]
+        w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"] = lin(I, H), lin(I, H), lin(H, I)
+        return w
+    E, MI = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    w[m + "gate.weight"] = lin(E, H) * 2.0
+    if arch == "deepseek_v3":
+        w[m + "gate.e_score_correction_bias"] = rand(E, scale=0.3)
+    for e in range(E):
+        for name, (o, n) in zip(("gate_proj", "up_proj", "down_proj"), ((MI, H), (MI, H), (H, MI))):
+            w[m + f"experts.{e}.{name}.weight"] = lin(o, n)
+    SI = MI * cfg["n_shared_experts"]
+    if SI:
+        for name, (o, n) in zip(("gate_proj", "up_proj", "down_proj"), ((SI, H), (SI, H), (H, SI))):
+            w[m + f"shared_experts.{name}.weight"] = lin(o, n)
+    return w
 
 
 def save_sharded(weights: Iterable[tuple[str, np.ndarray]], out: Path, dtype: str, shard_bytes: int) -> None:
@@ -185,6 +319,30 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stacked-experts", action="store_true",
                     help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="gemma2 / gemma3_text (their sliding layers; default 4096), phi3 (every layer)")
+    ap.add_argument("--attn-softcap", type=float, default=None, help="gemma2 / gemma3_text: attn_logit_softcapping")
+    ap.add_argument("--final-softcap", type=float, default=None, help="gemma2 / gemma3_text: final_logit_softcapping")
+    ap.add_argument("--query-pre-attn-scalar", type=int, default=None,
+                    help="gemma2 / gemma3_text: the attention scale is its inverse square root (default head_dim)")
+    ap.add_argument("--partial-rotary", type=float, default=None, help="phi3: partial_rotary_factor")
+    ap.add_argument("--longrope", type=int, default=None,
+                    help="phi3: longrope rope scaling with this original_max_position_embeddings (random factors)")
+    ap.add_argument("--yarn", type=int, default=None,
+                    help="gpt_oss / deepseek_v2 / deepseek_v3: yarn rope scaling from this original context to --ctx")
+    ap.add_argument("--swiglu-limit", type=float, default=None, help="gpt_oss: the experts' clamp (default 7)")
+    ap.add_argument("--kv-lora-rank", type=int, default=32, help="deepseek_v2 / deepseek_v3: the KV latent's width")
+    ap.add_argument("--q-lora-rank", type=int, default=24, help="deepseek_v2 / deepseek_v3: 0 for one q_proj")
+    ap.add_argument("--qk-nope", type=int, default=16, help="deepseek_v2 / deepseek_v3: qk_nope_head_dim")
+    ap.add_argument("--qk-rope", type=int, default=8, help="deepseek_v2 / deepseek_v3: qk_rope_head_dim")
+    ap.add_argument("--v-head-dim", type=int, default=12, help="deepseek_v2 / deepseek_v3: v_head_dim")
+    ap.add_argument("--shared-experts", type=int, default=1, help="deepseek_v2 / deepseek_v3: n_shared_experts")
+    ap.add_argument("--first-dense", type=int, default=1, help="deepseek_v2 / deepseek_v3: first_k_dense_replace")
+    ap.add_argument("--n-group", type=int, default=1, help="deepseek_v2 / deepseek_v3: expert groups (n_group)")
+    ap.add_argument("--topk-group", type=int, default=1, help="deepseek_v2 / deepseek_v3: groups kept (topk_group)")
+    ap.add_argument("--routed-scale", type=float, default=1.0, help="deepseek_v2 / deepseek_v3: routed_scaling_factor")
+    ap.add_argument("--mscale", type=float, nargs=2, default=(1.0, 1.0), metavar=("MSCALE", "MSCALE_ALL_DIM"),
+                    help="deepseek_v2 / deepseek_v3 with --yarn: rope_scaling mscale and mscale_all_dim")
     ap.add_argument("--embedding-only", action="store_true",
                     help="an embedding model as Qwen3-Embedding ships: XxxModel without an LM head, tensor "
                          "names without 'model.', and a sentence-transformers 1_Pooling/config.json (last token)")

@@ -17,7 +17,7 @@ N_TOKENS = 24
 
 @pytest.mark.parametrize("arch,extra", [
     ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
-    ("phi3", dict(pad_token_id=0)),
+    ("olmo", dict(pad_token_id=0)),  # OLMo 1 (phi3, tested here before, is native now: test_torch_archs.py)
 ])
 def test_fallback_greedy_equals_transformers(arch, extra, tok_dir, tmp_path, caplog):  # noqa: F811
     import torch

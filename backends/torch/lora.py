@@ -203,6 +203,9 @@ def _hook(lin: torch.nn.Module, site: SiteLora) -> None:
 
 def attach(module: Any, specs: list[str]) -> LoraSet:
     """``--adapter NAME=PATH`` entries loaded onto ``module``."""
+    from .archs import refuse_flag
+
+    refuse_flag(module.a, "--adapter")
     ls = LoraSet(module)
     for s in specs:
         name, path = parse_spec(s)

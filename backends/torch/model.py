@@ -19,7 +19,10 @@ from torch import nn
 
 from .offload import from_offload, layer_places, place, to_offload
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma",
+             "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "gpt_oss", "deepseek_v2", "deepseek_v3")
+EXTRA_ARCHS = ("gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")  # their layers: archs.py
+MOE_ARCHS = ("gpt_oss", "deepseek_v2", "deepseek_v3")  # their layers: archs_moe.py
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Args:
     gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
     offload: Any = None  # --gpu-layers: (first CPU layer, its device, its dtype); see offload.py
     windows: tuple = ()  # per layer: sliding-window width in keys (0: full causal attention)
+    ext: Any = None  # archs.Ext: what an EXTRA_ARCHS architecture changes (soft caps, norms, ropes, ...)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -61,7 +65,7 @@ class Args:
         ctx = c.get("max_position_embeddings", 4096)
         if rope_type(rs) == "yarn" and rs.get("factor") and rs.get("original_max_position_embeddings"):
             ctx = max(ctx, int(rs["original_max_position_embeddings"] * rs["factor"]))  # YaRN's extended context
-        return cls(arch=arch, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+        a = cls(arch=arch, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                    intermediate=c.get("intermediate_size", 0), vocab=c["vocab_size"],
@@ -74,7 +78,26 @@ class Args:
                    moe_intermediate=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
                    norm_topk=c.get("norm_topk_prob", arch == "mixtral"),
                    shared_intermediate=c.get("shared_expert_intermediate_size", 0),
-                   rope_scaling=rs, gemma=arch == "gemma", windows=sliding_windows(c, ctx))
+                   rope_scaling=rs, gemma=arch in ("gemma", "gemma2", "gemma3_text"), windows=sliding_windows(c, ctx),
+                   ext=extension(c))
+        if arch in MOE_ARCHS:  # fields under other names; MLA's latent cache layout
+            from .archs_moe import adjust_args
+
+            adjust_args(a, c)
+        return a
+
+
+def extension(c: dict) -> Any:
+    """archs.settings / archs_moe.settings for the architectures they add (None for the llama family)."""
+    if c["model_type"] in MOE_ARCHS:
+        from .archs_moe import settings as moe_settings
+
+        return moe_settings(c)
+    if c["model_type"] not in EXTRA_ARCHS:
+        return None
+    from .archs import settings
+
+    return settings(c)
 
 
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
@@ -96,6 +119,14 @@ def sliding_windows(c: dict, ctx: int) -> tuple:
     names (derived from ``use_sliding_window`` and ``max_window_layers`` when absent).  Llama and
     Gemma(1) have no sliding window.  A window no shorter than the context changes nothing."""
     arch, n, w = c["model_type"], c["num_hidden_layers"], c.get("sliding_window")
+    if arch in EXTRA_ARCHS:
+        from .archs import layer_windows
+
+        return layer_windows(c, ctx)
+    if arch in MOE_ARCHS:
+        from .archs_moe import layer_windows as moe_windows
+
+        return moe_windows(c, ctx)
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
         w = None
     if not w or arch in ("llama", "gemma"):
@@ -118,6 +149,14 @@ def check_config(c: dict) -> None:
         raise UnsupportedArchitecture(f"config field {field}={value!r} ({c['model_type']}) is not implemented by "
                                       "the torch backend's native path")
 
+    if c["model_type"] in EXTRA_ARCHS:  # archs.py refuses its own and takes out the fields it implements
+        from .archs import check_fields
+
+        c = check_fields(c, refuse)
+    if c["model_type"] in MOE_ARCHS:  # as archs.py, for archs_moe.py's
+        from .archs_moe import check_fields as moe_check_fields
+
+        c = moe_check_fields(c, refuse)
     rs = rope_params(c) or {}
     if rope_type(rs) not in ROPE_TYPES:
         refuse("rope_scaling.rope_type", rope_type(rs))
@@ -538,6 +577,41 @@ def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch
     return (probs @ values).reshape(1, a.heads * a.head_dim)
 
 
+def _prefix_groups(caches: list[Any]) -> list[tuple[Any, list[int]]]:
+    """Rows whose caches share one prefix (shared_kv.ForkedCache): [(prefix, row indices)]."""
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for b, c in enumerate(caches):
+        p = getattr(c, "prefix", None)
+        if p is not None:
+            groups.setdefault(id(p), (p, []))[1].append(b)
+    return list(groups.values())
+
+
+def _shared_prefix_attention(groups: list[tuple[Any, list[int]]], layer: int, q: torch.Tensor, own: torch.Tensor,
+                             Vp: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention of rows over (shared prefix | own rows): q [B, KVH, rep, D], ``own`` the masked
+    float32 scores over the own rows [B, KVH, rep, L], ``Vp`` their values [B, KVH, L, D].  The queries
+    of all the rows of one prefix go against it in one matmul (the prefix is read once); one softmax
+    over the concatenated scores.  Rows without a prefix attend over their own rows only."""
+    B, KVH, rep, D = q.shape
+    out = torch.empty(B, KVH, rep, D, dtype=Vp.dtype, device=Vp.device)
+    rest = sorted(set(range(B)) - {b for _, rows in groups for b in rows})
+    if rest:
+        r = torch.tensor(rest, device=q.device)
+        out[r] = torch.matmul(torch.softmax(own[r], dim=-1).to(Vp.dtype), Vp[r])
+    for prefix, rows in groups:
+        g, r = len(rows), torch.tensor(rows, device=q.device)
+        pk, pv = prefix.k[layer], prefix.v[layer]  # [KVH, P, D]
+        P = pk.shape[1]
+        qg = q[r].permute(1, 0, 2, 3).reshape(KVH, g * rep, D)
+        pre = (torch.matmul(qg, pk.transpose(1, 2)) * scale).view(KVH, g, rep, P).permute(1, 0, 2, 3)
+        probs = torch.softmax(torch.cat([pre.float(), own[r]], dim=-1), dim=-1).to(Vp.dtype)
+        pp = probs[..., :P].permute(1, 0, 2, 3).reshape(KVH, g * rep, P)
+        from_prefix = torch.matmul(pp, pv).view(KVH, g, rep, D).permute(1, 0, 2, 3)
+        out[r] = from_prefix + torch.matmul(probs[..., P:], Vp[r])
+    return out
+
+
 def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] | None, positions: list[int],
                  x: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
     """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
@@ -545,6 +619,8 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
     instead of once per sequence; attention runs per sequence over its own cache.
     Returns logits [B, V].  A pipeline stage (pipeline.py) passes the previous stage's
     activations ``x`` instead of ``tokens``, and ``head=False`` for the pre-norm activations."""
+    if getattr(model, "decode_rows", None) is not None:  # archs.py's layers (soft caps, post-norms, ...)
+        return model.decode_rows(caches, tokens, positions, x=x, head=head)
     a = model.a
     B, H, KVH, D = len(positions), a.heads, a.kv_heads, a.head_dim
     dev = model.cos.device  # a pipeline stage may hold no embedding
@@ -557,6 +633,12 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
     lmax = max(positions) + 1
     pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
     plain = all(isinstance(c, SeqCache) for c in caches)
+    groups = _prefix_groups(caches) if plain and not a.windows and a.offload is None else []
+    if groups:  # forked caches (shared_kv.py): the own segments start at their prefix's end
+        base = torch.tensor([getattr(c, "base", 0) if getattr(c, "prefix", None) is not None else 0
+                             for c in caches], dtype=torch.long, device=dev)
+        lmax = int((pos - base).max()) + 1
+        pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > (pos - base).view(B, 1)
     for i, blk in enumerate(model.layers):
         if a.offload is not None and i == a.offload[0]:
             x, cos, sin, pad_mask = to_offload(a, x, cos, sin, pad_mask)
@@ -570,7 +652,8 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
             continue
         ks, vs = [], []
         for b in range(B):
-            keys, values = caches[b].update(i, positions[b], k[b].unsqueeze(1), v[b].unsqueeze(1))
+            up = caches[b].update_own if groups and getattr(caches[b], "prefix", None) is not None else caches[b].update
+            keys, values = up(i, positions[b], k[b].unsqueeze(1), v[b].unsqueeze(1))
             ks.append(keys.transpose(0, 1))  # [len_b, KVH, D]
             vs.append(values.transpose(0, 1))
         # padded batched attention: one matmul pair for all rows; padding is masked to -inf,
@@ -583,8 +666,11 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
             hide = pad_mask | (torch.arange(lmax, device=pad_mask.device).view(1, lmax)
                                <= (pos.to(pad_mask.device) - a.window(i)).view(B, 1))
         scores = scores.float().masked_fill(hide.view(B, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(Vp.dtype)
-        out = torch.matmul(probs, Vp).reshape(B, H * D)
+        if groups:
+            out = _shared_prefix_attention(groups, i, q.view(B, KVH, rep, D), scores, Vp, scale).reshape(B, H * D)
+        else:
+            probs = torch.softmax(scores, dim=-1).to(Vp.dtype)
+            out = torch.matmul(probs, Vp).reshape(B, H * D)
         x = x + out_proj(attn.o_proj, out)
         x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
     if not head:
@@ -632,14 +718,23 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
         a.tie = True  # an embedding-only checkpoint (e.g. Qwen3Model): no head; logits are never asked for
     with torch.device("meta"):
-        model = Transformer(a)
+        model = Transformer(a) if a.ext is None else ext_model(a, first_cpu_layer, expert_reader)
         if expert_reader is not None:
             from .streamed_moe import StreamedMoE
 
             for i, layer in enumerate(model.layers):
                 if i in expert_reader.layout.slabs:
                     layer.mlp = StreamedMoE(a, expert_reader, i, device, dtype)
-    sd = hf_state_to_ours(a, state)
+    if a.arch in MOE_ARCHS:  # GPT-OSS's fused experts, DeepSeek's interleaved rope rows
+        from .archs_moe import convert_state as moe_convert_state
+
+        sd = moe_convert_state(a, state)
+    else:
+        sd = hf_state_to_ours(a, state)
+    if a.ext is not None and a.arch not in MOE_ARCHS:  # Phi-3's fused projections, split
+        from .archs import convert_state
+
+        sd = convert_state(a, sd)
     if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
         sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
     # convert one tensor at a time, dropping the stored one: peak = the model + one tensor
@@ -655,8 +750,31 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     return finish_load(model, dtype)
 
 
+def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -> Transformer:
+    from .archs import ExtTransformer, refuse_flag
+
+    if first_cpu_layer is not None:
+        refuse_flag(a, "--gpu-layers")
+    if expert_reader is not None:
+        refuse_flag(a, "--stream-experts")
+    if a.arch in MOE_ARCHS:
+        from .archs_moe import MoeTransformer
+
+        return MoeTransformer(a)
+    return ExtTransformer(a)
+
+
 def check_device(a: Args, device: torch.device) -> None:
-    """A live sliding window on CUDA is refused: CUDA graphs and paged attention attend to all keys."""
+    """A live sliding window on CUDA is refused: CUDA graphs and paged attention attend to all keys.
+    So are archs.py's architectures (their layer is not the one the CUDA paths run)."""
+    if a.arch in MOE_ARCHS and device.type == "cuda":  # attention sinks, latent attention
+        from .archs_moe import refuse_cuda as moe_refuse_cuda
+
+        moe_refuse_cuda(a)
+    if a.ext is not None and device.type == "cuda":
+        from .archs import refuse_cuda
+
+        refuse_cuda(a)
     if a.windows and device.type == "cuda":
         from swiftlm.errors import UnsupportedArchitecture
 

@@ -36,6 +36,7 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
+from .archs import refuse_flag
 from .model import Args, Transformer, finish_load, hf_state_to_ours, param_bytes
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def make_plan(c: dict, rank: int, world: int) -> Plan:
     """The split of a model config over ``world`` ranks; ConfigError (one sentence naming
     --tensor-parallel) when the model cannot be split that way."""
     a = Args.from_config(c)
+    refuse_flag(a, "--tensor-parallel")
     H, KVH = a.heads, a.kv_heads
     if a.experts:
         raise ConfigError("--tensor-parallel does not support MoE models yet (experts are not sharded); "

@@ -59,6 +59,7 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
+from .archs import refuse_flag
 from .model import Args, Transformer, decode_batch, finish_load, hf_state_to_ours, param_bytes, rope_tables
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def rank_of(stage: int, world: int) -> int:
 def check_split(config: dict, world: int) -> None:
     """ConfigError (one sentence naming --pipeline-parallel) when the model cannot be split so."""
     a = Args.from_config(config)
+    refuse_flag(a, "--pipeline-parallel")
     if a.experts:
         raise ConfigError("--pipeline-parallel does not support MoE models yet; serve this model without it")
     if a.layers < world:
