@@ -89,13 +89,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)")
     v.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
 
-    ft = sub.add_parser("finetune", help="train a LoRA adapter on a JSONL chat dataset (PEFT format; serve it with "
-                        "--adapter NAME=PATH)")
+    ft = sub.add_parser("finetune", help="train a LoRA adapter on a JSONL chat dataset (PEFT format on torch, mlx-lm "
+                        "format on mlx; serve it with --adapter NAME=PATH)")
     ft.add_argument("--model", required=True, help="base model (local HF directory, HF cache id or .gguf)")
     ft.add_argument("--data", required=True, help="JSONL: {\"messages\": [...]} (last message: the assistant's "
                     "target), {\"prompt\", \"completion\"} or {\"text\"} per line")
     ft.add_argument("--out", required=True, help="output directory of the adapter")
-    ft.add_argument("--backend", choices=("torch", "mlx"), default="torch")
+    ft.add_argument("--backend", choices=("torch", "mlx"), default="torch",
+                    help="torch: swiftlm's autograd trainer, PEFT output; mlx: mlx-lm's trainer, mlx-lm output")
     ft.add_argument("--rank", type=int, default=8)
     ft.add_argument("--alpha", type=float, default=16.0)
     ft.add_argument("--steps", type=int, default=100)
@@ -452,20 +453,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    if args.backend == "mlx":
-        print("swiftlm: error: finetune --backend mlx is not built yet; use mlx_lm.lora (its adapters load with "
-              "--adapter on the torch backend) or --backend torch", file=sys.stderr)
-        return 2
-    from .finetune import finetune_torch
+    from .finetune import finetune_mlx, finetune_torch
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 10 == 0 or step == args.steps:
             print(f"step {step}: loss {loss:.4f}", flush=True)
 
-    res = finetune_torch(args.model, args.data, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
-                         lr=args.lr, batch_size=args.batch_size,
-                         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()), fuse=args.fuse,
-                         seed=args.seed, device=args.device, progress=progress)
+    kw = dict(rank=args.rank, alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+              targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()), fuse=args.fuse,
+              seed=args.seed, progress=progress)
+    if args.backend == "mlx":  # mlx-lm's trainer; writes an mlx-lm adapter (adapters.safetensors)
+        from .backend import discover_backends
+
+        entry = discover_backends(["mlx"]).get("mlx")
+        if entry is None or not entry.availability.ok:
+            why = entry.availability.reason if entry else "the mlx backend is not installed"
+            print(f"swiftlm: error: finetune --backend mlx: {why}", file=sys.stderr)
+            return 2
+        if args.device:
+            print("swiftlm: error: --device is for --backend torch (MLX uses its default device)", file=sys.stderr)
+            return 2
+        res = finetune_mlx(args.model, args.data, args.out, **kw)
+    else:
+        res = finetune_torch(args.model, args.data, args.out, device=args.device, **kw)
     print(json.dumps({"adapter": res.adapter_dir, "fused": res.fused_dir, "steps": len(res.losses),
                       "first_loss": round(res.losses[0], 4), "last_loss": round(res.losses[-1], 4),
                       "target_tokens": res.tokens, "seconds": res.seconds}))

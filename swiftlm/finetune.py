@@ -1,5 +1,12 @@
-"""``swiftlm finetune``: train a LoRA adapter on a JSONL dataset, write it in PEFT format (which
-``--adapter NAME=PATH`` serves), and optionally fuse it into a merged checkpoint.
+"""``swiftlm finetune``: train a LoRA adapter on a JSONL dataset, write it (PEFT format on torch,
+mlx-lm format on MLX; ``--adapter NAME=PATH`` serves both), and optionally fuse it into a merged
+checkpoint.
+
+The MLX trainer (``finetune_mlx``) is mlx-lm's own: ``linear_to_lora_layers`` over the model,
+``mlx_lm.tuner.trainer.train`` with its ``TrainingArgs``, ``iterate_batches``, ``default_loss`` and
+``CacheDataset``; the examples are the same token ids the torch trainer gets (``read_dataset``:
+prompt rendered with the chat template exactly as the server renders it, the answer as targets), and
+the fuse is mlx-lm's (``load(base, adapter_path=...)``, ``LoRALinear.fuse``, ``save``).
 
 The torch trainer is plain autograd over the serving model's own forward (backends/torch/model.py)
 with the LoRA terms of backends/torch/lora.py: the base weights are frozen, A and B train (Adam),
@@ -30,6 +37,9 @@ log = logging.getLogger(__name__)
 class Example:
     tokens: list[int]
     first_target: int  # tokens[first_target:] are predicted (loss); earlier ones are context
+
+    def __len__(self) -> int:  # mlx-lm's CacheDataset sorts examples by this
+        return len(self.tokens)
 
 
 @dataclass
@@ -172,3 +182,107 @@ def write_fused(spec: Any, ad: Any, out: Path, merged_state: Any) -> None:
     _, state = load_state(spec)
     state = merged_state(state, ad)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+
+
+class _MlxExamples:
+    """``read_dataset``'s examples in the shape mlx-lm's trainer reads (CacheDataset around an
+    object with ``__getitem__``, ``__len__`` and ``process`` -> (tokens, offset of the targets))."""
+
+    def __init__(self, examples: list[Example]):
+        self.examples = examples
+
+    def __getitem__(self, i: int) -> Example:
+        return self.examples[i]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @staticmethod
+    def process(e: Example) -> tuple[list[int], int]:
+        return e.tokens, e.first_target
+
+
+def finetune_mlx(model: str, data: str, out: str, *, rank: int = 8, alpha: float = 16.0, steps: int = 100,
+                 lr: float = 1e-3, batch_size: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                 fuse: bool = False, seed: int = 0, progress: Any = None) -> FinetuneResult:
+    """Train a LoRA adapter with mlx-lm's trainer and write it to ``out`` in mlx-lm's format
+    (adapters.safetensors + adapter_config.json); ``fuse``: also OUT/fused through mlx-lm's fuse."""
+    import contextlib
+    import sys
+
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    import numpy as np
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.datasets import CacheDataset
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from .backends.mlx.loader import load_gguf, load_hf
+    from .registry import resolve
+
+    if rank < 1 or alpha <= 0 or steps < 1 or lr <= 0 or batch_size < 1:
+        raise ConfigError("--rank, --alpha, --steps, --lr and --batch-size must be positive")
+    spec = resolve(model, allow_download=False)
+    if fuse and spec.format == "gguf":
+        raise ConfigError("--fuse needs an HF-format base directory (convert a GGUF first with `swiftlm convert`)")
+    mx.random.seed(seed)
+    np.random.seed(seed)  # iterate_batches shuffles with numpy's global generator
+    if spec.format == "gguf":
+        module, tokenizer, config = load_gguf(spec)
+    else:
+        module, tokenizer, config, _ = load_hf(spec)
+    ctx = int(spec.context_length or config.get("max_position_embeddings") or 4096)
+    examples = read_dataset(data, tokenizer, max_tokens=ctx)
+    layers = list(module.layers)
+    keys = sorted(k for k, m in layers[0].named_modules() if k.rpartition(".")[2] in targets)
+    missing = sorted(set(targets) - {k.rpartition(".")[2] for k in keys})
+    if missing:
+        raise ConfigError(f"--targets: {missing[0]!r} is not a projection of this model's layers "
+                          f"({', '.join(sorted({k.rpartition('.')[2] for k, _ in layers[0].named_modules() if k}))})")
+    lora_parameters = {"rank": rank, "scale": alpha / rank, "dropout": 0.0, "keys": keys}
+    module.freeze()
+    linear_to_lora_layers(module, len(layers), lora_parameters)
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    res = FinetuneResult(adapter_dir=str(outp))
+
+    class _Losses(TrainingCallback):
+        def on_train_loss_report(self, info: dict) -> None:
+            res.losses.append(float(info["train_loss"]))
+            res.tokens = int(info["trained_tokens"])
+            if progress is not None:
+                with contextlib.redirect_stdout(stdout):  # our progress lines stay on stdout
+                    progress(int(info["iteration"]), res.losses[-1])
+
+    bs = min(batch_size, len(examples))
+    args = TrainingArgs(batch_size=bs, iters=steps, steps_per_report=1, steps_per_eval=steps + 1,
+                        steps_per_save=steps + 1, max_seq_length=ctx,
+                        adapter_file=str(outp / "adapters.safetensors"))
+    t0 = time.perf_counter()
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's progress table: stdout stays ours
+        train(module, optim.Adam(learning_rate=lr), CacheDataset(_MlxExamples(examples)), None, args=args,
+              training_callback=_Losses())
+    res.seconds = round(time.perf_counter() - t0, 3)
+    (outp / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": len(layers), "lora_parameters": lora_parameters,
+        "model": str(model), "data": str(data), "iters": steps, "batch_size": bs, "learning_rate": lr,
+        "seed": seed, "trainer": "mlx_lm.tuner.trainer.train (swiftlm finetune --backend mlx)"}, indent=2))
+    if fuse:
+        res.fused_dir = str(outp / "fused")
+        fuse_mlx(spec.path, outp, Path(res.fused_dir))
+    return res
+
+
+def fuse_mlx(base: str | Path, adapter: str | Path, out: Path) -> None:
+    """mlx-lm's fuse (mlx_lm/fuse.py): the base loaded with the adapter, each LoRA layer folded into
+    its linear (``W + scale * B^T A^T``), saved as an HF-format checkpoint in the base's dtype."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import load, save
+
+    model, tokenizer, config = load(str(base), adapter_path=str(adapter), return_config=True)
+    fused = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    save(out, str(base), model, tokenizer, config, donate_model=False)

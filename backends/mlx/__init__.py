@@ -34,6 +34,10 @@ class MLXBackend:
 
         _clear_streams_at_exit()
         if is_multimodal(spec):
+            if getattr(cfg, "adapter", None):
+                from swiftlm.errors import ConfigError
+
+                raise ConfigError("--adapter is not supported for multimodal models on the mlx backend")
             from .vlm import load_multimodal
 
             return load_multimodal(spec, cfg)

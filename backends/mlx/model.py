@@ -47,6 +47,7 @@ class MLXModel:
         # --distributed: evaluate each sequence's logits as it is built, so that every rank runs the
         # collectives (all-sums, send/recv pairs) of the step's sequences in the same order
         self.eval_each = False
+        self.lora: Any = None  # lora.LoraSet with --adapter: per-request LoRA adapters (selected in forward)
 
     def _make_cache(self, fmt: KVFormat | None = None) -> list[Any]:
         from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -96,7 +97,15 @@ class MLXModel:
             self.group_len = [self.caches.pop(sid)[0].offset for sid in ids]
         x = mx.array([[w.tokens[0]] for w in work], dtype=mx.int32)
         self.group_len = [n + 1 for n in self.group_len]
+        if self.lora is not None:  # each row its request's adapter (0: the base, its output untouched)
+            with self.lora.rows([self._aid(w) for w in work]):
+                return self.module(x, cache=self.group_cache)[:, -1, :]
         return self.module(x, cache=self.group_cache)[:, -1, :]
+
+    def _aid(self, w: Any) -> int:
+        """The LoRA adapter index of a step's sequence (0: none); the engine refuses unknown names."""
+        name = getattr(w.params, "adapter", None)
+        return self.lora.index(name) if name and self.lora is not None else 0
 
     def _cache_for(self, seq_id: int, start_pos: int) -> list[Any]:
         if seq_id in self.group_ids:
@@ -116,12 +125,15 @@ class MLXModel:
         cache = self._cache_for(seq_id, start_pos)
         return self.module(mx.array([tokens], dtype=mx.int32), cache=cache)
 
-    def logits(self, seq_id: int, tokens: list[int], start_pos: int) -> mx.array:
+    def logits(self, seq_id: int, tokens: list[int], start_pos: int, adapter: int = 0) -> mx.array:
         """Feed ``tokens`` and return the last position's logits (1-D).
 
         Like mlx-lm, a multi-token chunk is fed as ``tokens[:-1]`` evaluating only the
         KV state (so the lazy graph never computes the LM head for those positions),
-        then the last token alone."""
+        then the last token alone.  ``adapter``: a LoRA adapter's index (lora.py), 0 the base."""
+        if adapter:
+            with self.lora.rows(single=adapter):
+                return self.logits(seq_id, tokens, start_pos)
         if len(tokens) > 1:
             self._feed(seq_id, tokens[:-1], start_pos)
             _eval_cache(self.caches[seq_id])
@@ -169,11 +181,16 @@ class MLXModel:
             if j is not None:
                 out.append(batched[j])
                 continue
+            aid = self._aid(w) if self.lora is not None else 0
             if not w.sample:
-                self._feed(w.seq_id, w.tokens, w.start_pos)
+                if aid:
+                    with self.lora.rows(single=aid):
+                        self._feed(w.seq_id, w.tokens, w.start_pos)
+                else:
+                    self._feed(w.seq_id, w.tokens, w.start_pos)
                 _eval_cache(self.caches[w.seq_id])
                 continue
-            out.append(self.logits(w.seq_id, w.tokens, w.start_pos))
+            out.append(self.logits(w.seq_id, w.tokens, w.start_pos, adapter=aid))
             if self.eval_each:
                 mx.eval(out[-1])
         sample = [w.seq_id for w in batch.seqs if w.sample]
@@ -322,6 +339,16 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                      experts_per_token=k_used)
     model = MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
     model.expert_stream = reader
+    adapters = list(getattr(cfg, "adapter", None) or [])
+    if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
+        if shard is not None:
+            from swiftlm.errors import ConfigError
+
+            raise ConfigError("--adapter is not supported with --distributed on the mlx backend")
+        from .lora import attach
+
+        model.lora = attach(module, adapters)
+        log.info("LoRA adapters: %s", ", ".join(model.lora.names))
     if shard is not None:
         from .distributed import per_rank_kv
 
