@@ -25,6 +25,7 @@ from . import sampler
 from .backend import Model, SampledToken, SeqWork, StepBatch
 from .chat.messages import normalize_messages
 from .errors import InvalidRequest, SwiftLMError
+from .fork import ForkGroups
 from .outputs import (LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink,  # noqa: F401
                       TokenLogprob)
 from .prefix_cache import PrefixCache
@@ -85,6 +86,7 @@ class _Live:
     first_token_at: float | None = None
     cached_tokens: int = 0
     prefix_pending: bool = False  # look the prompt cache up when the sequence is about to run
+    fork: Any = None  # a fork group member's prompt KV source, taken when it is admitted (fork.py)
 
 
 class PromptSide:
@@ -209,6 +211,8 @@ class Engine(PromptSide):
         self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
         self.media_processor: Any = None   # media.MediaProcessor for multimodal models
         self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
+        self.forks = ForkGroups(self)  # n / best_of: one prefill per request (fork.py)
+        self.fork_stats = self.forks.stats
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.timers = StepTimers()
@@ -256,6 +260,51 @@ class Engine(PromptSide):
         if self.fatal is not None:  # the loop died after the checks above: end it here, not never
             self._end_orphans()
         return seq_id
+
+    def submit_group(self, prompt_tokens: list[int], params: list[SamplingParams], sink: Sink) -> list[int]:
+        """The choices of one request (``n`` / ``best_of``; one ``SamplingParams`` each, e.g.
+        ``params.for_choice(i)``): one sequence id per choice, all on ``sink``.  The prompt is
+        prefilled once and its KV forked into the others (fork.py)."""
+        if len(params) == 1:
+            return [self.submit(prompt_tokens, params[0], sink)]
+        for p in params:
+            self._check(prompt_tokens, p)
+        ids: list[int] = []
+        try:
+            for p in params:
+                ids.append(self._take_slot(p))
+        except QueueFull:
+            with self._lock:
+                self._pending -= len(ids)
+            raise
+        now, media = time.perf_counter(), getattr(prompt_tokens, "media", None)
+        try:
+            lives = [self._make_live(sid, prompt_tokens, p, media, now) for sid, p in zip(ids, params)]
+        except BaseException:
+            with self._lock:
+                self._pending -= len(ids)
+            raise
+        for live in lives:
+            self.outputs.open(live.seq.seq_id, sink, live.seq.params.stop, len(live.seq.prompt_tokens))
+        self._inbox.put(("group", lives))
+        if self.fatal is not None:
+            self._end_orphans()
+        return ids
+
+    def add_group_checked(self, items: list[tuple]) -> None:
+        """``submit_group`` checked and counted in another process (``engine_process``): items of
+        (seq_id, prompt, params, media, submitted)."""
+        try:
+            lives = [self._make_live(*it) for it in items]
+        except Exception as exc:
+            for it in items:
+                self._inbox.put(("refused", (it[0], f"{type(exc).__name__}: {exc}")))
+            return
+        with self._lock:
+            self._pending += len(lives)
+        self._inbox.put(("group", lives))
+        if self.fatal is not None:
+            self._end_orphans()
 
     def add_checked(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
                     submitted: float) -> None:
@@ -338,6 +387,8 @@ class Engine(PromptSide):
                     break
                 if cmd == "add":
                     self._live[arg.seq.seq_id] = arg
+                elif cmd == "group":
+                    self._live.update((x.seq.seq_id, x) for x in arg)
                 elif cmd == "embed":
                     arg[1].set_exception(RuntimeError(self.fatal))
             for live in list(self._live.values()):
@@ -363,10 +414,19 @@ class Engine(PromptSide):
                 # looked up and restored at admission, not now: a queued request holds no KV, not even a
                 # reference to a cache entry (the 30-minute soak found ~184 queued requests pinning entries
                 # the cache had evicted: ~400 MiB of malloc'd memory counted nowhere)
-                arg.prefix_pending = (self.prefix_cache.enabled and not self._compressed_kv(arg.seq.params)
-                                      and arg.seq.media is None and not arg.seq.params.adapter)  # LoRA: own KV
+                arg.prefix_pending = self._prefix_eligible(arg)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
+            elif cmd == "group":  # n choices of one prompt: the first prefills, the others fork from it
+                lead, members = (arg[0], arg[1:]) if self.forks.possible else (None, arg)
+                for live in arg:
+                    self._live[live.seq.seq_id] = live
+                    self.stats.request_started()
+                    if live is lead or lead is None:
+                        live.prefix_pending = self._prefix_eligible(live)
+                        self.scheduler.add(live.seq)
+                if lead is not None:
+                    self.forks.add(lead, members)
             elif cmd == "refused":  # add_checked could not build the request (its grammar): it ends here
                 sid, err = arg
                 self._ended.append(sid)
@@ -442,12 +502,20 @@ class Engine(PromptSide):
         except Exception:  # pragma: no cover
             log.exception("releasing the engine thread's device streams failed")
 
+    def _prefix_eligible(self, live: _Live) -> bool:
+        return (self.prefix_cache.enabled and not self._compressed_kv(live.seq.params)
+                and live.seq.media is None and not live.seq.params.adapter)  # LoRA: own KV
+
     def _restore_prefixes(self) -> None:
         """Prompt-cache hits of the sequences the scheduler can admit now (the first free-slot
-        count of the queue, FCFS): their KV is restored just before they run."""
+        count of the queue, FCFS): their KV is restored just before they run.  Fork group members
+        get their prompt's KV from its fork source here (fork.py)."""
         sch = self.scheduler
         for seq in list(sch.waiting)[:max(0, sch.max_running - len(sch.running))]:
             live = self._live.get(seq.seq_id)
+            if live is not None and live.fork is not None:
+                self.forks.admit(live)
+                continue
             if live is None or not live.prefix_pending:
                 continue
             live.prefix_pending = False
@@ -496,18 +564,24 @@ class Engine(PromptSide):
         rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
         failed = dict(fwd.failed)  # seq id -> error: these sequences end with it, the rest go on
         pending = None
+        logits, forked = fwd.logits, False
+        if self.forks.pending and rows:  # leaders whose prompt just ran: their members sample from its logits
+            extra, idx = self.forks.take(rows)
+            if extra:
+                logits, rows, forked = self.forks.gather(fwd.logits, len(rows), idx), rows + extra, True
         if rows:
             srows = [sampler.Row(w.params, w.state) for w in rows]
             try:
-                pending = sampler.launch(self.model.ops, fwd.logits, srows)
+                pending = sampler.launch(self.model.ops, logits, srows)
             except Exception:  # find the row(s) at fault and fail only them
                 log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
-                pending, ok, bad = sampler.launch_each(self.model.ops, fwd.logits, srows)
+                pending, ok, bad = sampler.launch_each(self.model.ops, logits, srows)
                 failed.update({rows[i].seq_id: err for i, err in bad.items()})
                 rows = [rows[i] for i in ok]
         t3 = time.perf_counter()
         nxt = None
-        if pending is not None and pending.tokens is not None and not failed and self._can_overlap(batch, fwd):
+        if pending is not None and pending.tokens is not None and not failed and not forked and \
+                self._can_overlap(batch, fwd):
             nb = StepBatch([SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state)
                             for w in batch.seqs],
                            input_ids=pending.tokens)
@@ -537,6 +611,8 @@ class Engine(PromptSide):
                 seq = live.seq
                 if not seq.output_tokens and not seq.preemptions and seq.num_computed == live.cached_tokens:
                     self.stats.queue_time.observe(t1 - live.submitted)  # its first step
+                if seq.num_computed < seq.prefill_target:
+                    self.fork_stats.prefill_tokens += len(w.tokens)
                 live.seq.num_computed += len(w.tokens)
                 if not w.sample and not live.seq.output_tokens:
                     self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
@@ -693,6 +769,8 @@ class Engine(PromptSide):
         seq = live.seq
         self._live.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
+        if self.forks.pending:
+            self.forks.drop(live)
         if self.prefix_cache.enabled and reason != "error" and seq.media is None and not seq.params.adapter:
             try:
                 snap = self.model.snapshot_prefix(seq.seq_id)  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ from multiprocessing.connection import Pipe
 from typing import Any
 
 from .engine import PromptSide, QueueFull, pooled
+from .fork import ForkStats
 from .errors import ConfigError, InvalidRequest
 from .outputs import Out, OutputWorker, Sink
 from .sampling import SamplingParams
@@ -127,7 +128,7 @@ def _snapshot(eng: Any) -> dict:
             "prefix": (len(pc), pc.bytes, pc.hits, pc.misses, pc.tokens_reused),
             "experts": eng.expert_stream_stats(), "expert_reader": copy.copy(reader.stats) if reader else None,
             "spec": copy.copy(spec.stats) if spec is not None else None,
-            "graph_capture": getattr(model, "graph_capture", None)}
+            "graph_capture": getattr(model, "graph_capture", None), "fork": eng.fork_stats.snapshot()}
 
 
 # ---------------------------------------------------------------------------------------- child
@@ -233,6 +234,8 @@ def main(fd: int) -> None:
             cmd = msg[0]
             if cmd == "add":
                 engine.add_checked(*msg[1:])
+            elif cmd == "group":
+                engine.add_group_checked(msg[1])
             elif cmd == "cancel":
                 engine.cancel(msg[1])
             elif cmd == "stopped":
@@ -341,6 +344,7 @@ class EngineClient(PromptSide):
         self._job_ids = itertools.count(1)
         self.timers = StepTimers()  # the child's phases, merged from snapshots; "output" measured here
         self.stats = EngineStats()
+        self.fork_stats = ForkStats()
         # A fresh interpreter (what multiprocessing's 'spawn' gives, without its re-import of the caller's
         # __main__: a script without an ``if __name__ == "__main__"`` guard works), joined by a socketpair
         self._conn, child_conn = Pipe(duplex=True)
@@ -417,6 +421,39 @@ class EngineClient(PromptSide):
             raise QueueFull(self.fatal or "the engine process is gone") from None
         return seq_id
 
+    def submit_group(self, prompt_tokens: list[int], params: list[SamplingParams], sink: Sink) -> list[int]:
+        """As ``Engine.submit_group``: the choices of one request, prefilled once in the child."""
+        if len(params) == 1:
+            return [self.submit(prompt_tokens, params[0], sink)]
+        for p in params:
+            self._check(prompt_tokens, p)
+        if params[0].grammar is not None:  # one request: one grammar for every choice
+            import llguidance
+
+            is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(params[0].grammar)
+            if is_err:
+                raise InvalidRequest(f"invalid grammar: {msgs[0] if msgs else 'rejected'}", param="response_format")
+        ids: list[int] = []
+        try:
+            for p in params:
+                ids.append(self._take_slot(p))
+        except QueueFull:
+            with self._lock:
+                self._pending -= len(ids)
+            raise
+        media, now, prompt = getattr(prompt_tokens, "media", None), time.perf_counter(), list(prompt_tokens)
+        for sid, p in zip(ids, params):
+            self.outputs.open(sid, sink, p.stop, len(prompt))
+        try:
+            self._send(("group", [(sid, prompt, p, media, now) for sid, p in zip(ids, params)]))
+        except Exception:
+            for sid in ids:
+                self.outputs.streams.pop(sid, None)
+            with self._lock:
+                self._pending -= len(ids)
+            raise QueueFull(self.fatal or "the engine process is gone") from None
+        return ids
+
     def cancel(self, seq_id: int) -> None:
         self._send_quiet(("cancel", seq_id))
 
@@ -488,6 +525,7 @@ class EngineClient(PromptSide):
 
     def _apply(self, snap: dict) -> None:
         self.stats = _stats_from(snap["stats"])
+        self.fork_stats = ForkStats(**snap.get("fork", {}))
         counts, sums, n = snap["timers"]
         t = self.timers
         with t._lock:

@@ -22,6 +22,7 @@ from .loader import check_arch, load_state
 from .staging import stager
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
 from .model import PackedAttend, SeqCache, build, decode_batch, param_bytes
+from .shared_kv import ForkedCache, prefixes, share
 from .ops import TorchOps
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,29 @@ class TorchModel:
             c.length = len(w.tokens)
         return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
 
+    # ---------------------------------------------------------------- fork hooks (n / best_of)
+    @torch.inference_mode()
+    def share_prefix(self, seq_id: int) -> tuple[Any, int] | None:
+        """Make this sequence's KV rows [0, length) a read-only shared prefix (shared_kv.py) and
+        rebase the sequence onto it (its own copy is dropped): (handle, positions) for ``fork_from``.
+        None where forks cannot share here (the CUDA slot pool, compressed or offloaded caches,
+        sliding windows, subclasses such as tensor / pipeline ranks): the engine then copies
+        through ``snapshot_prefix`` / ``restore_prefix``."""
+        c = self.caches.get(seq_id)
+        a = self.module.a
+        if (type(self) is not TorchModel or self.static or type(c) is not SeqCache or not c.length
+                or a.windows or a.offload is not None):
+            return None
+        prefix = share(c)
+        self.caches[seq_id] = ForkedCache(prefix, a, self.dtype, self.device)
+        return prefix, c.length
+
+    @torch.inference_mode()
+    def fork_from(self, seq_id: int, handle: Any, n: int) -> None:
+        """Start ``seq_id`` at position ``n`` over the shared prefix ``handle`` (no copy)."""
+        self.caches[seq_id] = ForkedCache(handle, self.module.a, self.dtype, self.device, n)
+        self.kv_formats[seq_id] = self.kv_default
+
     # ---------------------------------------------------------------- prompt cache hooks
     @torch.inference_mode()  # cache slots are inference tensors: copies in and out must be too
     def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
@@ -300,6 +324,9 @@ class TorchModel:
         if c is None or c.length == 0 or not isinstance(c, SeqCache):
             return None  # compressed caches are not kept by the prompt cache
         n = c.length
+        if isinstance(c, ForkedCache):
+            k, v = c.rows(n)
+            return (k, v), sum(t.numel() * t.element_size() for t in k + v), n
         # a compact copy: the slot goes back to the pool, and a view of a grown CPU cache would keep
         # its whole buffer (up to 2x the rows counted) alive in the prompt cache
         k = [t[:, :n].clone() for t in c.k]
@@ -337,12 +364,18 @@ class TorchModel:
         """KV storage the running sequences hold now, and what a 16-bit cache would need for them."""
         held = fp16 = 0
         per_tok16 = 2 * self.module.a.layers * self.module.a.kv_heads * self.module.a.head_dim * 2
-        for c in list(self.caches.values()):
+        caches = list(self.caches.values())
+        for c in caches:
             if isinstance(c, CompressedCache):
                 held += c.nbytes()
-            else:
-                held += c.length * self.info.kv_bytes_per_token
-            fp16 += c.length * per_tok16
+                fp16 += c.length * per_tok16
+            else:  # a fork's shared prompt rows are counted once, below
+                rows = c.own if isinstance(c, ForkedCache) else c.length
+                held += rows * self.info.kv_bytes_per_token
+                fp16 += rows * per_tok16
+        for p in prefixes(caches):
+            held += p.length * self.info.kv_bytes_per_token
+            fp16 += p.length * per_tok16
         return {"bytes": held, "fp16_bytes": fp16}
 
     def reset_peak_memory(self) -> None:
@@ -357,6 +390,7 @@ class TorchModel:
         and pooled caches), counted from the tensors."""
         caches = list(self.caches.values())
         kv = sum(c.nbytes() for c in caches if getattr(c, "slot", None) is None)
+        kv += sum(p.nbytes() for p in prefixes(caches))  # forks' shared prompt rows, once
         kv += sum(c.nbytes() for c in list(self.free_slots))
         kv += sum(c.nbytes() for cs in list(self.turbo_free.values()) for c in list(cs))
         if self.pool is not None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
@@ -18,7 +19,7 @@ from ..sampling import SamplingParams
 from .chat_core import ChatRun, prepare_chat
 from .errors import APIError
 from .models import ADAPTER
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 
 PROGRESS_HEADER = "x-swiftlm-prefill-progress"
 PROGRESS_INTERVAL_S = 2.0
@@ -145,6 +146,32 @@ def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
             {"tool_calls": [{"index": index, "function": {"arguments": val.arguments}}]}]
 
 
+def best_of(req: Any) -> int:
+    """Choices to generate per prompt: ``best_of`` (checked against ``n``, the limit and ``stream``,
+    as OpenAI does) or ``n``."""
+    b = req.best_of
+    if b is None:
+        return req.n
+    if b < req.n:
+        raise APIError(400, f"'best_of' is {b} but must be at least 'n' ({req.n})", param="best_of")
+    if b > MAX_CHOICES:
+        raise APIError(400, f"'best_of' is {b}; at most {MAX_CHOICES}", param="best_of")
+    if req.stream and b > req.n:
+        raise APIError(400, "'best_of' greater than 'n' cannot be streamed: the best choices are known only at "
+                            "the end; set stream to false or best_of to n", param="best_of")
+    return b
+
+
+def ranked(lps: list[list[TokenLogprob]], how: str) -> list[int]:
+    """Candidate indices, best first: by the sum of their tokens' logprobs (``cumulative``, OpenAI's
+    ranking) or by its mean per token (``mean``, length-normalised).  Ties keep generation order."""
+    def score(i: int) -> float:
+        total = sum(x.logprob for x in lps[i])
+        return total / max(1, len(lps[i])) if how == "mean" else total
+
+    return sorted(range(len(lps)), key=lambda i: -score(i))
+
+
 def _chat_message(parser: Any, text: str, reason: str | None) -> tuple[dict, str | None]:
     content, reasoning, calls, reason = parser.result(text, reason)
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -201,10 +228,16 @@ class OpenAIRoutes:
             raise APIError(400, str(exc), param=exc.param) from None
 
     def _submit(self, prompt: list[int], params: SamplingParams, n: int, sink: Any) -> list[int]:
-        ids = []
+        """Submit n choices of one prompt: as one fork group (one prefill, swiftlm/fork.py) where the
+        engine has them (the type's method: a wrapper's __getattr__, e.g. data-parallel replicas, does not
+        count), else as n requests."""
+        ids: list[int] = []
+        engine = self.engine
         try:
-            for i in range(n):
-                ids.append(self.engine.submit(prompt, params.for_choice(i), sink))
+            if n > 1 and getattr(type(engine), "submit_group", None) is not None:
+                ids = engine.submit_group(prompt, [params.for_choice(i) for i in range(n)], sink)
+            for i in range(len(ids), n):
+                ids.append(engine.submit(prompt, params.for_choice(i), sink))
         except QueueFull as exc:
             for sid in ids:
                 self.engine.cancel(sid)
@@ -347,6 +380,7 @@ class OpenAIRoutes:
         model = self.state.spec.name
         if req.test_time is not None:
             return await self._chat_test_time(req, job, cid, created, model)
+        k = best_of(req)
         if req.stream:
             run = ChatRun(self, job, req.n)
             run.start()
@@ -355,13 +389,16 @@ class OpenAIRoutes:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         sink, q = self._sink()
-        ids = self._submit(job.prompt, job.params, req.n, sink)
+        params = job.params
+        if k > req.n and not params.logprobs:  # ranking needs the candidates' logprobs
+            params = replace(params, logprobs=True)
+        ids = self._submit(job.prompt, params, k, sink)
         texts, reasons, lps, completion, cached = await self._gather(ids, q)
         choices = []
-        for i in range(req.n):
-            message, reason = _chat_message(job.plan.parser(), texts[i], reasons[i])
+        for i, c in enumerate(ranked(lps, req.best_of_rank)[:req.n] if k > req.n else range(req.n)):
+            message, reason = _chat_message(job.plan.parser(), texts[c], reasons[c])
             choices.append({"index": i, "message": message,
-                            "logprobs": self._chat_logprobs(lps[i]) if req.logprobs else None,
+                            "logprobs": self._chat_logprobs(lps[c]) if req.logprobs else None,
                             "finish_reason": reason})
         n_prompt = len(job.prompt)
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
@@ -444,7 +481,8 @@ class OpenAIRoutes:
                 raise APIError(400, "'prompt' is empty or has token ids outside the vocabulary", param="prompt")
             token_prompts.append(toks)
         top = req.logprobs or 0
-        plans = [(toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None, top))
+        k = best_of(req)  # choices generated per prompt; the best n of them are returned
+        plans = [(toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None or k > req.n, top))
                  for toks in token_prompts]
         self.state.metrics.requests.labels("completions").inc()
         cid = "cmpl-" + secrets.token_hex(12)
@@ -454,7 +492,7 @@ class OpenAIRoutes:
         all_ids: list[int] = []
         try:
             for toks, params in plans:
-                all_ids += self._submit(toks, params, req.n, sink)
+                all_ids += self._submit(toks, params, k, sink)
                 self.state.metrics.prompt_tokens.inc(len(toks))
         except APIError:
             for sid in all_ids:
@@ -467,10 +505,15 @@ class OpenAIRoutes:
                                                              echo[0], request.headers.get(PROGRESS_HEADER) == "1"),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts, reasons, lps, completion, _ = await self._gather(all_ids, q)
-        choices = [{"index": i, "text": echo[i // req.n] + texts[i],
-                    "logprobs": (self._completion_logprobs(lps[i], len(echo[i // req.n]))
+        picked = []  # (prompt, candidate) in output order: per prompt its best n of k (or its n)
+        for j in range(len(plans)):
+            cand = list(range(j * k, (j + 1) * k))
+            order = ranked([lps[c] for c in cand], req.best_of_rank)[:req.n] if k > req.n else range(req.n)
+            picked += [(j, cand[r]) for r in order]
+        choices = [{"index": i, "text": echo[j] + texts[c],
+                    "logprobs": (self._completion_logprobs(lps[c], len(echo[j]))
                                  if req.logprobs is not None else None),
-                    "finish_reason": reasons[i]} for i in range(len(all_ids))]
+                    "finish_reason": reasons[c]} for i, (j, c) in enumerate(picked)]
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "system_fingerprint": "swiftlm",
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # template arguments the server fills in itself (a request's chat_template_kwargs may not shadow them)
 SERVER_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 MAX_TOOLS = 128  # as OpenAI
+MAX_CHOICES = 16  # n and best_of: choices generated for one prompt
 
 
 class _Req(BaseModel):
@@ -38,7 +39,11 @@ class _Sampling(_Req):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    # generate best_of choices (one prefill, forked) and return the n with the highest logprob; checked
+    # against n and MAX_CHOICES by the route (a 400 naming best_of).  An extension on chat completions.
+    best_of: int | None = None
+    best_of_rank: Literal["cumulative", "mean"] = "cumulative"  # SwiftLM: sum of logprobs (OpenAI) or per token
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     user: str | None = None
