@@ -19,6 +19,7 @@ from .backend import choose_backend
 from .config import Settings
 from .errors import ConfigError
 from .engine import AsyncSink, Engine, Event, SyncSink, TokenLogprob
+from .outputs import submit_choices
 from .registry import ModelSpec, resolve
 from .sampling import SamplingParams
 
@@ -277,12 +278,8 @@ class LLM(_Base):
         jobs = []
         for prompt in batch:
             toks = self._tokens(prompt, chat_template_kwargs)
-            sinks = []
-            for i in range(n):
-                sink = SyncSink()
-                self.engine.submit(toks, self._params(params, i), sink)
-                sinks.append(sink)
-            jobs.append((toks, sinks))
+            # n > 1: one group, the prompt prefilled once (fork.py)
+            jobs.append((toks, submit_choices(self.engine, toks, [self._params(params, i) for i in range(n)])))
         results = []
         for toks, sinks in jobs:
             outs = []

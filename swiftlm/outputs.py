@@ -75,6 +75,51 @@ class SyncSink:
                 return
 
 
+def submit_choices(engine: Any, prompt: list[int], params: list[Any]) -> list[SyncSink]:
+    """Submit the choices of one prompt (``params``: one SamplingParams each) and return one
+    blocking sink per choice.  Where the engine has ``submit_group`` the prompt is prefilled once
+    and forked (fork.py): the group's events arrive on one queue and are routed here by sequence
+    id; otherwise each choice is an ordinary request."""
+    if len(params) > 1 and hasattr(engine, "submit_group"):
+        shared = SyncSink()
+        ids = engine.submit_group(prompt, params, shared)
+        sinks = [SyncSink() for _ in ids]
+        route = dict(zip(ids, sinks))
+
+        left = [len(ids)]
+
+        def pump() -> None:  # on the first read of any choice: until every choice has finished
+            while left[0]:
+                ev = shared.q.get()
+                route[ev.seq_id].q.put(ev)
+                left[0] -= ev.finished
+
+        return [_Routed(s, pump) for s in sinks]
+    sinks, ids = [], []
+    try:
+        for p in params:
+            sink = SyncSink()
+            ids.append(engine.submit(prompt, p, sink))
+            sinks.append(sink)
+    except Exception:
+        for sid in ids:
+            engine.cancel(sid)
+        raise
+    return sinks
+
+
+class _Routed(SyncSink):
+    """One choice's events of a group: the group's queue is drained into the choices' queues
+    on the first read of any of them (the choices are read one after another)."""
+
+    def __init__(self, sink: SyncSink, pump: Callable[[], None]) -> None:
+        self.q, self._pump = sink.q, pump
+
+    def __iter__(self):
+        self._pump()
+        return super().__iter__()
+
+
 def _put_all(pairs: list[tuple[asyncio.Queue, Event]]) -> None:
     for q, ev in pairs:
         q.put_nowait(ev)

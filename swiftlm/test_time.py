@@ -216,23 +216,15 @@ def check_request(spec: dict) -> dict:
 
 # ------------------------------------------------------------------ running on an engine
 def engine_sample(engine: Any, prompt: list[int], params: Any) -> Callable[[int], list[Candidate]]:
-    """``sample`` over an Engine: N requests submitted at once (one batch), each with logprobs."""
+    """``sample`` over an Engine: N chains submitted as one group (one batch, the prompt prefilled
+    once and forked where the engine can: fork.py), each with logprobs."""
     from dataclasses import replace
 
-    from .outputs import SyncSink
+    from .outputs import submit_choices
 
     def sample(n: int) -> list[Candidate]:
         base = replace(params, logprobs=True, top_logprobs=0)
-        sinks, ids = [], []
-        try:
-            for i in range(n):
-                sink = SyncSink()
-                ids.append(engine.submit(prompt, base.for_choice(i), sink))
-                sinks.append(sink)
-        except Exception:
-            for sid in ids:
-                engine.cancel(sid)
-            raise
+        sinks = submit_choices(engine, prompt, [base.for_choice(i) for i in range(n)])
         out = []
         for i, sink in enumerate(sinks):
             c = Candidate(i, "")

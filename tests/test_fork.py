@@ -345,3 +345,26 @@ def test_streamed_n_keeps_indices_and_finish_reasons(client):
     assert roles == {0: 1, 1: 1, 2: 1}
     assert finish == {i: full["choices"][i]["finish_reason"] for i in range(3)}
     assert [content[i] for i in range(3)] == [c["message"]["content"] for c in full["choices"]]
+
+
+@needs_torch
+def test_python_api_n_and_test_time_chains_prefill_once(llm):
+    """``LLM.generate`` with n > 1 and the test-time strategies' chains go through the fork group:
+    the prompt is prefilled once per call, greedy choices equal a single greedy request, and
+    self-consistency's N sampled chains still differ (per-choice seeds)."""
+    eng = llm.engine
+    prompt = "Question: what is 17 plus 25? Answer:"
+    single = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0)).outputs[0].token_ids
+    n_prompt = len(eng.text_prompt(prompt))
+    before = eng.fork_stats.prefill_tokens
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, n=4))
+    assert eng.fork_stats.prefill_tokens - before == n_prompt
+    assert [o.token_ids for o in out.outputs] == [single] * 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    deltas = []
+    for n in (1, 4):
+        before = eng.fork_stats.prefill_tokens
+        res = llm.generate_with_self_consistency(prompt, n=n, params=sampled)
+        deltas.append(eng.fork_stats.prefill_tokens - before)
+    assert deltas[0] > n_prompt and deltas[1] == deltas[0]  # the chat prompt of four chains prefilled once
+    assert len(res.candidates) == 4 and len({c.text for c in res.candidates}) > 1
