@@ -267,3 +267,43 @@ def test_adapter_with_speculative_decoding_is_refused(tiny_llama, tmp_path):
                 "--speculative", "ngram", "-p", "hi", timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "--adapter does not combine with speculative decoding" in r.stderr
+
+
+def test_adapter_written_by_peft_gives_peft_logits(tiny_llama, tmp_path):
+    """An adapter made and saved by peft itself (get_peft_model + save_pretrained, random A and B on
+    q/v/down, rsLoRA off) served by name: first-step and 8-step greedy logits equal peft's own
+    forward of the adapted transformers model, fp32, within 1e-4 (two implementations of the same
+    fp32 sums; measured ~1e-6)."""
+    import peft  # a dev dependency (pyproject [dev])
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    pm = peft.get_peft_model(hf, cfg).eval()
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)  # lora_B starts at zero: give it a real delta
+    pm.save_pretrained(str(tmp_path / "peft_a"))
+    llm = LLM(str(tiny_llama), backend="torch", parallel=2, adapter=[f"pa={tmp_path / 'peft_a'}"])
+    try:
+        model = llm.engine.model
+        ids = [1, 5, 9, 42, 7, 3, 11, 2]
+        ours = model.logits(950, ids, 0, adapter=model.lora.index("pa"))
+        model.free([950])
+        base = model.logits(951, ids, 0)
+        model.free([951])
+        with torch.no_grad():
+            ref = pm(torch.tensor([ids])).logits[0, -1]
+        assert (ours - base).abs().max() > 1e-2  # the adapter changes the output
+        assert torch.allclose(ours, ref, atol=1e-4, rtol=0), float((ours - ref).abs().max())
+        seq = list(ids)
+        for _ in range(8):  # greedy through peft, token by token
+            with torch.no_grad():
+                seq.append(int(pm(torch.tensor([seq])).logits[0, -1].argmax()))
+        got = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                               adapter="pa")).outputs[0].token_ids
+        assert got == seq[len(ids):]
+    finally:
+        llm.close()
