@@ -1,0 +1,122 @@
+"""The caller's side of a request, shared by the engine and the engine-process client: prompt
+rendering (chat templates, tool plans, media expansion), the checks that make a submission a 4xx
+(or a 429 / 503), and taking a slot in the queue.  Runs in the caller's thread; touches no model
+state."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from .chat.messages import normalize_messages
+from .errors import InvalidRequest, SwiftLMError
+from .sampling import SamplingParams
+
+
+class QueueFull(SwiftLMError):
+    pass
+
+
+def pooled(raw: "Future[list[Any]]", mode: str, dimensions: int | None) -> "Future[list[Any]]":
+    """A future of the pooled, L2-normalised embeddings of ``raw``'s hidden states."""
+    from .embeddings import embed
+
+    out: Future[list[Any]] = Future()
+
+    def done(f: Future) -> None:
+        try:
+            hidden = f.result()
+            if dimensions and hidden and dimensions > hidden[0].shape[-1]:
+                raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
+                                     f"{hidden[0].shape[-1]}", param="dimensions")
+            out.set_result(embed(hidden, mode, dimensions))
+        except Exception as exc:
+            out.set_exception(exc)
+
+    raw.add_done_callback(done)
+    return out
+
+
+class PromptSide:
+    """Prompt rendering and request checks, shared by ``Engine`` and the engine-process client
+    (``engine_process.EngineClient``): both hold ``tokenizer``, ``info``, ``ctx_size``, ``media_policy``,
+    ``media_processor``, ``tool_parser``, ``fatal`` and ``_stopping``."""
+
+    def _take_slot(self, params: SamplingParams) -> int:
+        """Count a new request against the queue (429 when full), give it an id and its default max_tokens;
+        ``_lock``, ``_pending``, ``_ids``, ``max_queue``, ``scheduler.max_running`` and ``default_max_tokens``
+        are the subclass's."""
+        with self._lock:
+            if self._pending >= self.max_queue + self.scheduler.max_running:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._pending += 1
+        seq_id = next(self._ids)
+        if params.max_tokens is None:
+            params.max_tokens = self.default_max_tokens
+        return seq_id
+
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
+        bag: list = []
+        msgs = normalize_messages(messages, (self.media_policy, bag))
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
+        return self._encode(text, bag)
+
+    def plan_chat(self, messages: Any, **kw: Any) -> Any:
+        """Render a chat request with tools / tool_choice / thinking: see chat.plan.  Decoded media
+        ride on ``plan.media``; ``encode_plan`` turns the plan into prompt ids."""
+        from .chat.plan import plan_chat
+
+        kw.setdefault("tool_parser", self.tool_parser)
+        bag: list = []
+        plan = plan_chat(self.tokenizer, normalize_messages(messages, (self.media_policy, bag)), **kw)
+        plan.media = bag
+        return plan
+
+    def encode_plan(self, plan: Any) -> list[int]:
+        return self._encode(plan.text, plan.media)
+
+    def _encode(self, text: str, media: list) -> list[int]:
+        if not media:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        from .media.processor import expand
+
+        # media only get here through a policy that make_engine derived from this processor
+        return expand(text, media, self.media_processor, self.tokenizer)
+
+    def text_prompt(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest("'prompt' must be a string", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _check(self, prompt_tokens: list[int], params: SamplingParams) -> None:
+        """What makes a submission a 4xx (or a 429/503), raised in the caller's thread."""
+        if self.info.embedding_only:
+            raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
+                                 param="model")
+        if self.fatal or self._stopping:
+            raise QueueFull(self.fatal or "the server is shutting down")
+        params.validate(self.info.vocab_size)
+        if params.adapter and hasattr(self.model, "forward") and \
+                params.adapter not in getattr(getattr(self.model, "lora", None), "names", ()):  # (model here)
+            raise InvalidRequest(f"LoRA adapter {params.adapter!r} is not loaded on this model", param="model")
+        if not prompt_tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt_tokens) >= self.ctx_size:
+            raise InvalidRequest(f"the prompt has {len(prompt_tokens)} tokens but the context is {self.ctx_size}",
+                                 param="messages")
+        if any(not 0 <= t < self.info.vocab_size for t in prompt_tokens):
+            raise InvalidRequest("the prompt contains token ids outside the vocabulary", param="prompt")
+
+    def _check_embed(self, prompts: list[list[int]]) -> None:
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        for p in prompts:
+            if not p:
+                raise InvalidRequest("an embedding input is empty", param="input")
+            if len(p) > self.ctx_size:
+                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
+                                     param="input")
+            if min(p) < 0 or max(p) >= self.info.vocab_size:
+                raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
