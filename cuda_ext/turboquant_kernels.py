@@ -11,6 +11,8 @@ window (flash-decoding style) and rotate the result back once.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -99,10 +101,17 @@ def _mux(x, c_ptr, BITS: tl.constexpr):
 
 @triton.jit
 def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr):
+              BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr):
     """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
-    split off by shifts, ``_mux`` per code, interleaved back into coordinate order."""
-    if W0 == 4:
+    split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``ASM``
+    (CUDA, 4-bit codes, ``PRMT``): the byte-permute lookup of ``prmt_asm`` instead of the select tree."""
+    if W0 == 4 and PRMT:
+        j = tl.arange(0, D // 2)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :])
+        lo, hi = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+        out = tl.interleave(lo, hi)
+    elif W0 == 4:
         j = tl.arange(0, D // 2)
         b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
         out = tl.interleave(_mux(b & 15, c_ptr, 4), _mux(b >> 4, c_ptr, 4))
@@ -138,7 +147,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KLUT: tl.constexpr,
-                    VLUT: tl.constexpr, MUX: tl.constexpr = 1, DIAG: tl.constexpr = 0):
+                    VLUT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, MUX: tl.constexpr = 1,
+                    DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -180,7 +190,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         ok = n < N
         nn = tl.where(ok, n, 0)
         if KLUT and MUX:
-            kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D)
+            kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
+                             KASM, KPRMT)
         elif KLUT:
             kvec = _lut_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, klut, KW0, KW1, BLOCK_N, D)
         else:
@@ -207,7 +218,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         if VLUT and MUX:
-            vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D)
+            vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D,
+                             KASM, 0)
         elif VLUT:
             vvec = _lut_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vlut, VW0, VW1, BLOCK_N, D)
         else:
@@ -314,6 +326,47 @@ def _lut(centroids: torch.Tensor, bits: int) -> torch.Tensor | None:
     return lut
 
 
+def prmt_asm(centroids: torch.Tensor) -> str:
+    """Inline PTX turning 4 bytes of 4-bit code pairs into their 8 fp16 centroids: the 16 fp16
+    centroids are split into low and high bytes held as immediates; ``prmt`` picks 4 bytes out of
+    8 by 4 nibble selectors, so two ``prmt`` per byte half (entries 0-7 and 8-15, chosen by the
+    code's bit 3 with ``lop3``) look up four codes at once, and two more assemble the fp16 pairs.
+    Outputs: $0, $1 the low nibbles' centroids (fp16x2), $2, $3 the high nibbles'; input $4."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    assert len(bits) == 16
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    lo = [b & 0xFF for b in bits]
+    hi = [b >> 8 for b in bits]
+    tables = [word(lo[4 * i:4 * i + 4]) for i in range(4)] + [word(hi[4 * i:4 * i + 4]) for i in range(4)]
+
+    def half(src: str, o0: str, o1: str) -> str:
+        return (f"and.b32 tqt, {src}, 0x07070707; shr.b32 tqx, tqt, 4; or.b32 tqx, tqx, tqt; prmt.b32 tqs, tqx, tqx, 0x0020; "
+                "prmt.b32 tqr0, tqa0, tqa1, tqs; prmt.b32 tqr1, tqa2, tqa3, tqs; prmt.b32 tqh0, tqb0, tqb1, tqs; prmt.b32 tqh1, tqb2, tqb3, tqs; "
+                f"and.b32 tqm, {src}, 0x08080808; shr.b32 tqm, tqm, 3; mul.lo.u32 tqm, tqm, 255; "
+                "lop3.b32 tqrl, tqr1, tqr0, tqm, 0xE4; lop3.b32 tqrh, tqh1, tqh0, tqm, 0xE4; "
+                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+
+    movs = "".join(f"mov.b32 {n}, {v}; " for n, v in zip(["tqa0", "tqa1", "tqa2", "tqa3", "tqb0", "tqb1", "tqb2", "tqb3"], tables))
+    return ("{ .reg .b32 tqa0, tqa1, tqa2, tqa3, tqb0, tqb1, tqb2, tqb3, tqt, tqx, tqs, tqm, tqr0, tqr1, tqh0, tqh1, tqrl, tqrh, tqu; " + movs
+            + half("$4", "$0", "$1") + "shr.b32 tqu, $4, 4; " + half("tqu", "$2", "$3") + "}")
+
+
+_ASMS: dict[tuple, tuple] = {}
+
+
+def _prmt_for(centroids: torch.Tensor, bits: int) -> str:
+    if bits != 4 or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
+        return ""
+    key = (centroids.data_ptr(), centroids.device)
+    hit = _ASMS.get(key)
+    if hit is None or hit[0] is not centroids:
+        hit = _ASMS[key] = (centroids, prmt_asm(centroids))  # one host read per codebook, before any capture
+    return hit[1]
+
+
 _SM_COUNT: dict[int, int] = {}
 _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages) set by scripts/bench_tq_kernel.py sweeps
 
@@ -351,6 +404,7 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     else:
         sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
     klut = _lut(k_centroids, kw0 + kw1) if f16 and D % 8 == 0 else None
+    kasm = _prmt_for(k_centroids, kw0 + kw1) if klut is not None else ""
     vlut = _lut(v_centroids, vw0 + vw1) if f16 and D % 8 == 0 else None
     _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr,
@@ -361,7 +415,7 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KLUT=klut is not None, VLUT=vlut is not None,
-                            **_TUNE)
+                            KASM=kasm or "none", KPRMT=int(bool(kasm)), **_TUNE)
     return m, l, acc
 
 

@@ -131,6 +131,10 @@ def main() -> None:
             split = lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,  # noqa: E731
                                            vcod.centroids, vb, None, H // KVH, qjl0, None, True, None)
             parts = {"split pass (one sequence)": timed(split)}
+            import os
+            os.environ["SWIFTLM_TQ_PRMT"] = "0"
+            parts["split pass, select trees for 4-bit keys too (no prmt)"] = timed(split)
+            os.environ.pop("SWIFTLM_TQ_PRMT")
             for knobs, what in (({"MUX": 0}, "split pass, byte lookup tables instead of select trees"),
                                 ({"DIAG": 2}, "split pass, no value side (diagnostic: wrong result)")):
                 tk._TUNE.update(knobs)
