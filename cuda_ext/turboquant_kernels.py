@@ -103,8 +103,8 @@ def _mux(x, c_ptr, BITS: tl.constexpr):
 def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr):
     """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
-    split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``ASM``
-    (CUDA, 4-bit codes, ``PRMT``): the byte-permute lookup of ``prmt_asm`` instead of the select tree."""
+    split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``PRMT`` (CUDA):
+    the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees."""
     if W0 == 4 and PRMT:
         j = tl.arange(0, D // 2)
         b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :])
@@ -121,6 +121,15 @@ def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: t
         if W1 > 0:  # coordinates 4j..4j+3 take bits 4(j%2).. of byte j//2 of the 1-bit plane
             b1 = tl.load(p1 + nn[:, None] * row_bytes1 + (j // 2)[None, :]).to(tl.int32)
             b = b | (((b1 >> ((j % 2) * 4)[None, :]) & 15) << 8)
+    if W0 == 2 and PRMT:  # the four 2/3-bit codes as prmt's four selector nibbles, one lookup each
+        sel = (b & 3) | ((b & 0xC) << 2) | ((b & 0x30) << 4) | ((b & 0xC0) << 6)
+        if W1 > 0:
+            sel = sel | ((b >> 6) & 4) | ((b >> 3) & 0x40) | (b & 0x400) | ((b << 3) & 0x4000)
+        o0, o1 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [sel], dtype=(tl.int32, tl.int32), is_pure=True,
+                                           pack=1)
+        v0, v1, v2, v3 = _u16_to_f16(o0), _u16_to_f16(o0 >> 16), _u16_to_f16(o1), _u16_to_f16(o1 >> 16)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    elif W0 == 2:
         B: tl.constexpr = W0 + W1
         v0 = _mux((b & 3) | ((b >> 6) & 4), c_ptr, B)
         v1 = _mux(((b >> 2) & 3) | ((b >> 7) & 4), c_ptr, B)
@@ -147,7 +156,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KLUT: tl.constexpr,
-                    VLUT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, MUX: tl.constexpr = 1,
+                    VLUT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
+                    VPRMT: tl.constexpr, MUX: tl.constexpr = 1,
                     DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -219,7 +229,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         p = tl.exp(s - m_safe[:, None])
         if VLUT and MUX:
             vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D,
-                             KASM, 0)
+                             VASM, VPRMT)
         elif VLUT:
             vvec = _lut_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vlut, VW0, VW1, BLOCK_N, D)
         else:
@@ -354,16 +364,37 @@ def prmt_asm(centroids: torch.Tensor) -> str:
             + half("$4", "$0", "$1") + "shr.b32 tqu, $4, 4; " + half("tqu", "$2", "$3") + "}")
 
 
+def prmt_asm3(centroids: torch.Tensor) -> str:
+    """Inline PTX for 2- and 3-bit codes: input $2 holds four codes as ``prmt`` selector nibbles
+    (built in the kernel from the 2-bit plane's byte and the 1-bit plane's bits); one ``prmt`` per
+    byte half looks the four centroids up in the <= 8 entries held as immediates, two more
+    assemble the fp16 pairs: $0 = codes 0 and 1, $1 = codes 2 and 3."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = (bits + [0] * 8)[:8]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; "
+            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
+            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
+            "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
+
+
 _ASMS: dict[tuple, tuple] = {}
 
 
 def _prmt_for(centroids: torch.Tensor, bits: int) -> str:
-    if bits != 4 or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
+    """The inline PTX lookup for a codebook on CUDA ('' elsewhere, or with SWIFTLM_TQ_PRMT=0: the
+    select trees); built with one host read per codebook, on its first (eager) use."""
+    if bits not in (2, 3, 4) or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
         return ""
-    key = (centroids.data_ptr(), centroids.device)
+    key = (centroids.data_ptr(), centroids.device, bits)
     hit = _ASMS.get(key)
     if hit is None or hit[0] is not centroids:
-        hit = _ASMS[key] = (centroids, prmt_asm(centroids))  # one host read per codebook, before any capture
+        hit = _ASMS[key] = (centroids, prmt_asm(centroids) if bits == 4 else prmt_asm3(centroids))
     return hit[1]
 
 
@@ -406,6 +437,7 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     klut = _lut(k_centroids, kw0 + kw1) if f16 and D % 8 == 0 else None
     kasm = _prmt_for(k_centroids, kw0 + kw1) if klut is not None else ""
     vlut = _lut(v_centroids, vw0 + vw1) if f16 and D % 8 == 0 else None
+    vasm = _prmt_for(v_centroids, vw0 + vw1) if vlut is not None else ""
     _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr,
                             klut if klut is not None else m, vlut if vlut is not None else m, m, l, acc, N,
@@ -415,7 +447,8 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KLUT=klut is not None, VLUT=vlut is not None,
-                            KASM=kasm or "none", KPRMT=int(bool(kasm)), **_TUNE)
+                            KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
+                            **_TUNE)
     return m, l, acc
 
 
