@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode speed and KV memory of compressed KV caches against the uncompressed cache, same run.
 
-    python scripts/bench_turboquant.py --backend torch [--contexts 1024,4096,16384]
+    python scripts/bench_turboquant.py --backend torch [--contexts 4096,16384]   # CPU: SmolLM2's shape
+    python scripts/bench_turboquant.py --backend torch --prefill 16384 --presets fp16,k4v3
     python scripts/bench_turboquant.py --backend mlx
     python scripts/bench_turboquant.py --backend torch --shape 8b --contexts 32768   # on a GPU
 
@@ -12,6 +13,8 @@ their values) through the cache's own write/compress path, then ``--steps`` toke
 through the model and timed.  Baselines: the plain cache in the model's dtype (fp32 on CPU, bf16 on
 CUDA), run eagerly like the compressed caches, and on CUDA also the CUDA-graph decode that plain
 caches get in the server.  Every ratio is against a baseline measured in the same process.
+``--prefill N``: instead, the time to prefill an N-token prompt (2,048-token chunks, compression
+included) per format, against the plain cache in the same process.
 """
 
 from __future__ import annotations
@@ -42,6 +45,29 @@ def config(shape: str, ctx: int) -> dict:
     return c
 
 
+def random_model(cfg: dict, dev, dtype):
+    """Our torch Transformer of ``cfg`` with N(0, 0.02) weights (seed 0), fused projections."""
+    import torch
+
+    from swiftlm.backends.torch.model import MLP, Args, Transformer
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Transformer(Args.from_config(cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.to(dtype).eval()
+    model.init_rope()
+    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+    return model
+
+
 def fmt_of(name: str):
     from swiftlm.turboquant.presets import KVFormat, affine, parse_turbo
 
@@ -57,26 +83,13 @@ def torch_bench(a, presets, contexts):
     import torch
 
     from swiftlm.backends.torch.compressed_cache import CompressedCache
-    from swiftlm.backends.torch.graphs import GraphDecoder, graphable
-    from swiftlm.backends.torch.model import Args, MLP, SeqCache, Transformer
+    from swiftlm.backends.torch.graphs import GraphDecoder
+    from swiftlm.backends.torch.model import SeqCache
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = config(a.shape, max(contexts) + a.warmup + a.steps + 8)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = Transformer(Args.from_config(cfg))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.to(dtype).eval()
-    model.init_rope()
-    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.fuse()
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.fuse()
+    model = random_model(cfg, dev, dtype)
     ma = model.a
     from swiftlm import cuda_ext
 
@@ -154,6 +167,47 @@ def torch_bench(a, presets, contexts):
         runners.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_bench(a, presets):
+    """Seconds to prefill ``a.prefill`` tokens (chunks of 2,048) into a fresh cache, per format;
+    rounds interleave the formats, median per format."""
+    import torch
+
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.backends.torch.model import SeqCache
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    n = a.prefill
+    model = random_model(config(a.shape, n + 8), dev, dtype)
+    ids = torch.randint(0, SHAPES[a.shape]["vocab_size"], (n,), device=dev)
+    times: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(a.rounds):
+            for name in presets:
+                fmt = fmt_of(name)
+                t0 = time.perf_counter()
+                if fmt.compressed:
+                    dense = dtype if dtype != torch.float32 else torch.float16
+                    cache = CompressedCache(model.a, fmt, dtype, dev, dense_dtype=dense)
+                else:
+                    cache = SeqCache(model.a, dtype, dev, capacity=n + 8)
+                for s in range(0, n, 2048):
+                    model(ids[s:s + 2048], cache, s)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+                del cache
+    rows = []
+    for name in presets:
+        sec = statistics.median(times[name])
+        r = {"backend": "torch", "device": str(dev), "prefill_tokens": n, "format": name, "seconds": sec,
+             "tok_s": n / sec, "rounds_s": times[name]}
+        r["speed_vs_plain"] = r["tok_s"] / (n / statistics.median(times[presets[0]]))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     return rows
 
 
@@ -281,8 +335,8 @@ def memory_table(a, presets):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("torch", "mlx"), default="torch")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--presets", default="fp16,k4v3,k3qjl-v3,k3v2,kv_bits=8,kv_bits=4")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=4)
@@ -290,6 +344,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="only the KV-bytes table (8K positions, no model)")
     ap.add_argument("--memory-context", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=0, help="time prefilling this many tokens instead of decode")
     a = ap.parse_args()
     if a.memory:
         rows = memory_table(a, a.presets.split(","))
@@ -299,12 +354,18 @@ def main() -> None:
         return
     contexts = [int(x) for x in a.contexts.split(",")]
     presets = a.presets.split(",")
+    if a.prefill:
+        rows = prefill_bench(a, presets)
+        out = Path(a.json or f"bench_results/bench_turboquant_prefill_{a.shape}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"backend": "torch", "shape": a.shape, "rows": rows}, indent=2))
+        return
     rows = (torch_bench if a.backend == "torch" else mlx_bench)(a, presets, contexts)
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()} "
-                    f"(random weights; ratios against the plain cache in the same run)")
+    t = Table(title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()}, "
+                    f"{_threads(a.backend)} (random weights; ratios against the plain cache in the same run)")
     for col in ("context", "format", "mode", "tok/s", "vs plain (same mode)", "KV bytes", "KV vs plain"):
         t.add_column(col)
     for r in rows:
@@ -313,7 +374,16 @@ def main() -> None:
     Console().print(t)
     out = Path(a.json or f"bench_results/bench_turboquant_{a.backend}_{a.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": a.backend, "shape": a.shape, "steps": a.steps, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"backend": a.backend, "shape": a.shape, "steps": a.steps, "rounds": a.rounds,
+                               "threads": _threads(a.backend), "rows": rows}, indent=2))
+
+
+def _threads(backend: str) -> str:
+    if backend != "torch":
+        return "mlx"
+    import torch
+
+    return f"{torch.get_num_threads()} torch threads"
 
 
 if __name__ == "__main__":

@@ -255,3 +255,71 @@ def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
     stats = m.kv_stats()
     assert stats["bytes"] < stats["fp16_bytes"]
     m.free([901])
+
+
+CODE_FORMATS = [parse_turbo("k4v3", window=0), parse_turbo("k3qjl-v3", window=0), parse_turbo("k3v2", window=0),
+                parse_turbo("k2v4", window=0), parse_turbo("k1v1", window=0), parse_turbo("k2qjl-v2", window=0),
+                parse_turbo("k1qjl-v3", window=0), affine(4, 64), affine(8, 64), affine(4, 32), affine(8, 32)]
+
+
+@pytest.mark.parametrize("fmt", CODE_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 2, 128), (2, 2, 32), (2, 6, 96)])
+def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads, d, monkeypatch):
+    """The vectorised path over the codes (one table gather per packed byte, scores of every query
+    per block, values summed from the probabilities) equals softmax attention over the decoded rows,
+    for random rows, odd lengths and blocks/chunks that end anywhere: DECODE_ROWS and SCORE_BUDGET are
+    shrunk so a few hundred rows cross many blocks and chunks, with decode rows (T = 1) and chunks."""
+    import swiftlm.backends.torch.compressed_cache as cc
+
+    if fmt.kind == "affine" and d % 32:
+        pytest.skip("affine groups need a head dim divisible by 32")
+    a = shape(layers=1, kv_heads=kv_heads, heads=heads, d=d)
+    g = torch.Generator().manual_seed(d * 7 + heads)
+    for rows, budget in [(64, 1 << 21), (37, 500), (5, 1 << 21), (2048, 64)]:
+        monkeypatch.setattr(cc, "DECODE_ROWS", rows)
+        monkeypatch.setattr(cc, "SCORE_BUDGET", budget)
+        cache = CompressedCache(a, fmt, torch.float32, CPU)
+        pos = 0
+        for T in (1, 131, 7, 1, 259, 1):
+            q = torch.randn(heads, T, d, generator=g) * 2
+            k = torch.randn(kv_heads, T, d, generator=g) * 3
+            v = torch.randn(kv_heads, T, d, generator=g)
+            L = cache._write(0, pos, k, v)
+            out = cache._attend(L, q, pos)
+            ref = reference_attention(cache, 0, q, pos)
+            tol = fp32_matmul_tol(max(pos + T, d), float(ref.abs().max()), 5)
+            err = float((out - ref).abs().max())
+            assert err <= tol, (fmt.name, rows, budget, T, pos, err, tol)
+            cache._compress(L)
+            pos += T
+        assert cache.layers[0].n_code > 0
+
+
+def test_unit_rows_equal_unit_and_signs_equal_unpack():
+    """The table gathers decode exactly what ``unit``/``unpack`` decode (same fp32 values, in the
+    coordinate order documented for each), for every code width and a row range inside storage."""
+    from swiftlm.backends.torch.kv_quant import unpack
+
+    x = torch.randn(2, 300, 64, generator=torch.Generator().manual_seed(3))
+    for bits in (1, 2, 3, 4):
+        for qjl in (False, True):
+            if qjl and bits == 1:
+                continue
+            c = TurboCodec(64, bits, 5, CPU, qjl=qjl)
+            enc = c.encode(x)
+            want = c.unit([p[:, 17:250] for p in enc.planes])
+            assert torch.equal(c.unit_rows(enc.planes, 17, 250), want)
+            if qjl:
+                signs = unpack([enc.signs[:, 17:250]], 1, 64).float() * 2 - 1
+                got = c.sign_rows(enc.signs, 17, 250)
+                order = [8 * k + 4 * h + t for h in (0, 1) for k in range(8) for t in range(4)]
+                assert torch.equal(got, signs[..., order]) and torch.equal(c.S_rows, c.S[order])
+    for bits in (4, 8):
+        for group in (32, 64):
+            c = AffineCodec(64, bits, group)
+            enc = c.encode(x)
+            want = enc.planes[0].float() if bits == 8 else unpack(enc.planes, 4, 64).float()
+            got = c.code_rows(enc.planes, 5, 299)
+            if c.inverse is not None:
+                got = got[..., c.inverse]
+            assert torch.equal(got, want[:, 5:299])

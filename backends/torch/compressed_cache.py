@@ -32,7 +32,8 @@ from .kv_quant import AffineCodec, Encoded, TurboCodec, online_attention
 
 log = logging.getLogger(__name__)
 
-ATTN_BLOCK = 1024  # compressed rows decoded at a time by the plain-torch attention
+DECODE_ROWS = 2048       # compressed rows decoded at a time by the plain-torch attention (per KV head)
+SCORE_BUDGET = 1 << 21   # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
 
 
 class _Layer:
@@ -186,34 +187,92 @@ class CompressedCache:
 
     # ------------------------------------------------------------------ attention
     def _code_blocks(self, L: _Layer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
-        """Score/value blocks over the compressed rows (qg: [KVH, M, D] fp32 queries)."""
+        """Score/value chunks over the compressed rows (qg: [KVH, M, D] fp32 queries).
+
+        A chunk holds as many rows as SCORE_BUDGET allows (a decode step: the whole history in one
+        chunk); its scores are computed DECODE_ROWS rows at a time, each block's codes decoded into a
+        reused buffer by one table gather (``TurboCodec.unit_rows``) and multiplied with all queries
+        at once.  Its values are never returned decoded: the chunk yields a function that, given the
+        chunk's probabilities, sums the values block by block in the same way (TurboQuant: in the
+        rotated domain, norms folded into the probabilities; affine: codes times probabilities scaled
+        per group, plus the biases weighted by the probabilities)."""
         n = L.n_code
         if not n:
             return
-        if self.fmt.kind == "affine":
-            for s in range(0, n, ATTN_BLOCK):
-                e = min(n, s + ATTN_BLOCK)
-                keys = self.kc.decode_planes([p[:, s:e] for p in L.kp], L.kn[:, s:e], L.ks[:, s:e])
-                vals = self.vc.decode_planes([p[:, s:e] for p in L.vp], L.vn[:, s:e], L.vb[:, s:e])
-                yield (qg @ keys.transpose(1, 2)) * scale, vals, None, 0
-            return
-        q_rot = qg @ self.kc.R.T                       # rotate the query once per step
-        sq = qg @ self.kc.S.T if self.kc.qjl else None
-        for s in range(0, n, ATTN_BLOCK):
-            e = min(n, s + ATTN_BLOCK)
-            ku = self.kc.unit([p[:, s:e] for p in L.kp])              # [KVH, b, D] centroids
-            sc = q_rot @ ku.transpose(1, 2)
-            if sq is not None:
-                signs = self._signs(L.ks[:, s:e])
-                sc = sc + (sq @ signs.transpose(1, 2)) * (L.kr[:, s:e].float() * self.kc.qjl_scale).unsqueeze(1)
-            sc = sc * (L.kn[:, s:e].float() * scale).unsqueeze(1)
-            vu = self.vc.unit([p[:, s:e] for p in L.vp]) * L.vn[:, s:e].float().unsqueeze(-1)
-            yield sc, vu, None, 1
+        KVH, M, D = qg.shape
+        chunk = max(64, SCORE_BUDGET // (KVH * M))
+        blk = min(chunk, DECODE_ROWS)
+        turbo = self.fmt.kind == "turbo"
+        if turbo:
+            q_rot = qg @ self.kc.R.T                  # rotate the query once per step
+            sq = qg @ self.kc.S_rows.T if self.kc.qjl else None
+        else:
+            groups = self.kc.d // self.kc.group
+            qs = qg.view(KVH, M, groups, -1).sum(-1)       # Σ q per group: what each key's bias adds
+            if self.kc.order is not None:                  # the order of ``code_rows``
+                qg = qg[..., self.kc.order.to(qg.device)]
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            sc = torch.empty((KVH, M, e - s), dtype=torch.float32, device=qg.device)
+            for b in range(s, e, blk):
+                be = min(e, b + blk)
+                out = sc[:, :, b - s:be - s]
+                if turbo:
+                    out.copy_(torch.bmm(q_rot, self.kc.unit_rows(L.kp, b, be).transpose(1, 2)))
+                    if sq is not None:
+                        qjl = torch.bmm(sq, self.kc.sign_rows(L.ks, b, be).transpose(1, 2))
+                        out.addcmul_(qjl, L.kr[:, b:be].float().unsqueeze(1), value=self.kc.qjl_scale)
+                else:
+                    self._affine_scores(L, qg, qs, b, be, out)
+            if turbo:
+                sc.mul_((L.kn[:, s:e].float() * scale).unsqueeze(1))
+            else:
+                sc.mul_(scale)
+            yield sc, self._value_sum(L, s, e, blk), None, 1 if turbo else 0
 
-    def _signs(self, packed: torch.Tensor) -> torch.Tensor:
-        from .kv_quant import unpack
+    def _affine_scores(self, L: _Layer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int,
+                       out: torch.Tensor) -> None:
+        """q . (code * scale + bias) per group = scale * (q . code) + bias * Σ q, for rows [b, be)."""
+        codes = self.kc.code_rows(L.kp, b, be)         # [KVH, n, D] fp32 integer codes
+        gs = self.kc.group
+        for g in range(self.kc.d // gs):
+            part = torch.bmm(qg[..., g * gs:(g + 1) * gs], codes[..., g * gs:(g + 1) * gs].transpose(1, 2))
+            part.mul_(L.kn[:, b:be, g].float().unsqueeze(1))
+            part.add_(qs[:, :, g:g + 1] * L.ks[:, b:be, g].float().unsqueeze(1))
+            if g:
+                out.add_(part)
+            else:
+                out.copy_(part)
 
-        return unpack([packed], 1, self.a.head_dim).float() * 2 - 1
+    def _value_sum(self, L: _Layer, s: int, e: int, blk: int):
+        """Σ_j p_j v_j over compressed rows [s, e) for probabilities p [KVH, M, e - s]."""
+        def turbo(p: torch.Tensor) -> torch.Tensor:
+            p = p * L.vn[:, s:e].float().unsqueeze(1)   # norms into the weights: values stay unit centroids
+            acc = None
+            for b in range(s, e, blk):
+                be = min(e, b + blk)
+                vu = self.vc.unit_rows(L.vp, b, be)
+                pb = p[:, :, b - s:be - s]
+                acc = torch.bmm(pb, vu) if acc is None else acc.baddbmm_(pb, vu)
+            return acc
+
+        def affine(p: torch.Tensor) -> torch.Tensor:
+            gs, groups = self.vc.group, self.vc.d // self.vc.group
+            acc = None
+            for b in range(s, e, blk):
+                be = min(e, b + blk)
+                codes = self.vc.code_rows(L.vp, b, be)
+                pb = p[:, :, b - s:be - s]
+                scale, bias = L.vn[:, b:be].float(), L.vb[:, b:be].float()       # [KVH, n, groups]
+                parts = [torch.bmm(pb * scale[:, None, :, g], codes[..., g * gs:(g + 1) * gs])
+                         for g in range(groups)]
+                part = torch.cat(parts, -1) if groups > 1 else parts[0]
+                base = torch.bmm(pb, bias)                                        # [KVH, M, groups]
+                part = (part.view(*part.shape[:2], groups, gs) + base.unsqueeze(-1)).view(part.shape)
+                acc = part if acc is None else acc.add_(part)
+            return acc if self.vc.inverse is None else acc[..., self.vc.inverse.to(acc.device)]
+
+        return turbo if self.fmt.kind == "turbo" else affine
 
     def _attend(self, L: _Layer, q: torch.Tensor, start: int) -> torch.Tensor:
         """q [H, T, D] -> out [T, H*D] over this layer's codes + dense rows."""
