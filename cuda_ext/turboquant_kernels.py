@@ -49,30 +49,6 @@ def _u16_to_f16(x):
 
 
 @triton.jit
-def _lut_tile(p0, p1, row_bytes0, row_bytes1, nn, lut_ptr, W0: tl.constexpr, W1: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """[BLOCK_N, D] fp16 centroids in natural coordinate order, through a byte lookup table
-    (``_lut``): a 4-bit byte -> two fp16 centroids in one int32; a 2-bit byte (plus, for 3-bit
-    codes, the 4 matching bits of the 1-bit plane) -> four fp16 centroids in one int64.  One
-    gather per 2 or 4 coordinates instead of one per coordinate, and no shift-and-mask per code."""
-    if W0 == 4:
-        j = tl.arange(0, D // 2)
-        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
-        w = tl.load(lut_ptr + b)
-        out = tl.interleave(_u16_to_f16(w), _u16_to_f16(w >> 16))
-    else:
-        j = tl.arange(0, D // 4)
-        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
-        if W1 > 0:  # coordinates 4j..4j+3 take bits 4(j%2).. of byte j//2 of the 1-bit plane
-            b1 = tl.load(p1 + nn[:, None] * row_bytes1 + (j // 2)[None, :]).to(tl.int32)
-            b = b | (((b1 >> ((j % 2) * 4)[None, :]) & 15) << 8)
-        w = tl.load(lut_ptr + b)
-        v0, v1, v2, v3 = _u16_to_f16(w), _u16_to_f16(w >> 16), _u16_to_f16(w >> 32), _u16_to_f16(w >> 48)
-        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
-    return out
-
-
-@triton.jit
 def _mux(x, c_ptr, BITS: tl.constexpr):
     """fp16 centroid of each code in ``x`` by a tree of selects on its bits (2^BITS - 1 selects,
     no memory access per element: the centroids are BITS-many scalar loads)."""
@@ -150,15 +126,14 @@ def _signs_nat(ptr, nn, D: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr, klut, vlut,
+def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
                     m_out, l_out, acc_out, N, n_ptr, qjl_scale,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                    QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KLUT: tl.constexpr,
-                    VLUT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
-                    VPRMT: tl.constexpr, MUX: tl.constexpr = 1,
-                    DIAG: tl.constexpr = 0):
+                    QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KNAT: tl.constexpr,
+                    VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
+                    VPRMT: tl.constexpr, DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -178,9 +153,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     kj, ks_ = tl.arange(0, KSW), tl.arange(0, KPER)
     vj, vs_ = tl.arange(0, VSW), tl.arange(0, VPER)
     col = tl.arange(0, D)
-    # s-major column -> coordinate; the lookup-table paths give natural order
-    kcoord = col if KLUT else (col % KSW) * KPER + col // KSW   # keys (and the query, QJL's S q)
-    vcoord = col if VLUT else (col % VSW) * VPER + col // VSW   # values (the accumulator)
+    # s-major column -> coordinate; the fp16 select-tree / prmt paths (KNAT, VNAT) give natural order
+    kcoord = col if KNAT else (col % KSW) * KPER + col // KSW   # keys (and the query, QJL's S q)
+    vcoord = col if VNAT else (col % VSW) * VPER + col // VSW   # values (the accumulator)
     r = tl.arange(0, RP)
     rv = r < REP
     h = g * REP + r
@@ -199,22 +174,17 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
         nn = tl.where(ok, n, 0)
-        if KLUT and MUX:
+        if KNAT:
             kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
                              KASM, KPRMT)
-        elif KLUT:
-            kvec = _lut_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, klut, KW0, KW1, BLOCK_N, D)
         else:
             kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kj, ks_, KW0, KW1, KPER, BLOCK_N, D)
-            if DIAG == 1:  # diagnostics (scripts/bench_tq_kernel.py): no centroid gather
-                kvec = kc.to(tl.float32) * 0.01
-            else:
-                kvec = tl.load(kc_ptr + kc)                           # centroids [BLOCK_N, D]
+            kvec = tl.load(kc_ptr + kc)                               # centroids [BLOCK_N, D]
             kvec = kvec.to(tl.float16) if F16 else kvec
         kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
         dot = tl.dot(q, tl.trans(kvec), input_precision="ieee") if not F16 else tl.dot(q, tl.trans(kvec))
         if QJL:  # + |r| sqrt(pi/2)/d <S q, sign(S r)>
-            if KLUT:
+            if KNAT:
                 sgn = _signs_nat(ks_ptr + g * ks_head, nn, D, BLOCK_N)
             else:
                 sg = tl.reshape(_field(ks_ptr + g * ks_head, D // 8, nn, kj, ks_, 1, KPER), (BLOCK_N, D))
@@ -227,17 +197,12 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a range past the rows: all -inf, no NaN
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        if VLUT and MUX:
+        if VNAT:
             vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D,
                              VASM, VPRMT)
-        elif VLUT:
-            vvec = _lut_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vlut, VW0, VW1, BLOCK_N, D)
         else:
             vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vj, vs_, VW0, VW1, VPER, BLOCK_N, D)
-            if DIAG == 1:
-                vvec = vc.to(tl.float32) * 0.01
-            else:
-                vvec = tl.load(vc_ptr + vc)
+            vvec = tl.load(vc_ptr + vc)
         vn = tl.load(vn_ptr + g * vn_head + nn).to(tl.float32)
         pv = p * vn[None, :]
         if DIAG == 2:  # diagnostics: no value side
@@ -304,36 +269,6 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
     p0 = planes[0]
     p1 = planes[1] if w1 else planes[0]
     return p0, p1, p0.stride(0), p1.stride(0), p0.stride(1), p1.stride(1), w0, w1
-
-
-_LUTS: dict[tuple, tuple] = {}
-
-
-def _lut(centroids: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """The byte lookup table of ``_lut_tile`` for a codebook (built with device ops once per
-    codebook tensor, no host sync): 4 bits -> int32 [256]; 2 bits -> int64 [256]; 3 bits
-    (2-bit plane byte | 4 high bits << 8) -> int64 [4096]; other widths: None (per-code gathers)."""
-    if bits not in (2, 3, 4):
-        return None
-    key = (centroids.data_ptr(), bits, centroids.device)
-    hit = _LUTS.get(key)
-    if hit is not None and hit[0] is centroids:
-        return hit[1]
-    c16 = centroids.float().half().view(torch.int16).to(torch.int64) & 0xFFFF
-    if bits == 4:
-        i = torch.arange(256, device=centroids.device)
-        lut = c16[i & 15] | (c16[i >> 4] << 16)
-        lut = torch.where(lut >= 2 ** 31, lut - 2 ** 32, lut).to(torch.int32)
-    else:
-        i = torch.arange(256 if bits == 2 else 4096, device=centroids.device)
-        lut = torch.zeros_like(i)
-        for t in range(4):
-            code = (i >> (2 * t)) & 3
-            if bits == 3:
-                code = code | (((i >> (8 + t)) & 1) << 2)
-            lut = lut | (c16[code] << (16 * t))
-    _LUTS[key] = (centroids, lut)
-    return lut
 
 
 def prmt_asm(centroids: torch.Tensor) -> str:
@@ -434,19 +369,19 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
         ks_head, kr_head = ks.stride(0), kr.stride(0)
     else:
         sq, ks, kr, qjl_scale, ks_head, kr_head = q_rot, kp0, k_norms, 0.0, 0, 0
-    klut = _lut(k_centroids, kw0 + kw1) if f16 and D % 8 == 0 else None
-    kasm = _prmt_for(k_centroids, kw0 + kw1) if klut is not None else ""
-    vlut = _lut(v_centroids, vw0 + vw1) if f16 and D % 8 == 0 else None
-    vasm = _prmt_for(v_centroids, vw0 + vw1) if vlut is not None else ""
+    # fp16 and 2-4-bit codes: natural coordinate order, prmt lookups on CUDA (select trees elsewhere)
+    knat = f16 and D % 8 == 0 and kw0 + kw1 in (2, 3, 4)
+    vnat = f16 and D % 8 == 0 and vw0 + vw1 in (2, 3, 4)
+    kasm = _prmt_for(k_centroids, kw0 + kw1) if knat else ""
+    vasm = _prmt_for(v_centroids, vw0 + vw1) if vnat else ""
     _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr,
-                            klut if klut is not None else m, vlut if vlut is not None else m, m, l, acc, N,
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale),
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
-                            N_PTR=n_rows is not None, F16=f16, KLUT=klut is not None, VLUT=vlut is not None,
+                            N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
                             **_TUNE)
     return m, l, acc

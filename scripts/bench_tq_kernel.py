@@ -135,11 +135,9 @@ def main() -> None:
             os.environ["SWIFTLM_TQ_PRMT"] = "0"
             parts["split pass, select trees for 4-bit keys too (no prmt)"] = timed(split)
             os.environ.pop("SWIFTLM_TQ_PRMT")
-            for knobs, what in (({"MUX": 0}, "split pass, byte lookup tables instead of select trees"),
-                                ({"DIAG": 2}, "split pass, no value side (diagnostic: wrong result)")):
-                tk._TUNE.update(knobs)
-                parts[what] = timed(split)
-                tk._TUNE.clear()
+            tk._TUNE.update(DIAG=2)
+            parts["split pass, no value side (diagnostic: wrong result)"] = timed(split)
+            tk._TUNE.clear()
             for sp in filter(None, a.splits.split(",")):
                 sp = int(sp)
                 parts[f"split pass, {sp} splits per KV head"] = timed(

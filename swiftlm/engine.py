@@ -159,14 +159,7 @@ class Engine(PromptSide):
             return [self.submit(prompt_tokens, params[0], sink)]
         for p in params:
             self._check(prompt_tokens, p)
-        ids: list[int] = []
-        try:
-            for p in params:
-                ids.append(self._take_slot(p))
-        except QueueFull:
-            with self._lock:
-                self._pending -= len(ids)
-            raise
+        ids = self._take_slots(params)
         now, media = time.perf_counter(), getattr(prompt_tokens, "media", None)
         try:
             lives = [self._make_live(sid, prompt_tokens, p, media, now) for sid, p in zip(ids, params)]

@@ -433,14 +433,7 @@ class EngineClient(PromptSide):
             is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(params[0].grammar)
             if is_err:
                 raise InvalidRequest(f"invalid grammar: {msgs[0] if msgs else 'rejected'}", param="response_format")
-        ids: list[int] = []
-        try:
-            for p in params:
-                ids.append(self._take_slot(p))
-        except QueueFull:
-            with self._lock:
-                self._pending -= len(ids)
-            raise
+        ids = self._take_slots(params)
         media, now, prompt = getattr(prompt_tokens, "media", None), time.perf_counter(), list(prompt_tokens)
         for sid, p in zip(ids, params):
             self.outputs.open(sid, sink, p.stop, len(prompt))

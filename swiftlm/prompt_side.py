@@ -55,6 +55,19 @@ class PromptSide:
             params.max_tokens = self.default_max_tokens
         return seq_id
 
+    def _take_slots(self, params: list[SamplingParams]) -> list[int]:
+        """``_take_slot`` for each choice of one request, all or none (a full queue gives back the
+        slots already taken)."""
+        ids: list[int] = []
+        try:
+            for p in params:
+                ids.append(self._take_slot(p))
+        except QueueFull:
+            with self._lock:
+                self._pending -= len(ids)
+            raise
+        return ids
+
     def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
         bag: list = []

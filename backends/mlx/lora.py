@@ -19,8 +19,6 @@ Formats: mlx-lm (``adapters.safetensors`` with ``<module path>.lora_a`` [in, r] 
 
 from __future__ import annotations
 
-import json
-import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,11 +26,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from swiftlm.errors import ConfigError
-
-
-class AdapterError(ConfigError):
-    """An adapter that cannot be applied to this model (the message is one sentence)."""
+from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
 
 
 class Adapter:
@@ -42,57 +36,26 @@ class Adapter:
         self.name, self.mods, self.scale, self.rank = name, mods, scale, rank
 
 
-def parse_spec(text: str) -> tuple[str, str]:
-    """``NAME=PATH`` -> (name, path); a ValueError in one sentence otherwise."""
-    name, sep, path = str(text).partition("=")
-    if not sep or not name.strip() or not path.strip() or ":" in name:
-        raise ValueError(f"--adapter {text!r}: expected NAME=PATH (a name without ':' and an adapter directory)")
-    return name.strip(), path.strip()
-
-
 def read_adapter(name: str, path: str | Path) -> Adapter:
     """An mlx-lm adapter directory, or a PEFT one (its A/B transposed to mlx-lm's layout)."""
+    f = adapter_files(name, path)
     d = Path(path)
-    cfg_file = d / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise AdapterError(f"adapter {name!r}: {d} has no adapter_config.json")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"adapter {name!r}: {cfg_file} is not JSON ({exc.msg})") from None
     halves: dict[str, dict[str, mx.array]] = {}
-    if (d / "adapters.safetensors").is_file():
-        lp = cfg.get("lora_parameters") or {}
-        if cfg.get("fine_tune_type", "lora") != "lora":
-            raise AdapterError(f"adapter {name!r}: fine_tune_type {cfg.get('fine_tune_type')!r} is not lora")
-        rank, scale = int(lp.get("rank", 8)), float(lp.get("scale", 20.0))
-        for key, t in mx.load(str(d / "adapters.safetensors")).items():
+    for key, t in mx.load(str(f.weights)).items():
+        if f.kind == "mlx":
             mod, _, leaf = key.rpartition(".")
             if leaf not in ("lora_a", "lora_b") or not mod:
                 raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA lora_a/lora_b weight")
             halves.setdefault(mod, {})[leaf] = t
-    elif (d / "adapter_model.safetensors").is_file():
-        if cfg.get("peft_type", "LORA") != "LORA":
-            raise AdapterError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LoRA")
-        for field in ("use_dora", "fan_in_fan_out"):
-            if cfg.get(field):
-                raise AdapterError(f"adapter {name!r}: {field}=true is not supported")
-        if cfg.get("bias", "none") != "none" or cfg.get("alpha_pattern") or cfg.get("rank_pattern") \
-                or cfg.get("modules_to_save"):
-            raise AdapterError(f"adapter {name!r}: LoRA bias, alpha_pattern, rank_pattern and modules_to_save "
-                               "are not supported")
-        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-        for key, t in mx.load(str(d / "adapter_model.safetensors")).items():
-            k = key.removeprefix("base_model.model.").replace(".default.weight", ".weight")
-            for tag, leaf in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
-                if k.endswith(tag):
-                    halves.setdefault(k[: -len(tag)], {})[leaf] = t.T  # PEFT: A [r, in], B [out, r]
-                    break
-            else:
-                raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
-    else:
-        raise AdapterError(f"adapter {name!r}: {d} has neither adapters.safetensors nor adapter_model.safetensors")
+            continue
+        k = key.removeprefix("base_model.model.").replace(".default.weight", ".weight")
+        for tag, leaf in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+            if k.endswith(tag):
+                halves.setdefault(k[: -len(tag)], {})[leaf] = t.T  # PEFT: A [r, in], B [out, r]
+                break
+        else:
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
+    rank, scale = f.rank, f.scale
     mods = {}
     for mod, h in halves.items():
         if set(h) != {"lora_a", "lora_b"}:

@@ -21,17 +21,13 @@ from typing import Any, Iterator
 
 import torch
 
-from swiftlm.errors import ConfigError
+from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_T = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN + MLP_T
 _PEFT = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
 _MLX = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([ab])$")
-
-
-class AdapterError(ConfigError):
-    """An adapter that cannot be applied to this model (the message is one sentence)."""
 
 
 class Adapter:
@@ -42,43 +38,14 @@ class Adapter:
         self.name, self.mods, self.scale, self.rank, self.targets = name, mods, scale, rank, targets
 
 
-def parse_spec(text: str) -> tuple[str, str]:
-    """``NAME=PATH`` -> (name, path); a ValueError in one sentence otherwise."""
-    name, sep, path = str(text).partition("=")
-    if not sep or not name.strip() or not path.strip() or ":" in name:
-        raise ValueError(f"--adapter {text!r}: expected NAME=PATH (a name without ':' and an adapter directory)")
-    return name.strip(), path.strip()
-
-
 def read_adapter(name: str, path: str | Path) -> Adapter:
     """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) or an mlx-lm one
     (adapter_config.json with lora_parameters + adapters.safetensors)."""
     from safetensors.torch import load_file
 
-    d = Path(path)
-    cfg_file = d / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise AdapterError(f"adapter {name!r}: {d} has no adapter_config.json")
-    cfg = json.loads(cfg_file.read_text())
-    if (d / "adapter_model.safetensors").is_file():
-        if cfg.get("peft_type", "LORA") != "LORA":
-            raise AdapterError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LoRA")
-        for field in ("use_dora", "fan_in_fan_out"):
-            if cfg.get(field):
-                raise AdapterError(f"adapter {name!r}: {field}=true is not supported")
-        if cfg.get("bias", "none") != "none" or cfg.get("alpha_pattern") or cfg.get("rank_pattern"):
-            raise AdapterError(f"adapter {name!r}: LoRA bias, alpha_pattern and rank_pattern are not supported")
-        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        raw, rx, mlx = load_file(str(d / "adapter_model.safetensors")), _PEFT, False
-    elif (d / "adapters.safetensors").is_file():
-        lp = cfg.get("lora_parameters") or {}
-        if cfg.get("fine_tune_type", "lora") != "lora":
-            raise AdapterError(f"adapter {name!r}: fine_tune_type {cfg.get('fine_tune_type')!r} is not lora")
-        r, scale = int(lp.get("rank", 8)), float(lp.get("scale", 20.0))
-        raw, rx, mlx = load_file(str(d / "adapters.safetensors")), _MLX, True
-    else:
-        raise AdapterError(f"adapter {name!r}: {d} has neither adapter_model.safetensors nor adapters.safetensors")
+    f = adapter_files(name, path)
+    r, scale, mlx = f.rank, f.scale, f.kind == "mlx"
+    raw, rx, d = load_file(str(f.weights)), (_MLX if mlx else _PEFT), Path(path)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in raw.items():
         m = rx.search(key)
