@@ -100,6 +100,36 @@ def test_first_step_logits_within_fp32_rounding(pair):
         assert int(got.argmax()) == int(want.argmax())
 
 
+def test_step_mixing_prefill_and_decode_rows(pair):
+    """One forward holding two batched decode rows and a prefill chunk: every row's logits are the
+    full vocabulary and equal the single process's (the prefill row used to be gathered alone inside
+    the step, so the step stacked rows of two widths and the rank failed: seen with 8 streams
+    arriving while others decoded on a `serve --tensor-parallel 2`).  Same tolerance as above."""
+    from swiftlm.backend import SeqWork, StepBatch
+    from swiftlm.sampling import SamplerState, SamplingParams
+
+    name, single, tp = pair
+    a = single.engine.model.module.a
+    K = max(a.hidden, a.heads * a.head_dim, a.intermediate)
+    toks = [single.engine.text_prompt(p) for p in PROMPTS[:3]]
+    got = {}
+    for key, llm in (("single", single), ("tp", tp)):
+        model = llm.engine.model
+        ids = [2 * 10**6 + i for i in range(3)]
+
+        def work(sid, tokens, start):
+            return SeqWork(sid, tokens, start, True, SamplingParams(), SamplerState())
+
+        model.forward(StepBatch([work(ids[0], toks[0], 0), work(ids[1], toks[1], 0)]))
+        fwd = model.forward(StepBatch([work(ids[0], [toks[0][-1]], len(toks[0])),
+                                       work(ids[1], [toks[1][-1]], len(toks[1])), work(ids[2], toks[2], 0)]))
+        model.free(ids)
+        got[key] = fwd.logits.float()
+    assert got["tp"].shape == got["single"].shape == (3, single.engine.model.info.vocab_size)
+    tol = a.layers * K * 2.0**-24 * float(got["single"].abs().max())
+    assert float((got["tp"] - got["single"]).abs().max()) <= tol, name
+
+
 def test_prompt_cache_reuse_is_sharded(pair):
     """A repeated prompt restores its KV from the prompt cache on every rank (each rank keeps its
     own heads' rows under the key rank 0 hands out) and continues exactly as a fresh prefill.

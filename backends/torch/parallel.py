@@ -237,12 +237,21 @@ def sharded_model_class(base: type) -> type:
                     ids = torch.empty(int(batch.input_ids.n), dtype=torch.long, device=self.device)
                 dist.broadcast(ids, 0)
                 batch = StepBatch(batch.seqs, batch.preempted, ids)
-            fwd = super().forward(batch)
+            # the base forward computes prefill rows through self.logits: inside it those stay
+            # vocabulary slices like the batched decode rows, and the whole [rows, V/world] block is
+            # gathered once (gathering some rows early made a step that mixes prefill and decode rows
+            # stack slices of two widths)
+            self._in_forward = True
+            try:
+                fwd = super().forward(batch)
+            finally:
+                self._in_forward = False
             fwd.logits = gather_vocab(fwd.logits, self.module.plan.vocab)
             return fwd
 
-        def logits(self, seq_id: int, tokens: Any, start: int) -> torch.Tensor:
-            return gather_vocab(super().logits(seq_id, tokens, start), self.module.plan.vocab)
+        def logits(self, seq_id: int, tokens: Any, start: int, **kw: Any) -> torch.Tensor:
+            out = super().logits(seq_id, tokens, start, **kw)
+            return out if getattr(self, "_in_forward", False) else gather_vocab(out, self.module.plan.vocab)
 
         def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> torch.Tensor:
             return gather_vocab(super().score(seq_id, tokens, start, pad_to), self.module.plan.vocab)

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Issue 26 on a lent 2-GPU machine (nvidia-h100-x2 or nvidia-h200-x2), no network.  Stages, in the order given:
+#   env    the GPUs, how they are linked (nvidia-smi topo -m), torch / NCCL versions
+#   tp8b   random bf16 Llama-3-8B shape served with --tensor-parallel 1 and 2 (--engine-process off for both:
+#          TP=2 cannot use it, so the comparison is like for like): greedy tokens of 16 prompts one at a time
+#          (scripts/greedy_probe.py), then `swiftlm bench serve` at N=1/64/128 (~40-token prompts, 128 new
+#          tokens, EOS banned, prompt cache off); then, on the TP=2 server, one rank killed with 8 open
+#          streams (scripts/tp_rank_kill.py): what the clients get and when the server exits
+#   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
+#   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
+#   tp32b  a 32B shape (Qwen2.5-32B-like: hidden 5120, 64 layers, 40/8 heads, MLP 27648), TP=1 vs TP=2,
+#          --parallel 64 --ctx-size 256 (65 GB of weights leave ~10 GB on one 80 GB H100), N=1 and N=64
+#   bash scripts/gpu_issue26.sh env tp8b dp tp32b
+# Needs carried: .whl and .gpu (scripts/gpu_prepare.sh).  Everything goes to /tmp/r26 and is packed into
+# $OUT/r26.tgz after every stage (a call cut at its limit still returns what was measured); the table so
+# far is $OUT/summary.txt.  NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the two others below).
+#   LOCAL=1 PY=.venv/bin/python bash scripts/gpu_issue26.sh tiny    # a dry run of the mechanics on a CPU
+set -uo pipefail
+REPO=$(pwd)
+if [ -z "${LOCAL:-}" ]; then
+  PY=python3
+  source scripts/gpu_site.sh                     # swiftlm + wheels -> /tmp/site, PYTHONPATH set
+else
+  PY=${PY:-.venv/bin/python}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+R=/tmp/r26
+mkdir -p $R
+exec > >(tee -a $R/run.log) 2>&1
+pack() { "$PY" $REPO/scripts/gpu_issue26_summary.py $R > $R/summary.txt 2>&1; cp $R/summary.txt "$OUT/";
+         tar czf "$OUT/r26.tgz" -C /tmp r26 2>/dev/null; }
+TOK=$REPO/.gpu/tok
+
+ckpt() {  # name hidden layers heads kv head_dim inter
+  [ -d /tmp/m$1 ] && return 0
+  local t0=$SECONDS
+  "$PY" $REPO/scripts/make_checkpoint.py /tmp/m$1 --arch llama --hidden $2 --layers $3 --heads $4 --kv-heads $5 \
+      --head-dim $6 --intermediate $7 --ctx 8192 --dtype bfloat16 --no-tie --shard-mb 4000 --reuse-layers \
+      --tokenizer-from $TOK > /dev/null || { echo "checkpoint $1 failed"; return 1; }
+  echo "[ckpt $1] $((SECONDS - t0)) s, $(du -sh /tmp/m$1 | cut -f1)"
+}
+
+SPID= PORT=
+start_server() {  # name model serve-args...  -> SPID, PORT (returns 1 when it died or did not come up)
+  local name=$1 model=$2; shift 2
+  PORT=$((6000 + RANDOM % 2000))
+  local t0=$SECONDS
+  "$PY" -m swiftlm.cli serve --model $model --backend torch --port $PORT --prompt-cache-bytes 0 --max-queue 1024 \
+      "$@" > $R/serve_$name.log 2>&1 &
+  SPID=$!
+  for i in $(seq 1 ${LOAD_TIMEOUT:-300}); do
+    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+    kill -0 $SPID 2>/dev/null || { echo "[$name] server died:"; tail -15 $R/serve_$name.log; return 1; }
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null || { echo "[$name] not up in time"; kill -9 $SPID; return 1; }
+  echo "[$name] up in $((SECONDS - t0)) s"
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader 2>/dev/null | sed "s/^/[$name memory] /" \
+      | tee $R/memory_$name.txt
+  return 0
+}
+
+stop_server() {
+  kill $SPID 2>/dev/null; timeout 60 tail --pid=$SPID -f /dev/null; kill -9 $SPID 2>/dev/null; wait $SPID 2>/dev/null
+}
+
+bench() {  # name N requests warmup
+  timeout ${BENCH_TIMEOUT:-240} "$PY" -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+      --concurrency $2 --num-requests $3 --warmup $4 --workers $(( $2 >= 32 ? 4 : 1 )) \
+      --prompt-tokens 40 --output-tokens 128 --ignore-eos --tokenizer $TOK --no-progress \
+      --label "$1_n$2" --json $R/bench_$1_n$2.json 2>&1 | grep -E "output tok/s|ITL|TTFT|failed" | sed "s/^/[$1 N=$2] /"
+}
+
+probe() {  # name prompts
+  timeout 300 "$PY" $REPO/scripts/greedy_probe.py --base-url "http://127.0.0.1:$PORT" --prompts $2 \
+      --json $R/greedy_$1.json | sed "s/^/[$1 greedy] /"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%T)"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+      nvidia-smi topo -m 2>&1 | head -8
+      "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None, torch.cuda.device_count(), 'GPUs')"
+      env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" | sort ;;
+    tiny)  # LOCAL dry run: the same steps on a tiny model (gloo ranks on the CPU)
+      ckpt tiny 128 2 4 2 32 256
+      for tp in 1 2; do
+        start_server tp${tp}_tiny /tmp/mtiny --tensor-parallel $tp --parallel 8 --ctx-size 1024 --engine-process off || continue
+        probe tp${tp}_tiny 4; bench tp${tp}_tiny 1 4 1; bench tp${tp}_tiny 8 16 4
+        if [ $tp = 2 ]; then
+          timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
+              --json $R/rank_kill_tiny.json | head -3
+          wait $SPID; echo "[tp2_tiny] server exit code $?" | tee $R/rank_kill_tiny_exit.txt
+        else stop_server; fi
+      done
+      "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_tiny.json $R/greedy_tp2_tiny.json \
+          --json $R/greedy_equal_tiny.json ;;
+    tp8b)
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      for tp in 1 2; do
+        start_server tp${tp}_8b /tmp/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
+          || continue
+        probe tp${tp}_8b 16
+        bench tp${tp}_8b 1 8 1; bench tp${tp}_8b 64 128 32; bench tp${tp}_8b 128 256 32
+        if [ $tp = 2 ]; then
+          timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
+              --json $R/rank_kill_8b.json | head -3
+          timeout 120 tail --pid=$SPID -f /dev/null; wait $SPID; echo "[tp2_8b] server exit code $?" \
+              | tee $R/rank_kill_8b_exit.txt
+          tail -4 $R/serve_tp2_8b.log
+        else stop_server; fi
+        pack
+      done
+      [ -f $R/greedy_tp2_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_8b.json \
+          $R/greedy_tp2_8b.json --json $R/greedy_equal_8b.json ;;
+    tp8b-ep)
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      start_server tp1ep_8b /tmp/m8b --parallel 128 --ctx-size 1024 --engine-process on || continue
+      bench tp1ep_8b 1 8 1; bench tp1ep_8b 64 128 32; bench tp1ep_8b 128 256 32; stop_server ;;
+    dp)
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      timeout ${DP_TIMEOUT:-420} "$PY" $REPO/scripts/bench_data_parallel.py --model /tmp/m8b --replicas 1,2 \
+          --num-requests ${DP_REQUESTS:-384} --out $R/dp --load-timeout 300 --run-timeout 200 2>&1 | tail -8 ;;
+    tp32b)
+      ckpt 32b 5120 64 40 8 128 27648 || continue
+      for tp in 1 2; do
+        start_server tp${tp}_32b /tmp/m32b --tensor-parallel $tp --parallel 64 --ctx-size 256 --engine-process off \
+          || continue
+        probe tp${tp}_32b 8
+        bench tp${tp}_32b 1 4 1; bench tp${tp}_32b 64 128 32
+        stop_server; pack
+      done
+      [ -f $R/greedy_tp2_32b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_32b.json \
+          $R/greedy_tp2_32b.json --json $R/greedy_equal_32b.json ;;
+  esac
+  pack
+done
+cat $R/summary.txt
