@@ -31,13 +31,14 @@ pack() { "$PY" $REPO/scripts/gpu_issue26_summary.py $R > $R/summary.txt 2>&1; cp
          tar czf "$OUT/r26.tgz" -C /tmp r26 2>/dev/null; }
 TOK=$REPO/.gpu/tok
 
-ckpt() {  # name hidden layers heads kv head_dim inter
-  [ -d /tmp/m$1 ] && return 0
+CK=/tmp; [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 100 ] 2>/dev/null && CK=/dev/shm
+ckpt() {  # name hidden layers heads kv head_dim inter  (scripts/make_shape_checkpoint.py: one layer repeated)
+  [ -d $CK/m$1 ] && return 0
   local t0=$SECONDS
-  "$PY" $REPO/scripts/make_checkpoint.py /tmp/m$1 --arch llama --hidden $2 --layers $3 --heads $4 --kv-heads $5 \
-      --head-dim $6 --intermediate $7 --ctx 8192 --dtype bfloat16 --no-tie --shard-mb 4000 --reuse-layers \
+  "$PY" $REPO/scripts/make_shape_checkpoint.py $CK/m$1 --layers $3 -- --arch llama --hidden $2 --heads $4 \
+      --kv-heads $5 --head-dim $6 --intermediate $7 --ctx 8192 --dtype bfloat16 --no-tie --reuse-layers \
       --tokenizer-from $TOK > /dev/null || { echo "checkpoint $1 failed"; return 1; }
-  echo "[ckpt $1] $((SECONDS - t0)) s, $(du -sh /tmp/m$1 | cut -f1)"
+  echo "[ckpt $1] $((SECONDS - t0)) s, $(du -sh $CK/m$1 | cut -f1) in $CK"
 }
 
 SPID= PORT=
@@ -87,7 +88,7 @@ for stage in "$@"; do
     tiny)  # LOCAL dry run: the same steps on a tiny model (gloo ranks on the CPU)
       ckpt tiny 128 2 4 2 32 256
       for tp in 1 2; do
-        start_server tp${tp}_tiny /tmp/mtiny --tensor-parallel $tp --parallel 8 --ctx-size 1024 --engine-process off || continue
+        start_server tp${tp}_tiny $CK/mtiny --tensor-parallel $tp --parallel 8 --ctx-size 1024 --engine-process off || continue
         probe tp${tp}_tiny 4; bench tp${tp}_tiny 1 4 1; bench tp${tp}_tiny 8 16 4
         if [ $tp = 2 ]; then
           timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
@@ -100,7 +101,7 @@ for stage in "$@"; do
     tp8b)
       ckpt 8b 4096 32 32 8 128 14336 || continue
       for tp in 1 2; do
-        start_server tp${tp}_8b /tmp/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
+        start_server tp${tp}_8b $CK/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
           || continue
         probe tp${tp}_8b 16
         bench tp${tp}_8b 1 8 1; bench tp${tp}_8b 64 128 32; bench tp${tp}_8b 128 256 32
@@ -117,16 +118,23 @@ for stage in "$@"; do
           $R/greedy_tp2_8b.json --json $R/greedy_equal_8b.json ;;
     tp8b-ep)
       ckpt 8b 4096 32 32 8 128 14336 || continue
-      start_server tp1ep_8b /tmp/m8b --parallel 128 --ctx-size 1024 --engine-process on || continue
+      start_server tp1ep_8b $CK/m8b --parallel 128 --ctx-size 1024 --engine-process on || continue
       bench tp1ep_8b 1 8 1; bench tp1ep_8b 64 128 32; bench tp1ep_8b 128 256 32; stop_server ;;
     dp)
       ckpt 8b 4096 32 32 8 128 14336 || continue
-      timeout ${DP_TIMEOUT:-420} "$PY" $REPO/scripts/bench_data_parallel.py --model /tmp/m8b --replicas 1,2 \
-          --num-requests ${DP_REQUESTS:-384} --out $R/dp --load-timeout 300 --run-timeout 200 2>&1 | tail -8 ;;
+      timeout ${DP_TIMEOUT:-420} "$PY" $REPO/scripts/bench_data_parallel.py --model $CK/m8b --replicas 1,2 \
+          --num-requests ${DP_REQUESTS:-256} --out $R/dp --load-timeout 300 --run-timeout 200 2>&1 | tail -8 ;;
+    archs-bg)  # scripts/gpu_archs.py (issue 22) on the second GPU while tp32b's TP=1 uses the first; its
+               # swiftlm is $ARCHS_SITE's (installed by the caller), waited for at the end
+      [ -n "${ARCHS_ROOT:-}" ] && (cd /tmp && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=${ARCHS_SITE:-/tmp/site2}:/tmp/site \
+          timeout ${ARCHS_TIMEOUT:-400} python3 $ARCHS_ROOT/scripts/gpu_archs.py --tokenizer-from $TOK \
+          --out $R/gpu_archs.json > $R/gpu_archs.log 2>&1; echo "exit $?" >> $R/gpu_archs.log) &
+      ARCHS_PID=$! ;;
     tp32b)
+      rm -rf $CK/m8b
       ckpt 32b 5120 64 40 8 128 27648 || continue
       for tp in 1 2; do
-        start_server tp${tp}_32b /tmp/m32b --tensor-parallel $tp --parallel 64 --ctx-size 256 --engine-process off \
+        start_server tp${tp}_32b $CK/m32b --tensor-parallel $tp --parallel 64 --ctx-size 256 --engine-process off \
           || continue
         probe tp${tp}_32b 8
         bench tp${tp}_32b 1 4 1; bench tp${tp}_32b 64 128 32
@@ -137,4 +145,5 @@ for stage in "$@"; do
   esac
   pack
 done
+[ -n "${ARCHS_PID:-}" ] && { timeout 200 tail --pid=$ARCHS_PID -f /dev/null; tail -25 $R/gpu_archs.log; pack; }
 cat $R/summary.txt
