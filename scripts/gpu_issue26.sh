@@ -26,6 +26,7 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 R=/tmp/r26
 mkdir -p $R
+cd $R  # never the checkout: `python -m swiftlm...` there would import the source tree (no swiftlm.backends)
 exec > >(tee -a $R/run.log) 2>&1
 pack() { "$PY" $REPO/scripts/gpu_issue26_summary.py $R > $R/summary.txt 2>&1; cp $R/summary.txt "$OUT/";
          tar czf "$OUT/r26.tgz" -C /tmp r26 2>/dev/null; }

@@ -258,6 +258,14 @@ class Engine(PromptSide):
             if self.on_fatal is not None:
                 self.on_fatal(self.fatal)
 
+    def end_streams_now(self, msg: str) -> None:
+        """A failure seen outside the loop that the loop may not see for a long time (a tensor-parallel
+        rank died while rank 0 waits in an NCCL collective that never returns): every open request's
+        caller gets ``msg`` as its error now, through the output worker (an already-ended stream ignores
+        it).  The engine's own state stays the loop's to clean up, or the exiting process's."""
+        if self.outputs is not None:  # in an engine process the parent's worker ends the streams
+            self.outputs.put([Out(sid, reason="error", error=msg) for sid in list(self.outputs.streams)])
+
     def _end_orphans(self) -> None:
         """Once the loop has died (``fatal`` is set first): every live request, and every one still in
         the inbox (submitted while the last step ran, or racing the death), ends with the error --

@@ -153,3 +153,51 @@ def test_requests_queued_when_the_loop_dies_end_with_its_error(tiny_llama, monke
     finally:
         release.set()
         m.close()
+
+
+def test_rank_failure_ends_streams_while_the_step_is_stuck(tiny_llama, monkeypatch):
+    """A tensor-parallel rank's death seen by the watchdog (swiftlm.llm._rank_failed) ends every open
+    request with the rank's error at once, even while the loop stays blocked inside a forward -- as
+    rank 0 does on CUDA, where NCCL waits on the dead peer (on two H100s the streams got no error and
+    were cut 20 s later by the server's shutdown).  The blocked forward stands in for that collective."""
+    from swiftlm.llm import _rank_failed
+
+    m = LLM(str(tiny_llama), backend="torch", parallel=2)
+    m.engine.on_fatal = lambda msg: None
+    inside, release = threading.Event(), threading.Event()
+    real = m.engine.model.forward
+    calls = [0]
+
+    def forward(batch):
+        calls[0] += 1
+        if calls[0] > 3:  # generation is under way: the next "collective" never returns
+            inside.set()
+            release.wait(60)
+            raise _Killed("released at the end of the test")
+        return real(batch)
+
+    monkeypatch.setattr(m.engine.model, "forward", forward)
+    errors: dict[int, BaseException] = {}
+
+    def go(i: int) -> None:
+        try:
+            m.generate(PROMPTS[i], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        except Exception as exc:
+            errors[i] = exc
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    try:
+        [t.start() for t in ts]
+        assert inside.wait(30)
+        _rank_failed(m.engine, "tensor-parallel rank 1 (pid 1) was killed by signal 9; the model needs all 2 "
+                               "ranks, so it stops")
+        [t.join(10) for t in ts]
+        assert not any(t.is_alive() for t in ts), "a request kept waiting on a stuck step"
+        assert inside.is_set() and not release.is_set()  # the step was still blocked when they ended
+        for i in range(2):
+            assert "rank 1 (pid 1) was killed by signal 9" in str(errors[i])
+        with pytest.raises(Exception, match="rank 1"):  # new requests are refused
+            m.generate("again", SamplingParams(max_tokens=2))
+    finally:
+        release.set()
+        m.close()
