@@ -5,8 +5,10 @@ and tokenizer_config.json (with the chat template), and safetensors weights eith
 dequantized to fp16/bf16/fp32 (numpy + gguf-py, no mlx or torch needed) or kept 4/8-bit in
 MLX's quantized layout (delegated to the mlx backend, which owns that format).
 
-llama.cpp stores the Q and K projections with their rows permuted for interleaved
-("traditional") RoPE; HF checkpoints use the rotate-half layout, so those rows are put back.
+llama.cpp stores the Q and K projections of ``llama`` GGUFs with their rows permuted for
+interleaved ("traditional") RoPE; HF checkpoints use the rotate-half layout, so those rows are
+put back.  ``qwen2`` / ``qwen3`` GGUFs keep HF's row order (llama.cpp runs them with NEOX-style
+rope, which is HF's rotate-half), so nothing is permuted for them.
 """
 
 from __future__ import annotations
@@ -28,15 +30,30 @@ HF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3's per-head q/k RMSNorms
+}
+
+# The GGUF architectures read here (general.architecture -> HF model_type, HF class, whether
+# llama.cpp's converter permuted the Q/K rows: it does so for the llama family only, see
+# LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py; Qwen2Model / Qwen3Model write HF's rows).
+GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 
 
 def hf_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'.  A tensor this mapping does
+    not know (experts, ``rope_freqs``, another architecture's) is refused naming it."""
     parts = gguf_name.split(".")
+    key = parts[2] if parts[0] == "blk" and len(parts) > 3 else parts[0]
+    if key not in HF_NAMES or (parts[0] == "blk" and len(parts) <= 3):
+        raise UnsupportedArchitecture(f"GGUF tensor {gguf_name!r} has no HF-format counterpart in this reader "
+                                      f"(it reads the tensors of the {', '.join(GGUF_ARCHS)} architectures)")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{HF_NAMES[parts[2]]}.{'.'.join(parts[3:])}"
-    return f"{HF_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
+        return f"model.layers.{parts[1]}.{HF_NAMES[key]}.{'.'.join(parts[3:])}"
+    return f"{HF_NAMES[key]}.{'.'.join(parts[1:])}"
 
 
 def unpermute_rows(w: Any, n_heads: int) -> Any:
@@ -48,9 +65,21 @@ def unpermute_rows(w: Any, n_heads: int) -> Any:
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    """The HF config.json of a GGUF of one of ``GGUF_ARCHS`` (from the metadata the registry read:
+    ``<arch>.embedding_length``, ``.block_count``, ``.attention.head_count(_kv)``, ``.attention.key_length``,
+    ``.rope.freq_base``, ``.attention.layer_norm_rms_epsilon``, ``.context_length``, ...)."""
+    arch = spec.arch if spec.arch in GGUF_ARCHS else "llama"
+    model_type, cls, _ = GGUF_ARCHS[arch]
     cfg = dict(spec.config)
-    cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": dtype,
-                "hidden_act": "silu", "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True})
+    cfg.update({"architectures": [cls], "model_type": model_type, "torch_dtype": dtype,
+                "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True})
+    if cfg.get("rms_norm_eps"):  # stored as float32: 1e-06 reads back as 9.99999997e-07
+        cfg["rms_norm_eps"] = float(f"{float(cfg['rms_norm_eps']):.7g}")
+    if model_type == "llama":
+        cfg["pretraining_tp"] = 1
+    else:  # llama.cpp's qwen2 / qwen3 GGUFs carry no sliding window (refused if one is there)
+        cfg.update({"use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": cfg.get("num_hidden_layers", 0)})
     return cfg
 
 
@@ -67,8 +96,9 @@ def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantiz
     spec = resolve(source)
     if spec.format != "gguf":
         raise SwiftLMError(f"{source} is not a GGUF model; convert takes a .gguf file")
-    if spec.arch != "llama":
-        raise UnsupportedArchitecture(f"convert supports llama-family GGUF files; this one is {spec.arch!r}")
+    if spec.arch not in GGUF_ARCHS or (keep_quantized and spec.arch != "llama"):
+        supported = ", ".join(GGUF_ARCHS) if not keep_quantized else "llama (with --keep-quantized)"
+        raise UnsupportedArchitecture(f"convert supports {supported} GGUF files; this one is {spec.arch!r}")
     out = Path(out_dir)
     _prepare_out(out, force)
     config = hf_config(spec, dtype)
@@ -90,8 +120,9 @@ def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantiz
 
 
 def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, fp32 array) for every tensor of a llama GGUF: dequantized with gguf-py,
-    Q/K rows put back in HF order.  Shared by `convert` and the torch backend's loader."""
+    """(HF name, fp32 array) for every tensor of a GGUF of one of ``GGUF_ARCHS``: dequantized with
+    gguf-py, Q/K rows put back in HF order where llama.cpp permuted them (llama only).  Shared by
+    `convert` and the torch backend's loader."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -100,14 +131,15 @@ def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
     _, tensors = read_gguf_header(spec.path)
     raw = np.memmap(spec.path, dtype=np.uint8, mode="r")
     heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
-    for t in tensors:
+    permuted = GGUF_ARCHS.get(spec.arch, GGUF_ARCHS["llama"])[2]
+    names = [hf_name(t.name) for t in tensors]  # refuses an unknown tensor before any is dequantized
+    for t, name in zip(tensors, names):
         shape = tuple(reversed(t.shape))  # numpy order: rows first
         data = np.asarray(raw[t.offset:t.offset + t.n_bytes])
         arr = dequantize(data, GGMLQuantizationType(t.type_id)).reshape(shape).astype(np.float32)
-        name = hf_name(t.name)
-        if ".self_attn.q_proj." in name:
+        if permuted and ".self_attn.q_proj." in name:  # weights and (if any) biases: the same row order
             arr = unpermute_rows(arr, heads)
-        elif ".self_attn.k_proj." in name:
+        elif permuted and ".self_attn.k_proj." in name:
             arr = unpermute_rows(arr, kv_heads)
         yield name, np.ascontiguousarray(arr)
 

@@ -300,6 +300,7 @@ def inspect_gguf(path: Path, source: str) -> ModelSpec:
     meta, tensors = read_gguf(path)
     config = gguf_to_hf_config(meta)
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in tensors)
+    config["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in tensors)  # qwen2's q/k/v biases
     num_params = sum(t.n_elements for t in tensors)
     types: dict[str, int] = {}
     for t in tensors:

@@ -19,6 +19,15 @@ from .errors import CorruptModel, UnsupportedArchitecture
 # HF tokenizers of these models do with a Digits(individual_digits=True) step).
 _INDIVIDUAL_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
+# llama.cpp pre-tokenizer names whose HF tokenizer.json splits with its own regex (a Split step, then
+# ByteLevel without the GPT-2 regex): Qwen2 / Qwen2.5 / Qwen3 ("qwen2") and Llama 3 ("llama-bpe").
+_SPLIT_PRE = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
 GGUF_TOKEN_CONTROL = 3
 GGUF_TOKEN_USER_DEFINED = 4
 
@@ -182,7 +191,14 @@ def load_gguf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     tok = RawTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") in _INDIVIDUAL_DIGIT_PRE:
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre in _SPLIT_PRE:
+        from tokenizers import Regex
+
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    elif pre in _INDIVIDUAL_DIGIT_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:

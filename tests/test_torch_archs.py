@@ -261,19 +261,26 @@ CUDA_FEATURE = {"gemma2": "attn_logit_softcapping=3.0", "gemma3_text": "q/k norm
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_refused_on_cuda(arch, ckpts):
-    """The CUDA paths (graphs, paged attention, packed prefill) run the llama-family layer: refused there."""
+def test_eager_on_cuda(arch, ckpts):
+    """On CUDA these layers run on the eager path (the graphs, slot pool prefill and paged attention run the
+    llama-family layer): a single process picks it, a tensor-parallel rank / pipeline stage is refused."""
     import torch
 
     from swiftlm.backends.torch.model import Args, check_device
+    from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
 
     a = Args.from_config(json.loads((ckpts[arch] / "config.json").read_text()))
+    assert a.needs_eager
+    why = cuda_eager_reason(a, torch.device("cuda"), 256)
+    assert why.startswith(f"architecture {arch!r} ({CUDA_FEATURE[arch]}")
+    assert cuda_eager_reason(a, torch.device("cpu"), 256) is None
     check_device(a, torch.device("cpu"))
+    check_device(a, torch.device("cuda"), eager=True)
     with pytest.raises(UnsupportedArchitecture) as exc:
         check_device(a, torch.device("cuda"))
     msg = str(exc.value)
-    assert msg.startswith(f"architecture {arch!r} ({CUDA_FEATURE[arch]}") and "is not implemented on CUDA" in msg
+    assert msg.startswith(f"architecture {arch!r} ({CUDA_FEATURE[arch]}") and "--tensor-parallel" in msg
     assert msg.count(". ") == 0
 
 

@@ -147,19 +147,26 @@ def test_unknown_value_refused(sentence, tok_dir, tmp_path):
     assert str(exc.value).count(". ") == 0  # one sentence
 
 
-def test_window_refused_on_cuda():
-    """CUDA graphs / paged attention attend to the whole context: a live window is refused there."""
+def test_window_eager_on_cuda():
+    """CUDA graphs / paged attention attend to the whole context: a live window runs on the eager path there
+    (one process), and is refused for tensor-parallel ranks / pipeline stages; a window no shorter than the
+    served context changes nothing, so such a model keeps the static path."""
     import torch
 
     from swiftlm.backends.torch.model import Args, check_device
+    from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
 
     c = {"model_type": "mistral", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
          "vocab_size": 4, "sliding_window": 4, "max_position_embeddings": 16, "intermediate_size": 8}
     a = Args.from_config(c)
-    assert a.windows == (4,)
+    assert a.windows == (4,) and a.needs_eager
+    assert cuda_eager_reason(a, torch.device("cuda"), 16) == "config field sliding_window=4"
+    assert cuda_eager_reason(a, torch.device("cuda"), 4) is None  # --ctx-size 4: the window never bites
     check_device(a, torch.device("cpu"))
-    with pytest.raises(UnsupportedArchitecture, match="config field sliding_window=4 is not implemented on CUDA"):
+    check_device(a, torch.device("cuda"), eager=True)
+    with pytest.raises(UnsupportedArchitecture, match="^config field sliding_window=4 runs on CUDA only in a "
+                                                      "single-process model .*--tensor-parallel"):
         check_device(a, torch.device("cuda"))
 
 
@@ -176,8 +183,8 @@ def test_window_not_applied_when_off():
 
 
 @pytest.mark.parametrize("arch,meta,field", [
-    ("qwen2", {}, "GGUF architecture 'qwen2' is not supported by the torch backend"),
-    ("qwen3", {}, "GGUF architecture 'qwen3' is not supported by the torch backend"),
+    ("qwen2moe", {}, "GGUF architecture 'qwen2moe' (general.architecture) is not supported by the torch backend"),
+    ("phi3", {}, "GGUF architecture 'phi3' (general.architecture) is not supported by the torch backend"),
     ("llama", {"llama.expert_count": 8}, "GGUF field llama.expert_count=8 is not implemented"),
     ("llama", {"llama.rope.scaling.type": "yarn"}, "GGUF field llama.rope.scaling.type='yarn' is not implemented"),
 ])

@@ -14,8 +14,9 @@ math those five change, on the same weights-by-HF-name, ``SeqCache`` and ``Packe
 - SmolLM3: llama with NoPE layers (``no_rope_layers``: 0 = no rotary embedding).
 
 Attention runs eagerly where a soft cap applies (as transformers' eager path: scale, cap,
-mask, fp32 softmax), through SDPA otherwise.  On CUDA these architectures are refused
-(``refuse_cuda``): the CUDA graphs and paged attention run the llama-family layer.
+mask, fp32 softmax), through SDPA otherwise.  On CUDA these architectures run on the eager path
+(``model.Args.eager_reason``, runner.TorchModel's ``static`` off): per-sequence caches and eager forwards,
+since the CUDA graphs, slot pool prefill and paged attention run the llama-family layer.
 """
 
 from __future__ import annotations
@@ -193,17 +194,8 @@ def settings(c: dict) -> Ext:
                rot_dim=_rot_dim(c, head_dim) if arch == "phi3" else head_dim, longrope=longrope)
 
 
-def refuse_cuda(a: Any) -> None:
-    """These layers run on the CPU only: CUDA graphs, the slot pool's packed prefill and paged attention
-    run the llama-family layer (no soft cap, post-norms, per-layer rope or longrope switch)."""
-    from swiftlm.errors import UnsupportedArchitecture
-
-    raise UnsupportedArchitecture(f"architecture {a.arch!r} ({cuda_feature(a)}) is not implemented on CUDA (its "
-                                  "CUDA graphs and paged attention run the llama-family layer), so run this model "
-                                  "on the CPU")
-
-
 def cuda_feature(a: Any) -> str:
+    """The feature that keeps this architecture off the CUDA fast path (named in the load log)."""
     e = a.ext
     if e.attn_softcap:
         return f"attn_logit_softcapping={e.attn_softcap}"
@@ -215,9 +207,9 @@ def cuda_feature(a: Any) -> str:
         return f"partial_rotary_factor={e.rot_dim / a.head_dim}"
     if e.style == "post":
         return "norms after attention and MLP, q/k norms over the whole projection"
-    if None in e.ropes:
+    if None in e.ropes or a.arch == "smollm3":
         return "no_rope_layers"
-    return "fused qkv_proj / gate_up_proj"
+    return "fused qkv_proj / gate_up_proj" if a.arch == "phi3" else "its layer"
 
 
 def refuse_flag(a: Any, flag: str) -> None:

@@ -27,8 +27,11 @@ for full keys and values).  A decode row attends in the latent space (queries th
 key half, the output through its value half: the "absorbed" form); a prompt chunk expands the latent
 into per-head keys and values for its attention.
 
-On CUDA these architectures are refused (``refuse_cuda``): the CUDA graphs, slot pool prefill and
-paged attention run the llama-family layer (no sinks, no latent attention).
+On CUDA these architectures run on the eager path (``model.Args.eager_reason``, runner.TorchModel's
+``static`` off): per-sequence caches and eager forwards, since the CUDA graphs, slot pool prefill and paged
+attention run the llama-family layer (no sinks, no latent attention).  Softmaxes and routing scores stay
+in fp32 in bf16 models (transformers keeps DeepSeek's routing in fp32; it runs GPT-OSS's sink softmax and
+router softmax in the model's dtype, so bf16 runs may differ from it by rounding there).
 """
 
 from __future__ import annotations
@@ -218,12 +221,9 @@ def layer_windows(c: dict, ctx: int) -> tuple:
     return out if any(out) else ()
 
 
-def refuse_cuda(a: Any) -> None:
-    from swiftlm.errors import UnsupportedArchitecture
-
-    feature = "attention sinks" if a.arch == "gpt_oss" else "multi-head latent attention"
-    raise UnsupportedArchitecture(f"architecture {a.arch!r} ({feature}) is not implemented on CUDA (its CUDA graphs "
-                                  "and paged attention run the llama-family layer), so run this model on the CPU")
+def cuda_feature(a: Any) -> str:
+    """The feature that keeps this architecture off the CUDA fast path (named in the load log)."""
+    return "attention sinks" if a.arch == "gpt_oss" else "multi-head latent attention"
 
 
 def _deinterleave(n: int) -> torch.Tensor:

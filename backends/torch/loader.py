@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from swiftlm.convert import iter_dequantized
+from swiftlm.convert import GGUF_ARCHS, iter_dequantized
 from swiftlm.errors import CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
@@ -35,27 +35,47 @@ def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()
 
 
 def load_gguf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to fp32 (gguf-py), Q/K rows back in HF order."""
+    """Every tensor dequantized to fp32 (gguf-py), Q/K rows back in HF order (llama only)."""
     return {name: torch.from_numpy(arr) for name, arr in iter_dequantized(spec)}
 
 
-GGUF_ARCHITECTURES = ("llama",)  # as the mlx backend: tensor names and Q/K layout mapped for llama only
+GGUF_ARCHITECTURES = tuple(GGUF_ARCHS)  # llama (as the mlx backend), qwen2, qwen3: swiftlm.convert.GGUF_ARCHS
+
+# <arch>.<key> metadata that changes the computation and that the native layer does not read from a
+# GGUF: refused when present with a value other than these neutral ones.
+_GGUF_REFUSED = {
+    "expert_count": (0, 1), "expert_used_count": (0, 1), "expert_shared_count": (0,),
+    "rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "rope.dimension_sections": (),
+    "attention.sliding_window": (0,), "attention.sliding_window_pattern": (0,),
+    "attn_logit_softcapping": (0.0,), "final_logit_softcapping": (0.0,),
+    "logit_scale": (1.0,), "embedding_scale": (1.0,), "residual_scale": (1.0,), "attention.scale": (0.0,),
+}
 
 
 def check_gguf(spec: ModelSpec) -> None:
-    """A GGUF is read as a llama (swiftlm.convert.hf_config): refuse, in one sentence, any other
-    architecture and any metadata that llama mapping would drop (experts, rope scaling, sliding window)."""
+    """A GGUF is read as the HF config swiftlm.convert.hf_config derives from its metadata: refuse, in
+    one sentence naming the GGUF key and its value, any other architecture and any metadata that
+    mapping would drop (experts, rope scaling, a sliding window, soft caps, partial rotary, ...)."""
     arch = spec.arch
     if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} is not supported by the torch backend "
-                                      f"(supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}), so give "
-                                      "an HF-format directory for it")
+        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} (general.architecture) is not supported by the "
+                                      f"torch backend (supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}), "
+                                      "so give an HF-format directory for it")
     meta = spec.gguf_meta or {}
-    for key in ("expert_count", "rope.scaling.type", "attention.sliding_window", "attn_logit_softcapping"):
+
+    def refuse(key: str, value: Any) -> None:
+        raise UnsupportedArchitecture(f"GGUF field {arch}.{key}={value!r} is not implemented by the torch "
+                                      "backend's GGUF reader")
+
+    for key, neutral in _GGUF_REFUSED.items():
         value = meta.get(f"{arch}.{key}")
-        if value not in (None, 0, "none"):
-            raise UnsupportedArchitecture(f"GGUF field {arch}.{key}={value!r} is not implemented by the torch "
-                                          "backend's GGUF reader")
+        if value is not None and value not in neutral:
+            refuse(key, value)
+    head_dim = spec.config.get("head_dim")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = meta.get(f"{arch}.{key}")
+        if value is not None and int(value) != head_dim:  # partial rotary / unequal q-k and v widths
+            refuse(key, value)
 
 
 def check_arch(spec: ModelSpec) -> None:

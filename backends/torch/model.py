@@ -55,6 +55,26 @@ class Args:
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
+    def eager_reason(self, ctx: int | None = None) -> str | None:
+        """Why this model runs on the eager path on CUDA (per-sequence caches and eager forwards, no slot
+        pool, CUDA graphs, packed prefill or paged attention: those run the llama-family layer over every
+        key), or None.  ``ctx``: the served context; a window no shorter than it changes nothing."""
+        if self.ext is not None:
+            if self.arch in MOE_ARCHS:
+                from .archs_moe import cuda_feature as moe_feature
+
+                return f"architecture {self.arch!r} ({moe_feature(self)})"
+            from .archs import cuda_feature
+
+            return f"architecture {self.arch!r} ({cuda_feature(self)})"
+        live = [w for w in self.windows if w and (ctx is None or w < ctx)]
+        return f"config field sliding_window={max(live)}" if live else None
+
+    @property
+    def needs_eager(self) -> bool:
+        """On CUDA this model runs eagerly (``eager_reason``): no slot pool, CUDA graphs or paged attention."""
+        return self.eager_reason() is not None
+
     @classmethod
     def from_config(cls, c: dict) -> "Args":
         arch = c["model_type"]
@@ -747,7 +767,7 @@ def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     for layer in model.layers:
         if hasattr(layer.mlp, "to_device"):
             layer.mlp.to_device()
-    return finish_load(model, dtype)
+    return finish_load(model, dtype, eager=True)  # one process: runner.TorchModel picks the path
 
 
 def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -> Transformer:
@@ -764,29 +784,24 @@ def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -
     return ExtTransformer(a)
 
 
-def check_device(a: Args, device: torch.device) -> None:
-    """A live sliding window on CUDA is refused: CUDA graphs and paged attention attend to all keys.
-    So are archs.py's architectures (their layer is not the one the CUDA paths run)."""
-    if a.arch in MOE_ARCHS and device.type == "cuda":  # attention sinks, latent attention
-        from .archs_moe import refuse_cuda as moe_refuse_cuda
-
-        moe_refuse_cuda(a)
-    if a.ext is not None and device.type == "cuda":
-        from .archs import refuse_cuda
-
-        refuse_cuda(a)
-    if a.windows and device.type == "cuda":
+def check_device(a: Args, device: torch.device, eager: bool = False) -> None:
+    """On CUDA, archs.py's / archs_moe.py's architectures and live sliding windows run on the eager path
+    only (``Args.eager_reason``): a single-process model picks it (``eager``: runner.TorchModel runs it
+    so); tensor-parallel ranks and pipeline stages (which call ``finish_load`` without ``eager``) are
+    refused.  Nothing is refused on the CPU."""
+    why = a.eager_reason() if device.type == "cuda" and not eager else None
+    if why is not None:
         from swiftlm.errors import UnsupportedArchitecture
 
-        raise UnsupportedArchitecture(f"config field sliding_window={max(a.windows)} is not implemented on CUDA "
-                                      "(its CUDA graphs and paged attention attend to every key), so run this "
-                                      "model on the CPU")
+        raise UnsupportedArchitecture(f"{why} runs on CUDA only in a single-process model (on the eager path), so "
+                                      "serve it without --tensor-parallel and --pipeline-parallel")
 
 
-def finish_load(model: "Transformer", dtype: torch.dtype) -> "Transformer":
+def finish_load(model: "Transformer", dtype: torch.dtype, eager: bool = False) -> "Transformer":
     """The last steps of every load (one process, a tensor-parallel rank, a pipeline stage), once the
-    weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections."""
-    check_device(model.a, model.cos.device)
+    weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections.
+    ``eager``: the caller can run the model on the eager path on CUDA (``check_device``)."""
+    check_device(model.a, model.cos.device, eager)
     model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
     model.eval()
     with torch.no_grad():

@@ -47,8 +47,15 @@ class TorchModel:
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
-        # --gpu-layers: CPU layers in the forward, so no slot pool, CUDA graphs or overlapped steps
-        self.static = device.type == "cuda" and module.a.offload is None
+        # --gpu-layers (CPU layers in the forward), archs.py / archs_moe.py layers and live sliding windows
+        # (the graphs and paged attention run the llama-family layer over every key): the eager path on CUDA,
+        # i.e. no slot pool, CUDA graphs or overlapped steps (cuda_eager_reason)
+        self.eager_reason = cuda_eager_reason(module.a, device, info.context_length)
+        self.static = device.type == "cuda" and self.eager_reason is None
+        if self.eager_reason is not None and module.a.offload is None:
+            log.info("%s runs eagerly on CUDA (per-sequence KV caches and eager forwards; no CUDA graphs, slot pool, "
+                     "paged attention or overlapped steps, which run the llama-family layer over every key): %s",
+                     module.a.arch, self.eager_reason)
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
         self.graphs = GraphDecoder(module, device) if use_graphs else None
@@ -398,6 +405,19 @@ class TorchModel:
         out = device_memory(self.device)
         out.update(weights=self.info.weight_bytes, kv_allocated=kv)
         return out
+
+
+def cuda_eager_reason(a: Any, device: torch.device, ctx: int) -> str | None:
+    """Why a model on ``device`` runs on the eager (dynamic) path there, or None: on the CPU always
+    eager (None: nothing to say); on CUDA the static path (slot pool, CUDA graphs, packed prefill, paged
+    attention, overlapped steps) unless --gpu-layers keeps layers on the CPU, or the layer is not the
+    llama-family one / a sliding window shorter than the served context ``ctx`` applies
+    (``model.Args.eager_reason``)."""
+    if device.type != "cuda":
+        return None
+    if a.offload is not None:
+        return "--gpu-layers keeps layers on the CPU"
+    return a.eager_reason(ctx)
 
 
 def prefill_attention(device: torch.device, T: int) -> Any:
