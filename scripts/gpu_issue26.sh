@@ -93,7 +93,7 @@ for stage in "$@"; do
         probe tp${tp}_tiny 4; bench tp${tp}_tiny 1 4 1; bench tp${tp}_tiny 8 16 4
         if [ $tp = 2 ]; then
           timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
-              --json $R/rank_kill_tiny.json | head -3
+              --json $R/rank_kill_tiny.json | cut -c1-600
           wait $SPID; echo "[tp2_tiny] server exit code $?" | tee $R/rank_kill_tiny_exit.txt
         else stop_server; fi
       done
@@ -108,7 +108,7 @@ for stage in "$@"; do
         bench tp${tp}_8b 1 8 1; bench tp${tp}_8b 64 128 32; bench tp${tp}_8b 128 256 32
         if [ $tp = 2 ]; then
           timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
-              --json $R/rank_kill_8b.json | head -3
+              --json $R/rank_kill_8b.json | cut -c1-600
           timeout 120 tail --pid=$SPID -f /dev/null; wait $SPID; echo "[tp2_8b] server exit code $?" \
               | tee $R/rank_kill_8b_exit.txt
           tail -4 $R/serve_tp2_8b.log

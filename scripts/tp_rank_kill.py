@@ -128,11 +128,14 @@ def main() -> int:
            "streams_with_error_event": sum(1 for r in recs if r.get("error")),
            "streams_with_done": sum(1 for r in recs if r.get("done")),
            "streams_hung": sum(1 for t in threads if t.is_alive())}
-    print(json.dumps({k: v for k, v in out.items() if k != "streams"}))
-    for r in recs:
-        print(json.dumps(r))
-    if a.json:
+    if a.json:  # first: a reader of stdout that goes away early must not lose the record
         Path(a.json).write_text(json.dumps(out, indent=1))
+    try:
+        print(json.dumps({k: v for k, v in out.items() if k != "streams"}))
+        for r in recs:
+            print(json.dumps(r))
+    except BrokenPipeError:
+        pass
     return 0
 
 
