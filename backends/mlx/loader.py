@@ -40,12 +40,50 @@ _GGUF_NAMES = [
 
 @lru_cache(maxsize=1)
 def supported_architectures() -> frozenset[str]:
+    """The ``model_type`` values mlx-lm can load: mlx-lm imports ``mlx_lm.models.<model_type>`` (after its
+    ``MODEL_REMAPPING``) and takes its ``Model`` and ``ModelArgs``, so an architecture is a module that
+    defines or imports both at top level (read from the source, without importing ~130 modules); helper
+    modules (``base``, ``cache``, ``rope_utils``, ``mla``, ``ssm``, ...) are not."""
+    import ast
+    from pathlib import Path
+
     import mlx_lm.models
     from mlx_lm.utils import MODEL_REMAPPING
 
-    names = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)}
-    names -= {"base", "cache", "rope_utils", "switch_layers", "activations", "pipeline", "bitlinear_layers"}
-    return frozenset(names | set(MODEL_REMAPPING))
+    root = Path(mlx_lm.models.__path__[0])
+    names = set()
+    for m in pkgutil.iter_modules([str(root)]):
+        try:
+            tree = ast.parse((root / f"{m.name}.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        top: set[str] = set()
+        needs: set[str] = set()  # absolute imports at module level (also inside try:), e.g. olmo's hf_olmo
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                top.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                top.update(a.asname or a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Assign):
+                top.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            for sub in ast.walk(node) if isinstance(node, (ast.Import, ast.ImportFrom, ast.Try)) else ():
+                if isinstance(sub, ast.Import):
+                    needs.update(a.name.split(".")[0] for a in sub.names)
+                elif isinstance(sub, ast.ImportFrom) and not sub.level and sub.module:
+                    needs.add(sub.module.split(".")[0])
+        if {"Model", "ModelArgs"} <= top and all(_importable(n) for n in needs):
+            names.add(m.name)
+    return frozenset(names | {k for k, v in MODEL_REMAPPING.items() if v in names})
+
+
+@lru_cache(maxsize=None)
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _on_cpu() -> bool:
