@@ -65,7 +65,9 @@ def bench(args: argparse.Namespace, base: str, out: Path, extra: list[str]) -> d
     cmd = [sys.executable, "-m", "swiftlm.cli", "bench", "serve", "--base-url", base, "--endpoint", "completions",
            "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
            "--warmup", str(args.warmup), "--output-tokens", str(args.output_tokens), "--ignore-eos",
-           "--temperature", "0", "--json", str(out), "--no-progress", *extra]
+           "--temperature", "0", "--json", str(out), "--no-progress",
+           # one client process tops out near 4-5K SSE events/s (issue 18's H100 runs): spread the load
+           "--workers", str(args.workers or (4 if args.concurrency >= 32 else 1)), *extra]
     subprocess.run(cmd, check=True, timeout=args.run_timeout)
     return json.loads(out.read_text())["results"]
 
@@ -92,6 +94,8 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=128, help="--parallel of each replica")
     p.add_argument("--ctx-size", type=int, default=2048, help="--ctx-size of each replica (CUDA preallocates "
                    "--parallel slots of this many tokens: 8B shape, 128 x 2048 = 34 GB of KV per GPU)")
+    p.add_argument("--workers", type=int, default=0, help="load-generator processes (default: 4 from 32 "
+                   "concurrent requests, else 1)")
     p.add_argument("--shared-prompts", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=400, help="words per shared system prompt (run 2)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `swiftlm serve` argument (repeatable)")
