@@ -260,7 +260,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
               window: int) -> torch.Tensor:
     """q [H, T, D] at positions [start, start + T) over keys/values [KVH, start + T, D] -> [T, H*D]:
-    causal, the last ``window`` keys only where a window applies, soft-capped logits if set."""
+    causal, the last ``window`` keys only where a window applies, soft-capped logits if set.  A window
+    layer's keys may begin later than position 0 (``SeqCache`` drops rows no query sees): the keys are
+    always the positions up to ``start + T``, so the masks are built from their count, not ``start``."""
     H, T, D = q.shape
     KVH, S = keys.shape[0], keys.shape[1]
     rep = H // KVH
@@ -269,9 +271,9 @@ def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         mask = None
     elif T == 1:
         mask = None
-    else:
-        mask = (window_mask(T, S, start, window, q.device) if window
-                else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start))
+    else:  # a window layer may have dropped its oldest rows (model.SeqCache): the chunk starts at row S - T
+        mask = (window_mask(T, S, S - T, window, q.device) if window
+                else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T))
     if e.attn_softcap is None and T > 1:
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
                                              scale=e.scale, enable_gqa=rep > 1)[0]

@@ -303,8 +303,8 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     mask = None
     if T == 1 and window and S > window:
         keys, values, S = keys[:, -window:], values[:, -window:], window
-    elif T > 1:
-        mask = _causal(T, S, start, window, q.device)
+    elif T > 1:  # a window layer may have dropped its oldest rows (model.SeqCache): the chunk starts at row S - T
+        mask = _causal(T, S, S - T, window, q.device)
     scores = (torch.matmul(q.reshape(KVH, rep * T, D), keys.transpose(1, 2)) * scale).float().view(KVH, rep, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -330,6 +330,8 @@ class TorchModel:
         c = self.caches.get(seq_id)
         if c is None or c.length == 0 or not isinstance(c, SeqCache):
             return None  # compressed caches are not kept by the prompt cache
+        if c.trimmed:  # sliding-window layers dropped rows (model.SeqCache): no rows from position 0 to copy
+            return None
         n = c.length
         if isinstance(c, ForkedCache):
             k, v = c.rows(n)
@@ -378,7 +380,8 @@ class TorchModel:
                 fp16 += c.length * per_tok16
             else:  # a fork's shared prompt rows are counted once, below
                 rows = c.own if isinstance(c, ForkedCache) else c.length
-                held += rows * self.info.kv_bytes_per_token
+                # a trimmed window layer holds fewer rows than positions: count its storage
+                held += c.nbytes() if getattr(c, "trimmed", False) else rows * self.info.kv_bytes_per_token
                 fp16 += rows * per_tok16
         for p in prefixes(caches):
             held += p.length * self.info.kv_bytes_per_token
