@@ -38,9 +38,13 @@ class TorchBackend:
 
         if path_for(spec) == NAME:  # an architecture model.py does not implement: transformers runs it
             return load_fallback(spec, cfg)
+        from .ops import release_omp_pool
         from .runner import load_model
 
-        return load_model(spec, cfg)
+        model = load_model(spec, cfg)
+        if model.device.type == "cpu":  # the engine thread computes from now on: see release_omp_pool
+            release_omp_pool()
+        return model
 
     def model_path(self, spec: ModelSpec) -> str:
         """"native" or "transformers fallback": how this backend would run ``spec`` (for ``swiftlm info``)."""

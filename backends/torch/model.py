@@ -291,7 +291,7 @@ class Attention(nn.Module):
                 start: int) -> torch.Tensor:
         a = self.a
         T = x.shape[0]
-        q, k, v = lora_add(self, x, F.linear(x, *self.qkv)).split(self.splits, dim=-1)
+        q, k, v = lora_add(self, x, rows_linear(x, *self.qkv)).split(self.splits, dim=-1)
         q = q.view(T, a.heads, a.head_dim)
         k = k.view(T, a.kv_heads, a.head_dim)
         v = v.view(T, a.kv_heads, a.head_dim)
@@ -301,12 +301,12 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(0, 1), cos, sin)
         w = a.window(layer)
         if isinstance(kv, PackedAttend):
-            return self.o_proj(kv.update_attend(layer, start, q, k, v.transpose(0, 1), window=w))
+            return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1), window=w))
         if not isinstance(kv, SeqCache):  # a compressed cache attends over its own layout
             if w and start + T > w:
                 raise NotImplementedError(f"sliding_window={w} is not implemented for a compressed KV cache; "
                                           "use the plain KV format for this model")
-            return self.o_proj(kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
+            return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
         keys, values = kv.update(layer, start, k, v.transpose(0, 1))  # [KVH, start+T-offset, D]
         rep = a.heads // a.kv_heads
         if w and T == 1:  # sliding window: the last w keys
@@ -323,13 +323,13 @@ class Attention(nn.Module):
             scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim ** -0.5)  # [KVH, rep, S]
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
             out = torch.matmul(probs, values).reshape(a.heads, 1, a.head_dim)
-            return self.o_proj(out.transpose(0, 1).reshape(1, a.heads * a.head_dim))
+            return linear_rows(self.o_proj, out.transpose(0, 1).reshape(1, a.heads * a.head_dim))
         elif start == 0:
             out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                  is_causal=True, enable_gqa=rep > 1)
         else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
             out = chunk_attention(q, keys, values, start, rep)
-        return self.o_proj(out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
+        return linear_rows(self.o_proj, out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
 
 
 def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int,
@@ -373,8 +373,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up"):
-            g, u = lora_add(self, x, F.linear(x, self.gate_up)).chunk(2, dim=-1)
-            return self.down_proj(self.act(g) * u)
+            g, u = lora_add(self, x, rows_linear(x, self.gate_up)).chunk(2, dim=-1)
+            return linear_rows(self.down_proj, self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -661,7 +661,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
         x = self.hidden(tokens, kv, start, last_only)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w)
+        return rows_linear(x, w)
 
 
 def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -684,11 +684,25 @@ def project_qkv(attn: "Attention", x: torch.Tensor, linear: Any = F.linear
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
     whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
-    project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms; one row is a GEMV either way)."""
-    if x.device.type == "cpu" and 3 <= x.shape[0] <= 64:
-        out = (w @ x.t()).t()
+    project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms).  One or two rows are padded to
+    three: MKL's GEMV reads the weights at ~12 GB/s here, its GEMM at ~20-26 GB/s
+    (scripts/bench_cpu_linear.py: SmolLM2's layer matrices 34.3 -> 21.6 ms, its LM head 9.3 -> 4.1 ms
+    for one row; the padded rows are zeros and their results are dropped)."""
+    n = x.shape[0]
+    if x.device.type == "cpu" and x.dim() == 2 and 1 <= n <= 64:
+        if n < 3:
+            x = torch.cat([x, x.new_zeros(3 - n, x.shape[1])])
+        out = (w @ x.t()).t()[:n]
         return out + b if b is not None else out
     return F.linear(x, w, b)
+
+
+def linear_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` through ``rows_linear`` for a plain ``nn.Linear`` without hooks; any other module (a
+    tensor-parallel row layer, an o_proj / down_proj with a LoRA forward hook) is called as it is."""
+    if type(lin) is nn.Linear and not lin._forward_hooks and not lin._forward_pre_hooks and x.dim() == 2:
+        return rows_linear(x, lin.weight, lin.bias)
+    return lin(x)
 
 
 def out_proj(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:

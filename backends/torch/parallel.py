@@ -165,6 +165,7 @@ class RowParallelLinear(nn.Linear):
 
     @staticmethod
     def reduce(y: torch.Tensor) -> torch.Tensor:
+        y = y.contiguous()  # in place on the tensor's storage: a strided view (model.rows_linear's) would sum wrong
         dist.all_reduce(y)
         return y
 
