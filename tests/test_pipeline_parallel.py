@@ -261,3 +261,20 @@ def test_two_nodes_on_localhost_answer_through_http(tiny_llama, flag):
         if node1.poll() is None:
             node1.send_signal(signal.SIGTERM)
             node1.wait(10)
+
+
+def test_stage_args_slice_the_layer_windows():
+    """A stage's layers are renumbered from 0, so its per-layer sliding windows must be the model's
+    windows of [l0, l1) (the stage used the model's first layers' windows before)."""
+    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.pipeline import stage_args
+
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
+            "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    a = Args.from_config(base)
+    assert a.windows == (0, 0, 16, 16)
+    assert stage_args(a, 0, 2).windows == (0, 0) and stage_args(a, 2, 4).windows == (16, 16)
+    assert stage_args(a, 1, 3).layers == 2 and stage_args(a, 1, 3).window(1) == 16
+    plain = Args.from_config({**base, "use_sliding_window": False})
+    assert stage_args(plain, 2, 4).windows == ()

@@ -159,6 +159,12 @@ def _gguf_names(spec: ModelSpec) -> list[str]:
     return [hf_name(t.name) for t in tensors]
 
 
+def stage_args(a: Args, l0: int, l1: int) -> Args:
+    """The ``Args`` of a stage holding layers [l0, l1), renumbered from 0: the layer count and the
+    per-layer sliding windows (layer i of the stage is layer l0 + i of the model)."""
+    return replace(a, layers=l1 - l0, windows=tuple(a.windows[l0:l1]) if a.windows else ())
+
+
 def build_stage(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                 l0: int, l1: int, first: bool, last: bool) -> Transformer:
     """A ``Transformer`` of this stage's layers only (numbered from 0): the embedding on the first
@@ -166,7 +172,7 @@ def build_stage(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state) and last:
         a.tie = True
-    la = replace(a, layers=l1 - l0)
+    la = stage_args(a, l0, l1)
     with torch.device("meta"):
         model = Transformer(la)
         if not first and not (last and la.tie):
