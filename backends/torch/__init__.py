@@ -38,12 +38,10 @@ class TorchBackend:
 
         if path_for(spec) == NAME:  # an architecture model.py does not implement: transformers runs it
             return load_fallback(spec, cfg)
-        from .ops import release_omp_pool
         from .runner import load_model
 
         model = load_model(spec, cfg)
-        if model.device.type == "cpu":  # the engine thread computes from now on: see release_omp_pool
-            release_omp_pool()
+        model.ops.end_thread()  # the engine thread computes from now on (CPU: ops.release_omp_pool)
         return model
 
     def model_path(self, spec: ModelSpec) -> str:

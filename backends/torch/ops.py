@@ -11,6 +11,7 @@ from .staging import stager
 
 
 _DT = {"int32": torch.long, "float32": torch.float32}
+_GOMP: Any = None  # torch's libgomp (ctypes), False where there is none: release_omp_pool
 
 
 def release_omp_pool() -> None:
@@ -39,9 +40,6 @@ def release_omp_pool() -> None:
             _GOMP = False
     if _GOMP:
         _GOMP.omp_pause_resource_all(1)  # omp_pause_soft; fails (non-zero) only inside a parallel region
-
-
-_GOMP: Any = None
 
 
 class TorchOps:
