@@ -4,8 +4,10 @@ round trip through device memory):
 - ``rope_kv_write``: split the fused QKV row into heads, rotate q and k (rotate-half RoPE),
   write k and v into the cache row at ``pos`` (a device tensor, so CUDA graphs can replay it),
   return the rotated q.  Replaces ~9 torch kernels.
-- ``add_rmsnorm``: ``x += delta`` then ``rmsnorm(x) * w``, in one pass.  Replaces 2-3.
-- ``silu_mul``: ``silu(gate) * up`` from the fused [gate; up] row.  Replaces 2.
+- ``rope_kv_write_rows``: the same for B rows of a batched step, each written to its own slot of a
+  slot pool at its own position (rope tables indexed in the kernel).  Replaces ~12.
+- ``add_rmsnorm``: ``x += delta`` then ``rmsnorm(x) * w``, in one pass, per row.  Replaces 2-3.
+- ``silu_mul``: ``silu(gate) * up`` from the fused [gate; up] rows.  Replaces 2.
 """
 
 from __future__ import annotations
@@ -70,9 +72,74 @@ def rope_kv_write_ref(qkv, cos, sin, pos, k_cache, v_cache, H, KVH, D):
     return rot(q).to(qkv.dtype)
 
 
+# --------------------------------------------------------------------------- rope + KV write, batched
+@triton.jit
+def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, q_out, k_pool, v_pool, slot_stride, head_stride,
+                         row_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slot_ptr + b)
+    src = qkv + b * ((H + 2 * KVH) * D)
+    i = tl.arange(0, HALF)
+    if h < H + KVH:
+        base = h * D
+        x1 = tl.load(src + base + i).to(tl.float32)
+        x2 = tl.load(src + base + HALF + i).to(tl.float32)
+        c1 = tl.load(cos + pos * D + i).to(tl.float32)  # the tables [ctx, D], row ``pos``
+        c2 = tl.load(cos + pos * D + HALF + i).to(tl.float32)
+        s1 = tl.load(sin + pos * D + i).to(tl.float32)
+        s2 = tl.load(sin + pos * D + HALF + i).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+        if h < H:
+            dq = q_out + (b * H + h) * D
+            tl.store(dq + i, o1.to(q_out.dtype.element_ty))
+            tl.store(dq + HALF + i, o2.to(q_out.dtype.element_ty))
+        else:
+            dst = k_pool + slot * slot_stride + (h - H) * head_stride + pos * row_stride
+            tl.store(dst + i, o1.to(k_pool.dtype.element_ty))
+            tl.store(dst + HALF + i, o2.to(k_pool.dtype.element_ty))
+    else:
+        j = tl.arange(0, D)
+        val = tl.load(src + h * D + j)
+        dst = v_pool + slot * slot_stride + (h - H - KVH) * head_stride + pos * row_stride
+        tl.store(dst + j, val.to(v_pool.dtype.element_ty))
+
+
+def rope_kv_write_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                       slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, H: int, KVH: int,
+                       D: int) -> torch.Tensor:
+    """B decode rows at once: qkv [B, (H+2KVH)*D] (contiguous); cos/sin the whole rope tables [ctx, D];
+    pos, slots [B] (device ints); pools [S, KVH, C, D] (a slot pool's layer).  Rotates q and k of row b
+    at position pos[b], writes k and v into slot slots[b], row pos[b].  Returns q rotated, [B, H, D]."""
+    B = qkv.shape[0]
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_pool.stride(3) == 1
+    q = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_rows_kernel[(B, H + 2 * KVH)](qkv, cos, sin, pos, slots, q, k_pool, v_pool, k_pool.stride(0),
+                                           k_pool.stride(1), k_pool.stride(2), H=H, KVH=KVH, D=D, HALF=D // 2)
+    return q
+
+
+def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D):
+    B = qkv.shape[0]
+    q, k, v = qkv.float().split([H * D, KVH * D, KVH * D], dim=-1)
+    c, s = cos[pos].float().view(B, 1, D), sin[pos].float().view(B, 1, D)
+
+    def rot(x, n):
+        x = x.view(B, n, D)
+        half = D // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+    k_pool[slots, :, pos] = rot(k, KVH).to(k_pool.dtype)
+    v_pool[slots, :, pos] = v.view(B, KVH, D).to(v_pool.dtype)
+    return rot(q, H).to(qkv.dtype)
+
+
 # --------------------------------------------------------------------------- add + RMSNorm
 @triton.jit
 def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    r0 = tl.program_id(0) * N  # one program per row of [rows, N] (contiguous)
+    x, delta, out = x + r0, delta + r0, out + r0
     i = tl.arange(0, BLOCK)
     m = i < N
     h = tl.load(x + i, mask=m, other=0.0).to(tl.float32) + tl.load(delta + i, mask=m, other=0.0).to(tl.float32)
@@ -85,10 +152,11 @@ def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.conste
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """In place ``x += delta`` (x: [1, N]); returns ``rmsnorm(x) * w``."""
+    """In place ``x += delta`` (x, delta: [rows, N], contiguous); returns ``rmsnorm(x) * w`` per row."""
     N = x.shape[-1]
+    assert x.is_contiguous() and delta.is_contiguous()
     out = torch.empty_like(x)
-    _add_rmsnorm_kernel[(1,)](x, delta, w, out, eps, N=N, BLOCK=triton.next_power_of_2(N))
+    _add_rmsnorm_kernel[(x.numel() // N,)](x, delta, w, out, eps, N=N, BLOCK=triton.next_power_of_2(N))
     return out
 
 
@@ -102,7 +170,8 @@ def add_rmsnorm_ref(x, delta, w, eps):
 # --------------------------------------------------------------------------- SiLU * up
 @triton.jit
 def _silu_mul_kernel(gu, out, I: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+    pid, row = tl.program_id(0), tl.program_id(1)
+    gu, out = gu + row * 2 * I, out + row * I
     i = pid * BLOCK + tl.arange(0, BLOCK)
     m = i < I
     g = tl.load(gu + i, mask=m, other=0.0).to(tl.float32)
@@ -112,11 +181,13 @@ def _silu_mul_kernel(gu, out, I: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [1, 2I] -> silu(gate) * up, [1, I]."""
+    """gate_up [rows, 2I] (contiguous) -> silu(gate) * up, [rows, I]."""
     I = gate_up.shape[-1] // 2
-    out = torch.empty((1, I), dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // (2 * I)
+    assert gate_up.is_contiguous()
+    out = torch.empty((rows, I), dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(I, BLOCK),)](gate_up, out, I=I, BLOCK=BLOCK)
+    _silu_mul_kernel[(triton.cdiv(I, BLOCK), rows)](gate_up, out, I=I, BLOCK=BLOCK)
     return out
 
 

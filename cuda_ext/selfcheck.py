@@ -12,8 +12,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int = 64, N: int = 320,
               I: int = 1500, C: int = 16, seed: int = 0) -> dict[str, float]:
     """Relative errors kernel vs reference for each kernel (fresh random inputs)."""
-    from .decode_kernels import (add_rmsnorm, add_rmsnorm_ref, rope_kv_write, rope_kv_write_ref, silu_mul,
-                                 silu_mul_ref)
+    from .decode_kernels import (add_rmsnorm, add_rmsnorm_ref, rope_kv_write, rope_kv_write_ref,
+                                 rope_kv_write_rows, rope_kv_write_rows_ref, silu_mul, silu_mul_ref)
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -31,13 +31,27 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
     q1 = rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, D)
     q2 = rope_kv_write_ref(qkv, cos, sin, pos, kc2, vc2, H, KVH, D)
     errs["rope_kv_write"] = max(_rel(q1, q2), _rel(kc, kc2), _rel(vc, vc2))
-    x, d, w = rnd(1, N), rnd(1, N), rnd(N)
-    x2 = x.clone()
-    y1 = add_rmsnorm(x, d, w, 1e-5)
-    y2 = add_rmsnorm_ref(x2, d, w, 1e-5)
-    errs["add_rmsnorm"] = max(_rel(y1, y2), _rel(x, x2))
-    gu = rnd(1, 2 * I)
-    errs["silu_mul"] = _rel(silu_mul(gu), silu_mul_ref(gu))
+    # batched: 3 rows into slots 2, 0, 3 of a 4-slot pool (+ scratch) at their own positions
+    B, S = 3, 5
+    qkv = rnd(B, (H + 2 * KVH) * D)
+    ang = torch.rand(C, D // 2, generator=g) * 6.28
+    ctab = torch.cat([ang.cos(), ang.cos()], -1).to(device=device, dtype=dtype)
+    stab = torch.cat([ang.sin(), ang.sin()], -1).to(device=device, dtype=dtype)
+    pos, slots = torch.tensor([0, 7, C - 1], device=device), torch.tensor([2, 0, 3], device=device)
+    kp, vp = rnd(S, KVH, C, D), rnd(S, KVH, C, D)
+    kp2, vp2 = kp.clone(), vp.clone()
+    q1 = rope_kv_write_rows(qkv, ctab, stab, pos, slots, kp, vp, H, KVH, D)
+    q2 = rope_kv_write_rows_ref(qkv, ctab, stab, pos, slots, kp2, vp2, H, KVH, D)
+    errs["rope_kv_write_rows"] = max(_rel(q1, q2), _rel(kp, kp2), _rel(vp, vp2))
+    for rows, name in ((1, "add_rmsnorm"), (B, "add_rmsnorm_rows")):
+        x, d, w = rnd(rows, N), rnd(rows, N), rnd(N)
+        x2 = x.clone()
+        y1 = add_rmsnorm(x, d, w, 1e-5)
+        y2 = add_rmsnorm_ref(x2, d, w, 1e-5)
+        errs[name] = max(_rel(y1, y2), _rel(x, x2))
+    for rows, name in ((1, "silu_mul"), (B, "silu_mul_rows")):
+        gu = rnd(rows, 2 * I)
+        errs[name] = _rel(silu_mul(gu), silu_mul_ref(gu))
     from .paged_attention import selfcheck as paged_selfcheck
 
     errs["paged_decode_attention"] = paged_selfcheck(device, dtype, seed)

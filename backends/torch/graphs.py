@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .fused_decode import decode_batch_static_fused, decode_static_fused, fusable
 from .model import MLP, SeqCache, Transformer, apply_rope, project_qkv
 from .staging import stager
 
@@ -54,33 +55,6 @@ def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: to
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(x, w)[0]
-
-
-def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
-                        arange: torch.Tensor) -> torch.Tensor:
-    """``decode_static`` with the Triton kernels of ``swiftlm.cuda_ext`` for the elementwise
-    stages (rope + KV write, residual add + RMSNorm, SiLU * up); dense, non-qk-norm models."""
-    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write, silu_mul
-
-    a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
-    x = model.embed_tokens(token)
-    cos, sin = model.cos[pos], model.sin[pos]
-    valid = (arange[:L] <= pos).view(1, 1, 1, L)
-    blocks = list(model.layers)
-    h = blocks[0].input_layernorm(x)
-    for i, blk in enumerate(blocks):
-        attn = blk.self_attn
-        q = rope_kv_write(F.linear(h, *attn.qkv), cos, sin, pos, kv.k[i], kv.v[i], H, KVH, D)
-        o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
-                                           kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
-        o = attn.o_proj(o.reshape(1, H * D))
-        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
-        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up)))
-        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
-        h = add_rmsnorm(x, d, nxt.weight, a.eps)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(h, w)[0]
 
 
 def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int,
@@ -258,9 +232,12 @@ class GraphDecoder:
         self.model = model
         self.device = device
         self.use_graph = use_graph and device.type == "cuda"
-        if fused is None:
-            fused = enabled(device.type) and not model.a.qk_norm and not model.a.gemma
+        if fused is None:  # SWIFTLM_FUSED_DECODE=0: the unfused steps (for A/B runs)
+            fused = (enabled(device.type) and fusable(model)
+                     and os.environ.get("SWIFTLM_FUSED_DECODE", "1") != "0")
+        self.fused = fused
         self.fn = decode_static_fused if fused else decode_static
+        self.batch_fn = decode_batch_static_fused if fused else decode_batch_static
         # batched decode attention reads the slots in place (Triton) instead of gathering them
         self.paged_attention = enabled(device.type) and os.environ.get("SWIFTLM_PAGED_ATTENTION", "1") != "0"
         self.arange = torch.arange(model.a.ctx, device=device)
@@ -350,15 +327,15 @@ class GraphDecoder:
             if on_dev:
                 t = t.clone()
                 t[:B] = tokens
-            return decode_batch_static(self.model, pool, t, s_, p, L, self.arange, splits)[:B].float()
+            return self.batch_fn(self.model, pool, t, s_, p, L, self.arange, splits)[:B].float()
         key = ("batch", Bp, L)
         entry = self.graphs.get(key)
         if entry is None:
             t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
             # float32 logits out of the graph: the sampler's cast was its slowest call on the H100 (the
             # op re-takes the GIL inside, so it queued behind the HTTP loop: py-spy --native)
-            entry = self._capture(key, lambda a, b, c: decode_batch_static(self.model, pool, a, b, c, L, self.arange,
-                                                                           splits).float(), (t, s_, p))
+            entry = self._capture(key, lambda a, b, c: self.batch_fn(self.model, pool, a, b, c, L, self.arange,
+                                                                     splits).float(), (t, s_, p))
         g, (t, s_, p), out = entry
         dev = stager(self.device).to_device(host)  # page-locked: queued, no wait on the running step
         t.copy_(dev[0])

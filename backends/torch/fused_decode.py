@@ -1,0 +1,110 @@
+"""Decode steps whose elementwise stages are the Triton kernels of ``swiftlm.cuda_ext.decode_kernels``:
+rope + KV write in one kernel, the residual add + RMSNorm in one, SiLU * up in one.  A layer is then
+~9 kernels (3 of them GEMMs and one attention) instead of ~25, which is most of a small model's step
+on the GPU (each kernel costs ~2-4 us of launch and tail even inside a CUDA graph) and of the graph's
+host-side launch cost.
+
+``decode_static_fused``: one sequence, its own cache (``graphs.decode_static``'s fixed shapes).
+``decode_batch_static_fused``: B sequences in a slot pool (``graphs.decode_batch_static``'s).
+Both are for the llama-family layer of ``model.py`` without Gemma's scaling and GeGLU (``fusable``);
+q/k norms (Qwen3) run as torch ops between the QKV matmul and the rope kernel.  They compute what the
+unfused functions compute, rounded in other places (fp32 inside each kernel instead of one rounding
+to the model's dtype per torch op): ``tests/test_fused_decode.py`` bounds the difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .model import SeqCache, Transformer
+
+
+def fusable(model: Any) -> bool:
+    """The fused steps cover this model's layers (llama family, not Gemma)."""
+    return isinstance(model, Transformer) and getattr(model.a, "ext", None) is None and not model.a.gemma
+
+
+def _qk_normed(attn: Any, qkv: torch.Tensor, H: int, KVH: int, D: int) -> torch.Tensor:
+    """Qwen3-style per-head q/k RMSNorm applied to a fused QKV row block [B, (H+2KVH)*D]."""
+    B = qkv.shape[0]
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q = attn.q_norm(q.reshape(B, H, D)).reshape(B, H * D)
+    k = attn.k_norm(k.reshape(B, KVH, D)).reshape(B, KVH * D)
+    return torch.cat([q, k, v], dim=-1)
+
+
+def _heads(attn: Any) -> tuple[int, int, int]:
+    """(H, KVH, D) of this rank's share of the layer (tensor parallel splits the heads)."""
+    D = attn.a.head_dim
+    return attn.splits[0] // D, attn.splits[1] // D, D
+
+
+def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
+                        arange: torch.Tensor) -> torch.Tensor:
+    """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Logits [V]."""
+    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write, silu_mul
+
+    a = model.a
+    x = model.embed(token)
+    cos, sin = model.cos[pos], model.sin[pos]
+    valid = (arange[:L] <= pos).view(1, 1, 1, L)
+    blocks = list(model.layers)
+    h = blocks[0].input_layernorm(x)
+    for i, blk in enumerate(blocks):
+        attn = blk.self_attn
+        H, KVH, D = _heads(attn)
+        qkv = F.linear(h, *attn.qkv)
+        if a.qk_norm:
+            qkv = _qk_normed(attn, qkv, H, KVH, D)
+        q = rope_kv_write(qkv, cos, sin, pos, kv.k[i], kv.v[i], H, KVH, D)
+        o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
+                                           kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
+        o = attn.o_proj(o.reshape(1, H * D))
+        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
+        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up)))
+        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
+        h = add_rmsnorm(x, d, nxt.weight, a.eps)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(h, w)[0]
+
+
+def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tensor, slots: torch.Tensor,
+                              pos: torch.Tensor, L: int, arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
+    """``graphs.decode_batch_static`` with the fused kernels: B decode rows over a slot pool, attention
+    by the Triton paged kernel (``splits`` > 0) or gather + SDPA.  Logits [B, V]."""
+    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write_rows, silu_mul
+
+    a = model.a
+    B = tokens.shape[0]
+    x = model.embed(tokens).contiguous()
+    if splits:
+        from swiftlm.cuda_ext.paged_attention import paged_decode_attention
+
+        tables, lens = slots.view(B, 1).int(), (pos + 1).int()
+    else:
+        valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
+    blocks = list(model.layers)
+    h = blocks[0].input_layernorm(x)
+    for i, blk in enumerate(blocks):
+        attn = blk.self_attn
+        H, KVH, D = _heads(attn)
+        qkv = F.linear(h, *attn.qkv)
+        if a.qk_norm:
+            qkv = _qk_normed(attn, qkv, H, KVH, D)
+        K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slots, K, V, H, KVH, D)  # [B, H, D]
+        if splits:
+            out = paged_decode_attention(q, K, V, tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
+        else:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
+                                                 enable_gqa=H != KVH)  # [B, H, 1, D]
+        o = attn.o_proj(out.reshape(B, H * D)).contiguous()
+        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
+        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up))).contiguous()
+        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
+        h = add_rmsnorm(x, d, nxt.weight, a.eps)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(h, w)

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Fused decode kernels (backends/torch/fused_decode.py) and the step token budget (--max-batched-tokens)
+# A/B on the GPU, issue 18: one server per (shape, mode), each measured by `swiftlm bench serve` at N
+# concurrent streams (~40-token prompts, OUTTOK new tokens, EOS banned, prompt cache off), the same way
+# as scripts/gpu_engine_process.sh; then the in-process engine's step phases (scripts/profile_engine.py)
+# for both kernel settings.
+#
+#   bash scripts/gpu_fused.sh 1b 8b            # on the lent GPU; carry .whl .gpu
+#   MODES="unfused fused" NS="1 64" REPS=2 bash scripts/gpu_fused.sh 1b
+# AB=1 (default): every mode's server up at once on the GPU and the runs alternating between them, REPS times
+# (the 8B shape: at most two modes fit an 80 GB GPU at once); AB=0: one server after the other.
+#
+# Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
+# garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096).
+# Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
+set -uo pipefail
+REPO=$(pwd)
+PY=${PY:-python3}
+source scripts/gpu_site.sh                     # swiftlm + wheels -> /tmp/site, $OUT
+SITE=/tmp/site
+TOK="--tokenizer $REPO/.gpu/tok"
+NS=${NS:-"1 64 128"}
+PARALLEL=${PARALLEL:-128}
+OUTTOK=${OUTTOK:-128}
+MODES=${MODES:-"unfused nofreeze fused fused4k"}
+PROFILE=${PROFILE:-1}
+mkdir -p /tmp/run && cd /tmp/run                 # import the installed copies, not the source tree
+
+ckpt() {  # name hidden layers heads kv head_dim inter
+  [ -d /tmp/m$1 ] && return
+  /usr/bin/time -f "checkpoint $1: %e s" env PYTHONPATH=$SITE $PY $REPO/scripts/make_checkpoint.py /tmp/m$1 --arch llama \
+      --hidden $2 --layers $3 --heads $4 --kv-heads $5 --head-dim $6 --intermediate $7 --ctx 8192 --dtype bfloat16 \
+      --no-tie --shard-mb 4000 --reuse-layers --tokenizer-from $REPO/.gpu/tok > /dev/null || exit 1
+}
+
+mode_env() { [ $1 = unfused ] && echo 0 || echo 1; }
+mode_freeze() { [ $1 = nofreeze ] && echo 0 || echo 1; }
+mode_args() { [ $1 = fused4k ] && echo "--max-batched-tokens 4096" || echo ""; }
+
+serve_and_bench() {  # shape model-argument mode
+  local shape=$1 model=$2 mode=$3 port=$((6000 + RANDOM % 1000))
+  env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $mode) SWIFTLM_GC_FREEZE=$(mode_freeze $mode) \
+      $PY -m swiftlm.cli serve $model --backend torch \
+      --parallel $PARALLEL --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port $(mode_args $mode) \
+      > "$OUT/fd_serve_${shape}_$mode.log" 2>&1 &
+  local pid=$!
+  for i in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    kill -0 $pid 2>/dev/null || { echo "server $shape $mode died:"; tail -5 "$OUT/fd_serve_${shape}_$mode.log"; return; }
+    sleep 1
+  done
+  grep -hE "captured|Triton|Traceback|Error" "$OUT/fd_serve_${shape}_$mode.log" | tail -3 | sed "s/^/[$shape $mode] /"
+  for n in $NS; do
+    local reqs=$(( n < 8 ? 4 : ${REQ_MULT:-2} * n )) workers=$(( n >= 32 ? 4 : 1 ))
+    PYTHONPATH=$SITE timeout 300 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
+        --concurrency $n --num-requests $reqs --workers $workers --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 \
+        --output-tokens $OUTTOK --ignore-eos $TOK --no-progress --label "${shape}_${mode}_n$n" \
+        --json "$OUT/fd_${shape}_${mode}_n$n.json" 2>&1 | grep -E "output tok/s|ITL|TTFT|failed" \
+        | sed "s/^/[$shape $mode N=$n] /"
+  done
+  curl -s "http://127.0.0.1:$port/health" > "$OUT/fd_health_${shape}_$mode.json"
+  $PY -c "import json,sys; g=json.load(open(sys.argv[1]))['stats'].get('gc',{}); print({k: g[k] for k in g if k.startswith('gen')})" \
+      "$OUT/fd_health_${shape}_$mode.json" 2>/dev/null | sed "s/^/[$shape $mode gc] /"
+  kill $pid; wait $pid 2>/dev/null
+}
+
+start_server() {  # shape model-argument mode -> sets $pid $port
+  port=$((6000 + RANDOM % 1000))
+  env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $3) SWIFTLM_GC_FREEZE=$(mode_freeze $3) \
+      $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size 1024 \
+      --prompt-cache-bytes 0 --port $port $(mode_args $3) > "$OUT/fd_serve_${1}_$3.log" 2>&1 &
+  pid=$!
+}
+
+wait_ready() {  # shape mode pid port
+  local t
+  for t in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$4/health" > /dev/null && return 0
+    kill -0 $3 2>/dev/null || { echo "server $1 $2 died:"; tail -5 "$OUT/fd_serve_${1}_$2.log"; return 1; }
+    sleep 1
+  done
+}
+
+interleaved() {  # shape model-argument: every mode's server up at once, the runs alternate between them
+  # (one machine's state drifts between runs: alternating, REPS times, keeps the comparison fair)
+  local pids=() ports=() m i n r
+  for m in $MODES; do start_server $1 "$2" $m; pids+=($pid); ports+=($port); done
+  i=0; for m in $MODES; do wait_ready $1 $m ${pids[$i]} ${ports[$i]} || return; i=$((i + 1)); done
+  for n in $NS; do
+    for r in $(seq 1 ${REPS:-2}); do
+      i=0
+      for m in $MODES; do
+        local reqs=$(( n < 8 ? 8 : ${REQ_MULT:-2} * n )) workers=$(( n >= 32 ? 4 : 1 ))
+        PYTHONPATH=$SITE timeout 300 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:${ports[$i]}" \
+            --concurrency $n --num-requests $reqs --workers $workers --warmup $(( n < 32 ? n : 32 )) \
+            --prompt-tokens 40 --output-tokens $OUTTOK --ignore-eos $TOK --no-progress --label "${1}_${m}_n${n}_r$r" \
+            --json "$OUT/fd_${1}_${m}_n${n}_r$r.json" 2>&1 | grep -E "output tok/s|ITL" | tr -s ' ' \
+            | sed "s/^/[$1 $m N=$n rep $r] /"
+        i=$((i + 1))
+      done
+    done
+  done
+  i=0
+  for m in $MODES; do
+    curl -s "http://127.0.0.1:${ports[$i]}/health" > "$OUT/fd_health_${1}_$m.json"
+    $PY -c "import json,sys; d=json.load(open(sys.argv[1]))['stats']; print({k: v['mean_ms'] for k, v in d['step_phases'].items()}, 'gc', {k: d.get('gc', {}).get(k) for k in ('gen1', 'gen2')})" \
+        "$OUT/fd_health_${1}_$m.json" 2>/dev/null | sed "s/^/[$1 $m health] /"
+    i=$((i + 1))
+  done
+  kill ${pids[@]}; wait ${pids[@]} 2>/dev/null
+  sleep 2; pgrep -f "swiftlm.engine_process" > /dev/null && echo "WARNING: an engine process outlived its server"
+}
+
+profile() {  # shape model-dir: the in-process engine's step phases, unfused then fused
+  [ "$PROFILE" = 1 ] || return
+  cp $REPO/scripts/profile_engine.py /tmp/run/  # a copy outside the checkout: it imports the installed swiftlm
+  for mode in unfused fused; do
+    env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $mode) timeout 240 $PY /tmp/run/profile_engine.py \
+        --model $2 --streams ${PROF_STREAMS:-1,64} --tokens 128 --ctx-size 1024 \
+        --json "$OUT/fd_prof_${1}_$mode.json" 2>&1 | tail -4 | sed "s/^/[profile $1 $mode] /"
+  done
+}
+
+table() {  # shape
+  $PY - "$OUT" "$1" <<'PYEOF'
+import glob, json, os, sys
+out, shape = sys.argv[1], sys.argv[2]
+rows = []
+for f in sorted(glob.glob(os.path.join(out, f"fd_{shape}_*_n*.json"))):
+    r = json.load(open(f))["results"]
+    parts = os.path.basename(f)[3:-5].split("_")
+    mode, n = parts[1:3]
+    rep = int(parts[3][1:]) if len(parts) > 3 else 1
+    rows.append({"mode": mode, "concurrency": int(n[1:]), "rep": rep, "output_tok_per_s": round(r["output_throughput"], 2),
+                 "requests_ok": r["requests_ok"], "requests_failed": r["requests_failed"],
+                 "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"], "itl_ms_p99": r["itl_ms"]["p99"],
+                 "tpot_ms_mean": r["tpot_ms"]["mean"]})
+prof = {}
+for f in sorted(glob.glob(os.path.join(out, f"fd_prof_{shape}_*.json"))):
+    prof[os.path.basename(f)[len(f"fd_prof_{shape}_"):-5]] = json.load(open(f))
+json.dump({"shape": shape, "runs": rows, "profile": prof}, open(os.path.join(out, f"fused_{shape}.json"), "w"), indent=1)
+for r in sorted(rows, key=lambda r: (r["concurrency"], r["mode"], r["rep"])):
+    print(r["concurrency"], r["mode"], r["rep"], r["output_tok_per_s"], "ITL p50/p99", round(r["itl_ms_p50"], 2),
+          round(r["itl_ms_p99"], 2), "TTFT p50", round(r["ttft_ms_p50"], 1))
+PYEOF
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+for what in "$@"; do
+  case $what in
+    tiny) ckpt tiny 128 2 4 2 32 256; shape=tiny ;;
+    1b) ckpt 1b 2048 16 32 8 64 8192; shape=1b ;;
+    8b) ckpt 8b 4096 32 32 8 128 14336; shape=8b ;;
+    *) echo "unknown shape $what"; continue ;;
+  esac
+  if [ "${AB:-1}" = 1 ]; then interleaved $shape "--model /tmp/m$shape"
+  else for m in $MODES; do serve_and_bench $shape "--model /tmp/m$shape" $m; done; fi
+  profile $shape /tmp/m$shape
+  table $shape
+  tar -czf $OUT/fused_${shape}.tgz -C $OUT $(cd $OUT && ls fd_*${shape}* 2>/dev/null) 2>/dev/null
+  rm -f $OUT/fd_*${shape}*
+done
