@@ -69,7 +69,7 @@ class Engine(PromptSide):
     def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
                  ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
                  speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0,
-                 publish: Callable[[list[Out], list[int]], None] | None = None):
+                 publish: Callable[[list[Out], list[int]], None] | None = None, max_batched_tokens: int = 0):
         """``publish``: where each step's outputs go instead of an output worker of this process,
         called on the engine thread with (outputs, ids of the sequences ended since the last
         call), also when both are empty (the engine process, ``engine_process.py``)."""
@@ -90,7 +90,8 @@ class Engine(PromptSide):
                 log.warning("--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
                             kv_budget_bytes, kv_tokens, self.ctx_size)
                 kv_tokens = self.ctx_size + 1
-        self.scheduler = Scheduler(max_running, prefill_size, kv_budget_tokens=kv_tokens)
+        self.scheduler = Scheduler(max_running, prefill_size, token_budget=max_batched_tokens or None,
+                                   kv_budget_tokens=kv_tokens)
         self.stats = EngineStats()
         # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
         can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
@@ -119,6 +120,10 @@ class Engine(PromptSide):
         self._stopping = False
         self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
         self.on_fatal: Any = None  # called with that message (the server exits non-zero)
+        from .gc_pauses import GcPauses, freeze
+
+        freeze()  # the loaded model's objects out of the collector's reach: no full-heap pauses mid-stream
+        self.gc_pauses = GcPauses.install()  # collections of this process from now on, timed (/health, /metrics)
         self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
@@ -628,6 +633,10 @@ class Engine(PromptSide):
                     "expert_bytes_on_disk": reader.layout.expert_bytes_total,
                     "experts_per_token": self.info.experts_per_token})
         return out
+
+    def gc_stats(self) -> dict[str, Any]:
+        """The garbage collector's pauses in this process (gc_pauses.py)."""
+        return self.gc_pauses.snapshot()
 
     def kv_stats(self) -> dict[str, Any]:
         """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the

@@ -128,7 +128,8 @@ def _snapshot(eng: Any) -> dict:
             "prefix": (len(pc), pc.bytes, pc.hits, pc.misses, pc.tokens_reused),
             "experts": eng.expert_stream_stats(), "expert_reader": copy.copy(reader.stats) if reader else None,
             "spec": copy.copy(spec.stats) if spec is not None else None,
-            "graph_capture": getattr(model, "graph_capture", None), "fork": eng.fork_stats.snapshot()}
+            "graph_capture": getattr(model, "graph_capture", None), "fork": eng.fork_stats.snapshot(),
+            "gc": eng.gc_stats()}
 
 
 # ---------------------------------------------------------------------------------------- child
@@ -374,6 +375,7 @@ class EngineClient(PromptSide):
         self.speculator = _SpeculatorView(*sp) if sp else None
         self._kv: dict = {"default_format": "fp16", "bytes": 0, "fp16_bytes": 0, "compression_ratio": 1.0}
         self._experts: dict | None = None
+        self._gc: dict | None = None
         self._apply(ready["snapshot"])
         processor = processor_for(spec, self.tokenizer)
         self.media_processor = processor
@@ -480,6 +482,12 @@ class EngineClient(PromptSide):
     def kv_stats(self) -> dict[str, Any]:
         return dict(self._kv)
 
+    def gc_stats(self) -> dict[str, Any]:
+        """The engine process's collections (where the step loop runs), and this process's."""
+        from .gc_pauses import GcPauses
+
+        return {**(self._gc or {}), "server_process": GcPauses.install().snapshot()}
+
     def expert_stream_stats(self) -> dict[str, Any] | None:
         return None if self._experts is None else dict(self._experts)
 
@@ -528,6 +536,7 @@ class EngineClient(PromptSide):
         self.scheduler = _SchedulerView(self.scheduler.max_running, snap["sched"])
         self.prefix_cache = _PrefixView(snap["prefix"])
         self._kv = snap["kv"]
+        self._gc = snap.get("gc")
         self._experts = snap["experts"]
         self.model._memory = snap["memory"]
         self.model.graph_capture = snap["graph_capture"]

@@ -259,6 +259,10 @@ class ReplicaSet:
         return {"default_format": per[0]["default_format"], "bytes": b, "fp16_bytes": f16,
                 "compression_ratio": round(f16 / b, 4) if b else 1.0}
 
+    def gc_stats(self) -> dict[str, Any]:
+        """Each replica's garbage-collector pauses (replicas on threads share one process's)."""
+        return {"per_replica": [e.gc_stats() for e in self.replicas]}
+
     def expert_stream_stats(self) -> dict[str, Any] | None:
         per = [e.expert_stream_stats() for e in self.replicas]
         if per[0] is None:

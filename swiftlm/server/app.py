@@ -112,6 +112,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                                               "tokens_reused": eng.prefix_cache.tokens_reused},
                              "steps": st.steps, "overlapped_steps": st.overlapped_steps,
                              "step_phases": eng.timers.snapshot()}
+            if hasattr(eng, "gc_stats"):  # the collector's pauses where the step loop runs (gc_pauses.py)
+                body["stats"]["gc"] = eng.gc_stats()
             cap = getattr(eng.model, "graph_capture", None)  # torch on CUDA: graphs captured at start-up
             if cap:
                 body["stats"]["graph_capture"] = cap

@@ -212,6 +212,20 @@ class StepCollector:
         yield fam
         yield CounterMetricFamily("swiftlm_steps_overlapped", "Steps launched before the previous step's ids "
                                   "were read back", value=self.engine.stats.overlapped_steps)
+        gc_stats = getattr(self.engine, "gc_stats", None)
+        snap = gc_stats() if gc_stats is not None else {}
+        if "gen2" in snap:  # the process running the step loop (swiftlm/gc_pauses.py)
+            n = CounterMetricFamily("swiftlm_gc_collections", "Garbage collections in the engine's process",
+                                    labels=["generation"])
+            t = CounterMetricFamily("swiftlm_gc_pause_seconds", "Seconds the engine's process spent in garbage "
+                                    "collection", labels=["generation"])
+            m = GaugeMetricFamily("swiftlm_gc_pause_max_seconds", "Longest garbage-collection pause so far",
+                                  labels=["generation"])
+            for g in ("gen0", "gen1", "gen2"):
+                n.add_metric([g[3:]], snap[g]["collections"])
+                t.add_metric([g[3:]], snap[g]["seconds"])
+                m.add_metric([g[3:]], snap[g]["max_ms"] / 1e3)
+            yield from (n, t, m)
 
 
 class _Uptime:
