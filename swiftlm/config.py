@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
                            group="engine")
     parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
+    max_batched_tokens: int = _f(0, "Tokens one engine step may process (decode rows plus prompt chunks; 0: "
+                                    "max(prefill-size, parallel) + parallel; at least parallel + 1).  Larger lets a wave of new prompts prefill in fewer "
+                                    "steps at the cost of longer steps for the streams already decoding.",
+                                 group="engine")
     engine_process: str = _f("auto", "Run the model and the engine's step loop in a child process (on), or on a "
                                      "thread of the server's process (off); auto: on when `swiftlm serve` runs the "
                                      "torch backend on CUDA, off otherwise (the Python API's LLM: off unless set). The child keeps the step loop clear of the HTTP "
@@ -398,7 +402,7 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 1 (or left out: the model's own context length)")
         return v
 
-    @field_validator("max_queue", "prompt_cache_bytes", "kv_budget_bytes")
+    @field_validator("max_queue", "prompt_cache_bytes", "kv_budget_bytes", "max_batched_tokens")
     @classmethod
     def _zero_or_more(cls, v: int) -> int:
         if v < 0:

@@ -156,6 +156,7 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     speculator = _speculator(settings, backend, model, draft_spec)
     processor = processor_for(spec, model.tokenizer)
     engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
+                    max_batched_tokens=settings.max_batched_tokens,
                     max_queue=settings.max_queue, ctx_size=settings.ctx_size,
                     default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
                     speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes,

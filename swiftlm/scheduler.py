@@ -71,7 +71,9 @@ class Scheduler:
         self.kv_budget = kv_budget_tokens or None
         self.preemptions = 0
         self.prefill_size = max(1, prefill_size)
-        self.token_budget = token_budget or max(self.prefill_size, self.max_running) + self.max_running
+        # at least one prompt token beside a full set of decode rows, or a prompt could wait forever
+        self.token_budget = max(token_budget or max(self.prefill_size, self.max_running) + self.max_running,
+                                self.max_running + 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 

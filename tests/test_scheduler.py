@@ -59,6 +59,29 @@ def test_constructor_defaults_and_clamps():
     assert Scheduler(max_running=3, prefill_size=10).token_budget == 13
     assert Scheduler(max_running=3, prefill_size=10, token_budget=7).token_budget == 7
     assert Scheduler(kv_budget_tokens=100).kv_budget == 100
+    # a budget below the decode rows plus one prompt token is raised: a prompt could wait forever
+    assert Scheduler(max_running=4, token_budget=2).token_budget == 5
+
+
+def test_a_large_token_budget_prefills_a_wave_of_prompts_in_one_step():
+    """--max-batched-tokens: 16 prompts of 40 tokens arrive together.  The default budget
+    (max(512, 16) + 16 = 528) prefills 13 and a part in the first step and the rest beside the 13
+    new decode rows in a second; a budget of 4096 takes the whole wave in one step."""
+    for budget, want in ((None, [528, 13 + 112]), (4096, [640])):
+        s = Scheduler(max_running=16, prefill_size=512, token_budget=budget)
+        seqs = {i: _seq(i, prompt_len=40) for i in range(1, 17)}
+        for q in seqs.values():
+            s.add(q)
+        per_step = []
+        while any(q.in_prefill for q in seqs.values()):
+            b = s.schedule()
+            per_step.append(sum(len(w.tokens) for w in b.seqs))
+            for w in b.seqs:
+                q = seqs[w.seq_id]
+                q.num_computed += len(w.tokens)
+                if w.sample:
+                    q.output_tokens.append(7)
+        assert per_step == want, budget
 
 
 def test_add_remove_has_work_kv_in_use():
@@ -177,12 +200,14 @@ def test_a_sequence_preempted_twice_counts_twice():
 
 
 def test_a_one_token_budget_remainder_is_used():
-    s = Scheduler(max_running=2, prefill_size=8, token_budget=2)
-    a, b = _seq(1, prompt_len=2), _seq(2, prompt_len=3)
-    s.add(a)
-    s.add(b)
+    s = Scheduler(max_running=2, prefill_size=8, token_budget=3)  # the smallest budget for 2 rows
+    a, b, c = _seq(1, prompt_len=2), _seq(2, prompt_len=2), _seq(3, prompt_len=3)
+    for q in (a, b, c):
+        s.add(q)
+    s.max_running = 3  # a third sequence admitted: two decode rows leave one token of the budget
     a.num_computed, a.output_tokens = 2, [5]
-    assert _rows(s.schedule()) == [(1, [5], 2, True), (2, [200], 0, False)]
+    b.num_computed, b.output_tokens = 2, [6]
+    assert _rows(s.schedule()) == [(1, [5], 2, True), (2, [6], 2, True), (3, [300], 0, False)]
 
 
 def test_kv_budget_admits_an_exact_fit():

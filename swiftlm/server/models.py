@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # Settings a models-file entry may override (the rest are server-wide: host, port, keys, limits)
 PER_MODEL = frozenset({
     "backend", "turbo_kv", "kv_bits", "kv_group_size", "stream_experts", "expert_top_k", "draft_model",
-    "speculative", "num_draft_tokens", "ctx_size", "parallel", "prefill_size", "max_tokens", "temp", "top_p",
+    "speculative", "num_draft_tokens", "ctx_size", "parallel", "prefill_size", "max_batched_tokens", "max_tokens", "temp", "top_p",
     "top_k", "min_p", "repeat_penalty", "vision", "audio", "thinking", "tool_parser", "prompt_cache_bytes",
     "max_queue", "kv_budget_bytes", "seed",
 })
