@@ -6,6 +6,7 @@
 #          (scripts/greedy_probe.py), then `swiftlm bench serve` at N=1/64/128 (~40-token prompts, 128 new
 #          tokens, EOS banned, prompt cache off); then, on the TP=2 server, one rank killed with 8 open
 #          streams (scripts/tp_rank_kill.py): what the clients get and when the server exits
+#   tpar   TP=1, TP=2 with NCCL only, TP=2 with the one-shot symmetric-memory all-reduce (8B; greedy + N=1/64)
 #   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
 #   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
 #   tp32b  a 32B shape (Qwen2.5-32B-like: hidden 5120, 64 layers, 40/8 heads, MLP 27648), TP=1 vs TP=2,
@@ -117,6 +118,24 @@ for stage in "$@"; do
       done
       [ -f $R/greedy_tp2_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_8b.json \
           $R/greedy_tp2_8b.json --json $R/greedy_equal_8b.json ;;
+    tpar)  # the TP all-reduce (backends/torch/tp_allreduce.py): TP=1, then TP=2 with NCCL only, then TP=2 with the
+           # one-shot symmetric-memory path; greedy tokens of the two TP=2 servers must be identical
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      for cfg in tp1 tp2nccl tp2symm; do
+        tp=2; [ $cfg = tp1 ] && tp=1
+        export SWIFTLM_TP_ALLREDUCE=nccl; [ $cfg = tp2symm ] && export SWIFTLM_TP_ALLREDUCE=symm
+        start_server ${cfg}_8b $CK/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
+          || continue
+        grep -h "all-reduce" $R/serve_${cfg}_8b.log | tail -2
+        probe ${cfg}_8b 16
+        bench ${cfg}_8b 1 8 1; bench ${cfg}_8b 64 128 32
+        stop_server; pack
+      done
+      unset SWIFTLM_TP_ALLREDUCE
+      [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp2nccl_8b.json \
+          $R/greedy_tp2symm_8b.json --json $R/greedy_equal_symm_vs_nccl_8b.json
+      [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_8b.json \
+          $R/greedy_tp2symm_8b.json --json $R/greedy_equal_symm_vs_tp1_8b.json ;;
     tp8b-ep)
       ckpt 8b 4096 32 32 8 128 14336 || continue
       start_server tp1ep_8b $CK/m8b --parallel 128 --ctx-size 1024 --engine-process on || continue

@@ -38,6 +38,7 @@ from swiftlm.registry import ModelSpec
 
 from .archs import refuse_flag
 from .model import Args, Transformer, finish_load, hf_state_to_ours, param_bytes
+from .tp_allreduce import all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +166,8 @@ class RowParallelLinear(nn.Linear):
 
     @staticmethod
     def reduce(y: torch.Tensor) -> torch.Tensor:
-        y = y.contiguous()  # in place on the tensor's storage: a strided view (model.rows_linear's) would sum wrong
-        dist.all_reduce(y)
-        return y
+        # contiguous: NCCL sums in place on the storage, and a strided view (model.rows_linear's) would sum wrong
+        return all_reduce(y.contiguous())
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -184,8 +184,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(out)
-        return out
+        return all_reduce(out)
 
 
 def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
@@ -320,6 +319,9 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
     state = load_shard(spec, config, plan)
     module = build_sharded(config, state, dtype, device, plan)
     del state
+    from .tp_allreduce import setup as setup_all_reduce
+
+    setup_all_reduce(device, dtype)  # every rank, same point: the one-shot symmetric-memory path on CUDA
     log.info("tensor-parallel rank %d/%d: query heads [%d, %d), KV heads [%d, %d), MLP columns [%d, %d), "
              "vocabulary rows [%d, %d)", rank, world, plan.q0, plan.q1, plan.kv0, plan.kv1, plan.i0, plan.i1,
              plan.v0, plan.v0 + plan.vocab_rows)
