@@ -241,6 +241,9 @@ class Engine(PromptSide):
         self._thread.join(timeout)
         if self.outputs is not None:
             self.outputs.close(timeout)
+        from .gc_pauses import unfreeze
+
+        unfreeze()  # this engine's model may sit in reference cycles: let a collection free it
 
     @property
     def running(self) -> bool:

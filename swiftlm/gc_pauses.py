@@ -28,8 +28,8 @@ _frozen = 0  # objects frozen by the last freeze(): gc.get_freeze_count() walks 
 
 def freeze() -> int:
     """Freeze every object alive now (call after a model is loaded), collecting garbage first on the
-    process's first call only (a full collection costs what this module avoids; later calls, e.g. the
-    next model of a multi-model server, freeze what is there).  Returns the number of frozen objects
+    process's first call only, and after an ``unfreeze`` (a full collection costs what this module avoids; later
+    calls, e.g. the next model of a multi-model server, freeze what is there).  Returns the number of frozen objects
     (0 when ``SWIFTLM_GC_FREEZE=0``)."""
     global _collected, _frozen
     if os.environ.get("SWIFTLM_GC_FREEZE", "1") == "0":
@@ -40,6 +40,14 @@ def freeze() -> int:
     gc.freeze()
     _frozen = gc.get_freeze_count()
     return _frozen
+
+
+def unfreeze() -> None:
+    """Give frozen objects back to the collector (an engine shut down: its model's objects, if they sit in
+    reference cycles, can only be freed by a collection that sees them); the next ``freeze`` collects first."""
+    global _collected, _frozen
+    gc.unfreeze()
+    _collected, _frozen = False, 0
 
 
 class GcPauses:
