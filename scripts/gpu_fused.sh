@@ -7,8 +7,9 @@
 #
 #   bash scripts/gpu_fused.sh 1b 8b            # on the lent GPU; carry .whl .gpu
 #   MODES="unfused fused" NS="1 64" REPS=2 bash scripts/gpu_fused.sh 1b
-# AB=1 (default): every mode's server up at once on the GPU and the runs alternating between them, REPS times
-# (the 8B shape: at most two modes fit an 80 GB GPU at once); AB=0: one server after the other.
+# Every mode's server is up at once on the GPU and the runs alternate between them, REPS times (the 8B shape: at
+# most two modes fit an 80 GB GPU at once).  (The first run of this A/B, one server after the other, is
+# docs/results/fused_decode_gpu_h100_1b_first_run.json.)
 #
 # Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
 # garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096).
@@ -36,33 +37,6 @@ ckpt() {  # name hidden layers heads kv head_dim inter
 mode_env() { [ $1 = unfused ] && echo 0 || echo 1; }
 mode_freeze() { [ $1 = nofreeze ] && echo 0 || echo 1; }
 mode_args() { [ $1 = fused4k ] && echo "--max-batched-tokens 4096" || echo ""; }
-
-serve_and_bench() {  # shape model-argument mode
-  local shape=$1 model=$2 mode=$3 port=$((6000 + RANDOM % 1000))
-  env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $mode) SWIFTLM_GC_FREEZE=$(mode_freeze $mode) \
-      $PY -m swiftlm.cli serve $model --backend torch \
-      --parallel $PARALLEL --max-queue 512 --ctx-size 1024 --prompt-cache-bytes 0 --port $port $(mode_args $mode) \
-      > "$OUT/fd_serve_${shape}_$mode.log" 2>&1 &
-  local pid=$!
-  for i in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    kill -0 $pid 2>/dev/null || { echo "server $shape $mode died:"; tail -5 "$OUT/fd_serve_${shape}_$mode.log"; return; }
-    sleep 1
-  done
-  grep -hE "captured|Triton|Traceback|Error" "$OUT/fd_serve_${shape}_$mode.log" | tail -3 | sed "s/^/[$shape $mode] /"
-  for n in $NS; do
-    local reqs=$(( n < 8 ? 4 : ${REQ_MULT:-2} * n )) workers=$(( n >= 32 ? 4 : 1 ))
-    PYTHONPATH=$SITE timeout 300 $PY -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$port" \
-        --concurrency $n --num-requests $reqs --workers $workers --warmup $(( n < 32 ? n : 32 )) --prompt-tokens 40 \
-        --output-tokens $OUTTOK --ignore-eos $TOK --no-progress --label "${shape}_${mode}_n$n" \
-        --json "$OUT/fd_${shape}_${mode}_n$n.json" 2>&1 | grep -E "output tok/s|ITL|TTFT|failed" \
-        | sed "s/^/[$shape $mode N=$n] /"
-  done
-  curl -s "http://127.0.0.1:$port/health" > "$OUT/fd_health_${shape}_$mode.json"
-  $PY -c "import json,sys; g=json.load(open(sys.argv[1]))['stats'].get('gc',{}); print({k: g[k] for k in g if k.startswith('gen')})" \
-      "$OUT/fd_health_${shape}_$mode.json" 2>/dev/null | sed "s/^/[$shape $mode gc] /"
-  kill $pid; wait $pid 2>/dev/null
-}
 
 start_server() {  # shape model-argument mode -> sets $pid $port
   port=$((6000 + RANDOM % 1000))
@@ -153,8 +127,7 @@ for what in "$@"; do
     8b) ckpt 8b 4096 32 32 8 128 14336; shape=8b ;;
     *) echo "unknown shape $what"; continue ;;
   esac
-  if [ "${AB:-1}" = 1 ]; then interleaved $shape "--model /tmp/m$shape"
-  else for m in $MODES; do serve_and_bench $shape "--model /tmp/m$shape" $m; done; fi
+  interleaved $shape "--model /tmp/m$shape"
   profile $shape /tmp/m$shape
   table $shape
   tar -czf $OUT/fused_${shape}.tgz -C $OUT $(cd $OUT && ls fd_*${shape}* 2>/dev/null) 2>/dev/null

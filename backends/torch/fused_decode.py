@@ -42,31 +42,42 @@ def _heads(attn: Any) -> tuple[int, int, int]:
     return attn.splits[0] // D, attn.splits[1] // D, D
 
 
+def _qkv(attn: Any, h: torch.Tensor, qk_norm: bool) -> tuple[torch.Tensor, int, int, int]:
+    """The fused QKV rows of ``h`` (q/k normed for Qwen3-style layers) and this rank's (H, KVH, D)."""
+    H, KVH, D = _heads(attn)
+    qkv = F.linear(h, *attn.qkv)
+    return (_qk_normed(attn, qkv, H, KVH, D) if qk_norm else qkv), H, KVH, D
+
+
+def _after_attention(model: Transformer, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Layer ``i`` after its attention output ``o`` (rows, before o_proj): o_proj, residual add + norm, the MLP,
+    residual add + the next layer's input norm (the final norm after the last layer).  ``x`` (the residual
+    stream) is updated in place; returns the normed rows the next layer (or the LM head) reads."""
+    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, silu_mul
+
+    blocks, eps = model.layers, model.a.eps
+    blk = blocks[i]
+    h = add_rmsnorm(x, blk.self_attn.o_proj(o).contiguous(), blk.post_attention_layernorm.weight, eps)
+    d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up))).contiguous()
+    nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
+    return add_rmsnorm(x, d, nxt.weight, eps)
+
+
 def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
                         arange: torch.Tensor) -> torch.Tensor:
     """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Logits [V]."""
-    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write, silu_mul
+    from swiftlm.cuda_ext.decode_kernels import rope_kv_write
 
-    a = model.a
     x = model.embed(token)
     cos, sin = model.cos[pos], model.sin[pos]
     valid = (arange[:L] <= pos).view(1, 1, 1, L)
-    blocks = list(model.layers)
-    h = blocks[0].input_layernorm(x)
-    for i, blk in enumerate(blocks):
-        attn = blk.self_attn
-        H, KVH, D = _heads(attn)
-        qkv = F.linear(h, *attn.qkv)
-        if a.qk_norm:
-            qkv = _qk_normed(attn, qkv, H, KVH, D)
+    h = model.layers[0].input_layernorm(x)
+    for i, blk in enumerate(model.layers):
+        qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
         q = rope_kv_write(qkv, cos, sin, pos, kv.k[i], kv.v[i], H, KVH, D)
         o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
                                            kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
-        o = attn.o_proj(o.reshape(1, H * D))
-        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
-        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up)))
-        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
-        h = add_rmsnorm(x, d, nxt.weight, a.eps)
+        h = _after_attention(model, i, x, o.reshape(1, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(h, w)[0]
 
@@ -75,9 +86,8 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
                               pos: torch.Tensor, L: int, arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
     """``graphs.decode_batch_static`` with the fused kernels: B decode rows over a slot pool, attention
     by the Triton paged kernel (``splits`` > 0) or gather + SDPA.  Logits [B, V]."""
-    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, rope_kv_write_rows, silu_mul
+    from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
 
-    a = model.a
     B = tokens.shape[0]
     x = model.embed(tokens).contiguous()
     if splits:
@@ -86,14 +96,9 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
         tables, lens = slots.view(B, 1).int(), (pos + 1).int()
     else:
         valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
-    blocks = list(model.layers)
-    h = blocks[0].input_layernorm(x)
-    for i, blk in enumerate(blocks):
-        attn = blk.self_attn
-        H, KVH, D = _heads(attn)
-        qkv = F.linear(h, *attn.qkv)
-        if a.qk_norm:
-            qkv = _qk_normed(attn, qkv, H, KVH, D)
+    h = model.layers[0].input_layernorm(x)
+    for i, blk in enumerate(model.layers):
+        qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
         K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slots, K, V, H, KVH, D)  # [B, H, D]
         if splits:
@@ -101,10 +106,6 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
         else:
             out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
                                                  enable_gqa=H != KVH)  # [B, H, 1, D]
-        o = attn.o_proj(out.reshape(B, H * D)).contiguous()
-        h = add_rmsnorm(x, o, blk.post_attention_layernorm.weight, a.eps)
-        d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up))).contiguous()
-        nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
-        h = add_rmsnorm(x, d, nxt.weight, a.eps)
+        h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(h, w)
