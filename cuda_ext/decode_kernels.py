@@ -1,11 +1,10 @@
 """Fused elementwise stages of one decode token (memory-bound; each saves launches and a
 round trip through device memory):
 
-- ``rope_kv_write``: split the fused QKV row into heads, rotate q and k (rotate-half RoPE),
-  write k and v into the cache row at ``pos`` (a device tensor, so CUDA graphs can replay it),
-  return the rotated q.  Replaces ~9 torch kernels.
-- ``rope_kv_write_rows``: the same for B rows of a batched step, each written to its own slot of a
-  slot pool at its own position (rope tables indexed in the kernel).  Replaces ~12.
+- ``rope_kv_write_rows``: split each fused QKV row into heads, rotate q and k (rotate-half RoPE), write k
+  and v into the row's own slot of a slot pool at its own position (device tensors, so CUDA graphs can
+  replay it; rope tables indexed in the kernel), return the rotated q.  One sequence's own cache is a
+  one-slot pool.  Replaces ~12 torch kernels.
 - ``add_rmsnorm``: ``x += delta`` then ``rmsnorm(x) * w``, in one pass, per row.  Replaces 2-3.
 - ``silu_mul``: ``silu(gate) * up`` from the fused [gate; up] rows.  Replaces 2.
 """
@@ -15,61 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-# --------------------------------------------------------------------------- rope + KV write
-@triton.jit
-def _rope_kv_kernel(qkv, cos, sin, pos_ptr, q_out, k_cache, v_cache, cache_head_stride, cache_row_stride,
-                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
-    h = tl.program_id(0)
-    pos = tl.load(pos_ptr)
-    i = tl.arange(0, HALF)
-    if h < H + KVH:
-        base = h * D
-        x1 = tl.load(qkv + base + i).to(tl.float32)
-        x2 = tl.load(qkv + base + HALF + i).to(tl.float32)
-        c1 = tl.load(cos + i).to(tl.float32)
-        c2 = tl.load(cos + HALF + i).to(tl.float32)
-        s1 = tl.load(sin + i).to(tl.float32)
-        s2 = tl.load(sin + HALF + i).to(tl.float32)
-        o1 = x1 * c1 - x2 * s1
-        o2 = x2 * c2 + x1 * s2
-        if h < H:
-            tl.store(q_out + h * D + i, o1.to(q_out.dtype.element_ty))
-            tl.store(q_out + h * D + HALF + i, o2.to(q_out.dtype.element_ty))
-        else:
-            dst = k_cache + (h - H) * cache_head_stride + pos * cache_row_stride
-            tl.store(dst + i, o1.to(k_cache.dtype.element_ty))
-            tl.store(dst + HALF + i, o2.to(k_cache.dtype.element_ty))
-    else:
-        j = tl.arange(0, D)
-        src = tl.load(qkv + h * D + j)
-        dst = v_cache + (h - H - KVH) * cache_head_stride + pos * cache_row_stride
-        tl.store(dst + j, src.to(v_cache.dtype.element_ty))
-
-
-def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KVH: int, D: int) -> torch.Tensor:
-    """qkv [1, (H+2KVH)*D]; cos/sin [1, D]; pos [1] (int64, device); caches [KVH, C, D].
-    Returns q rotated, [H, 1, D]; writes rotated k and v at row ``pos``."""
-    q = torch.empty((H, 1, D), dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_kernel[(H + 2 * KVH,)](qkv, cos, sin, pos, q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-                                    H=H, KVH=KVH, D=D, HALF=D // 2)
-    return q
-
-
-def rope_kv_write_ref(qkv, cos, sin, pos, k_cache, v_cache, H, KVH, D):
-    q, k, v = qkv.float().split([H * D, KVH * D, KVH * D], dim=-1)
-    c, s = cos.float(), sin.float()
-
-    def rot(x):
-        x = x.view(-1, 1, D)
-        half = D // 2
-        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
-
-    k_cache.index_copy_(1, pos, rot(k).to(k_cache.dtype))
-    v_cache.index_copy_(1, pos, v.view(KVH, 1, D).to(v_cache.dtype))
-    return rot(q).to(qkv.dtype)
 
 
 # --------------------------------------------------------------------------- rope + KV write, batched

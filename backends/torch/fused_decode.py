@@ -66,15 +66,16 @@ def _after_attention(model: Transformer, i: int, x: torch.Tensor, o: torch.Tenso
 def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
                         arange: torch.Tensor) -> torch.Tensor:
     """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Logits [V]."""
-    from swiftlm.cuda_ext.decode_kernels import rope_kv_write
+    from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
 
     x = model.embed(token)
-    cos, sin = model.cos[pos], model.sin[pos]
+    slot = pos.new_zeros(1)  # the sequence's own cache is a one-slot pool
     valid = (arange[:L] <= pos).view(1, 1, 1, L)
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        q = rope_kv_write(qkv, cos, sin, pos, kv.k[i], kv.v[i], H, KVH, D)
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, kv.k[i].unsqueeze(0), kv.v[i].unsqueeze(0),
+                               H, KVH, D)
         o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
                                            kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
         h = _after_attention(model, i, x, o.reshape(1, H * D))

@@ -235,7 +235,6 @@ class GraphDecoder:
         if fused is None:  # SWIFTLM_FUSED_DECODE=0: the unfused steps (for A/B runs)
             fused = (enabled(device.type) and fusable(model)
                      and os.environ.get("SWIFTLM_FUSED_DECODE", "1") != "0")
-        self.fused = fused
         self.fn = decode_static_fused if fused else decode_static
         self.batch_fn = decode_batch_static_fused if fused else decode_batch_static
         # batched decode attention reads the slots in place (Triton) instead of gathering them
