@@ -45,6 +45,10 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
     from .paged_attention import selfcheck as paged_selfcheck
 
     errs["paged_decode_attention"] = paged_selfcheck(device, dtype, seed)
+    from .gemv import linear_small_m, linear_small_m_ref
+
+    x, w = rnd(1, 3 * N), rnd(I, 3 * N) * 0.05  # odd N and K: masked tails
+    errs["linear_small_m"] = _rel(linear_small_m(x, w), linear_small_m_ref(x, w))
     return errs
 
 

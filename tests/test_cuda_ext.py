@@ -236,3 +236,35 @@ def _check_tq(name: str, a: float, b: float, c: float, ref_max: float = 1.0, gpu
 def test_turboquant_attention_kernel_on_gpu():
     for name, vals in _run_tq("cuda", interpret=False).items():
         _check_tq(name, *vals, gpu=True)
+
+
+GEMV_CODE = """
+import json, torch
+from swiftlm.cuda_ext.gemv import linear_small_m, linear_small_m_ref
+g = torch.Generator().manual_seed(0)
+out = []
+# (M, N, K, config): the default tiling, odd N and K (masked tails), several rows (tl.dot), split K (atomics)
+for M, N, K, cfg in [(1, 100, 960, None), (1, 37, 333, (8, 128, 1, 4)), (1, 64, 1000, (16, 256, 2, 4)),
+                     (3, 50, 300, None), (5, 70, 513, (32, 128, 2, 4))]:
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    y, ref = linear_small_m(x, w, cfg), linear_small_m_ref(x.double(), w.double())
+    out.append(dict(M=M, N=N, K=K, shape=list(y.shape), err=float((y.double() - ref).abs().max()),
+                    scale=float((x.double().abs() @ w.double().abs().T).max())))
+print(json.dumps(out))
+"""
+
+
+@triton_missing
+def test_gemv_matches_reference_interpreted():
+    """The small-M linear kernel (``cuda_ext/gemv.py``, one decode row on CUDA) in fp32 against float64:
+    one reduction of length K in another order, so within fp32_matmul_tol(K) of the sum of |products|."""
+    import json
+
+    r = subprocess.run([sys.executable, "-c", GEMV_CODE], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(cases) == 5
+    for c in cases:
+        assert c["shape"] == [c["M"], c["N"]], c
+        assert c["err"] <= fp32_matmul_tol(c["K"], c["scale"]), c

@@ -2,7 +2,7 @@
 SiLU * up as Triton kernels) against the unfused torch steps they replace, on CPU tensors under
 TRITON_INTERPRET=1 in a subprocess (the flag must be set before triton is imported): the batched
 step over a slot pool (with the paged attention kernel and with gather + SDPA) and the one-sequence
-step, for a llama checkpoint and a Qwen3 one (q/k norms between the QKV matmul and the rope kernel).
+step (its cache read by the same kernel as a one-slot pool, and by SDPA), for a llama checkpoint and a Qwen3 one (q/k norms between the QKV matmul and the rope kernel).
 fp32 both ways, so the two differ by rounding only: the logits within ``transformer_logits_tol``, the
 greedy token the same, every KV row written within rounding of the other path's."""
 
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
             kv = max(float((x - y).abs().max()) for x, y in zip(p1.k + p1.v, p2.k + p2.v))
             out["batch"].append(dict(splits=splits, err=float((got - ref).abs().max()), scale=float(ref.abs().max()),
                                      argmax_equal=bool((got.argmax(-1) == ref.argmax(-1)).all()), kv_err=kv))
-        for p in (0, 40):
+        for p, splits in ((0, 0), (40, 0), (0, 2), (40, 2)):  # SDPA, then the Triton kernel over a one-slot pool
             caches = []
             for _ in range(2):
                 c = SeqCache(a, torch.float32, torch.device("cpu"), capacity=C)
@@ -66,9 +66,9 @@ SCRIPT = textwrap.dedent("""
                 caches.append(c)
             t, q = torch.tensor([9]), torch.tensor([p])
             ref = decode_static(m, caches[0], t, q, C, ar)
-            got = decode_static_fused(m, caches[1], t, q, C, ar)
+            got = decode_static_fused(m, caches[1], t, q, C, ar, splits)
             kv = max(float((x - y).abs().max()) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
-            out["single"].append(dict(pos=p, err=float((got - ref).abs().max()), scale=float(ref.abs().max()),
+            out["single"].append(dict(pos=p, splits=splits, err=float((got - ref).abs().max()), scale=float(ref.abs().max()),
                                       argmax_equal=bool(got.argmax() == ref.argmax()), kv_err=kv))
     out["args"] = dict(hidden=a.hidden, heads=a.heads, head_dim=a.head_dim, intermediate=a.intermediate,
                        layers=a.layers, vocab=a.vocab)
@@ -98,7 +98,7 @@ def test_fused_decode_equals_unfused(ckpt, request):
     for k, v in res["args"].items():
         setattr(a, k, v)
     a.moe_intermediate = a.shared_intermediate = 0
-    assert len(res["batch"]) == 2 and len(res["single"]) == 2
+    assert len(res["batch"]) == 2 and len(res["single"]) == 4
     for case in res["batch"] + res["single"]:
         # fp32 both ways, rounded in other places: the logits' error is that of another summation order
         assert case["err"] <= transformer_logits_tol(a, case["scale"], context=96), case

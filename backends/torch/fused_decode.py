@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .model import SeqCache, Transformer
+from .model import SeqCache, Transformer, out_proj, rows_linear
 
 
 def fusable(model: Any) -> bool:
@@ -45,7 +45,7 @@ def _heads(attn: Any) -> tuple[int, int, int]:
 def _qkv(attn: Any, h: torch.Tensor, qk_norm: bool) -> tuple[torch.Tensor, int, int, int]:
     """The fused QKV rows of ``h`` (q/k normed for Qwen3-style layers) and this rank's (H, KVH, D)."""
     H, KVH, D = _heads(attn)
-    qkv = F.linear(h, *attn.qkv)
+    qkv = rows_linear(h, *attn.qkv).contiguous()  # (CPU: rows_linear's (W @ x^T)^T is a transposed view)
     return (_qk_normed(attn, qkv, H, KVH, D) if qk_norm else qkv), H, KVH, D
 
 
@@ -57,30 +57,40 @@ def _after_attention(model: Transformer, i: int, x: torch.Tensor, o: torch.Tenso
 
     blocks, eps = model.layers, model.a.eps
     blk = blocks[i]
-    h = add_rmsnorm(x, blk.self_attn.o_proj(o).contiguous(), blk.post_attention_layernorm.weight, eps)
-    d = blk.mlp.down_proj(silu_mul(F.linear(h, blk.mlp.gate_up))).contiguous()
+    h = add_rmsnorm(x, out_proj(blk.self_attn.o_proj, o).contiguous(), blk.post_attention_layernorm.weight, eps)
+    d = out_proj(blk.mlp.down_proj, silu_mul(rows_linear(h, blk.mlp.gate_up).contiguous())).contiguous()
     nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
     return add_rmsnorm(x, d, nxt.weight, eps)
 
 
 def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
-                        arange: torch.Tensor) -> torch.Tensor:
-    """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Logits [V]."""
+                        arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
+    """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Attention by the
+    Triton decode kernel (``splits`` > 0: the cache is a one-slot pool read up to ``pos``) or SDPA over the
+    first ``L`` rows with a mask.  Logits [V]."""
     from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
 
     x = model.embed(token)
     slot = pos.new_zeros(1)  # the sequence's own cache is a one-slot pool
-    valid = (arange[:L] <= pos).view(1, 1, 1, L)
+    if splits:
+        from swiftlm.cuda_ext.paged_attention import paged_decode_attention
+
+        table, lens = slot.view(1, 1).int(), (pos + 1).int()
+    else:
+        valid = (arange[:L] <= pos).view(1, 1, 1, L)
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, kv.k[i].unsqueeze(0), kv.v[i].unsqueeze(0),
-                               H, KVH, D)
-        o = F.scaled_dot_product_attention(q.view(1, H, 1, D), kv.k[i][:, :L].unsqueeze(0),
-                                           kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
+        K, V = kv.k[i].unsqueeze(0), kv.v[i].unsqueeze(0)
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, K, V, H, KVH, D)
+        if splits:
+            o = paged_decode_attention(q, K, V, table, lens, D ** -0.5, num_splits=splits)  # [1, H, D]
+        else:
+            o = F.scaled_dot_product_attention(q.view(1, H, 1, D), K[:, :, :L], V[:, :, :L], attn_mask=valid,
+                                               enable_gqa=H != KVH)
         h = _after_attention(model, i, x, o.reshape(1, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(h, w)[0]
+    return rows_linear(h, w)[0]
 
 
 def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tensor, slots: torch.Tensor,
@@ -109,4 +119,4 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
                                                  enable_gqa=H != KVH)  # [B, H, 1, D]
         h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(h, w)
+    return rows_linear(h, w)

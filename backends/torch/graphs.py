@@ -235,7 +235,7 @@ class GraphDecoder:
         if fused is None:  # SWIFTLM_FUSED_DECODE=0: the unfused steps (for A/B runs)
             fused = (enabled(device.type) and fusable(model)
                      and os.environ.get("SWIFTLM_FUSED_DECODE", "1") != "0")
-        self.fn = decode_static_fused if fused else decode_static
+        self.fused = fused
         self.batch_fn = decode_batch_static_fused if fused else decode_batch_static
         # batched decode attention reads the slots in place (Triton) instead of gathering them
         self.paged_attention = enabled(device.type) and os.environ.get("SWIFTLM_PAGED_ATTENTION", "1") != "0"
@@ -271,6 +271,13 @@ class GraphDecoder:
         t = token.reshape(1).long() if torch.is_tensor(token) else torch.tensor([token], device=self.device)
         p = torch.tensor([pos], device=self.device)
         return self.fn(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
+
+    def fn(self, model: Transformer, kv: SeqCache, t: torch.Tensor, p: torch.Tensor, L: int,
+           arange: torch.Tensor) -> torch.Tensor:
+        """One sequence's decode step: fused (attention by the Triton decode kernel where it is on) or not."""
+        if self.fused:
+            return decode_static_fused(model, kv, t, p, L, arange, self.splits_for(L, 1))
+        return decode_static(model, kv, t, p, L, arange)
 
     def _capture(self, key: Any, fn: Any, inputs: tuple) -> tuple:
         """Run ``fn(*inputs)`` once on a side stream (warm-up; also this step's result), then

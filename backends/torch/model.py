@@ -681,14 +681,35 @@ def project_qkv(attn: "Attention", x: torch.Tensor, linear: Any = F.linear
     return q, k, v
 
 
+_GEMV: list[bool] = []
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One CUDA row through ``cuda_ext.gemv`` (half-precision weights; the Triton kernels self-checked;
+    ``SWIFTLM_GEMV=0`` keeps cuBLAS, for A/B runs)."""
+    if not _GEMV:
+        import os
+
+        from swiftlm.cuda_ext import enabled
+
+        _GEMV.append(os.environ.get("SWIFTLM_GEMV", "1") != "0" and enabled("cuda"))
+    return _GEMV[0] and x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous()
+
+
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
     whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
     project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms).  One or two rows are padded to
     three: MKL's GEMV reads the weights at ~12 GB/s here, its GEMM at ~20-26 GB/s
     (scripts/bench_cpu_linear.py: SmolLM2's layer matrices 34.3 -> 21.6 ms, its LM head 9.3 -> 4.1 ms
-    for one row; the padded rows are zeros and their results are dropped)."""
+    for one row; the padded rows are zeros and their results are dropped).  One row on CUDA (half precision)
+    is the Triton matrix-vector kernel of ``cuda_ext.gemv``: on an H100, 5-18% faster than cuBLAS for every
+    matrix of the 1B and 8B decode steps (``scripts/bench_gemv.py``, docs/results/gemv_h100.json)."""
     n = x.shape[0]
+    if n == 1 and b is None and x.is_cuda and x.dim() == 2 and _gemv_ok(x, w):
+        from swiftlm.cuda_ext.gemv import linear_small_m
+
+        return linear_small_m(x.contiguous(), w)
     if x.device.type == "cpu" and x.dim() == 2 and 1 <= n <= 64:
         if n < 3:
             x = torch.cat([x, x.new_zeros(3 - n, x.shape[1])])
