@@ -3,7 +3,7 @@
 #   gemv   the decode matmuls at one row, cuBLAS vs the Triton kernel of cuda_ext/gemv.py (scripts/bench_gemv.py)
 #   1b 8b  the in-process engine (scripts/profile_engine.py, no HTTP) at N streams in each of $MODES, runs
 #          alternating between modes (REPS rounds), then one run of the last mode under torch.profiler (kernel
-#          table by device time).
+#          table by device time) and its timeline's idle gaps (scripts/trace_gaps.py).
 # Modes: base (SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0: cuBLAS + SDPA), paged (cuBLAS, attention by the
 # Triton decode kernel), gemv (Triton GEMV, SDPA), new (both: the default).
 #
@@ -54,7 +54,9 @@ for what in "$@"; do
   done
   last=${MODES##* }
   env $(mode_env $last) timeout 200 $PY /tmp/run/profile_engine.py --model /tmp/m$what --streams ${NS%% *} --tokens 128 \
-      --ctx-size 1024 --torch-profile $OUT/dp_${what}_prof.txt --json $OUT/dp_${what}_prof.json 2>&1 | tail -1
+      --ctx-size 1024 --torch-profile $OUT/dp_${what}_prof.txt --json $OUT/dp_${what}_prof.json \
+      --trace /tmp/run/trace_$what.json 2>&1 | tail -1
+  $PY $REPO/scripts/trace_gaps.py /tmp/run/trace_$what.json --json $OUT/dp_${what}_gaps.json
   awk '/Self CUDA %/{c++} c==2' $OUT/dp_${what}_prof.txt | cut -c1-58,118-200 | head -18
   (cd $OUT && tar czf dp_$what.tgz dp_${what}_* && rm -f dp_${what}_*)
 done

@@ -12,7 +12,8 @@
 # docs/results/fused_decode_gpu_h100_1b_first_run.json.)
 #
 # Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
-# garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096).
+# garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
+# base (one stream as in session 12: cuBLAS GEMV and SDPA attention), swNN (GIL switch interval 0.NN ms).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -34,13 +35,20 @@ ckpt() {  # name hidden layers heads kv head_dim inter
       --no-tie --shard-mb 4000 --reuse-layers --tokenizer-from $REPO/.gpu/tok > /dev/null || exit 1
 }
 
-mode_env() { [ $1 = unfused ] && echo 0 || echo 1; }
-mode_freeze() { [ $1 = nofreeze ] && echo 0 || echo 1; }
+mode_env() {  # the environment of a mode's server
+  case $1 in
+    unfused) echo "SWIFTLM_FUSED_DECODE=0" ;;
+    nofreeze) echo "SWIFTLM_GC_FREEZE=0" ;;
+    base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;  # one stream as in session 12: cuBLAS + SDPA
+    sw*) echo "SWIFTLM_GIL_SWITCH_MS=0.${1#sw}" ;;              # sw05: GIL switch interval 0.5 ms (swiftlm/gil.py)
+    *) echo "SWIFTLM_FUSED_DECODE=1" ;;
+  esac
+}
 mode_args() { [ $1 = fused4k ] && echo "--max-batched-tokens 4096" || echo ""; }
 
 start_server() {  # shape model-argument mode -> sets $pid $port
   port=$((6000 + RANDOM % 1000))
-  env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $3) SWIFTLM_GC_FREEZE=$(mode_freeze $3) \
+  env PYTHONPATH=$SITE $(mode_env $3) \
       $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size 1024 \
       --prompt-cache-bytes 0 --port $port $(mode_args $3) > "$OUT/fd_serve_${1}_$3.log" 2>&1 &
   pid=$!
@@ -89,7 +97,7 @@ profile() {  # shape model-dir: the in-process engine's step phases, unfused the
   [ "$PROFILE" = 1 ] || return
   cp $REPO/scripts/profile_engine.py /tmp/run/  # a copy outside the checkout: it imports the installed swiftlm
   for mode in unfused fused; do
-    env PYTHONPATH=$SITE SWIFTLM_FUSED_DECODE=$(mode_env $mode) timeout 240 $PY /tmp/run/profile_engine.py \
+    env PYTHONPATH=$SITE $(mode_env $mode) timeout 240 $PY /tmp/run/profile_engine.py \
         --model $2 --streams ${PROF_STREAMS:-1,64} --tokens 128 --ctx-size 1024 \
         --json "$OUT/fd_prof_${1}_$mode.json" 2>&1 | tail -4 | sed "s/^/[profile $1 $mode] /"
   done

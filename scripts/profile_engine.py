@@ -57,6 +57,8 @@ def profiled(llm, n: int, a, path: str) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         row = run(llm, n, a.tokens, a.temperature)
+    if a.trace:  # the timeline, for scripts/trace_gaps.py (device idle time and what the host did meanwhile)
+        prof.export_chrome_trace(a.trace)
     ka = prof.key_averages()
     busy = sum(e.self_device_time_total for e in ka if e.device_type.name == "CUDA") / 1e6
     row["device_busy_s"] = round(busy, 4)
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--json", default=None)
     ap.add_argument("--ctx-size", type=int, default=None)
+    ap.add_argument("--trace", default=None, metavar="JSON",
+                    help="with --torch-profile: also write the chrome trace here")
     ap.add_argument("--sync-debug", action="store_true",
                     help="CUDA: after warm-up, report every host-blocking CUDA call of the runs (file:line, count)")
     ap.add_argument("--torch-profile", default=None, metavar="TXT",

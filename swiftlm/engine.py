@@ -121,7 +121,9 @@ class Engine(PromptSide):
         self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
         self.on_fatal: Any = None  # called with that message (the server exits non-zero)
         from .gc_pauses import GcPauses, freeze
+        from .gil import tune_switch_interval
 
+        tune_switch_interval()  # SWIFTLM_GIL_SWITCH_MS (gil.py)
         freeze()  # the loaded model's objects out of the collector's reach: no full-heap pauses mid-stream
         self.gc_pauses = GcPauses.install()  # collections of this process from now on, timed (/health, /metrics)
         self._thread = threading.Thread(target=self._run, name="swiftlm-engine", daemon=True)
