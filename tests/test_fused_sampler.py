@@ -36,9 +36,10 @@ def test_fused_equals_general(device, dtype):
     dev = torch.device(device)
     rng = np.random.default_rng(0)
     fused_ops, general_ops = TorchOps(dev), GeneralOps(dev)
-    for n in (1, 3, 64):
-        rows_a = _rows(n, np.random.default_rng(n))
-        rows_b = _rows(n, np.random.default_rng(n))
+    for n, skip in ((1, 0), (3, 0), (64, 0), (3, 1)):  # the last: no greedy row (the sampler skips its argmax)
+        rows_a = _rows(n + skip, np.random.default_rng(n))[skip:]
+        rows_b = _rows(n + skip, np.random.default_rng(n))[skip:]
+        assert any(r.params.greedy for r in rows_a) == (skip == 0)
         for step in range(6):
             logits = torch.from_numpy(rng.normal(0, 3, (n, V)).astype(np.float32)).to(dev, getattr(torch, dtype))
             host = sampler.simple_inputs([r.params for r in rows_a], [r.state for r in rows_a],
