@@ -15,12 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kw
+
 
 # --------------------------------------------------------------------------- rope + KV write, batched
 @triton.jit
 def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, q_out, k_pool, v_pool, slot_stride, head_stride,
-                         row_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+                         row_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                         GDC: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
+    if GDC:  # programmatic dependent launch (pdl.py): the previous kernel's writes first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pos = tl.load(pos_ptr + b)
     slot = tl.load(slot_ptr + b)
     src = qkv + b * ((H + 2 * KVH) * D)
@@ -60,7 +66,8 @@ def rope_kv_write_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_pool.stride(3) == 1
     q = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
     _rope_kv_rows_kernel[(B, H + 2 * KVH)](qkv, cos, sin, pos, slots, q, k_pool, v_pool, k_pool.stride(0),
-                                           k_pool.stride(1), k_pool.stride(2), H=H, KVH=KVH, D=D, HALF=D // 2)
+                                           k_pool.stride(1), k_pool.stride(2), H=H, KVH=KVH, D=D, HALF=D // 2,
+                                           **launch_kw(qkv))
     return q
 
 
@@ -81,8 +88,11 @@ def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D)
 
 # --------------------------------------------------------------------------- add + RMSNorm
 @triton.jit
-def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     r0 = tl.program_id(0) * N  # one program per row of [rows, N] (contiguous)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x, delta, out = x + r0, delta + r0, out + r0
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -100,7 +110,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: floa
     N = x.shape[-1]
     assert x.is_contiguous() and delta.is_contiguous()
     out = torch.empty_like(x)
-    _add_rmsnorm_kernel[(x.numel() // N,)](x, delta, w, out, eps, N=N, BLOCK=triton.next_power_of_2(N))
+    _add_rmsnorm_kernel[(x.numel() // N,)](x, delta, w, out, eps, N=N, BLOCK=triton.next_power_of_2(N), **launch_kw(x))
     return out
 
 
@@ -113,8 +123,11 @@ def add_rmsnorm_ref(x, delta, w, eps):
 
 # --------------------------------------------------------------------------- SiLU * up
 @triton.jit
-def _silu_mul_kernel(gu, out, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu, out, I: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     pid, row = tl.program_id(0), tl.program_id(1)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     gu, out = gu + row * 2 * I, out + row * I
     i = pid * BLOCK + tl.arange(0, BLOCK)
     m = i < I
@@ -131,7 +144,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.is_contiguous()
     out = torch.empty((rows, I), dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(I, BLOCK), rows)](gate_up, out, I=I, BLOCK=BLOCK)
+    _silu_mul_kernel[(triton.cdiv(I, BLOCK), rows)](gate_up, out, I=I, BLOCK=BLOCK, **launch_kw(gate_up))
     return out
 
 

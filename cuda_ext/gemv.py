@@ -18,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kw
+
 
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, K, K_PER, M_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
@@ -29,12 +31,26 @@ def _gemv_kernel(x, w, y, M, N, K, K_PER, M_BLK: tl.constexpr, BLOCK_N: tl.const
     k_lo = pid_k * K_PER
     if M_BLK == 1:
         acc = tl.zeros((BLOCK_N,), tl.float32)
-        for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
-            k = k0 + kk
+        if GDC:  # programmatic dependent launch (pdl.py): the first weight tile before waiting for x
+            k = k_lo + kk
             km = k < K
             wt = tl.load(w + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            xt = tl.load(x + k, mask=km, other=0.0)
-            acc += tl.sum(wt.to(tl.float32) * xt.to(tl.float32)[None, :], axis=1)
+            tl.extra.cuda.gdc_wait()
+            for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
+                k = k0 + kk
+                km = k < K
+                xt = tl.load(x + k, mask=km, other=0.0)
+                acc += tl.sum(wt.to(tl.float32) * xt.to(tl.float32)[None, :], axis=1)
+                kn = k + BLOCK_K
+                wt = tl.load(w + n[:, None] * K + kn[None, :], mask=nm[:, None] & (kn < K)[None, :], other=0.0)
+            tl.extra.cuda.gdc_launch_dependents()
+        else:
+            for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
+                k = k0 + kk
+                km = k < K
+                wt = tl.load(w + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                xt = tl.load(x + k, mask=km, other=0.0)
+                acc += tl.sum(wt.to(tl.float32) * xt.to(tl.float32)[None, :], axis=1)
         if ATOMIC:
             tl.atomic_add(y + n, acc, mask=nm)
         else:
@@ -77,8 +93,9 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int
     atomic = split > 1
     y = (torch.zeros if atomic else torch.empty)((M, N), dtype=torch.float32 if atomic else x.dtype, device=x.device)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, k_per))
+    kw = launch_kw(x) if M == 1 and not atomic else {"GDC": False}  # PDL: one row, no split K (pdl.py)
     _gemv_kernel[grid](x, w, y, M, N, K, K_PER=k_per, M_BLK=1 if M == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
-                       ATOMIC=atomic, num_warps=warps)
+                       ATOMIC=atomic, num_warps=warps, **kw)
     return y.to(x.dtype) if atomic else y
 
 

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kw
+
 _LOG2E = 1.4426950408889634
 
 
@@ -58,10 +60,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
                   so_b, so_h, so_d,
                   REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   BS: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
-                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr):
+                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr,
+                  GDC: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)   # KV head
     s = tl.program_id(2)   # split
+    if GDC:  # programmatic dependent launch (pdl.py): q and this step's K/V row are the previous kernels'
+        tl.extra.cuda.gdc_wait()
     H = tl.num_programs(1) * REP
     n_pos = tl.load(len_ptr + b)
     n_pos = tl.minimum(tl.maximum(n_pos, 0), MAX_BLOCKS * BS)  # never read past the table
@@ -127,6 +132,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)       # [RP, DP]
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     o = acc / tl.where(l > 0, l, 1.0)[:, None]   # an empty range (or seq_len 0): zeros, not NaN
     if DIRECT:
         tl.store(out_ptr + b * so_b + h[:, None] * so_h + d[None, :] * so_d, o.to(out_ptr.dtype.element_ty),
@@ -139,9 +146,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
 
 @triton.jit
 def _combine_kernel(mid_o, mid_lse, out_ptr, NS, so_b, so_h, so_d,
-                    D: tl.constexpr, DP: tl.constexpr, NSP: tl.constexpr):
+                    D: tl.constexpr, DP: tl.constexpr, NSP: tl.constexpr, GDC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     H = tl.num_programs(1)
     i = tl.arange(0, NSP)
     im = i < NS
@@ -246,10 +256,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         REP=rep, RP=RP, D=D, DP=DP, BS=BS, BLOCK_N=BN, TILE_IN_BLOCK=BS % BN == 0,
-        USE_DOT=dot, IEEE=ieee, DOT_F32=_interpret() and k_cache.dtype == torch.bfloat16, DIRECT=direct, **kw)
+        USE_DOT=dot, IEEE=ieee, DOT_F32=_interpret() and k_cache.dtype == torch.bfloat16, DIRECT=direct, **kw,
+        **launch_kw(q))
     if not direct:
         _combine_kernel[(B, H)](mid_o, mid_lse, out, NS, out.stride(0), out.stride(1), out.stride(2),
-                                D=D, DP=DP, NSP=triton.next_power_of_2(NS))
+                                D=D, DP=DP, NSP=triton.next_power_of_2(NS), **launch_kw(q))
     return out
 
 

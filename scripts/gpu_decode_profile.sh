@@ -5,7 +5,8 @@
 #          alternating between modes (REPS rounds), then one run of the last mode under torch.profiler (kernel
 #          table by device time) and its timeline's idle gaps (scripts/trace_gaps.py).
 # Modes: base (SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0: cuBLAS + SDPA), paged (cuBLAS, attention by the
-# Triton decode kernel), gemv (Triton GEMV, SDPA), new (both: the default).
+# Triton decode kernel), gemv (Triton GEMV, SDPA), nopdl (the default without programmatic dependent launch,
+# SWIFTLM_PDL=0), new (the default).
 #
 #   bash scripts/gpu_decode_profile.sh gemv 1b 8b      # on the lent GPU; carry .whl .gpu
 # Results in $OUT: gemv.json, dp_<shape>.tgz (per-run JSON, profiler tables).
@@ -32,6 +33,7 @@ mode_env() {
     base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;
     paged) echo "SWIFTLM_GEMV=0" ;;
     gemv) echo "SWIFTLM_PAGED_ATTENTION=0" ;;
+    nopdl) echo "SWIFTLM_PDL=0" ;;
     *) echo "SWIFTLM_GEMV=1" ;;
   esac
 }

@@ -40,6 +40,7 @@ mode_env() {  # the environment of a mode's server
     unfused) echo "SWIFTLM_FUSED_DECODE=0" ;;
     nofreeze) echo "SWIFTLM_GC_FREEZE=0" ;;
     base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;  # one stream as in session 12: cuBLAS + SDPA
+    nopdl) echo "SWIFTLM_PDL=0" ;;                            # kernels launched without PDL (cuda_ext/pdl.py)
     sw*) echo "SWIFTLM_GIL_SWITCH_MS=0.${1#sw}" ;;              # sw05: GIL switch interval 0.5 ms (swiftlm/gil.py)
     *) echo "SWIFTLM_FUSED_DECODE=1" ;;
   esac
