@@ -40,6 +40,8 @@ def enabled(t: torch.Tensor) -> bool:
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _STATE.get(idx)
+    if ok is None and torch.cuda.is_current_stream_capturing():
+        return False  # no probe (a host sync) inside a graph capture: this launch goes without PDL
     if ok is None:
         ok = os.environ.get("SWIFTLM_PDL", "1") != "0" and torch.cuda.get_device_capability(idx)[0] >= 9
         if ok:
