@@ -4,7 +4,7 @@ once at full memory bandwidth.
 At one decode row a linear layer is a matrix-vector product: all its time is reading ``w``.  cuBLAS
 picks GEMM tilings made for larger M; for the small, many-per-step matrices of a decode step (a 1B
 model's o_proj is 8 MB: ~3 us at 3 TB/s) its launch tail and partial waves cost a large share.  Here
-each program owns ``BLOCK_N`` output features and walks K; with few output features (``split_k`` > 1)
+each program owns ``BLOCK_N`` output features (4 by default) and walks K; with few output features (``split_k`` > 1)
 programs also split K and add their partial sums into an fp32 buffer (``tl.atomic_add``), so the
 grid covers the GPU even for N = 2048.
 
@@ -77,8 +77,9 @@ def _config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, split_k, num_warps) from the H100 sweep of ``scripts/bench_gemv.py``.  No split of
     K by default (atomic partial sums would make the result depend on their order: decode stays
     deterministic); a decode step's matrices have N >= 2048, 256+ programs."""
-    if M == 1:
-        return 8, min(1024, triton.next_power_of_2(K)), 1, 8
+    if M == 1:  # the sweep's best for every matrix of the 1B and 8B steps had 4 output features a program
+        # (docs/results/gemv_h100.json: o_proj / down 9-11% faster than 8; gate_up and the LM head equal)
+        return 4, min(2048, triton.next_power_of_2(K)), 1, 4
     return 32, 128, 1, 4
 
 
