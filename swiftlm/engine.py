@@ -6,6 +6,11 @@ batched sampler (one device-to-host transfer per step), then the checks that nee
 (EOS, stop token ids, max tokens, context).  Detokenisation, stop strings and event delivery
 run on the output worker's thread (``outputs.py``), beside the next step.  No caller ever
 touches model state.
+
+This module holds the engine's state, its lifecycle, the loop, the prompt cache's side of
+admission and the stats readers; mixins hold the rest: ``prompt_side.py`` (prompt rendering,
+request checks), ``engine_requests.py`` (submitting, cancelling: the caller's thread) and
+``engine_step.py`` (one step: forward, sampling, the overlap, speculation, the per-token checks).
 """
 
 from __future__ import annotations
@@ -17,55 +22,24 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import sampler
-from .backend import Model, SampledToken, SeqWork, StepBatch
-from .errors import InvalidRequest
+from .backend import Model, StepBatch
+from .engine_requests import EngineRequests, _Live
+from .engine_step import EngineStep
 from .fork import ForkGroups
 from .outputs import (LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink,  # noqa: F401
                       TokenLogprob)
 from .prefix_cache import PrefixCache
 from .prompt_side import PromptSide, QueueFull, pooled  # noqa: F401 (QueueFull, pooled: re-exported)
-from .sampling import SamplerState, SamplingParams
-from .scheduler import Scheduler, Sequence
-from .speculative import eligible
+from .scheduler import Scheduler
 from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram  # noqa: F401
 from .timers import StepTimers
 
 log = logging.getLogger(__name__)
 
 
-JSON_CLOSE_WINDOW = 48  # tokens left at which structured output starts checking what closing it takes
-JSON_CLOSE_MARGIN = 2   # closing tokens can grow by a token or two per step: close with this much to spare
-
-
-def _repeats(tokens: list[int], times: int) -> bool:
-    """The tail is one block of 3..64 tokens repeated ``times`` times in a row.  Blocks that are
-    themselves a 1- or 2-token period (a run of zeros, "0, 0, ...") do not count: that is data."""
-    n = len(tokens)
-    for p in range(3, min(64, n // times) + 1):
-        block = tokens[n - p:]
-        if any(all(block[k] == block[k - d] for k in range(d, p)) for d in (1, 2)):
-            continue
-        if all(tokens[n - (k + 1) * p:n - k * p] == block for k in range(1, times)):
-            return True
-    return False
-
-
-@dataclass
-class _Live:
-    seq: Sequence
-    submitted: float
-    first_token_at: float | None = None
-    cached_tokens: int = 0
-    prefix_pending: bool = False  # look the prompt cache up when the sequence is about to run
-    fork: Any = None  # a fork group member's prompt KV source, taken when it is admitted (fork.py)
-
-
-class Engine(PromptSide):
+class Engine(PromptSide, EngineRequests, EngineStep):
     def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
                  ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
                  speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0,
@@ -131,106 +105,7 @@ class Engine(PromptSide):
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
 
-    # ------------------------------------------------------------------ requests
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
-        """Embeddings of token lists (one job for the batch, run by the engine thread between
-        steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
-        if not hasattr(self.model, "hidden_states"):
-            raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
-        self._check_embed(prompts)
-        raw: Future[list[Any]] = Future()
-        self._inbox.put(("embed", (prompts, raw)))
-        return pooled(raw, self.info.pooling, dimensions)
-
-    def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
-        self._check(prompt_tokens, params)
-        seq_id = self._take_slot(params)
-        try:
-            live = self._make_live(seq_id, prompt_tokens, params, getattr(prompt_tokens, "media", None),
-                                   time.perf_counter())
-        except BaseException:
-            with self._lock:
-                self._pending -= 1
-            raise
-        self.outputs.open(seq_id, sink, params.stop, len(live.seq.prompt_tokens))
-        self._inbox.put(("add", live))
-        if self.fatal is not None:  # the loop died after the checks above: end it here, not never
-            self._end_orphans()
-        return seq_id
-
-    def submit_group(self, prompt_tokens: list[int], params: list[SamplingParams], sink: Sink) -> list[int]:
-        """The choices of one request (``n`` / ``best_of``; one ``SamplingParams`` each, e.g.
-        ``params.for_choice(i)``): one sequence id per choice, all on ``sink``.  The prompt is
-        prefilled once and its KV forked into the others (fork.py)."""
-        if len(params) == 1:
-            return [self.submit(prompt_tokens, params[0], sink)]
-        for p in params:
-            self._check(prompt_tokens, p)
-        ids = self._take_slots(params)
-        now, media = time.perf_counter(), getattr(prompt_tokens, "media", None)
-        try:
-            lives = [self._make_live(sid, prompt_tokens, p, media, now) for sid, p in zip(ids, params)]
-        except BaseException:
-            with self._lock:
-                self._pending -= len(ids)
-            raise
-        for live in lives:
-            self.outputs.open(live.seq.seq_id, sink, live.seq.params.stop, len(live.seq.prompt_tokens))
-        self._inbox.put(("group", lives))
-        if self.fatal is not None:
-            self._end_orphans()
-        return ids
-
-    def add_group_checked(self, items: list[tuple]) -> None:
-        """``submit_group`` checked and counted in another process (``engine_process``): items of
-        (seq_id, prompt, params, media, submitted)."""
-        try:
-            lives = [self._make_live(*it) for it in items]
-        except Exception as exc:
-            for it in items:
-                self._inbox.put(("refused", (it[0], f"{type(exc).__name__}: {exc}")))
-            return
-        with self._lock:
-            self._pending += len(lives)
-        self._inbox.put(("group", lives))
-        if self.fatal is not None:
-            self._end_orphans()
-
-    def add_checked(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
-                    submitted: float) -> None:
-        """A request another process checked and counted already (``engine_process``): the engine
-        process's side of ``submit``.  A grammar that fails to compile ends it with an error."""
-        try:
-            live = self._make_live(seq_id, prompt_tokens, params, media, submitted)
-        except Exception as exc:
-            self._inbox.put(("refused", (seq_id, f"{type(exc).__name__}: {exc}")))
-            return
-        with self._lock:
-            self._pending += 1
-        self._inbox.put(("add", live))
-        if self.fatal is not None:
-            self._end_orphans()
-
-    def _make_live(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
-                   submitted: float) -> _Live:
-        state = SamplerState(seed=params.seed)
-        if params.grammar is not None:
-            from .chat.structured import Constraint
-
-            state.constraint = Constraint(self.tokenizer, params.grammar, self.info.vocab_size)
-        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=media)
-        state.prompt_tokens = seq.prompt_tokens
-        state.output_tokens = seq.output_tokens
-        return _Live(seq, submitted)
-
-    def cancel(self, seq_id: int) -> None:
-        self._inbox.put(("cancel", seq_id))
-
-    def end_all(self, reason: str = "length") -> None:
-        """End every live request now, as if it had reached its length limit: each stream gets
-        its last chunk and its finish reason (the server's graceful shutdown, after the grace time)."""
-        self._inbox.put(("end_all", reason))
-
+    # ------------------------------------------------------------------ lifecycle
     @property
     def live_requests(self) -> int:
         return len(self._live)
@@ -451,182 +326,6 @@ class Engine(PromptSide):
         elif self._outs:
             self.outputs.put(self._outs)
             self._outs = []
-
-    def _step(self, batch: StepBatch, fwd: Any, launch_s: float) -> tuple[StepBatch, Any, float] | None:
-        """forward -> batched sampling -> (next step's forward, when it can start on the device
-        before these ids are read) -> one transfer -> bookkeeping.  Text is the worker's.
-        ``fwd``/``launch_s``: this step's forward when it was launched (overlapped) by the previous
-        step, and how long that launch took.  Returns the launched next step, if any."""
-        t1 = time.perf_counter()
-        if fwd is None:
-            fwd = self.model.forward(batch)
-        t2 = time.perf_counter()
-        forward_s = launch_s or (t2 - t1)
-        rows = [w for w in batch.seqs if w.sample and w.seq_id not in fwd.failed]
-        failed = dict(fwd.failed)  # seq id -> error: these sequences end with it, the rest go on
-        pending = None
-        logits, forked = fwd.logits, False
-        if self.forks.pending and rows:  # leaders whose prompt just ran: their members sample from its logits
-            extra, idx = self.forks.take(rows)
-            if extra:
-                logits, rows, forked = self.forks.gather(fwd.logits, len(rows), idx), rows + extra, True
-        if rows:
-            srows = [sampler.Row(w.params, w.state) for w in rows]
-            try:
-                pending = sampler.launch(self.model.ops, logits, srows)
-            except Exception:  # find the row(s) at fault and fail only them
-                log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
-                pending, ok, bad = sampler.launch_each(self.model.ops, logits, srows)
-                failed.update({rows[i].seq_id: err for i, err in bad.items()})
-                rows = [rows[i] for i in ok]
-        t3 = time.perf_counter()
-        nxt = None
-        if pending is not None and pending.tokens is not None and not failed and not forked and \
-                self._can_overlap(batch, fwd):
-            nb = StepBatch([SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state)
-                            for w in batch.seqs],
-                           input_ids=pending.tokens)
-            tn = time.perf_counter()
-            nfwd = self.model.forward(nb)
-            nxt = (nb, nfwd, time.perf_counter() - tn)  # its forward was launched (and timed) now
-            self.stats.overlapped_steps += 1
-        t4 = time.perf_counter()
-        sampled = pending.finish() if pending is not None else []
-        if pending is not None and pending.failed:  # a grammar refused its sampled token
-            failed.update({rows[i].seq_id: err for i, err in pending.failed.items()})
-        t5 = time.perf_counter()
-        self.timers.add("prepare", fwd.prepare_seconds)
-        self.timers.add("forward", max(0.0, forward_s - fwd.prepare_seconds))
-        self.timers.add("sample", t3 - t2)
-        self.timers.add("sync", t5 - t4)
-        self.stats.steps += 1
-        if any(len(w.tokens) == 1 for w in batch.seqs):
-            self.stats.decode_seconds += t5 - t2 + forward_s
-        for sid, err in failed.items():  # one sequence's failure (its media, its sampling) is its own
-            live = self._live.get(sid)
-            if live is not None:
-                self._finish(live, "error", error=err)
-        for w in batch.seqs:
-            live = self._live.get(w.seq_id)
-            if live is not None:
-                seq = live.seq
-                if not seq.output_tokens and not seq.preemptions and seq.num_computed == live.cached_tokens:
-                    self.stats.queue_time.observe(t1 - live.submitted)  # its first step
-                if seq.num_computed < seq.prefill_target:
-                    self.fork_stats.prefill_tokens += len(w.tokens)
-                live.seq.num_computed += len(w.tokens)
-                if not w.sample and not live.seq.output_tokens:
-                    self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
-        for w, s in zip(rows, sampled):
-            live = self._live.get(w.seq_id)
-            if live is not None and w.seq_id not in failed:
-                self._on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
-        self._flush_outputs()
-        self.timers.add("process", time.perf_counter() - t5)
-        return nxt
-
-    def _can_overlap(self, batch: StepBatch, fwd: Any) -> bool:
-        """Launch the next decode step before reading this one's ids back, when the next step is
-        certainly these same rows decoding: every row samples, none can end by length now, no
-        request waits to be admitted, no command is pending, and the KV budget has room.  A row
-        that ends by EOS or a stop string meanwhile has its extra token discarded."""
-        if not self.model.overlap or fwd.failed or self.speculator is not None or not self._inbox.empty():
-            return False
-        sch = self.scheduler
-        if sch.waiting or len(batch.seqs) != len(sch.running):
-            return False
-        for w in batch.seqs:
-            live = self._live.get(w.seq_id)
-            if live is None or not w.sample:
-                return False
-            seq = live.seq
-            if seq.num_computed != w.start_pos or seq.media is not None:
-                return False
-            n_out = len(seq.output_tokens) + 1  # after this step
-            if n_out + 1 > (seq.params.max_tokens or 0) or len(seq.prompt_tokens) + n_out + 1 > self.ctx_size:
-                return False
-        if sch.kv_budget and sum(s.kv_demand for s in sch.running) + len(sch.running) > sch.kv_budget:
-            return False
-        return True
-
-    def _speculate(self, batch: StepBatch) -> bool:
-        """Draft and verify when a single sequence is decoding (with several, the batched
-        plain step is used: per-sequence acceptance would split the batch).  True if done."""
-        if len(batch.seqs) != 1:
-            return False
-        w = batch.seqs[0]
-        live = self._live.get(w.seq_id)
-        if live is None or not w.sample or len(w.tokens) != 1 or not live.seq.output_tokens or not eligible(w.params):
-            return False
-        seq = live.seq
-        room = min((w.params.max_tokens or 0) - len(seq.output_tokens), self.ctx_size - len(seq.all_tokens))
-        t0 = time.perf_counter()
-        try:
-            sampled = self.speculator.step(w, seq, room)
-        except Exception as exc:  # fail this sequence, keep the engine
-            log.exception("speculative step failed")
-            self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
-            return True
-        if sampled is None:
-            return False
-        self.stats.steps += 1
-        self.stats.decode_seconds += time.perf_counter() - t0
-        seq.num_computed = w.start_pos + len(sampled)
-        for s in sampled:
-            if w.seq_id not in self._live:  # finished (stop, length) part-way: the rest is dropped
-                break
-            self._on_token(live, s)
-        return True
-
-    def _on_token(self, live: _Live, s: SampledToken) -> None:
-        """Record a sampled id; end the sequence on EOS / stop token / max tokens / context.
-        Stop strings need text: the output worker checks them."""
-        seq, params = live.seq, live.seq.params
-        if live.first_token_at is None:
-            live.first_token_at = time.perf_counter()
-            self.stats.ttft.observe(live.first_token_at - live.submitted)
-            self.stats.prompt_tokens += len(seq.prompt_tokens)
-        seq.output_tokens.append(s.token)
-        self.stats.tokens_generated += 1
-        out = Out(seq.seq_id, s.token, s.logprob, s.top_logprobs)
-        self._outs.append(out)
-        if (not params.ignore_eos and s.token in self._eos) or s.token in params.stop_token_ids:
-            out.reason = "stop"
-        elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
-                len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
-            out.reason = "length"
-        if out.reason is None and seq.state.constraint is not None and (self.json_close or self.json_repeat_guard):
-            self._close_json(live, out)
-        if out.reason is not None:
-            self._finish(live, out.reason, notify=False)
-
-    def _close_json(self, live: _Live, out: Out) -> None:
-        """Structured output near its token limit, or caught in a loop: feed the shortest text that
-        completes the JSON (chat.json_close) as the last tokens, so the content always parses.
-        Near the limit it ends 'length'; a loop (the same block of >= 3 tokens repeated
-        ``json_repeat_guard`` times) ends 'stop'."""
-        from .chat.json_close import closing_suffix
-
-        seq, params = live.seq, live.seq.params
-        room = min((params.max_tokens or 0) - len(seq.output_tokens),
-                   self.ctx_size - len(seq.prompt_tokens) - len(seq.output_tokens))
-        looping = bool(self.json_repeat_guard) and _repeats(seq.output_tokens, self.json_repeat_guard)
-        if not looping and (not self.json_close or room > JSON_CLOSE_WINDOW):
-            return
-        suffix = closing_suffix(self.tokenizer.decode(seq.output_tokens))
-        if suffix is None:
-            return
-        ids = self.tokenizer.encode(suffix, add_special_tokens=False)
-        if not ids or (not looping and len(ids) + JSON_CLOSE_MARGIN < room):
-            return
-        for t in ids:  # forced: the grammar is not asked (the sequence ends with them)
-            seq.output_tokens.append(t)
-            self.stats.tokens_generated += 1
-            self._outs.append(Out(seq.seq_id, t))
-        reason = "stop" if looping else "length"
-        self._outs.append(Out(seq.seq_id, reason=reason))  # token-less: every forced token's text is kept
-        self.stats.json_closed += 1
-        self._finish(live, reason, notify=False)  # ``out`` keeps reason None: no second finish
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""

@@ -59,7 +59,7 @@ def test_structured_output_cut_by_max_tokens_still_parses(torch_llm):
 
 
 def test_repetition_guard_ends_a_loop():
-    from swiftlm.engine import _repeats
+    from swiftlm.engine_step import _repeats
 
     block = [5, 6, 7]
     assert _repeats([1, 2] + block * 6, 6) and not _repeats([1, 2] + block * 5, 6)
