@@ -65,7 +65,7 @@ def main() -> int:
     read_gbs = big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9
     del big
 
-    def mkl(w, x):  # as backends/torch/model.py rows_linear
+    def mkl(w, x):  # as backends/torch/linear_rows.py rows_linear
         return (w @ x.t()).t() if 3 <= x.shape[0] <= 64 else F.linear(x, w)
 
     def onednn(p, x):

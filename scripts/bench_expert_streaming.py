@@ -92,7 +92,7 @@ def child(conf: dict) -> dict:
     else:
         import torch
 
-        from swiftlm.backends.torch.model import SeqCache
+        from swiftlm.backends.torch.kv_cache import SeqCache
         from swiftlm.backends.torch.runner import load_model
 
         model = load_model(spec, cfg)

@@ -49,7 +49,8 @@ def random_model(cfg: dict, dev, dtype):
     """Our torch Transformer of ``cfg`` with N(0, 0.02) weights (seed 0), fused projections."""
     import torch
 
-    from swiftlm.backends.torch.model import MLP, Args, Transformer
+    from swiftlm.backends.torch.model import MLP, Transformer
+    from swiftlm.backends.torch.model_config import Args
 
     torch.manual_seed(0)
     with torch.device(dev):
@@ -84,7 +85,7 @@ def torch_bench(a, presets, contexts):
 
     from swiftlm.backends.torch.compressed_cache import CompressedCache
     from swiftlm.backends.torch.graphs import GraphDecoder
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -176,7 +177,7 @@ def prefill_bench(a, presets):
     import torch
 
     from swiftlm.backends.torch.compressed_cache import CompressedCache
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -23,7 +23,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 

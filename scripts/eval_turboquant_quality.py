@@ -63,7 +63,7 @@ def main() -> None:
 
     from swiftlm import LLM
     from swiftlm.backends.torch.compressed_cache import CompressedCache
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     torch.set_grad_enabled(False)
     llm = LLM(backend="torch")

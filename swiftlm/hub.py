@@ -134,7 +134,7 @@ def backend_architectures() -> dict[str, set[str]]:
     """Architectures each installed backend plugin loads (read from the plugins' sources, nothing imported)."""
     out: dict[str, set[str]] = {}
     if _installed("torch"):
-        out["torch"] = set(_literal_from_source("swiftlm.backends.torch.model", "SUPPORTED") or ())
+        out["torch"] = set(_literal_from_source("swiftlm.backends.torch.model_config", "SUPPORTED") or ())
     if _installed("mlx") and _installed("mlx_lm"):
         spec = importlib.util.find_spec("mlx_lm")
         archs: set[str] = set()

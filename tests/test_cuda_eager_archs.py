@@ -4,7 +4,7 @@ The CUDA fast path (runner.TorchModel.static: the slot pool, CUDA graphs, packed
 overlapped steps) runs the llama-family layer over every key.  archs.py / archs_moe.py layers and live
 sliding windows run on the eager path there, as --gpu-layers offload does: per-sequence growing caches,
 eager forwards.  This machine has no GPU, so these tests check the decision (``runner.cuda_eager_reason``,
-``model.Args.eager_reason``) and that ``TorchModel`` wires it (a real module on the CPU handed a CUDA
+``model_config.Args.eager_reason``) and that ``TorchModel`` wires it (a real module on the CPU handed a CUDA
 ``torch.device``: the eager path allocates nothing at construction).  The forwards themselves are the CPU
 path's (tests/test_torch_archs*.py, tests/test_torch_config_fields.py); scripts/gpu_archs.py checks them
 against transformers on a GPU.
@@ -59,7 +59,7 @@ STATIC = {  # the llama family without a live window keeps the CUDA fast path
 
 
 def args(model_type: str, fields: dict):
-    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.model_config import Args
 
     return Args.from_config({**BASE, "model_type": model_type, **fields})
 

@@ -134,7 +134,8 @@ for preset, dt in (("k4v3", torch.float32), ("k3qjl-v3", torch.float32), ("k4v3"
     out[("cache/" if dt == torch.float32 else "cache16/") + preset] = [worst, 0.0, 0.0]
 # a static TurboQuant cache decoding through decode_turbo_static (graph replay on a GPU, eager under the
 # interpreter) gives the logits of the dynamic cache's plain path, across compressions and a rollback
-from swiftlm.backends.torch.model import Args, MLP, Transformer
+from swiftlm.backends.torch.model import MLP, Transformer
+from swiftlm.backends.torch.model_config import Args
 from swiftlm.backends.torch.graphs import GraphDecoder
 cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=32, intermediate_size=256, vocab_size=512, rms_norm_eps=1e-5, rope_theta=10000.0,

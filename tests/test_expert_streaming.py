@@ -263,7 +263,7 @@ def test_mlx_expert_top_k_lowers_reads_and_clamps(ckpts, caplog):
 def test_torch_streamed_logits_bit_identical(ckpts, name):
     import torch
 
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.runner import load_model
 
     spec = resolve(str(ckpts[name]))

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.backends.torch.graphs import GraphDecoder, SlotPool, decode_batch_static, decode_static
     from swiftlm.backends.torch.fused_decode import decode_batch_static_fused, decode_static_fused, fusable
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     torch.manual_seed(0)
     tm = load_model(resolve(sys.argv[1]), None)
     m = tm.module

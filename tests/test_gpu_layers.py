@@ -56,7 +56,7 @@ def test_layers_are_where_the_split_says(ckpt4):
     dtypes = [{p.dtype for p in layer.parameters()} | {layer.self_attn.qkv[0].dtype} for layer in m.layers]
     assert dtypes == [{torch.float32}, {torch.bfloat16}, {torch.bfloat16}, {torch.bfloat16}]
     assert m.embed_tokens.weight.dtype == m.norm.weight.dtype == torch.float32  # the main side
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.offload import split_report
 
     c = SeqCache(m.a, torch.float32, torch.device("cpu"))
@@ -80,7 +80,7 @@ def test_bf16_offload_stays_close_to_the_plain_run(ckpt4):
     for kw in ({}, {"gpu_layers": 1, "offload_dtype": "bfloat16"}):
         with LLM(str(ckpt4), backend="torch", device="cpu", **kw) as llm:
             m = llm.engine.model
-            from swiftlm.backends.torch.model import SeqCache
+            from swiftlm.backends.torch.kv_cache import SeqCache
 
             with torch.inference_mode():
                 outs.append(m.module(ids, SeqCache(m.module.a, m.dtype, m.device), 0).float())
@@ -132,7 +132,7 @@ def test_cuda_split_places_layers_and_kv_and_runs(ckpt4):
         places = [{(p.device.type, p.dtype) for p in layer.parameters()} for layer in m.layers]
         assert places == [{("cuda", torch.bfloat16)}] * 2 + [{("cpu", torch.float32)}] * 2
         assert m.embed_tokens.weight.is_cuda and m.norm.weight.is_cuda and model.graphs is None
-        from swiftlm.backends.torch.model import SeqCache
+        from swiftlm.backends.torch.kv_cache import SeqCache
 
         c = SeqCache(m.a, model.dtype, model.device)
         assert [t.device.type for t in c.k] == ["cuda", "cuda", "cpu", "cpu"]

@@ -60,7 +60,7 @@ def test_packed_prefill_equals_per_prompt_forward(tiny_llama):
     import torch
 
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 

@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 from types import SimpleNamespace  # noqa: E402
 
-from swiftlm.backends.torch.model import GROW_ROWS, SeqCache  # noqa: E402
+from swiftlm.backends.torch.kv_cache import GROW_ROWS, SeqCache  # noqa: E402
 
 
 def _args(ctx: int = 4096) -> SimpleNamespace:  # the fields a SeqCache reads

@@ -266,7 +266,7 @@ def test_two_nodes_on_localhost_answer_through_http(tiny_llama, flag):
 def test_stage_args_slice_the_layer_windows():
     """A stage's layers are renumbered from 0, so its per-layer sliding windows must be the model's
     windows of [l0, l1) (the stage used the model's first layers' windows before)."""
-    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.pipeline import stage_args
 
     base = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -91,7 +91,7 @@ def test_matches_transformers(arch, ckpts):
 
     path = ckpts[arch]
     want, ref_first = hf_greedy(path, PROMPTS, N_TOKENS)
-    # three prompts at once: the engine's batched decode (model.decode_batch -> ExtTransformer.decode_rows);
+    # three prompts at once: the engine's batched decode (decode_rows.decode_batch -> ExtTransformer.decode_rows);
     # prefill chunks of 10 (chunked prefill past the window; Phi-3's switch to the long factors mid-prompt)
     llm = LLM(str(path), backend="torch", parallel=3, prefill_size=10)
     try:
@@ -113,7 +113,7 @@ def test_batched_decode_equals_solo(arch, ckpts):
     import torch
 
     from swiftlm import LLM
-    from swiftlm.backends.torch.model import decode_batch
+    from swiftlm.backends.torch.decode_rows import decode_batch
 
     prompts = PROMPTS + [PROMPT[:38]]  # the last one reaches Phi-3's switch (40) in the batch: rows one at a time
     llm = LLM(str(ckpts[arch]), backend="torch")
@@ -146,7 +146,8 @@ def test_packed_equals_per_sequence(arch, ckpts):
     import torch
 
     from swiftlm import LLM
-    from swiftlm.backends.torch.model import PackedAttend, SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
+    from swiftlm.backends.torch.model import PackedAttend
 
     llm = LLM(str(ckpts[arch]), backend="torch")
     try:
@@ -243,7 +244,7 @@ def test_unimplemented_value_refused(arch, ckpts, tmp_path):
 
 def test_llama_still_refuses_their_fields():
     """Soft caps, longrope and partial rotary stay refused on the llama family (implemented per architecture)."""
-    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.errors import UnsupportedArchitecture
 
     base = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -266,7 +267,8 @@ def test_eager_on_cuda(arch, ckpts):
     llama-family layer): a single process picks it, a tensor-parallel rank / pipeline stage is refused."""
     import torch
 
-    from swiftlm.backends.torch.model import Args, check_device
+    from swiftlm.backends.torch.model import check_device
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
 
@@ -291,7 +293,8 @@ def test_single_process_flags_refused(ckpts):
     import torch
 
     from swiftlm.backends.torch.lora import attach
-    from swiftlm.backends.torch.model import Args, build
+    from swiftlm.backends.torch.model import build
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.parallel import make_plan
     from swiftlm.backends.torch.pipeline import check_split
     from swiftlm.errors import ConfigError
@@ -309,7 +312,7 @@ def test_compressed_cache_and_restored_longrope_refused(ckpts):
     import torch
 
     from swiftlm import LLM
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     llm = LLM(str(ckpts["phi3"]), backend="torch")
     try:

@@ -98,7 +98,7 @@ def test_matches_transformers(arch, ckpts):
 
     path = ckpts[arch]
     want, ref_first = hf_greedy(path, PROMPTS, N_TOKENS)
-    # three prompts at once: the engine's batched decode (model.decode_batch -> MoeTransformer.decode_rows);
+    # three prompts at once: the engine's batched decode (decode_rows.decode_batch -> MoeTransformer.decode_rows);
     # prefill chunks of 10 (chunked prefill past the window; MLA's expanded chunk attention over cached latents)
     llm = LLM(str(path), backend="torch", parallel=3, prefill_size=10)
     try:
@@ -120,7 +120,7 @@ def test_batched_decode_equals_solo(arch, ckpts):
     import torch
 
     from swiftlm import LLM
-    from swiftlm.backends.torch.model import decode_batch
+    from swiftlm.backends.torch.decode_rows import decode_batch
 
     prompts = PROMPTS + [PROMPT[:38]]
     llm = LLM(str(ckpts[arch]), backend="torch")
@@ -153,7 +153,8 @@ def test_packed_equals_per_sequence(arch, ckpts):
     import torch
 
     from swiftlm import LLM
-    from swiftlm.backends.torch.model import PackedAttend, SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
+    from swiftlm.backends.torch.model import PackedAttend
 
     llm = LLM(str(ckpts[arch]), backend="torch")
     try:
@@ -260,7 +261,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("arch,edit,field", REFUSED, ids=[f for _, _, f in REFUSED])
 def test_unimplemented_value_refused(arch, edit, field, ckpts, tmp_path):
-    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.errors import UnsupportedArchitecture
 
     cfg = json.loads((ckpts[arch] / "config.json").read_text())
@@ -295,7 +296,8 @@ def test_eager_on_cuda(arch, ckpts):
     llama-family layer): a single process picks it, a tensor-parallel rank / pipeline stage is refused."""
     import torch
 
-    from swiftlm.backends.torch.model import Args, check_device
+    from swiftlm.backends.torch.model import check_device
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
 
@@ -320,7 +322,8 @@ def test_single_process_flags_refused(ckpts):
     import torch
 
     from swiftlm.backends.torch.lora import attach
-    from swiftlm.backends.torch.model import Args, build
+    from swiftlm.backends.torch.model import build
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.parallel import make_plan
     from swiftlm.backends.torch.pipeline import check_split
     from swiftlm.errors import ConfigError

@@ -26,7 +26,7 @@ def test_static_decode_equals_eager_forward(tiny_torch):
     import torch
 
     from swiftlm.backends.torch.graphs import GraphDecoder, bucket_for
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     m = tiny_torch.engine.model.module
     prompt = tiny_torch.engine.text_prompt("The quick brown fox jumps over")
@@ -68,7 +68,7 @@ def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
     import torch
 
     from swiftlm.backends.torch.graphs import GraphDecoder, SlotPool
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
 
     m = tiny_torch.engine.model.module
     cpu = torch.device("cpu")
@@ -220,7 +220,7 @@ sys.path.insert(0, {str(ROOT / "tests")!r})
 from tolerances import transformer_logits_tol
 from swiftlm import LLM
 from swiftlm.backends.torch.graphs import GraphDecoder
-from swiftlm.backends.torch.model import SeqCache
+from swiftlm.backends.torch.kv_cache import SeqCache
 llm = LLM({str(tiny_llama)!r}, backend="torch")
 m = llm.engine.model.module
 prompt = llm.engine.text_prompt("The quick brown fox")

@@ -153,7 +153,8 @@ def test_window_eager_on_cuda():
     served context changes nothing, so such a model keeps the static path."""
     import torch
 
-    from swiftlm.backends.torch.model import Args, check_device
+    from swiftlm.backends.torch.model import check_device
+    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
 
@@ -171,7 +172,7 @@ def test_window_eager_on_cuda():
 
 
 def test_window_not_applied_when_off():
-    from swiftlm.backends.torch.model import Args
+    from swiftlm.backends.torch.model_config import Args
 
     base = {"hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 4,
             "max_position_embeddings": 64, "intermediate_size": 8, "sliding_window": 16}

@@ -1,4 +1,4 @@
-"""Sliding-window layers keep bounded KV memory on the per-sequence cache path (model.SeqCache: CPU, and
+"""Sliding-window layers keep bounded KV memory on the per-sequence cache path (kv_cache.SeqCache: CPU, and
 CUDA's eager path): a window layer drops the rows no query can see any more, so its rows stay at about
 ``window + chunk + a block`` while a full-attention layer's grow with the sequence.
 
@@ -26,7 +26,7 @@ PROMPT = BASE + BASE[:12]  # 36 tokens: past every window here
 PROMPTS = [PROMPT, PROMPT[:11], PROMPT[3:25]]  # the short one crosses its window while decoding
 N_TOKENS = 210
 CHUNK = 10  # prefill chunk (chunked prefill past the window)
-GROW = 64   # model.GROW_ROWS
+GROW = 64   # kv_cache.GROW_ROWS
 SHAPE = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
          "--intermediate", "128", "--dtype", "float32", "--ctx", "512"]
 MOE = ["--hidden", "64", "--heads", "4", "--experts", "8", "--experts-per-token", "2", "--moe-intermediate", "32",
@@ -64,7 +64,7 @@ def run_engine(path: Path, prompts: list[list[int]], n: int, trim: bool, monkeyp
     """Greedy tokens of ``prompts`` through the engine, and each finished sequence's per-layer KV bytes
     (taken when the engine frees it).  ``peak``: filled with each window layer's largest row count
     over every write of the run (prefill chunks and decode steps)."""
-    from swiftlm.backends.torch.model import SeqCache
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm import LLM
     from swiftlm.sampling import SamplingParams
 
@@ -208,7 +208,8 @@ def test_seqcache_rows_by_position(ckpts, monkeypatch):
     a write needing dropped rows and a read of ``k`` by position from outside raise instead of going wrong."""
     import torch
 
-    from swiftlm.backends.torch.model import Args, SeqCache, WindowRowsDropped
+    from swiftlm.backends.torch.kv_cache import SeqCache, WindowRowsDropped
+    from swiftlm.backends.torch.model_config import Args
 
     monkeypatch.setenv("SWIFTLM_WINDOW_KV_TRIM", "1")
     a = Args.from_config(json.loads((ckpts["qwen2"] / "config.json").read_text()))

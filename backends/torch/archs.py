@@ -15,7 +15,7 @@ math those five change, on the same weights-by-HF-name, ``SeqCache`` and ``Packe
 
 Attention runs eagerly where a soft cap applies (as transformers' eager path: scale, cap,
 mask, fp32 softmax), through SDPA otherwise.  On CUDA these architectures run on the eager path
-(``model.Args.eager_reason``, runner.TorchModel's ``static`` off): per-sequence caches and eager forwards,
+(``model_config.Args.eager_reason``, runner.TorchModel's ``static`` off): per-sequence caches and eager forwards,
 since the CUDA graphs, slot pool prefill and paged attention run the llama-family layer.
 """
 
@@ -29,10 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import (MLP, Attention, PackedAttend, RMSNorm, SeqCache, Transformer, _mlp_rows,
-                    apply_rope, lora_add, out_proj, rope_params, rope_tables, rope_type, rows_linear, window_mask)
+from .decode_rows import _mlp_rows
+from .kv_cache import SeqCache
+from .linear_rows import lora_add, out_proj, rows_linear
+from .model import MLP, Attention, PackedAttend, RMSNorm, Transformer, window_mask
+from .rope import apply_rope, rope_params, rope_tables, rope_type
 
-ARCHS = ("gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")  # model.EXTRA_ARCHS names the same
+ARCHS = ("gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")  # model_config.EXTRA_ARCHS names the same
 GEMMA = ("gemma2", "gemma3_text")
 STYLE = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "phi3": "pre", "smollm3": "pre"}
 # the norms of each placement, by their HF names
@@ -108,7 +111,7 @@ def _rot_dim(c: dict, head_dim: int) -> int:
 
 def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
     """Refuse what these architectures do not implement (one sentence naming field and value), and
-    return ``c`` less the fields implemented here, for model.check_config's generic checks."""
+    return ``c`` less the fields implemented here, for model_config.check_config's generic checks."""
     arch = c["model_type"]
     c = dict(c)
     if c.get("attention_bias"):
@@ -271,7 +274,7 @@ def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         mask = None
     elif T == 1:
         mask = None
-    else:  # a window layer may have dropped its oldest rows (model.SeqCache): the chunk starts at row S - T
+    else:  # a window layer may have dropped its oldest rows (kv_cache.SeqCache): the chunk starts at row S - T
         mask = (window_mask(T, S, S - T, window, q.device) if window
                 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T))
     if e.attn_softcap is None and T > 1:
@@ -339,7 +342,7 @@ class ExtBlock(nn.Module):
 
 
 class ExtTransformer(Transformer):
-    """``Transformer`` with this module's layers; ``decode_rows`` is model.decode_batch for it."""
+    """``Transformer`` with this module's layers; ``decode_rows`` is decode_rows.decode_batch for it."""
 
     def __init__(self, a: Any):
         super().__init__(a)
@@ -439,7 +442,7 @@ class ExtTransformer(Transformer):
     def decode_rows(self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None,
                     head: bool = True) -> torch.Tensor:
         """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
-        sequence over its own cache (model.decode_batch for this module's layers).  Logits [B, V]."""
+        sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
         a, dev = self.a, self.embed_tokens.weight.device
         if not all(isinstance(c, SeqCache) for c in caches):
             raise compressed_refused(a)

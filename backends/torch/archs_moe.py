@@ -27,7 +27,7 @@ for full keys and values).  A decode row attends in the latent space (queries th
 key half, the output through its value half: the "absorbed" form); a prompt chunk expands the latent
 into per-head keys and values for its attention.
 
-On CUDA these architectures run on the eager path (``model.Args.eager_reason``, runner.TorchModel's
+On CUDA these architectures run on the eager path (``model_config.Args.eager_reason``, runner.TorchModel's
 ``static`` off): per-sequence caches and eager forwards, since the CUDA graphs, slot pool prefill and paged
 attention run the llama-family layer (no sinks, no latent attention).  Softmaxes and routing scores stay
 in fp32 in bf16 models (transformers keeps DeepSeek's routing in fp32; it runs GPT-OSS's sink softmax and
@@ -45,10 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .archs import compressed_refused
-from .model import (MLP, PackedAttend, RMSNorm, SeqCache, Transformer, _mlp_rows, apply_rope, rope_params,
-                    rope_tables, rope_type, rows_linear, window_mask)
+from .decode_rows import _mlp_rows
+from .kv_cache import SeqCache
+from .linear_rows import rows_linear
+from .model import MLP, PackedAttend, RMSNorm, Transformer, window_mask
+from .rope import apply_rope, rope_params, rope_tables, rope_type
 
-ARCHS = ("gpt_oss", "deepseek_v2", "deepseek_v3")  # model.MOE_ARCHS names the same
+ARCHS = ("gpt_oss", "deepseek_v2", "deepseek_v3")  # model_config.MOE_ARCHS names the same
 MLA = ("deepseek_v2", "deepseek_v3")
 # config classes' defaults, for fields a config.json may leave out
 DEEPSEEK_DEFAULTS = {
@@ -93,7 +96,7 @@ class MoeExt:
 
 
 def _yarn(c: dict, rs: dict, refuse: Callable[[str, Any], None] | None = None) -> dict:
-    """The yarn dict model.rope_tables reads, with ``factor`` and ``attention_factor`` resolved as transformers'
+    """The yarn dict rope.rope_tables reads, with ``factor`` and ``attention_factor`` resolved as transformers'
     ``_compute_yarn_parameters`` does (factor absent: max_position_embeddings / original; attention factor
     mscale / mscale_all_dim when both are set, else 0.1 ln(factor) + 1)."""
     orig = rs.get("original_max_position_embeddings")
@@ -117,7 +120,7 @@ def _yarn(c: dict, rs: dict, refuse: Callable[[str, Any], None] | None = None) -
 
 def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
     """Refuse what these architectures do not implement (one sentence naming field and value), and
-    return ``c`` less the fields implemented here, for model.check_config's generic checks."""
+    return ``c`` less the fields implemented here, for model_config.check_config's generic checks."""
     arch = c["model_type"]
     c = dict(c)
     qc = c.get("quantization_config")
@@ -195,7 +198,7 @@ def settings(c: dict) -> MoeExt:
 
 
 def adjust_args(a: Any, c: dict) -> None:
-    """The Args fields model.Args.from_config reads under other names for these architectures; MLA's cache
+    """The Args fields model_config.Args.from_config reads under other names for these architectures; MLA's cache
     layout (the latent vector split across one k row and one v row)."""
     e = a.ext
     if a.arch == "gpt_oss":
@@ -303,7 +306,7 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     mask = None
     if T == 1 and window and S > window:
         keys, values, S = keys[:, -window:], values[:, -window:], window
-    elif T > 1:  # a window layer may have dropped its oldest rows (model.SeqCache): the chunk starts at row S - T
+    elif T > 1:  # a window layer may have dropped its oldest rows (kv_cache.SeqCache): the chunk starts at row S - T
         mask = _causal(T, S, S - T, window, q.device)
     scores = (torch.matmul(q.reshape(KVH, rep * T, D), keys.transpose(1, 2)) * scale).float().view(KVH, rep, T, S)
     if mask is not None:
@@ -538,7 +541,7 @@ class MoeBlock(nn.Module):
 
 
 class MoeTransformer(Transformer):
-    """``Transformer`` with this module's layers; ``decode_rows`` is model.decode_batch for it."""
+    """``Transformer`` with this module's layers; ``decode_rows`` is decode_rows.decode_batch for it."""
 
     def __init__(self, a: Any):
         super().__init__(a)
@@ -590,7 +593,7 @@ class MoeTransformer(Transformer):
     def decode_rows(self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None,
                     head: bool = True) -> torch.Tensor:
         """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
-        sequence over its own cache (model.decode_batch for this module's layers).  Logits [B, V]."""
+        sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
         a, dev = self.a, self.embed_tokens.weight.device
         if not all(isinstance(c, SeqCache) for c in caches):
             raise compressed_refused(a)

@@ -30,7 +30,7 @@ NAME = "transformers fallback"
 
 def path_for(spec: ModelSpec) -> str:
     """Which torch path loads ``spec``: "native" or "transformers fallback"."""
-    from .model import SUPPORTED
+    from .model_config import SUPPORTED
 
     arch = spec.config.get("model_type") or spec.arch
     return "native" if spec.format == "gguf" or arch in SUPPORTED else NAME

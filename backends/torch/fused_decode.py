@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .model import SeqCache, Transformer, out_proj, rows_linear
+from .kv_cache import SeqCache
+from .linear_rows import out_proj, rows_linear
+from .model import Transformer
 
 
 def fusable(model: Any) -> bool:

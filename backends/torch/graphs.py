@@ -16,8 +16,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .decode_rows import project_qkv
 from .fused_decode import decode_batch_static_fused, decode_static_fused, fusable
-from .model import MLP, SeqCache, Transformer, apply_rope, project_qkv
+from .kv_cache import SeqCache
+from .model import MLP, Transformer
+from .rope import apply_rope
 from .staging import stager
 
 BUCKET_MIN = 256

@@ -10,7 +10,7 @@ from swiftlm.convert import GGUF_ARCHS, iter_dequantized
 from swiftlm.errors import CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .model import SUPPORTED
+from .model_config import SUPPORTED
 
 
 def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:

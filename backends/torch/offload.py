@@ -11,7 +11,8 @@ the CPU, so a model somewhat larger than device memory still runs.
 - CUDA graphs, the slot pool and the overlapped step are off when layers are offloaded: a graph
   cannot hold CPU work, and the step waits for the CPU half anyway.
 
-Nothing here imports ``model.py`` at module level (``model.py`` imports the two crossing helpers).
+Nothing here imports ``model.py`` at module level (``model.py`` and ``decode_rows.py`` import the two crossing
+helpers, ``kv_cache.py`` imports ``layer_places``).
 """
 
 from __future__ import annotations

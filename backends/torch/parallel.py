@@ -37,7 +37,8 @@ from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
 from .archs import refuse_flag
-from .model import Args, Transformer, finish_load, hf_state_to_ours, param_bytes
+from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .model_config import Args
 from .tp_allreduce import all_reduce
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class RowParallelLinear(nn.Linear):
 
     @staticmethod
     def reduce(y: torch.Tensor) -> torch.Tensor:
-        # contiguous: NCCL sums in place on the storage, and a strided view (model.rows_linear's) would sum wrong
+        # contiguous: NCCL sums in place on the storage, and a strided view (linear_rows.rows_linear's) would sum wrong
         return all_reduce(y.contiguous())
 
 

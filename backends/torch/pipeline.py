@@ -60,7 +60,10 @@ from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
 from .archs import refuse_flag
-from .model import Args, Transformer, decode_batch, finish_load, hf_state_to_ours, param_bytes, rope_tables
+from .decode_rows import decode_batch
+from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .model_config import Args
+from .rope import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +306,7 @@ def pipeline_model_class(base: type) -> type:
             for unit in units:
                 seqs = [batch.seqs[i] for i in unit]
                 if len(unit) > 1 or (batched and len(seqs[0].tokens) == 1 and seqs[0].sample):
-                    # decode rows: the single-process model's batched pass (model.decode_batch) over this stage
+                    # decode rows: the single-process model's batched pass (decode_rows.decode_batch) over this stage
                     caches = [self._cache(w.seq_id, w.start_pos) for w in seqs]
                     positions = [w.start_pos for w in seqs]
                     x = None if self.first else self._recv(len(seqs))

@@ -21,7 +21,9 @@ from swiftlm.errors import UnsupportedArchitecture
 from .loader import check_arch, load_state
 from .staging import stager
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
-from .model import PackedAttend, SeqCache, build, decode_batch, param_bytes
+from .decode_rows import decode_batch
+from .kv_cache import SeqCache
+from .model import PackedAttend, build, param_bytes
 from .shared_kv import ForkedCache, prefixes, share
 from .ops import TorchOps
 
@@ -330,7 +332,7 @@ class TorchModel:
         c = self.caches.get(seq_id)
         if c is None or c.length == 0 or not isinstance(c, SeqCache):
             return None  # compressed caches are not kept by the prompt cache
-        if c.trimmed:  # sliding-window layers dropped rows (model.SeqCache): no rows from position 0 to copy
+        if c.trimmed:  # sliding-window layers dropped rows (kv_cache.SeqCache): no rows from position 0 to copy
             return None
         n = c.length
         if isinstance(c, ForkedCache):
@@ -415,7 +417,7 @@ def cuda_eager_reason(a: Any, device: torch.device, ctx: int) -> str | None:
     eager (None: nothing to say); on CUDA the static path (slot pool, CUDA graphs, packed prefill, paged
     attention, overlapped steps) unless --gpu-layers keeps layers on the CPU, or the layer is not the
     llama-family one / a sliding window shorter than the served context ``ctx`` applies
-    (``model.Args.eager_reason``)."""
+    (``model_config.Args.eager_reason``)."""
     if device.type != "cuda":
         return None
     if a.offload is not None:

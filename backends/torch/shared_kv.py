@@ -9,7 +9,7 @@ freed with the last cache that points at it (plain reference counting).
 
 Attention over prefix + own segment:
 
-- ``decode_batch`` (model.py), the batched decode step, runs the queries of all the rows that share
+- ``decode_batch`` (decode_rows.py), the batched decode step, runs the queries of all the rows that share
   one prefix against it as ONE matmul (the prefix is read once per step, not once per fork), then the
   own segments padded as before; one softmax over the concatenated scores, so the result is the
   plain attention's up to the summation order of the weighted sum.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .model import GROW_ROWS, SeqCache
+from .kv_cache import GROW_ROWS, SeqCache
 
 
 class SharedPrefix:

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import MoE, Args
+from .model import MoE
+from .model_config import Args
 
 _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 

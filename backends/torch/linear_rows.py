@@ -1,0 +1,71 @@
+"""Matmuls over a few rows (a decode step's [B, hidden] activations): ``rows_linear`` picks the
+fastest way on the device (MKL's GEMM for padded rows on CPU, the Triton GEMV of ``cuda_ext.gemv``
+for one CUDA row), ``linear_rows`` / ``out_proj`` route modules through it, and ``lora_add`` adds
+LoRA adapters' terms to a fused projection.  Imports nothing else of this package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """LoRA adapters (lora.py): the selected rows' low-rank terms added to a fused projection's output."""
+    lo = owner.__dict__.get("lora")
+    return y if lo is None else lo(x, y)
+
+
+_GEMV: list[bool] = []
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One CUDA row through ``cuda_ext.gemv`` (half-precision weights; the Triton kernels self-checked;
+    ``SWIFTLM_GEMV=0`` keeps cuBLAS, for A/B runs)."""
+    if not _GEMV:
+        import os
+
+        from swiftlm.cuda_ext import enabled
+
+        _GEMV.append(os.environ.get("SWIFTLM_GEMV", "1") != "0" and enabled("cuda"))
+    return _GEMV[0] and x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous()
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
+    whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
+    project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms).  One or two rows are padded to
+    three: MKL's GEMV reads the weights at ~12 GB/s here, its GEMM at ~20-26 GB/s
+    (scripts/bench_cpu_linear.py: SmolLM2's layer matrices 34.3 -> 21.6 ms, its LM head 9.3 -> 4.1 ms
+    for one row; the padded rows are zeros and their results are dropped).  One row on CUDA (half precision)
+    is the Triton matrix-vector kernel of ``cuda_ext.gemv``: on an H100, 5-18% faster than cuBLAS for every
+    matrix of the 1B and 8B decode steps (``scripts/bench_gemv.py``, docs/results/gemv_h100.json)."""
+    n = x.shape[0]
+    if n == 1 and b is None and x.is_cuda and x.dim() == 2 and _gemv_ok(x, w):
+        from swiftlm.cuda_ext.gemv import linear_small_m
+
+        return linear_small_m(x.contiguous(), w)
+    if x.device.type == "cpu" and x.dim() == 2 and 1 <= n <= 64:
+        if n < 3:
+            x = torch.cat([x, x.new_zeros(3 - n, x.shape[1])])
+        out = (w @ x.t()).t()[:n]
+        return out + b if b is not None else out
+    return F.linear(x, w, b)
+
+
+def linear_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` through ``rows_linear`` for a plain ``nn.Linear`` without hooks; any other module (a
+    tensor-parallel row layer, an o_proj / down_proj with a LoRA forward hook) is called as it is."""
+    if type(lin) is nn.Linear and not lin._forward_hooks and not lin._forward_pre_hooks and x.dim() == 2:
+        return rows_linear(x, lin.weight, lin.bias)
+    return lin(x)
+
+
+def out_proj(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``rows_linear`` through an output projection (``o_proj`` / ``down_proj``); a tensor-parallel
+    row layer (parallel.RowParallelLinear) then sums the ranks' partial outputs."""
+    y = lora_add(lin, x, rows_linear(x, lin.weight))
+    reduce = getattr(lin, "reduce", None)
+    return reduce(y) if reduce is not None else y
