@@ -4,9 +4,9 @@ once at full memory bandwidth.
 At one decode row a linear layer is a matrix-vector product: all its time is reading ``w``.  cuBLAS
 picks GEMM tilings made for larger M; for the small, many-per-step matrices of a decode step (a 1B
 model's o_proj is 8 MB: ~3 us at 3 TB/s) its launch tail and partial waves cost a large share.  Here
-each program owns ``BLOCK_N`` output features (4 by default) and walks K; with few output features (``split_k`` > 1)
-programs also split K and add their partial sums into an fp32 buffer (``tl.atomic_add``), so the
-grid covers the GPU even for N = 2048.
+each program owns ``BLOCK_N`` output features (4 by default) and walks K.  A tiling may also split K
+(``split_k`` > 1: partial sums added into an fp32 buffer with ``tl.atomic_add``); the default does not, so
+decode stays deterministic, and ``scripts/bench_gemv.py`` sweeps it.
 
 ``linear_small_m(x, w)`` takes x [M, K] (M <= 16) and w [N, K] (both contiguous, the same dtype)
 and returns [M, N] in x's dtype, accumulated in fp32.  ``linear_small_m_ref`` is the torch reference.
@@ -73,7 +73,7 @@ def _gemv_kernel(x, w, y, M, N, K, K_PER, M_BLK: tl.constexpr, BLOCK_N: tl.const
             tl.store(ptr, acc2.to(y.dtype.element_ty), mask=msk)
 
 
-def _config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int]:
+def _config(M: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, split_k, num_warps) from the H100 sweep of ``scripts/bench_gemv.py``.  No split of
     K by default (atomic partial sums would make the result depend on their order: decode stays
     deterministic); a decode step's matrices have N >= 2048, 256+ programs."""
@@ -88,8 +88,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int
     M, K = x.shape
     N = w.shape[0]
     assert M <= 16 and w.shape[1] == K and x.is_contiguous() and w.is_contiguous()
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-    block_n, block_k, split, warps = config or _config(M, N, K, sms)
+    block_n, block_k, split, warps = config or _config(M, K)
     k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     atomic = split > 1
     y = (torch.zeros if atomic else torch.empty)((M, N), dtype=torch.float32 if atomic else x.dtype, device=x.device)

@@ -33,7 +33,6 @@ def main() -> None:
     from swiftlm.cuda_ext.gemv import _config, linear_small_m
 
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
 
     def graph_time(fn, reps=24, iters=20) -> float:
@@ -55,11 +54,11 @@ def main() -> None:
         return e0.elapsed_time(e1) / (reps * iters) * 1e-3  # seconds per call
 
     name_gpu = torch.cuda.get_device_name()
-    copy_bw = 4.8e12 if "H200" in name_gpu else 3.35e12  # the data sheet's HBM bandwidth (H100 SXM / H200)
+    sheet_bw = 4.8e12 if "H200" in name_gpu else 3.35e12  # the data sheet's HBM bandwidth (H100 SXM / H200)
     big = torch.ones(2 ** 29, dtype=torch.bfloat16, device=dev)
     read_bw = big.numel() * 2 / graph_time(lambda: big.sum(), reps=5, iters=10)  # what a streaming read reaches
     del big
-    print(f"{name_gpu}: data sheet {copy_bw / 1e12:.2f} TB/s, a 1 GB sum() reads at {read_bw / 1e12:.2f} TB/s")
+    print(f"{name_gpu}: data sheet {sheet_bw / 1e12:.2f} TB/s, a 1 GB sum() reads at {read_bw / 1e12:.2f} TB/s")
     rows = []
     for M in [int(m) for m in a.rows.split(",")]:
         for name, (N, K) in SHAPES.items():
@@ -92,19 +91,19 @@ def main() -> None:
                     continue
                 if best is None or t < best[0]:
                     best = (t, cfg, err)
-            dflt = _config(M, N, K, sms)
+            dflt = _config(M, K)
             t_def = graph_time(lambda: linear_small_m(x, nxt()))
             r = {"shape": name, "M": M, "N": N, "K": K, "mb": round(byts / 1e6, 1),
-                 "cublas_us": round(t_cub * 1e6, 2), "cublas_frac_datasheet": round(byts / t_cub / copy_bw, 3),
+                 "cublas_us": round(t_cub * 1e6, 2), "cublas_frac_datasheet": round(byts / t_cub / sheet_bw, 3),
                  "triton_best_us": round(best[0] * 1e6, 2), "triton_best_cfg": best[1],
-                 "triton_best_frac": round(byts / best[0] / copy_bw, 3), "triton_best_max_err": best[2],
+                 "triton_best_frac": round(byts / best[0] / sheet_bw, 3), "triton_best_max_err": best[2],
                  "triton_default_cfg": dflt, "triton_default_us": round(t_def * 1e6, 2)}
             rows.append(r)
             print(f"M={M} {name:12s} {r['mb']:7.1f} MB  cuBLAS {r['cublas_us']:7.2f} us ({r['cublas_frac_datasheet']:.0%})"
                   f"  triton best {r['triton_best_us']:7.2f} us ({r['triton_best_frac']:.0%}) {best[1]}"
                   f"  default {r['triton_default_us']:7.2f} us  err {best[2]:.3g}", flush=True)
     if a.json:
-        json.dump({"gpu": torch.cuda.get_device_name(), "host": platform.node(), "datasheet_Bps": copy_bw, "sum_read_Bps": read_bw,
+        json.dump({"gpu": torch.cuda.get_device_name(), "host": platform.node(), "datasheet_Bps": sheet_bw, "sum_read_Bps": read_bw,
                    "rows": rows}, open(a.json, "w"), indent=1)
 
 

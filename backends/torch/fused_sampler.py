@@ -36,8 +36,9 @@ def simple_sample(logits: torch.Tensor, inputs: torch.Tensor, greedy_rows: bool 
 
 class GraphedSampler:
     """``simple_sample`` as CUDA graphs, one per (batch size padded to a power of two, vocabulary,
-    logits dtype, whether any row is greedy), sharing one memory pool.  Safe to share: every read of a graph's output (the
-    ids' copy to the host, the next step's input) is queued on the stream before the next replay."""
+    logits dtype, whether any row is greedy), sharing one memory pool.  Safe to share: every read of a
+    graph's output (the ids' copy to the host, the next step's input) is queued on the stream before the
+    next replay."""
 
     def __init__(self, device: torch.device):
         self.device = device
