@@ -28,7 +28,8 @@ import torch
 
 from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, dense_capacity
 
-from .kv_quant import AffineCodec, Encoded, TurboCodec, online_attention
+from . import cpu_kernels
+from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,11 @@ class CompressedCache:
             return self._attend_triton(L, q, scale)
 
         def blocks() -> Iterator[tuple]:
-            yield from self._code_blocks(L, qg, scale)
+            if cpu_kernels.usable(self, L, rep * T) and T == 1:
+                m, l, acc = cpu_kernels.code_attention(self, L, qg, scale)
+                yield Partial(m, l, acc), None, None, 1 if self.fmt.kind == "turbo" else 0
+            else:
+                yield from self._code_blocks(L, qg, scale)
             nd = L.n_dense
             dk, dv = self._dense(L)
             keys, vals = dk.float(), dv.float()

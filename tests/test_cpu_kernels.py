@@ -1,0 +1,104 @@
+"""The numba kernels for compressed-KV decode attention on CPU (backends/torch/cpu_kernels.py).
+
+Each case fills a compressed cache, then attends one decode row three ways: the numba kernel, the
+torch block path (SWIFTLM_NUMBA=0) and a float64 reference over the cache's own decoded rows.  Both
+fp32 paths differ from the reference only by accumulation order and rounding, so the kernel must be
+as close to float64 as the torch path is (within 4x, or 1e-5 of the output's scale, whichever is
+larger: fp32 sums of up to ~4K terms drift ~sqrt(n) * 6e-8 relative)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("numba", reason="numba (torch extra) not installed: the torch path runs instead")
+
+from swiftlm.backends.torch import cpu_kernels  # noqa: E402
+from swiftlm.backends.torch.compressed_cache import CompressedCache  # noqa: E402
+from swiftlm.backends.torch.kv_quant import Encoded  # noqa: E402
+from swiftlm.turboquant.presets import affine, parse_turbo  # noqa: E402
+
+
+def _filled(fmt, n: int, kvh: int, d: int, seed: int = 0):
+    a = SimpleNamespace(layers=1, kv_heads=kvh, heads=kvh, head_dim=d)
+    cache = CompressedCache(a, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(kvh, n + 1, d, generator=g)
+    v = torch.randn(kvh, n + 1, d, generator=g)
+    with torch.inference_mode():  # n compressed rows, then the decode row itself in 16 bits
+        L = cache.layers[0]
+        cache._store(L, cache.kc.encode(k[:, :n]), cache.vc.encode(v[:, :n]), 0, n)
+        L.n_code = n
+        cache._write(0, n, k[:, n:], v[:, n:])
+    cache.length = n + 1
+    return cache, cache.layers[0]
+
+
+def _reference(cache, L, q):
+    """float64 attention over the cache's decoded compressed rows and its 16-bit rows."""
+    n = L.n_code
+    if cache.fmt.kind == "turbo":
+        keys = cache.kc.decode(Encoded([p[:, :n] for p in L.kp], L.kn[:, :n],
+                                       L.ks[:, :n] if L.ks is not None else None,
+                                       L.kr[:, :n] if L.kr is not None else None))
+        vals = cache.vc.decode(Encoded([p[:, :n] for p in L.vp], L.vn[:, :n]))
+    else:
+        keys = cache.kc.decode_planes([p[:, :n] for p in L.kp], L.kn[:, :n], L.ks[:, :n])
+        vals = cache.vc.decode_planes([p[:, :n] for p in L.vp], L.vn[:, :n], L.vb[:, :n])
+    dk, dv = cache._dense(L)
+    keys = torch.cat([keys.double(), dk.double()], 1)
+    vals = torch.cat([vals.double(), dv.double()], 1)
+    H, _, D = q.shape
+    kvh = keys.shape[0]
+    qg = q.double().reshape(kvh, H // kvh, D)
+    p = torch.softmax(qg @ keys.transpose(1, 2) / math.sqrt(D), -1)
+    return (p @ vals).reshape(H, D)
+
+
+CASES = [
+    # (format, kv heads, query heads per kv head, head dim)
+    (parse_turbo("k4v3"), 3, 3, 64),
+    (parse_turbo("k3v2"), 2, 1, 64),
+    (parse_turbo("k3qjl-v3"), 2, 4, 64),
+    (parse_turbo("k2v4"), 1, 2, 128),
+    (parse_turbo("k1v1"), 1, 1, 64),
+    (affine(8, 64), 3, 3, 64),
+    (affine(4, 32), 2, 4, 128),
+]
+
+
+@pytest.mark.parametrize("fmt,kvh,rep,d", CASES, ids=lambda c: getattr(c, "name", None))
+@pytest.mark.parametrize("n", [1, 37, 1000, 3001])
+def test_kernel_matches_float64_as_well_as_the_torch_path(monkeypatch, fmt, kvh, rep, d, n):
+    cache, L = _filled(fmt, n, kvh, d, seed=n)
+    assert L.n_code == n and L.n_dense == 1
+    q = torch.randn(kvh * rep, 1, d, generator=torch.Generator().manual_seed(n + 1))
+    assert cpu_kernels.usable(cache, L, rep)
+    with torch.inference_mode():
+        monkeypatch.setenv("SWIFTLM_NUMBA", "0")
+        assert not cpu_kernels.usable(cache, L, rep)
+        plain = cache._attend(L, q, n)
+        monkeypatch.setenv("SWIFTLM_NUMBA", "1")
+        fast = cache._attend(L, q, n)
+    ref = _reference(cache, L, q)
+    err_fast = (fast.double().reshape(ref.shape) - ref).abs().max().item()
+    err_plain = (plain.double().reshape(ref.shape) - ref).abs().max().item()
+    assert err_fast <= max(4 * err_plain, 1e-5 * ref.abs().max().item()), (err_fast, err_plain)
+
+
+def test_splits_cover_the_rows_and_use_every_thread():
+    import numba
+
+    threads = numba.get_num_threads()
+    assert cpu_kernels.splits(100, 3) == 1                     # short: one task per KV head
+    s = cpu_kernels.splits(100_000, 1)
+    assert s * 1 >= threads and math.ceil(100_000 / s) >= cpu_kernels.MIN_SPAN
+
+
+def test_prefill_chunks_keep_the_torch_path():
+    cache, L = _filled(parse_turbo("k4v3"), 600, 1, 64)
+    assert cpu_kernels.usable(cache, L, 4)
+    assert not cpu_kernels.usable(cache, L, 64)                # a prefill chunk's queries: matmul work
