@@ -120,13 +120,14 @@ if nb is not None:
 def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
     """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc).
 
-    Arguments: qr [KVH, M, D] rotated, scaled queries; sq [KVH, M, D] scaled S q (QJL; unused
-    otherwise); qjl_scale; ktab, kp0, kp1 key tables / planes; kn [KVH, >=n] fp32 key norms; ks
-    [KVH, cap, D/8] sign bytes, kr [KVH, >=n] fp32 residual norms, stab [256, 8] ±1 (QJL); vtab, vp0,
+    Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
+    signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
+    unused otherwise); qjl_scale; ktab, kp0, kp1 key tables / planes; kn [KVH, >=n] fp32 key norms;
+    ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n] fp32 residual norms (QJL); vtab, vp0,
     vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
     nsb = D // 8
 
-    def kernel(qr, sq, qjl_scale, ktab, kp0, kp1, kn, ks, kr, stab, vtab, vp0, vp1, vn, n, S,
+    def kernel(qr, st, qjl_scale, ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S,
                m_out, l_out, acc_out):
         KVH = qr.shape[0]
         span = (n + S - 1) // S
@@ -137,7 +138,7 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
             l = np.zeros(M, dtype=np.float32)
             acc = np.zeros((M, D), dtype=np.float32)
             row = np.empty(D, dtype=np.float32)
-            sg = np.empty(D, dtype=np.float32)
+            sg = np.empty(M, dtype=np.float32)
             sc = np.empty((M, TILE), dtype=np.float32)
             q, kp0h, kp1h, vp0h, vp1h = qr[h], kp0[h], kp1[h], vp0[h], vp1[h]
             for t0 in range(lo, hi, TILE):
@@ -145,21 +146,20 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
                 for jj in range(cnt):
                     j = t0 + jj
                     _decode_row(ktab, kp0h, kp1h, j, row, kbits, D)
-                    if qjl:
+                    if qjl:  # Σ_d (S q)_d sign_d, a table entry per sign byte and query head
+                        for t in range(M):
+                            sg[t] = 0.0
                         for k in range(nsb):
                             b = ks[h, j, k]
-                            for t in range(8):
-                                sg[8 * k + t] = stab[b, t]
+                            for t in range(M):
+                                sg[t] += st[h, k, b, t]
                         w = qjl_scale * kr[h, j]
                     for t in range(M):
                         x = np.float32(0.0)
                         for d in range(D):
                             x += q[t, d] * row[d]
                         if qjl:
-                            y = np.float32(0.0)
-                            for d in range(D):
-                                y += sq[h, t, d] * sg[d]
-                            x += w * y
+                            x += w * sg[t]
                         sc[t, jj] = x * kn[h, j]
                 _softmax_tile(sc, cnt, m, l, acc, M, D)
                 for jj in range(cnt):
@@ -274,15 +274,16 @@ def code_attention(cache, L, qg, scale: float):
         kc, vc = cache.kc, cache.vc
         qr = ((qg @ kc.R.T) * scale).contiguous()
         if kc.qjl:
-            sq = ((qg @ kc.S.T) * scale).contiguous().numpy()
-            ks, kr, stab = L.ks.numpy(), L.kr[:, :n].float().numpy(), _sign_table(kc)
+            sq = ((qg @ kc.S.T) * scale).view(KVH, M, D // 8, 8)
+            st = torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy()
+            ks, kr = L.ks.numpy(), L.kr[:, :n].float().numpy()
         else:  # placeholders of the right types (numba compiles one signature)
-            sq, ks, kr, stab = qr.numpy(), _EMPTY3, _EMPTY2, _EMPTY2
+            st, ks, kr = _EMPTY4, _EMPTY3, _EMPTY2
         kernel = turbo_kernel(D, M, kc.mse_bits, vc.mse_bits, bool(kc.qjl))
         kp0, kp1 = _planes(L.kp)
         vp0, vp1 = _planes(L.vp)
-        args = (qr.numpy(), sq, np.float32(kc.qjl_scale), _table(kc), kp0, kp1, L.kn[:, :n].float().numpy(),
-                ks, kr, stab, _table(vc), vp0, vp1, L.vn[:, :n].float().numpy(), n, S, m_o, l_o, a_o)
+        args = (qr.numpy(), st, np.float32(kc.qjl_scale), _table(kc), kp0, kp1, L.kn[:, :n].float().numpy(),
+                ks, kr, _table(vc), vp0, vp1, L.vn[:, :n].float().numpy(), n, S, m_o, l_o, a_o)
         with _LOCK:
             kernel(*args)
     else:
@@ -302,6 +303,7 @@ def code_attention(cache, L, qg, scale: float):
 
 
 _EMPTY2 = np.zeros((1, 1), np.float32)
+_EMPTY4 = np.zeros((1, 1, 1, 1), np.float32)
 _EMPTY3 = np.zeros((1, 1, 1), np.uint8)
 _NO_PLANE = np.zeros((1, 1, 1), np.uint8)
 
@@ -317,9 +319,12 @@ def _table(codec) -> np.ndarray:
     return t
 
 
-def _sign_table(codec) -> np.ndarray:
-    t = getattr(codec, "_np_signs", None)
+def _sign_table(codec):
+    """[256, 8] ±1: bit t of byte b (QJL signs are packed little-end first, one bit per coordinate)."""
+    import torch
+
+    t = getattr(codec, "_signs", None)
     if t is None:
-        b = np.arange(256)[:, None]
-        t = codec._np_signs = (((b >> np.arange(8)) & 1) * 2 - 1).astype(np.float32)
+        b = torch.arange(256)[:, None]
+        t = codec._signs = (((b >> torch.arange(8)) & 1) * 2 - 1).float()
     return t
