@@ -70,6 +70,27 @@ SCRIPT = textwrap.dedent("""
             kv = max(float((x - y).abs().max()) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
             out["single"].append(dict(pos=p, splits=splits, err=float((got - ref).abs().max()), scale=float(ref.abs().max()),
                                       argmax_equal=bool(got.argmax() == ref.argmax()), kv_err=kv))
+        # a static TurboQuant cache (compressed rows + 16-bit buffer): the fused one-sequence step against
+        # the unfused one, both reading the codes through the (interpreted) packed-code kernel
+        from swiftlm.backends.torch.compressed_cache import CompressedCache
+        from swiftlm.backends.torch.graphs import decode_turbo_static
+        from swiftlm.backends.torch.fused_decode import decode_turbo_static_fused
+        from swiftlm.turboquant.presets import parse_turbo
+        tcs = []
+        for _ in range(2):
+            c = CompressedCache(a, parse_turbo("k4v3", window=8), torch.float32, torch.device("cpu"), capacity=128)
+            c.use_triton = c.kc.use_triton = c.vc.use_triton = True
+            m(torch.arange(1, 61) % a.vocab, c, 0)
+            tcs.append(c)
+        L0 = tcs[0].layers[0]
+        nd, nc = torch.tensor([L0.n_dense]), torch.tensor([L0.n_code])
+        t, q = torch.tensor([9]), torch.tensor([60])
+        ref = decode_turbo_static(m, tcs[0], t, q, nd, nc, ar)
+        got = decode_turbo_static_fused(m, tcs[1], t, q, nd, nc, ar)
+        kv = max(float((x.dk - y.dk).abs().max().item() + (x.dv - y.dv).abs().max().item())
+                 for x, y in zip(tcs[0].layers, tcs[1].layers))
+        out["turbo"] = dict(n_code=L0.n_code, n_dense=L0.n_dense, err=float((got - ref).abs().max()),
+                            scale=float(ref.abs().max()), argmax_equal=bool(got.argmax() == ref.argmax()), kv_err=kv)
     out["args"] = dict(hidden=a.hidden, heads=a.heads, head_dim=a.head_dim, intermediate=a.intermediate,
                        layers=a.layers, vocab=a.vocab)
     print(json.dumps(out))
@@ -99,7 +120,8 @@ def test_fused_decode_equals_unfused(ckpt, request):
         setattr(a, k, v)
     a.moe_intermediate = a.shared_intermediate = 0
     assert len(res["batch"]) == 2 and len(res["single"]) == 4
-    for case in res["batch"] + res["single"]:
+    assert res["turbo"]["n_code"] > 0 and res["turbo"]["n_dense"] > 0, res["turbo"]  # both parts are read
+    for case in res["batch"] + res["single"] + [res["turbo"]]:
         # fp32 both ways, rounded in other places: the logits' error is that of another summation order
         assert case["err"] <= transformer_logits_tol(a, case["scale"], context=96), case
         assert case["argmax_equal"], case

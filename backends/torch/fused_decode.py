@@ -122,3 +122,36 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
         h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)
+
+
+def _buffer_as_pool(buf: torch.Tensor) -> torch.Tensor:
+    """A static compressed cache's 16-bit buffer [KVH, rows, D] seen as a one-slot pool
+    [1, KVH, rows, D] whose slot stride is one row: ``rope_kv_write_rows`` writes row ``pos`` of slot
+    ``s`` at buffer row ``s + pos``, so slot ``n_dense - pos`` puts the rope-rotated row at ``n_dense``
+    while the rotation still uses position ``pos``."""
+    KVH, rows, D = buf.shape
+    assert buf.is_contiguous()
+    return torch.as_strided(buf, (1, KVH, rows, D), (D, rows * D, D, 1))
+
+
+def decode_turbo_static_fused(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor,
+                              n_dense: torch.Tensor, n_code: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+    """``graphs.decode_turbo_static`` with the fused kernels: one sequence over a static TurboQuant cache
+    (``CompressedCache(capacity=...)``).  Per layer: the QKV rows (``rows_linear``), rope + the new K/V
+    row written into the layer's 16-bit buffer at row ``n_dense`` in one kernel, the cache's attention
+    (``attend_static``: the packed-code kernel and its combine pass with the buffer), then the fused
+    tail of the 16-bit step.  Logits [V]."""
+    from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
+
+    x = model.embed(token)
+    valid = arange[:kv.dense_rows] <= n_dense  # the rows held plus the one written now
+    at = n_dense - pos                          # see _buffer_as_pool
+    h = model.layers[0].input_layernorm(x)
+    for i, blk in enumerate(model.layers):
+        qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
+        L = kv.layers[i]
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, at, _buffer_as_pool(L.dk), _buffer_as_pool(L.dv),
+                               H, KVH, D)
+        h = _after_attention(model, i, x, kv.attend_static(i, q[0], n_code, valid))
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return rows_linear(h, w)[0]

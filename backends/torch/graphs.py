@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode_rows import project_qkv
-from .fused_decode import decode_batch_static_fused, decode_static_fused, fusable
+from .fused_decode import decode_batch_static_fused, decode_static_fused, decode_turbo_static_fused, fusable
 from .kv_cache import SeqCache
 from .model import MLP, Transformer
 from .rope import apply_rope
@@ -363,16 +363,16 @@ class GraphDecoder:
             kv.truncate(L, pos)
         L0 = kv.layers[0]
         host = (token, pos, L0.n_dense, L0.n_code)
+        step = decode_turbo_static_fused if self.fused and kv.fmt.kind == "turbo" else decode_turbo_static
         if not self.use_graph:
             t, p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
-            out = decode_turbo_static(self.model, kv, t, p, nd, nc, self.arange)
+            out = step(self.model, kv, t, p, nd, nc, self.arange)
         else:
             key = ("turbo", id(kv))
             entry = self.graphs.get(key)
             if entry is None:
                 ins = tuple(torch.tensor([x], device=self.device) for x in host)
-                entry = self._capture(key, lambda t, p, nd, nc: decode_turbo_static(self.model, kv, t, p, nd, nc,
-                                                                                    self.arange), ins)
+                entry = self._capture(key, lambda t, p, nd, nc: step(self.model, kv, t, p, nd, nc, self.arange), ins)
             g, ins, out = entry
             for t, x in zip(ins, host):
                 t.fill_(x)
