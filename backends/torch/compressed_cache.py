@@ -16,7 +16,9 @@ decoding, recompute after preemption) just lowers the counters.  TurboQuant atte
 query once, scores it against centroids times norms, sums values in the rotated domain and rotates
 that sum back once; on CUDA a single decode row goes through the Triton kernel over packed codes.
 Layers listed by ``keep_layers`` stay entirely 16-bit.  Affine caches have no window (like MLX's
-QuantizedKVCache, every row is quantized as it arrives).
+QuantizedKVCache, every row is quantized as it arrives); on CUDA their decode rows go through the
+kernels of ``cuda_ext/affine_kv_kernels.py`` (``affine_decode.py``), and a static affine cache's graph
+step quantizes its row into the codes inside the graph.
 """
 
 from __future__ import annotations

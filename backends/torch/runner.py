@@ -45,7 +45,7 @@ class TorchModel:
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
-        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static TurboQuant caches to reuse
+        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
