@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 
 def kernel_ok(cache: Any) -> bool:
-    """Do the kernels take this cache's head dim, group size and bits?"""
-    from swiftlm.cuda_ext.affine_kv_kernels import supported
-
+    """Do the kernels take this cache's head dim, group size and bits (and is Triton there)?"""
+    try:
+        from swiftlm.cuda_ext.affine_kv_kernels import supported
+    except ImportError:  # no triton
+        return False
     return supported(cache.a.head_dim, cache.kc.group, cache.kc.bits)
 
 
