@@ -45,6 +45,10 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
     from .paged_attention import selfcheck as paged_selfcheck
 
     errs["paged_decode_attention"] = paged_selfcheck(device, dtype, seed)
+    from .affine_kv_kernels import selfcheck as affine_selfcheck
+
+    # affine kv_bits decode attention (4 and 8 bits) and the row encoder (an inexact code counts as 1.0)
+    errs["affine_decode_attention"] = affine_selfcheck(device, dtype, seed)
     from .gemv import linear_small_m, linear_small_m_ref
 
     x, w = rnd(1, 3 * N), rnd(I, 3 * N) * 0.05  # odd N and K: masked tails

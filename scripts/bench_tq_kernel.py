@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""TurboQuant decode-attention kernels against the 16-bit paged decode kernel, one layer, on a GPU.
+"""TurboQuant and affine ``kv_bits`` decode-attention kernels against the 16-bit paged decode kernel, one layer.
 
     python scripts/bench_tq_kernel.py [--contexts 32768,131072] [--batch 1] [--json out.json]
+    python scripts/bench_tq_kernel.py --presets "" --kv-bits 8,4 [--group 64]   # the affine kernel only
 
 For the Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128) and each context, the
 time of one layer's decode attention for one row per sequence: the 16-bit cache through
@@ -10,6 +11,10 @@ time of one layer's decode attention for one row per sequence: the 16-bit cache 
 graph (no launch overhead), median of several replays.  Bytes are the fewest the kernel must read
 (codes, norms, the window, the query); the ceiling is a device-to-device copy measured here
 (bytes read + written over time).  Ratios are against the 16-bit kernel timed in the same run.
+
+``--kv-bits``: the affine kernel (``cuda_ext/affine_kv_kernels.py``: split pass over the codes with
+fp16 scales / biases per group, combine pass attending one 16-bit row, the graph step's new row),
+and the fused encoder writing that row's codes (what a graphed decode step adds per layer).
 """
 
 from __future__ import annotations
@@ -62,6 +67,47 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / t
 
 
+def affine_row(q, N: int, B: int, bits: int, group: int, t16: float, bw: float, g) -> dict:
+    """One affine format at N rows: attention (split + combine with the step's 16-bit row) and the encoder."""
+    import torch
+
+    from swiftlm.cuda_ext.affine_kv_kernels import affine_decode_attention, affine_encode_rows, affine_split_pass
+
+    dev = q.device
+    G = D // group
+    seqs = []
+    for _ in range(B):
+        codes = [torch.randint(0, 256, (KVH, N + 1, D * bits // 8), generator=g, device=dev, dtype=torch.uint8)
+                 for _ in range(2)]
+        sc = [(torch.rand(KVH, N + 1, G, generator=g, device=dev) * 0.05).half() for _ in range(2)]
+        bi = [(torch.randn(KVH, N + 1, G, generator=g, device=dev)).half() for _ in range(2)]
+        row = torch.randn(2, KVH, 1, D, device=dev, dtype=torch.bfloat16)
+        seqs.append((codes, sc, bi, row))
+    n_rows = torch.tensor([N], device=dev)
+    scale = D ** -0.5
+
+    def run():
+        for b, (codes, sc, bi, row) in enumerate(seqs):
+            affine_decode_attention(q[b], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, scale,
+                                    rep=H // KVH, n_rows=n_rows, dk=row[0], dv=row[1])
+
+    t = timed(run)
+    codes, sc, bi, row = seqs[0]
+    parts = {"split pass (one sequence)": timed(lambda: affine_split_pass(
+        q[0], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, scale, H // KVH, n_rows)),
+        "encode the new row (one sequence)": timed(lambda: affine_encode_rows(
+            row[0], row[1], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, n_rows))}
+    name = f"kv_bits={bits}/g{group}"
+    for what, tv in parts.items():
+        print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
+    nbytes = B * (2 * KVH * N * (D * bits // 8 + 4 * G) + 2 * KVH * D * 2)
+    print(f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
+          f"{t16 / t:5.2f}x bf16", flush=True)
+    return {"context": N, "batch": B, "format": name, "us": t * 1e6, "bytes": nbytes,
+            "parts_us": {k: v * 1e6 for k, v in parts.items()},
+            "GB_s": nbytes / t / 1e9, "of_copy_bw": nbytes / t / bw, "vs_16bit": t16 / t}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="32768,131072")
@@ -70,6 +116,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--splits", default="", help="split counts per KV head to time the split pass with")
     ap.add_argument("--sweep", default="", help="block_n:num_warps:num_stages,... variants timed per preset")
+    ap.add_argument("--kv-bits", default="", help="affine kv_bits formats to time (e.g. 8,4)")
+    ap.add_argument("--group", type=int, default=64, help="affine group size")
     a = ap.parse_args()
     import torch
 
@@ -98,7 +146,9 @@ def main() -> None:
                      "bytes": b16, "GB_s": b16 / t16 / 1e9, "of_copy_bw": b16 / t16 / bw, "vs_16bit": 1.0})
         print(f"{N:>7} bf16        {t16 * 1e6:8.1f} us  {b16 / t16 / 1e9:7.0f} GB/s  {b16 / t16 / bw:5.1%}", flush=True)
         del kc, vc
-        for name in a.presets.split(","):
+        for bits in [int(x) for x in filter(None, a.kv_bits.split(","))]:
+            rows.append(affine_row(q, N, B, bits, a.group, t16, bw, g))
+        for name in filter(None, a.presets.split(",")):
             fmt = parse_turbo(name, window=WINDOW)
             kcod = TurboCodec(D, fmt.key_bits, 1, dev, qjl=fmt.key_qjl)
             vcod = TurboCodec(D, fmt.value_bits, 2, dev)
@@ -164,6 +214,10 @@ def main() -> None:
                   f"{t16 / t:5.2f}x bf16", flush=True)
             del seqs
         torch.cuda.empty_cache()
+    print(f"\n{'context':>8} | {'format':<22} | {'us':>8} | {'GB/s':>6} | {'of copy':>7} | vs bf16")
+    for r in rows:
+        print(f"{r['context']:>8} | {r['format']:<22} | {r['us']:8.1f} | {r['GB_s']:6.0f} | {r['of_copy_bw']:7.1%} | "
+              f"{r['vs_16bit']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "copy_GB_s": bw / 1e9,
                                             "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "window": WINDOW},

@@ -12,7 +12,8 @@ For each context length the cache is filled with random keys/values (decode cost
 their values) through the cache's own write/compress path, then ``--steps`` tokens are decoded
 through the model and timed.  Baselines: the plain cache in the model's dtype (fp32 on CPU, bf16 on
 CUDA), run eagerly like the compressed caches, and on CUDA also the CUDA-graph decode that plain
-caches get in the server.  Every ratio is against a baseline measured in the same process.
+caches get in the server.  On CUDA, TurboQuant and ``kv_bits`` formats also run as static caches
+decoding through one CUDA graph per cache ("cuda-graph": ``GraphDecoder.run_turbo``).  Every ratio is against a baseline measured in the same process.
 ``--prefill N``: instead, the time to prefill an N-token prompt (2,048-token chunks, compression
 included) per format, against the plain cache in the same process.
 """
@@ -83,6 +84,7 @@ def fmt_of(name: str):
 def torch_bench(a, presets, contexts):
     import torch
 
+    from swiftlm.backends.torch.affine_decode import static_ok as affine_static_ok
     from swiftlm.backends.torch.compressed_cache import CompressedCache
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.kv_cache import SeqCache
@@ -103,8 +105,9 @@ def torch_bench(a, presets, contexts):
         for name in presets:
             fmt = fmt_of(name)
             variants = [("eager", False)]
-            if dev.type == "cuda" and (not fmt.compressed or (fmt.kind == "turbo" and use_triton)):
-                variants.append(("cuda-graph", True))
+            if dev.type == "cuda" and (not fmt.compressed or (fmt.kind == "turbo" and use_triton)
+                                       or (fmt.kind == "affine" and use_triton and affine_static_ok(ma, fmt))):
+                variants.append(("cuda-graph", True))  # kv_bits: the affine kernel's graph step
             for mode, graphed in variants:
                 with torch.inference_mode():
                     cap = L + a.warmup + a.steps + 1
@@ -222,6 +225,10 @@ def _held_bytes(cache, fmt, ma, L, dtype) -> int:
     if not fmt.compressed:
         return 2 * ma.layers * ma.kv_heads * ma.head_dim * L * torch.finfo(dtype).bits // 8
     n_code, n_dense = cache.counts()
+    if fmt.kind == "affine":  # codes + fp16 scale and bias per group, keys and values, per position
+        per_pos = sum(t[:, :1].numel() * t.element_size() for L_ in cache.layers
+                      for t in (*L_.kp, L_.kn, L_.ks, *L_.vp, L_.vn, L_.vb))
+        return n_code * per_pos + n_dense * 2 * ma.layers * ma.kv_heads * ma.head_dim * cache.dense_dtype.itemsize
     f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads,
                            head_dim=ma.head_dim, dense_bytes=torch.finfo(cache.dense_dtype).bits // 8)
     return f["codes_used"] + f["dense_used"] + f["uncompressed_layers"]

@@ -269,3 +269,237 @@ def test_gemv_matches_reference_interpreted():
     for c in cases:
         assert c["shape"] == [c["M"], c["N"]], c
         assert c["err"] <= fp32_matmul_tol(c["K"], c["scale"]), c
+
+
+# ------------------------------------------------------------------------------ affine kv_bits kernels
+AFFINE_CODE = r"""
+import json, sys, time
+import torch
+from types import SimpleNamespace
+from swiftlm.cuda_ext.affine_kv_kernels import affine_decode_attention, affine_decode_attention_ref, affine_encode_rows
+from swiftlm.backends.torch.kv_quant import AffineCodec
+dev, part = sys.argv[1], sys.argv[2]
+gpu = dev == "cuda"
+out = {}
+g = torch.Generator().manual_seed(0)
+if part == "kernel":
+    # bits x group x head_dim x GQA rep; row counts 1, 37, 1000 in turn; the row count from the device over
+    # a larger store, or views of the first N rows; 0 or 2 16-bit rows (one masked off)
+    KVH, i = 2, 0
+    for bits in (4, 8):
+        for group in (32, 64, 128):
+            for D in (64, 128):
+                for rep in (1, 4):
+                    if group > D:
+                        continue
+                    N = (1, 37, 1000)[i % 3]
+                    cap, levels = N + 13, (1 << bits) - 1
+                    codes = [torch.randint(0, 256, (KVH, cap, D * bits // 8), generator=g, dtype=torch.uint8)
+                             for _ in range(2)]
+                    scale = [(torch.rand(KVH, cap, D // group, generator=g) * 3 / levels + 1e-3).half() for _ in range(2)]
+                    bias = [(torch.rand(KVH, cap, D // group, generator=g) * -3).half() for _ in range(2)]
+                    q = torch.randn(KVH * rep, D, generator=g) * 1.5
+                    R = 2 if i % 2 else 0
+                    dense = [torch.randn(KVH, R, D, generator=g).half().to(dev) for _ in range(2)] if R else [None, None]
+                    args = [q.to(dev), codes[0].to(dev), scale[0].to(dev), bias[0].to(dev), codes[1].to(dev),
+                            scale[1].to(dev), bias[1].to(dev), bits, group, D ** -0.5]
+                    kw = dict(rep=rep, dk=dense[0], dv=dense[1], valid=torch.tensor([True, False], device=dev) if R else None)
+                    if i % 4 < 2:
+                        kw["n_rows"] = torch.tensor([N], device=dev)
+                    else:
+                        for j in range(1, 7):
+                            args[j] = args[j][:, :N]
+                    tag = f"b{bits}/g{group}/d{D}/rep{rep}/n{N}/r{R}"
+                    ref = affine_decode_attention_ref(*args, **kw)
+                    got = affine_decode_attention(*args, f16=False, **kw)
+                    out["fp32/" + tag] = [float((got - ref).abs().max()), float(ref.abs().max()), max(D, N)]
+                    if i % 3 == 1 or gpu:  # 16-bit queries: fp16 dot operands, output in the query's dtype
+                        for dt in ((torch.float16, torch.bfloat16) if gpu else (torch.float16,)):
+                            args[0] = q.to(dev, dt)
+                            got, ref = affine_decode_attention(*args, **kw), affine_decode_attention_ref(*args, **kw)
+                            out[f"{str(dt)[6:]}/" + tag] = [float((got.float() - ref.float()).abs().max()),
+                                                            float(ref.float().abs().max()), max(D, N)]
+                    i += 1
+elif part == "encode":
+    # the fused encoder against AffineCodec.encode on the same device: codes, scales and biases bit-equal;
+    # rows with constant groups, exact halves (rounding ties), large and tiny ranges; 16-bit inputs too
+    for bits in (4, 8):
+        for D in (64, 128):
+            for group in (32, 64, 128):
+                if group > D:
+                    continue
+                codec = AffineCodec(D, bits, group)
+                x = torch.randn(2, 2, 37, D, generator=g) * 2
+                x[:, :, 0] = 0.7
+                x[:, :, 1] = (torch.arange(D) % (2 * ((1 << bits) - 1) + 1)) / 2
+                x[:, :, 2] *= 1000
+                x[:, :, 3] *= 1e-3
+                # ranges whose fp16 scale differs between (hi - lo) / levels and (hi - lo) * fp32(1 / levels)
+                # (torch's CPU and CUDA kernels): rows 4.. hold one such range per group (lo 0, hi d)
+                levels = (1 << bits) - 1
+                cand = torch.rand(1 << 20, generator=g) * 8 + 0.01
+                d = cand[(cand / levels).half() != (cand * torch.tensor(1.0 / levels)).half()]
+                G = D // group
+                assert len(d) >= 4 * G, len(d)
+                for r in range(min(8, len(d) // G)):
+                    dr = d[r * G:(r + 1) * G].repeat_interleave(group).view(D)
+                    x[:, :, 4 + r] = torch.rand(2, 2, D, generator=g) * dr
+                    x[:, :, 4 + r, ::group] = 0.0
+                    x[:, :, 4 + r, 1::group] = dr[::group]
+                dt = (torch.float32, torch.float16, torch.bfloat16)[(bits + D + group) % 3]
+                x = x.to(dev, dt)
+                cap = 50
+                enc0, enc1 = codec.encode(x[0]), codec.encode(x[1])
+                store = [torch.zeros((t.shape[0], cap, t.shape[2]), dtype=t.dtype, device=dev) for e in (enc0, enc1)
+                         for t in (e.planes[0], e.norms, e.signs)]
+                affine_encode_rows(x[0], x[1], *store, bits, group, torch.tensor([5], device=dev))
+                # a second call at an int position: rows at or past the capacity are dropped
+                affine_encode_rows(x[0][:, :20], x[1][:, :20], *store, bits, group, 40)
+                bad = 0
+                for got, want in zip(store, (enc0.planes[0], enc0.norms, enc0.signs, enc1.planes[0], enc1.norms,
+                                             enc1.signs)):
+                    bad += int((got[:, 5:40] != want[:, :35]).sum()) + int((got[:, 40:50] != want[:, :10]).sum())
+                    bad += int((got[:, :5] != 0).sum())
+                out[f"encode/b{bits}/d{D}/g{group}/{str(dt)[6:]}"] = [bad, 0.0, 0]
+elif part in ("cache", "graph"):
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.turboquant.presets import affine
+    cpu_dense = None if gpu else torch.float16  # the runner's choice: fp16 16-bit rows under an fp32 model on CPU
+    if part == "cache":
+        # the static cache's graph-step attention (encode the row at n_code, attend it in 16 bits) and the
+        # eager cache's kernel path against the eager cache's plain-torch path; codes stay bit-equal
+        a = SimpleNamespace(layers=1, kv_heads=2, heads=8, head_dim=64)
+        for bits, gs in ((4, 32), (8, 64)):
+            fmt = affine(bits, gs)
+            st = CompressedCache(a, fmt, torch.float32, torch.device(dev), dense_dtype=cpu_dense, capacity=200)
+            dy = CompressedCache(a, fmt, torch.float32, torch.device(dev), dense_dtype=cpu_dense)
+            kt = CompressedCache(a, fmt, torch.float32, torch.device(dev), dense_dtype=cpu_dense)
+            kt.use_triton = True
+            pos, worst, worst_k, mag, same = 0, 0.0, 0.0, 0.0, True
+            for T in [37, 1, 1, 1, 50, 1, 1]:
+                q, k, v = (torch.randn(n, T, 64, generator=g).to(dev) for n in (8, 2, 2))
+                ref = dy.update_attend(0, pos, q, k, v)
+                worst_k = max(worst_k, float((kt.update_attend(0, pos, q, k, v) - ref).abs().max()))
+                if T == 1:
+                    st.truncate(st.layers[0], pos)
+                    o = st.attend_static(0, q[:, 0], torch.tensor([st.layers[0].n_code], device=dev), None, k=k, v=v)
+                    st.after_graph_step(pos)
+                    worst = max(worst, float((o - ref).abs().max()))
+                else:
+                    st.update_attend(0, pos, q, k, v)
+                pos += T
+                mag = max(mag, float(ref.abs().max()))
+                L1, L2 = st.layers[0], dy.layers[0]
+                same = same and L1.n_code == L2.n_code == pos and all(
+                    torch.equal(x[:, :pos], y[:, :pos]) for x, y in ((L1.kp[0], L2.kp[0]), (L1.kn, L2.kn), (L1.ks, L2.ks),
+                                                                      (L1.vp[0], L2.vp[0]), (L1.vn, L2.vn), (L1.vb, L2.vb)))
+            out[f"cache/static/{fmt.name}"] = [worst, mag, pos, int(same)]
+            out[f"cache/kernel/{fmt.name}"] = [worst_k, mag, pos, 1]
+    else:
+        # a tiny model decoding through GraphDecoder.run_turbo over a static affine cache (graph replays on a
+        # GPU, eager under the interpreter) against the eager cache's plain path, across a rollback
+        from swiftlm.backends.torch.model import Transformer
+        from swiftlm.backends.torch.model_config import Args
+        from swiftlm.backends.torch.graphs import GraphDecoder
+        cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=512, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = Transformer(Args.from_config(cfg))
+        with torch.no_grad():
+            for p_ in model.parameters():
+                p_.normal_(0, 0.05)
+        model.eval(); model.init_rope()
+        with torch.no_grad():
+            for blk in model.layers:
+                blk.self_attn.fuse(); blk.mlp.fuse()
+        for bits in ((4, 8) if gpu else (4,)):
+            fmt = affine(bits, 32)
+            st = CompressedCache(model.a, fmt, torch.float32, torch.device(dev), dense_dtype=cpu_dense, capacity=512)
+            st.use_triton = True
+            dy = CompressedCache(model.a, fmt, torch.float32, torch.device(dev), dense_dtype=cpu_dense)
+            gd = GraphDecoder(model, torch.device(dev))
+            toks = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+            worst, mag = 0.0, 0.0
+            with torch.inference_mode():
+                for c in (st, dy):
+                    model(torch.tensor(toks[:60], device=dev), c, 0)
+                pos = 60
+                for step in range(40 if gpu else 10):
+                    if step == 5:
+                        pos -= 3  # roll back three positions (a rejected speculative tail)
+                    a_ = gd.run_turbo(st, toks[pos], pos)
+                    b_ = model(torch.tensor([toks[pos]], device=dev), dy, pos)[-1]
+                    worst, mag = max(worst, float((a_ - b_).abs().max())), max(mag, float(b_.abs().max()))
+                    pos += 1
+            out[f"graph/{fmt.name}"] = [worst, mag, pos, int(st.counts() == dy.counts() == (pos, 0)),
+                                        int(st.graphable() and gd.fused)]
+print(json.dumps(out))
+"""
+
+
+def _run_affine(device: str, part: str, interpret: bool) -> dict:
+    import json
+
+    env = dict(os.environ)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", AFFINE_CODE, device, part], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res, part
+    return res
+
+
+def _check_affine(name: str, vals: list) -> None:
+    from types import SimpleNamespace
+
+    from tolerances import transformer_logits_tol
+
+    err, mag = vals[0], vals[1]
+    if name.startswith("fp32/"):
+        # the same codes on both sides, fp32 against float64: dequantization, Q.K^T (D terms), the
+        # softmax sum and P.V (N terms), the split merge: 5 chained fp32 reductions of length <= max(D, N)
+        assert err <= fp32_matmul_tol(vals[2], mag, 5), (name, err, mag)
+    elif name.startswith(("float16/", "bfloat16/")):
+        # 16-bit queries: fp16 dot operands (dequantized keys and values rounded once or twice, u = 2^-11,
+        # p once), fp32 accumulation, the output rounded to fp16 (u) or bf16 (2^-9): 8 u of the output's
+        # type, relative to the largest output (measured <= 0.8e-3 for fp16)
+        assert err <= (4e-3 if name.startswith("float16/") else 1.6e-2) * mag, (name, err, mag)
+    elif name.startswith("encode/"):
+        assert err == 0, (name, err)  # bit-equal codes, scales and biases; rows past the capacity dropped
+    elif name.startswith("cache/"):
+        # one decode row over <= 92 rows: both paths dequantize the same codes (the kernel as code * scale
+        # + bias per coordinate, the torch path as scale * (q . codes) + bias * sum(q) per group) and sum in
+        # other orders, fp32: 5 chained reductions as above; the codes the two caches hold are bit-equal
+        assert err <= fp32_matmul_tol(max(vals[2], 64), mag, 5) and vals[3] == 1, (name, vals)
+    elif name.startswith("graph/"):
+        # fp32 logits of a 2-layer model: the attention difference above (fp32 summation orders) carried
+        # through the layers; the caches hold the same rows (counts equal, rollback included)
+        a = SimpleNamespace(hidden=128, heads=4, head_dim=32, intermediate=256, moe_intermediate=0,
+                            shared_intermediate=0, layers=2)
+        assert err <= transformer_logits_tol(a, mag, vals[2]) and vals[3] == 1 and vals[4] == 1, (name, vals)
+    else:
+        raise AssertionError(name)
+
+
+@triton_missing
+@pytest.mark.parametrize("part", ["kernel", "encode", "cache", "graph"])
+def test_affine_kv_kernels_interpreted(part):
+    """The affine ``kv_bits`` kernels (cuda_ext/affine_kv_kernels.py) under TRITON_INTERPRET=1 on CPU:
+    decode attention against the float64 reference (bits 4/8, groups 32/64/128, head_dim 64/128, GQA rep 1
+    and 4, 1 / 37 / 1000 rows, the row count on the device below the storage's); the fused encoder
+    bit-equal to ``AffineCodec.encode``; a static affine cache's graph step and the eager kernel path
+    against the eager plain-torch path; a tiny model through ``GraphDecoder.run_turbo``."""
+    for name, vals in _run_affine("cpu", part, interpret=True).items():
+        _check_affine(name, vals)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("part", ["kernel", "encode", "cache", "graph"])
+def test_affine_kv_kernels_on_gpu(part):
+    """The same on a GPU (bf16 queries too; the encoder against torch's CUDA division; graph replays)."""
+    for name, vals in _run_affine("cuda", part, interpret=False).items():
+        _check_affine(name, vals)

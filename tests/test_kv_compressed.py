@@ -323,3 +323,30 @@ def test_unit_rows_equal_unit_and_signs_equal_unpack():
             if c.inverse is not None:
                 got = got[..., c.inverse]
             assert torch.equal(got, want[:, 5:299])
+
+
+def test_static_affine_cache_eager_path_equals_dynamic():
+    """A static affine cache (fixed storage for CUDA graphs) fed eagerly, prefill chunks larger than its
+    16-bit buffer included, holds the codes of the growing cache bit for bit and attends alike (the same
+    calls on the same rows); a threshold is refused (graph steps quantize every row as it arrives)."""
+    from swiftlm.turboquant.presets import with_options
+
+    a = shape(layers=2)
+    with pytest.raises(ValueError):
+        CompressedCache(a, with_options(affine(4, 32), threshold=8), torch.float32, CPU, capacity=64)
+    g = torch.Generator().manual_seed(5)
+    for fmt in (affine(4, 32), affine(8, 64)):
+        st = CompressedCache(a, fmt, torch.float32, CPU, dense_dtype=torch.float16, capacity=300)
+        dy = CompressedCache(a, fmt, torch.float32, CPU, dense_dtype=torch.float16)
+        pos = 0
+        for T in (70, 1, 1, 33, 1, 100):
+            q = torch.randn(a.heads, T, a.head_dim, generator=g)
+            k, v = (torch.randn(a.kv_heads, T, a.head_dim, generator=g) for _ in range(2))
+            for layer in range(a.layers):
+                assert torch.equal(st.update_attend(layer, pos, q, k, v), dy.update_attend(layer, pos, q, k, v))
+            pos += T
+        assert st.counts() == dy.counts() == (pos, 0)
+        for L1, L2 in zip(st.layers, dy.layers):
+            for x, y in ((L1.kp[0], L2.kp[0]), (L1.kn, L2.kn), (L1.ks, L2.ks), (L1.vp[0], L2.vp[0]), (L1.vn, L2.vn),
+                         (L1.vb, L2.vb)):
+                assert torch.equal(x[:, :pos], y[:, :pos])

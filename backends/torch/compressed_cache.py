@@ -16,7 +16,9 @@ decoding, recompute after preemption) just lowers the counters.  TurboQuant atte
 query once, scores it against centroids times norms, sums values in the rotated domain and rotates
 that sum back once; on CUDA a single decode row goes through the Triton kernel over packed codes.
 Layers listed by ``keep_layers`` stay entirely 16-bit.  Affine caches have no window (like MLX's
-QuantizedKVCache, every row is quantized as it arrives).
+QuantizedKVCache, every row is quantized as it arrives); on CUDA their decode rows go through the
+kernels of ``cuda_ext/affine_kv_kernels.py`` (``affine_decode.py``), and a static affine cache's graph
+step quantizes its row into the codes inside the graph.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ class CompressedCache:
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
         self.use_triton = False
         if self.static:
-            if fmt.kind != "turbo":
-                raise ValueError("static compressed caches are TurboQuant caches")
+            if fmt.kind == "affine" and fmt.threshold:  # graph steps quantize every row as it arrives
+                raise ValueError("a static affine cache needs threshold 0")
             self.dense_rows = self.window + COMPRESS_BLOCK + fmt.threshold
             KVH, d = a.kv_heads, a.head_dim
             for L in self.layers:
@@ -282,7 +284,7 @@ class CompressedCache:
         KVH, rep = a.kv_heads, H // a.kv_heads
         scale = D ** -0.5
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
-        if T == 1 and self.use_triton and L.n_code and self.fmt.kind == "turbo":
+        if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self._affine_kernel()):
             return self._attend_triton(L, q, scale)
 
         def blocks() -> Iterator[tuple]:
@@ -308,7 +310,16 @@ class CompressedCache:
         out = out / l
         return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
 
+    def _affine_kernel(self) -> bool:
+        from .affine_decode import kernel_ok  # affine caches: cuda_ext/affine_kv_kernels.py
+
+        return self.fmt.kind == "affine" and kernel_ok(self)
+
     def _attend_triton(self, L: _Layer, q: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fmt.kind == "affine":
+            from .affine_decode import attend_row
+
+            return attend_row(self, L, q[:, 0], *self._dense(L))
         n = L.n_code
         views = ([p[:, :n] for p in L.kp], L.kn[:, :n], [p[:, :n] for p in L.vp], L.vn[:, :n],
                  L.ks[:, :n] if L.ks is not None else None)
@@ -367,20 +378,33 @@ class CompressedCache:
         return L
 
     # ------------------------------------------------------------------ CUDA-graph decode
-    def attend_static(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor,
+                      k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """Decode-row attention with every shape fixed (capturable): q [H, D]; the new row is
         already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
         Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
-        Returns [1, H*D]."""
+        Affine caches: the new row is ``k``, ``v`` [KVH, 1, D], quantized into the codes at ``n_code``
+        here and attended in 16 bits (``affine_decode.static_row``).  Returns [1, H*D]."""
         L = self.layers[layer]
+        if self.fmt.kind == "affine":
+            from .affine_decode import static_row
+
+            return static_row(self, L, q, k, v, n_code)
         return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid)
 
     def graphable(self) -> bool:
+        if self.fmt.kind == "affine":
+            return self.static and self._affine_kernel()
         return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
 
     def after_graph_step(self, pos: int) -> None:
         """Host bookkeeping after a replayed decode step wrote position ``pos``."""
         for L in self.layers:
+            if self.fmt.kind == "affine":  # the step quantized its row into the codes at n_code
+                if L.n_code >= self.capacity:
+                    raise RuntimeError(f"static affine cache holds {self.capacity} positions; {L.n_code + 1} needed")
+                L.n_code += 1
+                continue
             L.n_dense += 1
             self._compress(L)
         self.length = pos + 1

@@ -10,6 +10,7 @@ decode eagerly.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -358,12 +359,17 @@ class GraphDecoder:
     def run_turbo(self, kv: Any, token: int, pos: int) -> torch.Tensor:
         """A decode step over a static TurboQuant cache: one graph per cache (its storage never
         moves), replayed with the token, position and row counts filled in; compression of rows
-        leaving the window runs eagerly between replays (once per 32 tokens)."""
+        leaving the window runs eagerly between replays (once per 32 tokens).  Static affine
+        (``kv_bits``) caches: ``affine_decode.decode_affine_static``, which quantizes the row in the graph."""
         for L in kv.layers:
             kv.truncate(L, pos)
         L0 = kv.layers[0]
         host = (token, pos, L0.n_dense, L0.n_code)
-        step = decode_turbo_static_fused if self.fused and kv.fmt.kind == "turbo" else decode_turbo_static
+        step = decode_turbo_static_fused if self.fused else decode_turbo_static
+        if kv.fmt.kind == "affine":
+            from .affine_decode import decode_affine_static
+
+            step = functools.partial(decode_affine_static, fused=self.fused)
         if not self.use_graph:
             t, p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
             out = step(self.model, kv, t, p, nd, nc, self.arange)

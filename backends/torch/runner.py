@@ -15,6 +15,7 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
+from .affine_decode import static_ok
 from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
@@ -44,7 +45,7 @@ class TorchModel:
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
-        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static TurboQuant caches to reuse
+        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
         self.device, self.dtype = device, dtype
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
@@ -118,9 +119,10 @@ class TorchModel:
         # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
         dense = self.dtype if self.dtype != torch.float32 else torch.float16
         triton_ok = self.device.type == "cuda" and cuda_ext.enabled("cuda")
-        # CUDA + TurboQuant: a static cache (storage for the whole context, allocated once and reused
-        # by later requests with the same format) so that decode steps replay one CUDA graph
-        static = triton_ok and self.graphs is not None and fmt.kind == "turbo" and not fmt.keep_layers
+        # CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
+        # reused by later requests with the same format) so that decode steps replay one CUDA graph
+        static = triton_ok and self.graphs is not None and (
+            (fmt.kind == "turbo" and not fmt.keep_layers) or static_ok(self.module.a, fmt))
         c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
                             capacity=self.info.context_length if static else None)
         c.use_triton = triton_ok
