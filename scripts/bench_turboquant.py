@@ -174,6 +174,99 @@ def torch_bench(a, presets, contexts):
     return rows
 
 
+def batch_bench(a, presets, contexts):
+    """``--batch B``: B sequences, each holding the context, decode one token each per step.  16-bit: a
+    slot pool of B sequences through the server's batched CUDA graph (``GraphDecoder.run_batch``);
+    compressed formats on CUDA: B static caches through one graph (``GraphDecoder.run_compressed_batch``:
+    the weights read once for all rows, each row's attention over its own cache by the format's kernels),
+    as the server runs several compressed sequences; elsewhere ``decode_batch``.  Rounds and medians as ``torch_bench``; the baseline is the 16-bit row of the same run."""
+    import torch
+
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.backends.torch.decode_rows import decode_batch
+    from swiftlm.backends.torch.graphs import GraphDecoder, SlotPool
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    B = a.batch
+    cfg = config(a.shape, max(contexts) + a.warmup + a.steps + 8)
+    model = random_model(cfg, dev, dtype)
+    ma = model.a
+    from swiftlm import cuda_ext
+
+    use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    for L in contexts:
+        runners = []
+        for name in presets:
+            fmt = fmt_of(name)
+            cap = L + a.warmup + a.steps + 1
+            with torch.inference_mode():
+                g = torch.Generator(device=dev).manual_seed(L)
+                if fmt.compressed:
+                    dense = dtype if dtype != torch.float32 else torch.float16
+                    caches = []
+                    gd = GraphDecoder(model, dev) if use_triton else None
+                    for _ in range(B):
+                        c = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if gd else None)
+                        c.use_triton = use_triton
+                        if fmt.kind == "turbo":
+                            c.kc.use_triton = c.vc.use_triton = use_triton
+                        for s in range(0, L, 2048):
+                            T = min(2048, L - s)
+                            for i in range(ma.layers):
+                                k = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                                v = torch.randn(ma.kv_heads, T, ma.head_dim, generator=g, device=dev, dtype=dtype)
+                                c.append(i, s, k, v)
+                        c.length = L
+                        caches.append(c)
+                    nbytes = sum(c.nbytes() for c in caches)
+
+                    def step(pos, caches=caches, gd=gd):
+                        if gd is not None:  # static caches: one graph for the B rows (as the server runs them)
+                            return gd.run_compressed_batch(caches, [1] * B, [pos] * B)
+                        return decode_batch(model, caches, [1] * B, [pos] * B)
+                else:
+                    pool = SlotPool(ma, B, cap, dtype, dev)
+                    for t in pool.k + pool.v:
+                        t.normal_(generator=g)
+                    gd = GraphDecoder(model, dev)
+                    slots = list(range(B))
+                    nbytes = B * ma.layers * 2 * ma.kv_heads * L * ma.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+                    def step(pos, pool=pool, gd=gd, slots=slots):
+                        return gd.run_batch(pool, slots, [1] * B, [pos] * B)
+                for w in range(a.warmup):
+                    step(L + w)
+            runners.append((name, step, nbytes))
+        times: dict[str, list[float]] = {}
+        with torch.inference_mode():
+            for _ in range(a.rounds):
+                for name, step, _nb in runners:
+                    sync()
+                    t0 = time.perf_counter()
+                    for i in range(a.steps):
+                        step(L + i)
+                    sync()
+                    times.setdefault(name, []).append((time.perf_counter() - t0) / a.steps)
+        base = None
+        for name, step, nbytes in runners:
+            dt = statistics.median(times[name])
+            r = {"backend": "torch", "device": str(dev), "context": L, "batch": B, "format": name,
+                 "mode": "batched graph" if name == "fp16" or use_triton else "decode_batch", "tok_s": B / dt,
+                 "ms_per_step": dt * 1000, "kv_bytes": nbytes, "round_ms": [t * 1000 for t in times[name]]}
+            base = base or r
+            r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
+            r["kv_vs_plain"] = nbytes / base["kv_bytes"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        runners.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def prefill_bench(a, presets):
     """Seconds to prefill ``a.prefill`` tokens (chunks of 2,048) into a fresh cache, per format;
     rounds interleave the formats, median per format."""
@@ -350,6 +443,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="B sequences of the context each, decoding together (torch on CUDA: the 16-bit cache as "
+                         "a slot pool through the batched graph, compressed caches through decode_batch)")
     ap.add_argument("--memory", action="store_true", help="only the KV-bytes table (8K positions, no model)")
     ap.add_argument("--memory-context", type=int, default=8192)
     ap.add_argument("--prefill", type=int, default=0, help="time prefilling this many tokens instead of decode")
@@ -368,7 +464,10 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"backend": "torch", "shape": a.shape, "rows": rows}, indent=2))
         return
-    rows = (torch_bench if a.backend == "torch" else mlx_bench)(a, presets, contexts)
+    if a.batch > 1:
+        rows = batch_bench(a, presets, contexts)
+    else:
+        rows = (torch_bench if a.backend == "torch" else mlx_bench)(a, presets, contexts)
     from rich.console import Console
     from rich.table import Table
 

@@ -134,6 +134,46 @@ def _buffer_as_pool(buf: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(buf, (1, KVH, rows, D), (D, rows * D, D, 1))
 
 
+def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Tensor, pos: torch.Tensor,
+                              n_dense: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor | None,
+                              H: int, KVH: int, D: int) -> torch.Tensor:
+    """Layer ``i`` of one decode row over a static compressed cache (every shape fixed): rope of the
+    row's q and k (qkv [1, (H+2KVH)*D], pos / n_dense / n_code device [1]) with its K/V row written
+    where the cache takes it, then the cache's attention (``attend_static``).  TurboQuant: into the
+    16-bit buffer at ``n_dense`` (``valid`` masks the buffer); affine ``kv_bits``: into a one-row buffer
+    that ``attend_static`` quantizes into the codes at ``n_code``.  Returns [1, H*D]."""
+    from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
+
+    L = kv.layers[i]
+    if kv.fmt.kind == "affine":
+        row = torch.empty((2, 1, KVH, 1, D), dtype=kv.dense_dtype, device=qkv.device)
+        K, V = row[0].expand(1, KVH, 2, D), row[1].expand(1, KVH, 2, D)  # row stride 0: the one row
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, pos.new_zeros(1), K, V, H, KVH, D)
+        return kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
+    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, n_dense - pos, _buffer_as_pool(L.dk),
+                           _buffer_as_pool(L.dv), H, KVH, D)
+    return kv.attend_static(i, q[0], n_code, valid)
+
+
+def decode_compressed_batch_static_fused(model: Transformer, kvs: list, tokens: torch.Tensor, pos: torch.Tensor,
+                                         n_dense: torch.Tensor, n_code: torch.Tensor,
+                                         arange: torch.Tensor) -> torch.Tensor:
+    """B decode rows, each over its own static compressed cache (TurboQuant or affine, mixed), in one
+    pass with fixed shapes (one CUDA graph per set of caches): the matmuls run on [B, hidden] rows, so
+    the weights are read once per step, and each row's attention is its cache's kernels
+    (``_compressed_row_attention``).  tokens, pos, n_dense, n_code: device [B].  Logits [B, V]."""
+    x = model.embed(tokens).contiguous()
+    valid = [arange[:kv.dense_rows] <= n_dense[b] if kv.fmt.kind == "turbo" else None for b, kv in enumerate(kvs)]
+    h = model.layers[0].input_layernorm(x)
+    for i, blk in enumerate(model.layers):
+        qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
+        o = torch.cat([_compressed_row_attention(model, kv, i, qkv[b:b + 1], pos[b:b + 1], n_dense[b:b + 1],
+                                                 n_code[b:b + 1], valid[b], H, KVH, D) for b, kv in enumerate(kvs)])
+        h = _after_attention(model, i, x, o)
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return rows_linear(h, w)
+
+
 def decode_turbo_static_fused(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor,
                               n_dense: torch.Tensor, n_code: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
     """``graphs.decode_turbo_static`` with the fused kernels: one sequence over a static TurboQuant cache
@@ -141,17 +181,12 @@ def decode_turbo_static_fused(model: Transformer, kv: Any, token: torch.Tensor, 
     row written into the layer's 16-bit buffer at row ``n_dense`` in one kernel, the cache's attention
     (``attend_static``: the packed-code kernel and its combine pass with the buffer), then the fused
     tail of the 16-bit step.  Logits [V]."""
-    from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
-
     x = model.embed(token)
     valid = arange[:kv.dense_rows] <= n_dense  # the rows held plus the one written now
-    at = n_dense - pos                          # see _buffer_as_pool
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        L = kv.layers[i]
-        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, at, _buffer_as_pool(L.dk), _buffer_as_pool(L.dv),
-                               H, KVH, D)
-        h = _after_attention(model, i, x, kv.attend_static(i, q[0], n_code, valid))
+        h = _after_attention(model, i, x, _compressed_row_attention(model, kv, i, qkv, pos, n_dense, n_code, valid,
+                                                                    H, KVH, D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)[0]

@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from .decode_rows import project_qkv
-from .fused_decode import decode_batch_static_fused, decode_static_fused, decode_turbo_static_fused, fusable
+from .fused_decode import (decode_batch_static_fused, decode_compressed_batch_static_fused, decode_static_fused,
+                           decode_turbo_static_fused, fusable)
 from .kv_cache import SeqCache
 from .model import MLP, Transformer
 from .rope import apply_rope
 from .staging import stager
+
+COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decoding together
 
 BUCKET_MIN = 256
 
@@ -384,6 +387,44 @@ class GraphDecoder:
                 t.fill_(x)
             g.replay()
         kv.after_graph_step(pos)
+        return out
+
+    def run_compressed_batch(self, kvs: list, tokens: Any, positions: list[int]) -> torch.Tensor:
+        """B decode rows over B static compressed caches (``graphable()``; the fused step only): one graph
+        per set of caches (they are pooled and reused across requests, so sets recur; the oldest of more
+        than COMPRESSED_BATCH_GRAPHS is dropped), replayed with the tokens, positions and row counts.
+        Logits [B, V]."""
+        for kv, p in zip(kvs, positions):
+            for L in kv.layers:
+                kv.truncate(L, p)
+        B = len(kvs)
+        on_dev = torch.is_tensor(tokens)
+        host = torch.tensor([[0] * B if on_dev else list(tokens), list(positions),
+                             [kv.layers[0].n_dense for kv in kvs], [kv.layers[0].n_code for kv in kvs]])
+        fn = decode_compressed_batch_static_fused
+        if not self.use_graph:
+            t, p, nd, nc = host.to(self.device).unbind(0)
+            if on_dev:
+                t = tokens.reshape(B).long()
+            out = fn(self.model, kvs, t, p, nd, nc, self.arange)
+        else:
+            key = ("compressed-batch",) + tuple(id(kv) for kv in kvs)
+            entry = self.graphs.get(key)
+            if entry is None:
+                olds = [k for k in self.graphs if k[0] == "compressed-batch"]
+                for k in olds[:max(0, len(olds) + 1 - COMPRESSED_BATCH_GRAPHS)]:
+                    del self.graphs[k]
+                ins = tuple(x.clone() for x in host.to(self.device).unbind(0))
+                entry = self._capture(key, lambda t, p, nd, nc: fn(self.model, kvs, t, p, nd, nc, self.arange), ins)
+            g, (t, p, nd, nc), out = entry
+            dev = stager(self.device).to_device(host)
+            for dst, src in zip((t, p, nd, nc), dev.unbind(0)):
+                dst.copy_(src)
+            if on_dev:
+                t.copy_(tokens.reshape(B))
+            g.replay()
+        for kv, p_ in zip(kvs, positions):
+            kv.after_graph_step(p_)
         return out
 
     def captured(self, kv: SeqCache, pos: int) -> bool:

@@ -225,6 +225,10 @@ class TorchModel:
                 batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
                 for c, p in zip(caches, positions):
                     c.length = p + 1
+            elif self.graphs is not None and self.graphs.fused and all(
+                    isinstance(c, CompressedCache) and c.graphable() for c in caches) and \
+                    not any(aid.get(w.seq_id) for w in decode):  # weights once, each row its cache's kernels
+                batched = self.graphs.run_compressed_batch(caches, toks, positions)
             elif any(aid.get(w.seq_id) for w in decode):
                 with self.lora.rows([aid.get(w.seq_id, 0) for w in decode], self.device):
                     batched = decode_batch(self.module, caches, toks, positions)

@@ -1,0 +1,96 @@
+"""Several sequences with static compressed caches decoding together (``GraphDecoder.run_compressed_batch``:
+the weights read once for all rows, each row's attention by its cache's kernels) against the same
+sequences decoding one at a time (``run_turbo``), on CPU tensors under TRITON_INTERPRET=1 in a subprocess
+(the flag must be set before triton is imported; the step runs eagerly there, graphed on a GPU).
+A TurboQuant k4v3 cache (window 8, so rows are compressed during the run), a k3v2 one and a kv_bits=8
+one, at different lengths, decode 40 tokens (crossing compressions).  fp32 both ways: the batched matmuls
+differ from the one-row ones by summation order only, so the logits agree within
+``transformer_logits_tol`` and the caches hold the same number of compressed rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import needs_torch
+from tolerances import transformer_logits_tol
+
+pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                                               reason="triton not installed on this machine")]
+
+SCRIPT = textwrap.dedent("""
+    import json, torch
+    from swiftlm.backends.torch.model import Transformer
+    from swiftlm.backends.torch.model_config import Args
+    from swiftlm.backends.torch.graphs import GraphDecoder
+    from swiftlm.backends.torch.compressed_cache import CompressedCache
+    from swiftlm.turboquant.presets import affine, parse_turbo
+    cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, intermediate_size=256, vocab_size=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+               max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Transformer(Args.from_config(cfg))
+    with torch.no_grad():
+        for p_ in model.parameters():
+            p_.normal_(0, 0.05)
+    model.eval(); model.init_rope()
+    with torch.no_grad():
+        for blk in model.layers:
+            blk.self_attn.fuse(); blk.mlp.fuse()
+    gd = GraphDecoder(model, torch.device("cpu"))
+    assert gd.fused
+    fmts = [parse_turbo("k4v3", window=8), parse_turbo("k3v2", window=8), affine(8, 32)]
+    starts = [45, 30, 20]
+    toks = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def caches():
+        out = []
+        for f, s in zip(fmts, starts):
+            c = CompressedCache(model.a, f, torch.float32, torch.device("cpu"), capacity=128)
+            c.use_triton = True
+            if f.kind == "turbo":
+                c.kc.use_triton = c.vc.use_triton = True
+            with torch.inference_mode():
+                model(torch.tensor(toks[s:2 * s]), c, 0)
+            assert c.graphable()
+            out.append(c)
+        return out
+
+    batch, solo = caches(), caches()
+    worst, scale, argmax = 0.0, 0.0, True
+    pos = list(starts)
+    with torch.inference_mode():
+        for step in range(40):
+            ids = [toks[p] for p in pos]
+            a = gd.run_compressed_batch(batch, ids, pos)
+            b = torch.stack([gd.run_turbo(c, t, p) for c, t, p in zip(solo, ids, pos)])
+            worst = max(worst, float((a - b).abs().max()))
+            scale = max(scale, float(b.abs().max()))
+            argmax &= bool((a.argmax(-1) == b.argmax(-1)).all())
+            pos = [p + 1 for p in pos]
+    counts = [[c.counts()[0] for c in batch], [c.counts()[0] for c in solo]]
+    print(json.dumps(dict(err=worst, scale=scale, argmax=argmax, counts=counts, starts=starts,
+                          lengths=[c.length for c in batch])))
+""")
+
+
+def test_compressed_batch_equals_solo_steps():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+
+    class A:  # transformer_logits_tol reads our Args' field names
+        hidden, heads, head_dim, intermediate, layers, vocab = 128, 4, 32, 256, 2, 512
+        moe_intermediate = shared_intermediate = 0
+
+    assert res["lengths"] == [s + 40 for s in res["starts"]]
+    assert res["counts"][0] == res["counts"][1], res           # the same rows compressed both ways
+    assert all(n > 0 for n in res["counts"][0]), res             # and every cache holds compressed rows
+    assert res["err"] <= transformer_logits_tol(A(), res["scale"], context=128), res
+    assert res["argmax"], res
