@@ -102,3 +102,17 @@ def test_prefill_chunks_keep_the_torch_path():
     cache, L = _filled(parse_turbo("k4v3"), 600, 1, 64)
     assert cpu_kernels.usable(cache, L, 4)
     assert not cpu_kernels.usable(cache, L, 64)                # a prefill chunk's queries: matmul work
+
+
+def test_warm_up_compiles_the_default_formats_kernel():
+    """The server's default compressed format is compiled at load (a background thread), so the first
+    request finds it in the specialisation cache."""
+    a = SimpleNamespace(kv_heads=2, heads=6, head_dim=64)
+    fmt = parse_turbo("k3v2")
+    cpu_kernels.turbo_kernel.cache_clear()
+    t = cpu_kernels.warm_up(a, fmt)
+    t.join(120)
+    assert not t.is_alive()
+    assert cpu_kernels.turbo_kernel.cache_info().currsize == 1      # built by the warm-up: (64, 3, 3, 2, False)
+    cpu_kernels.turbo_kernel(64, 3, 3, 2, False)
+    assert cpu_kernels.turbo_kernel.cache_info().hits == 1

@@ -252,6 +252,36 @@ def _compile(fn, name: str):
 
 
 # ---------------------------------------------------------------------------------------- glue
+def warm_up(a, fmt) -> threading.Thread | None:
+    """Compile (or load from numba's disk cache) the kernel of this model shape and KV format on a
+    background thread, so that the first request with the server's default format does not wait for it
+    (a first compile takes seconds; a request that arrives meanwhile waits on the kernel lock)."""
+    if not enabled():
+        return None
+
+    def run() -> None:
+        import types
+
+        import torch
+
+        from .compressed_cache import CompressedCache
+
+        try:
+            one = types.SimpleNamespace(layers=1, kv_heads=a.kv_heads, heads=a.heads, head_dim=a.head_dim)
+            c = CompressedCache(one, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
+            L, rows = c.layers[0], torch.ones(a.kv_heads, 1, a.head_dim)
+            c._store(L, c.kc.encode(rows), c.vc.encode(rows), 0, 1)
+            L.n_code = 1
+            with torch.inference_mode():
+                code_attention(c, L, torch.ones(a.kv_heads, a.heads // a.kv_heads, a.head_dim), 1.0)
+        except Exception as e:  # pragma: no cover - the first request compiles it instead
+            log.warning("numba kernel warm-up for %s failed: %s", fmt.name, e)
+
+    t = threading.Thread(target=run, name="swiftlm-numba-warmup", daemon=True)
+    t.start()
+    return t
+
+
 def usable(cache, L, M: int) -> bool:
     """Whether this layer's compressed rows go through a kernel here: CPU, numba present, a decode
     step or a short verify step (a long prefill chunk is matmul work: the torch path does it)."""

@@ -16,6 +16,7 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from .affine_decode import static_ok
+from . import cpu_kernels
 from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
@@ -47,6 +48,8 @@ class TorchModel:
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
         self.device, self.dtype = device, dtype
+        if device.type == "cpu" and self.kv_default.compressed:  # compile the CPU kernel before the first request
+            cpu_kernels.warm_up(module.a, self.kv_default)
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
