@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kw
+from .turboquant_kernels import dense_rows_online
 
 _LOG2E = 1.4426950408889634
 _RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + _RINT) - _RINT rounds |y| < 2^22 to the nearest integer, ties to even
@@ -178,23 +179,8 @@ def _affine_combine_kernel(m_ptr, l_ptr, acc_ptr, q_ptr, dk_ptr, dv_ptr, valid_p
     accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + e[None, :], mask=sok[:, None], other=0.0)
     acc = tl.sum(w[:, None] * accs, axis=0)                              # [DS]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    m = mc
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        ok = rr < R
-        if VALID:
-            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
-        kd = tl.load(dk_ptr + g * dk_head + rr[:, None] * dk_row + d[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.sum(kd.to(tl.float32) * q[None, :], axis=1) * qk_scale
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(sc - m_safe)
-        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + e[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
+    acc, l = dense_rows_online(acc, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
+                               R, qk_scale, BLOCK_R, VALID, True)
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + h * D + e, (acc / tl.where(l > 0, l, 1.0)).to(out_ptr.dtype.element_ty))

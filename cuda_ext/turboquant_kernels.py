@@ -219,6 +219,36 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
 
 
 @triton.jit
+def dense_rows_online(acc, l, m, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e, R, scale,
+                      BLOCK_R: tl.constexpr, VALID: tl.constexpr, EXP2: tl.constexpr):
+    """A combine kernel's 16-bit rows: continue the online softmax (running value sum ``acc`` [DS] for
+    coordinates ``e``, denominator ``l``, max ``m``) over the R rows dk/dv [KVH, R, D] of KV head ``g``,
+    scores q . k over all D coordinates ``d`` times ``scale`` (``valid`` [R] masks rows when VALID; EXP2:
+    scores already in the exp2 domain).  Returns (acc, l), not normalised."""
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        ok = rr < R
+        if VALID:
+            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
+        kd = tl.load(dk_ptr + g * dk_head + rr[:, None] * dk_row + d[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.sum(kd.to(tl.float32) * q[None, :], axis=1) * scale
+        sc = tl.where(ok, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if EXP2:
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(sc - m_safe)
+        else:
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(sc - m_safe)
+        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + e[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    return acc, l
+
+
+@triton.jit
 def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
                        dk_head, dk_row, dv_head, dv_row,
                        D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
@@ -244,23 +274,8 @@ def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, va
     rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])                 # R[:, slice] [D, DS]
     code = tl.sum(acc[:, None] * rot, axis=0)                            # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    m = mc
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        ok = rr < R
-        if VALID:
-            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
-        kd = tl.load(dk_ptr + g * dk_head + rr[:, None] * dk_row + d[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.sum(kd.to(tl.float32) * q[None, :], axis=1) * scale
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe)
-        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + e[None, :], mask=ok[:, None], other=0.0)
-        code = code * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
+    code, l = dense_rows_online(code, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
+                                R, scale, BLOCK_R, VALID, False)
     tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
 
 

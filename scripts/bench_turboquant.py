@@ -81,6 +81,20 @@ def fmt_of(name: str):
 
 
 # ---------------------------------------------------------------------------------------- torch
+def _setup(a, contexts):
+    """(device, dtype, random model for the longest context, Triton kernels usable, device sync)."""
+    import torch
+
+    from swiftlm import cuda_ext
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = random_model(config(a.shape, max(contexts) + a.warmup + a.steps + 8), dev, dtype)
+    use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    return dev, dtype, model, use_triton, sync
+
+
 def torch_bench(a, presets, contexts):
     import torch
 
@@ -89,15 +103,8 @@ def torch_bench(a, presets, contexts):
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.kv_cache import SeqCache
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = config(a.shape, max(contexts) + a.warmup + a.steps + 8)
-    model = random_model(cfg, dev, dtype)
+    dev, dtype, model, use_triton, sync = _setup(a, contexts)
     ma = model.a
-    from swiftlm import cuda_ext
-
-    use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     runners: list = []
     for L in contexts:
@@ -186,16 +193,8 @@ def batch_bench(a, presets, contexts):
     from swiftlm.backends.torch.decode_rows import decode_batch
     from swiftlm.backends.torch.graphs import GraphDecoder, SlotPool
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    B = a.batch
-    cfg = config(a.shape, max(contexts) + a.warmup + a.steps + 8)
-    model = random_model(cfg, dev, dtype)
-    ma = model.a
-    from swiftlm import cuda_ext
-
-    use_triton = dev.type == "cuda" and cuda_ext.enabled("cuda")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    dev, dtype, model, use_triton, sync = _setup(a, contexts)
+    ma, B = model.a, a.batch
     rows = []
     for L in contexts:
         runners = []
@@ -254,7 +253,8 @@ def batch_bench(a, presets, contexts):
         for name, step, nbytes in runners:
             dt = statistics.median(times[name])
             r = {"backend": "torch", "device": str(dev), "context": L, "batch": B, "format": name,
-                 "mode": "batched graph" if name == "fp16" or use_triton else "decode_batch", "tok_s": B / dt,
+                 "mode": ("batched graph" if dev.type == "cuda" else "batched eager") if name == "fp16" or use_triton
+                 else "decode_batch", "tok_s": B / dt,
                  "ms_per_step": dt * 1000, "kv_bytes": nbytes, "round_ms": [t * 1000 for t in times[name]]}
             base = base or r
             r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]

@@ -164,7 +164,7 @@ def decode_turbo_static(model: Transformer, kv: Any, token: torch.Tensor, pos: t
     row goes into the 16-bit buffer at ``n_dense`` and attention reads ``n_code`` compressed rows
     through the Triton kernel; all shapes are fixed, so the step is one graph per cache.  Logits [V]."""
     a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    KVH, D = a.kv_heads, a.head_dim
     x = model.embed(token)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [1, 1, D]
     R = kv.dense_rows
