@@ -116,3 +116,25 @@ def test_warm_up_compiles_the_default_formats_kernel():
     assert cpu_kernels.turbo_kernel.cache_info().currsize == 1      # built by the warm-up: (64, 3, 3, 2, False)
     cpu_kernels.turbo_kernel(64, 3, 3, 2, False)
     assert cpu_kernels.turbo_kernel.cache_info().hits == 1
+
+
+def test_torch_path_buffers_work_inside_and_outside_inference_mode(monkeypatch):
+    """The torch path's reused scratch buffers (kv_quant.workspace), first made under inference_mode,
+    still take writes outside it (they are normal tensors)."""
+    import threading
+
+    monkeypatch.setenv("SWIFTLM_NUMBA", "0")
+    out = {}
+
+    def run():  # a fresh thread: fresh thread-local buffers
+        cache, L = _filled(parse_turbo("k4v3"), 300, 1, 64)
+        q = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            a = cache._attend(L, q, 300)
+        b = cache._attend(L, q, 300)
+        out["diff"] = float((a - b).abs().max())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert out["diff"] == 0.0

@@ -93,7 +93,10 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     key = (name, dtype, device)
     t = bufs.get(key)
     if t is None or t.numel() < numel:
-        t = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+        # a normal tensor even when first asked for under inference_mode: an inference tensor could not
+        # be written in place by a later call outside it (a test, an eval script)
+        with torch.inference_mode(False):
+            t = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
     return t[:numel]
 
 
