@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kw
-from .turboquant_kernels import dense_rows_online
+from .turboquant_kernels import dense_rows_online, merge_splits
 
 _LOG2E = 1.4426950408889634
 _RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + _RINT) - _RINT rounds |y| < 2^22 to the nearest integer, ties to even
@@ -169,15 +169,7 @@ def _affine_combine_kernel(m_ptr, l_ptr, acc_ptr, q_ptr, dk_ptr, dv_ptr, valid_p
     g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    sidx = tl.arange(0, BS)
-    sok = sidx < S
-    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
-    mc = tl.max(ms, axis=0)
-    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
-    w = tl.exp2(ms - mc_safe)
-    l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
-    accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + e[None, :], mask=sok[:, None], other=0.0)
-    acc = tl.sum(w[:, None] * accs, axis=0)                              # [DS]
+    mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS, True)    # acc [DS]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     acc, l = dense_rows_online(acc, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
                                R, qk_scale, BLOCK_R, VALID, True)

@@ -219,6 +219,25 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
 
 
 @triton.jit
+def merge_splits(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, BS: tl.constexpr, EXP2: tl.constexpr):
+    """A combine kernel's first stage: head ``h``'s S split partials (max m [H, S], denominator l
+    [H, S], value sums acc [H, S, D]) merged onto their common max.  Returns (max, l, acc[cols]);
+    EXP2: the partials' scores are in the exp2 domain."""
+    sidx = tl.arange(0, BS)
+    sok = sidx < S
+    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
+    mc = tl.max(ms, axis=0)
+    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
+    if EXP2:
+        w = tl.exp2(ms - mc_safe)
+    else:
+        w = tl.exp(ms - mc_safe)
+    l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
+    accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + cols[None, :], mask=sok[:, None], other=0.0)
+    return mc, l, tl.sum(w[:, None] * accs, axis=0)
+
+
+@triton.jit
 def dense_rows_online(acc, l, m, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e, R, scale,
                       BLOCK_R: tl.constexpr, VALID: tl.constexpr, EXP2: tl.constexpr):
     """A combine kernel's 16-bit rows: continue the online softmax (running value sum ``acc`` [DS] for
@@ -262,15 +281,7 @@ def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, va
     g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    sidx = tl.arange(0, BS)
-    sok = sidx < S
-    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
-    mc = tl.max(ms, axis=0)
-    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
-    w = tl.exp(ms - mc_safe)
-    l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
-    accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + d[None, :], mask=sok[:, None], other=0.0)
-    acc = tl.sum(w[:, None] * accs, axis=0)                               # [D], rotated domain
+    mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)   # acc [D], rotated domain
     rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])                 # R[:, slice] [D, DS]
     code = tl.sum(acc[:, None] * rot, axis=0)                            # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
