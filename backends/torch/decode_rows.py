@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_batch_attention
 from .kv_cache import SeqCache
 from .linear_rows import lora_add, out_proj, rows_linear
 from .model import MLP, Attention, Transformer
@@ -111,12 +112,19 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
                              for c in caches], dtype=torch.long, device=dev)
         lmax = int((pos - base).max()) + 1
         pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > (pos - base).view(B, 1)
+    # CPU, plain fp32 caches: each layer's attention for all rows in one numba call (cpu_batch_attention.py)
+    fast = (cpu_batch_attention.StepAddresses(caches, positions)
+            if plain and not groups and cpu_batch_attention.usable(model, caches, SeqCache) else None)
     for i, blk in enumerate(model.layers):
         if a.offload is not None and i == a.offload[0]:
             x, cos, sin, pad_mask = to_offload(a, x, cos, sin, pad_mask)
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x), rows_linear)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fast is not None:
+            x = x + out_proj(attn.o_proj, cpu_batch_attention.attend(fast, i, q, k, v, scale))
+            x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
+            continue
         if not plain:  # compressed caches (possibly mixed with plain ones): attention per row
             out = torch.cat([_row_attention(attn, caches[b], i, positions[b], q[b], k[b], v[b]) for b in range(B)])
             x = x + out_proj(attn.o_proj, out)
@@ -148,6 +156,8 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
             out = torch.matmul(probs, Vp).reshape(B, H * D)
         x = x + out_proj(attn.o_proj, out)
         x = x + _mlp_rows(blk.mlp, blk.post_attention_layernorm(x))
+    if fast is not None:
+        fast.finish()
     if not head:
         return x
     if a.offload is not None:
