@@ -1,7 +1,8 @@
 """Matmuls over a few rows (a decode step's [B, hidden] activations): ``rows_linear`` picks the
 fastest way on the device (MKL's GEMM for padded rows on CPU, the Triton GEMV of ``cuda_ext.gemv``
-for one CUDA row), ``linear_rows`` / ``out_proj`` route modules through it, and ``lora_add`` adds
-LoRA adapters' terms to a fused projection.  Imports nothing else of this package."""
+for one CUDA row, oneDNN-packed weights on CPU where ``cpu_packed.pack`` made them), ``linear_rows`` /
+``out_proj`` route modules through it, and ``lora_add`` adds LoRA adapters' terms to a fused projection.
+Imports nothing else of this package but ``cpu_packed``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .cpu_packed import linear as _packed_linear
+from .cpu_packed import packed as _packed
 
 
 def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -41,8 +45,17 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     (scripts/bench_cpu_linear.py: SmolLM2's layer matrices 34.3 -> 21.6 ms, its LM head 9.3 -> 4.1 ms
     for one row; the padded rows are zeros and their results are dropped).  One row on CUDA (half precision)
     is the Triton matrix-vector kernel of ``cuda_ext.gemv``: on an H100, 5-18% faster than cuBLAS for every
-    matrix of the 1B and 8B decode steps (``scripts/bench_gemv.py``, docs/results/gemv_h100.json)."""
+    matrix of the 1B and 8B decode steps (``scripts/bench_gemv.py``, docs/results/gemv_h100.json).
+    A CPU weight with a oneDNN-packed copy (``cpu_packed``) is multiplied through that, for any row count
+    (fewer than three rows padded to three, as above), unless gradients flow through ``x`` (fine-tuning
+    LoRA adapters: the op has no backward)."""
     n = x.shape[0]
+    if x.device.type == "cpu" and x.dim() == 2:
+        p = _packed(w)
+        if p is not None and x.dtype == torch.float32 and not x.requires_grad:  # (the op has no backward)
+            if n < 3:
+                return _packed_linear(torch.cat([x, x.new_zeros(3 - n, x.shape[1])]), p, b)[:n]
+            return _packed_linear(x.contiguous(), p, b)
     if n == 1 and b is None and x.is_cuda and x.dim() == 2 and _gemv_ok(x, w):
         from swiftlm.cuda_ext.gemv import linear_small_m
 

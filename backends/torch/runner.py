@@ -533,6 +533,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     module = build(config, state, dtype, device, expert_reader=reader, first_cpu_layer=first_cpu,
                    offload_dtype=DTYPES[getattr(cfg, "offload_dtype", "float32")])
     del state
+    packed_bytes = 0
+    if device.type == "cpu":  # fp32 matrices packed for oneDNN (cpu_packed.py): faster few-row and prefill matmuls
+        from .cpu_packed import pack
+
+        packed_bytes = pack(module)
     if reader is not None and getattr(cfg, "expert_prefetch", False):
         from .streamed_moe import link_prefetch
 
@@ -550,7 +555,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                     is_moe=bool(a.experts), weight_bytes=param_bytes(module),
+                     is_moe=bool(a.experts), weight_bytes=param_bytes(module) + packed_bytes,
                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
                      streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
                      experts_per_token=a.top_k)
