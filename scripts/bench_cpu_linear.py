@@ -4,14 +4,18 @@ per step (so they stream from DRAM, not from cache), for 1 / 4 / 16 rows, throug
 
   mkl         ``F.linear`` (x @ W^T; what the torch backend runs today, with ``rows_linear``'s (W @ x^T)^T
               for 3-64 rows)
-  onednn      oneDNN's prepacked weights (``torch.ops.mkldnn._reorder_linear_weight`` once, then
-              ``_linear_pointwise`` per call): a second, blocked copy of every weight
+  onednn      oneDNN's prepacked weights (``torch.ops.mkldnn._reorder_linear_weight(w, hint)`` once, then
+              ``_linear_pointwise`` per call): a second, blocked copy of every weight -- what the torch backend
+              runs since session 15 (``backends/torch/cpu_packed.py``, hint 64).  The hint is the row count
+              oneDNN picks its blocking for: 1 (what this script used before) is 1.5x slower at 3-64 rows
+
+Fewer than three rows are padded to three on both paths, as ``rows_linear`` does.
 
 and the LM head alone (the largest single matrix).  Reported: ms per pass, GB/s of weights read, and
 the speed-up over mkl measured in the same run; the streaming-read bandwidth (a sum over 1 GiB) is the
 bound.  Default shapes: SmolLM2-135M (hidden 576, 30 layers, 9/3 heads of 64, MLP 1536, vocab 49152).
 
-    python scripts/bench_cpu_linear.py [--json docs/results/bench_cpu_linear.json]
+    python scripts/bench_cpu_linear.py [--rows 1,4,16] [--hint 64] [--json docs/results/bench_cpu_linear_packed.json]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--hint", type=int, default=64, help="oneDNN's row-count hint for the packed layout")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -57,19 +62,23 @@ def main() -> int:
     qkv = (a.heads + 2 * a.kv_heads) * a.head_dim
     shapes = [(qkv, H), (H, a.heads * a.head_dim), (2 * I, H), (H, I)]
     layers = [[torch.randn(n, k) / k ** 0.5 for n, k in shapes] for _ in range(a.layers)]
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws] for ws in layers]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, a.hint) for w in ws] for ws in layers]
     head = torch.randn(a.vocab, H) / H ** 0.5
-    head_p = torch.ops.mkldnn._reorder_linear_weight(head, 1)
+    head_p = torch.ops.mkldnn._reorder_linear_weight(head, a.hint)
     layer_bytes = sum(w.numel() * 4 for ws in layers for w in ws)
     big = torch.randn(256 * 1024 * 1024)  # 1 GiB: the streaming-read bound
     read_gbs = big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9
     del big
 
-    def mkl(w, x):  # as backends/torch/linear_rows.py rows_linear
-        return (w @ x.t()).t() if 3 <= x.shape[0] <= 64 else F.linear(x, w)
+    def pad(x):  # one or two rows padded to three (MKL's GEMV is the slow path here)
+        return torch.cat([x, x.new_zeros(3 - x.shape[0], x.shape[1])]) if x.shape[0] < 3 else x
+
+    def mkl(w, x):  # as backends/torch/linear_rows.py rows_linear did before the packed weights
+        x = pad(x)
+        return (w @ x.t()).t() if x.shape[0] <= 64 else F.linear(x, w)
 
     def onednn(p, x):
-        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(pad(x), p, None, "none", [], "")
 
     rows_out = []
     for rows in [int(r) for r in a.rows.split(",")]:
@@ -99,7 +108,7 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({
             "what": "fp32 linears of one decode step (every layer matrix once) on this CPU: MKL (the torch backend's "
-                    "path) vs oneDNN prepacked weights", "shapes": vars(a), "read_bound_gbs": round(read_gbs, 1),
+                    "path before session 15) vs oneDNN prepacked weights (its path since)", "shapes": vars(a), "read_bound_gbs": round(read_gbs, 1),
             "host": {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
             "rows": rows_out}, indent=1))
     return 0
