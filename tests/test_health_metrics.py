@@ -103,7 +103,8 @@ def test_health_memory_is_measured(any_server):
     m = h["memory"]
     # ours, in bytes, and SwiftLM's, in MiB rounded down (its meaning: the device allocator)
     for k in ("active", "peak", "cache", "total_system", "process_rss_bytes", "process_peak_rss_bytes",
-              "weights_bytes", "kv_bytes", "kv_allocated_bytes", "prompt_cache_bytes", "device_total_bytes"):
+              "weights_bytes", "kv_bytes", "kv_allocated_bytes", "prompt_cache_bytes", "device_total_bytes",
+              "packed_weights_bytes"):
         assert isinstance(m[k], int) and m[k] >= 0, k
     assert m["active_mb"] == m["active"] // MiB and m["peak_mb"] == m["peak"] // MiB
     assert m["cache_mb"] == m["cache"] // MiB and m["total_system_mb"] == m["device_total_bytes"] // MiB
@@ -116,7 +117,8 @@ def test_health_memory_is_measured(any_server):
     assert m["weights_bytes"] > 0
     if any_server.backend == "torch":  # no allocator counts on the CPU: the process is the device
         assert abs(m["active"] - m["process_rss_bytes"]) < 0.1 * m["process_rss_bytes"]
-        assert m["active"] > m["weights_bytes"]  # weights plus the interpreter, torch and buffers
+        # weights (and their oneDNN-packed copy, cpu_packed.py) plus the interpreter, torch and buffers
+        assert m["active"] > m["weights_bytes"] + m["packed_weights_bytes"]
     else:  # MLX's allocator: at least the weights live in MLX arrays
         assert m["active"] >= m["weights_bytes"] * 0.9
     # the finished request's KV went to the prompt cache; no sequence holds KV now

@@ -417,7 +417,8 @@ class TorchModel:
         if self.pool is not None:
             kv += sum(t.numel() * t.element_size() for t in self.pool.k + self.pool.v)
         out = device_memory(self.device)
-        out.update(weights=self.info.weight_bytes, kv_allocated=kv)
+        out.update(weights=self.info.weight_bytes, kv_allocated=kv,
+                   packed_weights=getattr(self, "packed_weight_bytes", 0))  # cpu_packed.py's second copy
         return out
 
 
@@ -555,7 +556,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                     is_moe=bool(a.experts), weight_bytes=param_bytes(module) + packed_bytes,
+                     is_moe=bool(a.experts), weight_bytes=param_bytes(module),
                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
                      streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
                      experts_per_token=a.top_k)
@@ -568,6 +569,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                  a.layers - 1, str(module.a.offload[2])[6:])
     model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
     model.expert_stream = reader
+    model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
         from .lora import attach
 

@@ -59,7 +59,8 @@ def health_memory(engine: Any) -> dict[str, Any]:
            "process_rss_bytes": m["process_rss"], "process_peak_rss_bytes": m["process_peak_rss"],
            "allocator_free_bytes": m["allocator_free"], "allocator_in_use_bytes": m["allocator_in_use"],
            "python_allocated_blocks": m["python_blocks"], "weights_bytes": m["weights"], "kv_bytes": m["kv"],
-           "kv_allocated_bytes": m["kv_allocated"], "prompt_cache_bytes": m["prompt_cache"]}
+           "kv_allocated_bytes": m["kv_allocated"], "prompt_cache_bytes": m["prompt_cache"],
+           "packed_weights_bytes": m.get("packed_weights", 0)}
     if "reserved" in m:
         out["reserved_bytes"] = m["reserved"]
     return out
