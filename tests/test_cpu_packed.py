@@ -1,5 +1,5 @@
 """oneDNN-packed fp32 weights on the CPU (backends/torch/cpu_packed.py): every matrix a step multiplies gets a
-packed copy, ``rows_linear`` through it equals the MKL path within fp32 rounding at every row count, the switch
+packed copy, ``rows_linear`` through it equals the MKL path within fp32 rounding at 1-64 rows, the switch
 and the memory gate hold, and gradients through the activations keep the differentiable path."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_packed_rows_linear_equals_mkl(module, monkeypatch):
     assert len(ws) == 4 * a.layers + 1  # qkv, o, gate_up, down per layer; the LM head
     reference = {}
     g = torch.Generator().manual_seed(0)
-    xs = {n: torch.randn(n, a.hidden, generator=g) for n in (1, 2, 3, 16, 100)}
+    xs = {n: torch.randn(n, a.hidden, generator=g) for n in (1, 2, 3, 16, 64)}
     w, b = module.layers[0].self_attn.qkv
     with torch.inference_mode():
         for n, x in xs.items():

@@ -6,10 +6,12 @@ memory bound nor the compute bound: SmolLM2-135M's step matmuls at 16 rows take 
 project's 2-core CPU (9.5 GB/s of weights, 76 GFLOP/s), against 31 ms with the weights packed once
 into oneDNN's blocked layout at load (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied by
 ``torch.ops.mkldnn._linear_pointwise`` (the op torch.compile's CPU backend uses for the same job):
-1.2x at 3 rows, 1.7-1.8x at 8-32, 1.3-1.5x for 64-256-row prefill chunks (``scripts/bench_cpu_linear.py
---packed``).  The packed copy is a second copy of those weights (the originals stay: embeddings, LoRA,
-export and the other paths read them), so it is made only when it fits in a quarter of the memory
-available at load; ``SWIFTLM_CPU_PACK=0`` turns it off, ``=1`` forces it.
+1.2x at 3 rows, 1.7-1.8x at 8-32 (``scripts/bench_cpu_linear.py``).  Used for up to 64 rows (decode steps,
+short chunks): longer prefill chunks, though 1.3-1.5x faster packed too, stay on MKL, because oneDNN keeps a
+primitive per row count and prompts of every length grew the soak test's process ~9% past its warm-up.  The packed
+copy is a second copy of those weights (the originals stay: embeddings, LoRA, export and the other paths read
+them), so it is made only when it fits in a quarter of the memory available at load; ``SWIFTLM_CPU_PACK=0`` turns
+it off, ``=1`` forces it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     n = x.shape[0]
     if x.device.type == "cpu" and x.dim() == 2:
         p = _packed(w)
-        if p is not None and x.dtype == torch.float32 and not x.requires_grad:  # (the op has no backward)
+        # (a prefill chunk of any length stays on MKL: oneDNN keeps a primitive per row count, and the
+        # soak test's prompts of every length grew the process ~9% over its warm-up that way)
+        if p is not None and n <= 64 and x.dtype == torch.float32 and not x.requires_grad:  # (no backward)
             if n < 3:
                 return _packed_linear(torch.cat([x, x.new_zeros(3 - n, x.shape[1])]), p, b)[:n]
             return _packed_linear(x.contiguous(), p, b)
