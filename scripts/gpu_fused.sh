@@ -11,9 +11,12 @@
 # most two modes fit an 80 GB GPU at once).  (The first run of this A/B, one server after the other, is
 # docs/results/fused_decode_gpu_h100_1b_first_run.json.)
 #
+# STEPLOG=1: each server writes the engine's step log (SWIFTLM_STEP_LOG) to $OUT/fd_steps_<shape>_<mode>.jsonl
+# (scripts/step_timeline.py reads it).
 # Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
 # garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
-# base (one stream as in session 12: cuBLAS GEMV and SDPA attention), swNN (GIL switch interval 0.NN ms).
+# base (one stream as in session 12: cuBLAS GEMV and SDPA attention), noprefillgraph (prompt chunks
+# eager: SWIFTLM_PREFILL_GRAPHS=0), swNN (GIL switch interval 0.NN ms).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -41,6 +44,7 @@ mode_env() {  # the environment of a mode's server
     nofreeze) echo "SWIFTLM_GC_FREEZE=0" ;;
     base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;  # one stream as in session 12: cuBLAS + SDPA
     nopdl) echo "SWIFTLM_PDL=0" ;;                            # kernels launched without PDL (cuda_ext/pdl.py)
+    noprefillgraph) echo "SWIFTLM_PREFILL_GRAPHS=0" ;;        # prompt chunks eager (backends/torch/prefill_graphs.py)
     sw*) echo "SWIFTLM_GIL_SWITCH_MS=0.${1#sw}" ;;              # sw05: GIL switch interval 0.5 ms (swiftlm/gil.py)
     *) echo "SWIFTLM_FUSED_DECODE=1" ;;
   esac
@@ -49,7 +53,8 @@ mode_args() { [ $1 = fused4k ] && echo "--max-batched-tokens 4096" || echo ""; }
 
 start_server() {  # shape model-argument mode -> sets $pid $port
   port=$((6000 + RANDOM % 1000))
-  env PYTHONPATH=$SITE $(mode_env $3) \
+  local log=""; [ "${STEPLOG:-0}" = 1 ] && log="SWIFTLM_STEP_LOG=$OUT/fd_steps_${1}_$3.jsonl"
+  env PYTHONPATH=$SITE $(mode_env $3) $log \
       $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size 1024 \
       --prompt-cache-bytes 0 --port $port $(mode_args $3) > "$OUT/fd_serve_${1}_$3.log" 2>&1 &
   pid=$!

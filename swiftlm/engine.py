@@ -34,7 +34,7 @@ from .prefix_cache import PrefixCache
 from .prompt_side import PromptSide, QueueFull, pooled  # noqa: F401 (QueueFull, pooled: re-exported)
 from .scheduler import Scheduler
 from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram  # noqa: F401
-from .timers import StepTimers
+from .timers import StepLog, StepTimers
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.timers = StepTimers()
+        self.step_log = StepLog.from_env()  # SWIFTLM_STEP_LOG: a line per step (timelines)
         self._publish = publish
         self._ended: list[int] = []  # with ``publish``: sequences dropped since the last publish
         self.outputs = None if publish is not None else OutputWorker(
@@ -273,6 +274,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         for live in list(self._live.values()):  # shutting down: release every waiter
             self._finish(live, "cancelled")
         self._flush_outputs()
+        if self.step_log is not None:
+            self.step_log.close()
         try:
             self.model.ops.end_thread()  # MLX: this thread's streams go with it (a clean exit)
         except Exception:  # pragma: no cover

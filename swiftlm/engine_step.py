@@ -50,6 +50,7 @@ class EngineStep:
         ``fwd``/``launch_s``: this step's forward when it was launched (overlapped) by the previous
         step, and how long that launch took.  Returns the launched next step, if any."""
         t1 = time.perf_counter()
+        fwd_given = fwd is not None
         if fwd is None:
             fwd = self.model.forward(batch)
         t2 = time.perf_counter()
@@ -92,6 +93,11 @@ class EngineStep:
         self.timers.add("sample", t3 - t2)
         self.timers.add("sync", t5 - t4)
         self.stats.steps += 1
+        if self.step_log is not None:
+            pre = [len(w.tokens) for w in batch.seqs if len(w.tokens) > 1]
+            self.step_log.write(t1, len(batch.seqs) - len(pre), len(pre),
+                                sum(pre), fwd_given, {"forward": forward_s, "sample": t3 - t2, "overlap_launch": t4 - t3,
+                                                      "sync": t5 - t4})
         if any(len(w.tokens) == 1 for w in batch.seqs):
             self.stats.decode_seconds += t5 - t2 + forward_s
         for sid, err in failed.items():  # one sequence's failure (its media, its sampling) is its own

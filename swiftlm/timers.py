@@ -49,3 +49,35 @@ class StepTimers:
                 cum += c
                 out.append(("+Inf" if le == float("inf") else repr(le), cum))
             return out, self.sums[phase]
+
+
+class StepLog:
+    """One JSON line per engine step, for timelines of a serving run (``SWIFTLM_STEP_LOG=path``;
+    off by default: a line costs ~10 us): when the step began (``time.perf_counter`` of the
+    engine's process), its decode rows, prefill chunks and tokens, whether its forward was launched
+    by the step before (overlapped), and its phases in milliseconds.  ``scripts/step_timeline.py``
+    summarises a log: where a serving run's wall time went (decode-only steps, steps with prompt
+    chunks, gaps between steps)."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1 << 16)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "StepLog | None":
+        import os
+
+        path = os.environ.get("SWIFTLM_STEP_LOG")  # "{pid}" in it: one file per engine process
+        return cls(path.replace("{pid}", str(os.getpid()))) if path else None
+
+    def write(self, t0: float, decode: int, prefill_seqs: int, prefill_tokens: int, overlapped: bool,
+              phases: dict[str, float]) -> None:
+        ms = ",".join(f'"{k}":{1e3 * v:.4f}' for k, v in phases.items())
+        line = (f'{{"t":{t0:.6f},"decode":{decode},"prefill_seqs":{prefill_seqs},'
+                f'"prefill_tokens":{prefill_tokens},"overlapped":{str(overlapped).lower()},{ms}}}\n')
+        with self._lock:
+            self._f.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()

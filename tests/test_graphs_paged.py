@@ -87,3 +87,58 @@ def test_packed_prefill_equals_per_prompt_forward(tiny_llama):
             for layer in range(a.layers):
                 kv_err = (pool.k[layer][s, :, :len(p)] - c.k[layer][:, :len(p)]).abs().max()
                 assert float(kv_err) <= 1e-5 * float(c.k[layer].abs().max()) + 1e-6, (n, layer)
+
+
+@needs_torch
+def test_padded_packed_prefill_equals_unpadded(tiny_llama):
+    """The graphed prefill's padding (prefill_graphs: a prompt of its own in the scratch slot, a
+    fixed number of logit rows) changes nothing for the real prompts: their logits and KV rows equal
+    the unpadded packed forward's within fp32 rounding (the padded matmuls have more rows), no other
+    slot is written, and every bucket gives the same answer."""
+    import torch
+
+    from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
+    from swiftlm.backends.torch.prefill_graphs import BUCKETS, MAX_PROMPTS, PrefillGraphs, bucket, padded_inputs
+    from swiftlm.backends.torch.runner import load_model
+    from swiftlm.registry import resolve
+
+    tm = load_model(resolve(str(tiny_llama)), None)
+    m, a = tm.module, tm.module.a
+
+    class Eager:  # the GraphDecoder fields PrefillGraphs reads, with graphs off (CPU)
+        use_graph, device, model = False, torch.device("cpu"), m
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (7, 1 + 2, 20)]
+    slots = [2, 0, 3]
+    toks, sl, pos, seg, last = [], [], [], [], []
+    for n, (p, s) in enumerate(zip(prompts, slots)):
+        toks += p
+        sl += [s] * len(p)
+        pos += range(len(p))
+        seg += [n] * len(p)
+        last.append(len(toks) - 1)
+    assert bucket(len(toks)) == 32 and bucket(BUCKETS[-1] + 1) is None
+    with torch.inference_mode():
+        ref_pool = SlotPool(a, 5, 64, torch.float32, torch.device("cpu"))
+        want = prefill_packed_static(m, ref_pool, *(torch.tensor(x) for x in (toks, sl, pos, seg, last)))
+        for width in (None, 64, 128):  # None: the chunk's own bucket (32)
+            pool = SlotPool(a, 5, 64, torch.float32, torch.device("cpu"))
+            pg = PrefillGraphs(Eager(), pool, enabled=True)
+            assert pg.fits(len(toks), len(last)) and not pg.fits(len(toks), MAX_PROMPTS + 1)
+            if width is None:
+                got = pg.run(toks, sl, pos, seg, last)
+            else:  # a wider bucket than the chunk's own
+                host, lh = padded_inputs(toks, sl, pos, seg, last, width, pool.scratch, pool.capacity)
+                got = pg._fn(*host.unbind(0), lh)[:len(last)]
+            assert got.shape == want.shape
+            tol = 1e-5 * float(want.abs().max())  # fp32: the same sums, row blocks of another height
+            assert float((got - want).abs().max()) <= tol, width
+            for layer in range(a.layers):
+                for s, p in zip(slots, prompts):
+                    assert torch.allclose(pool.k[layer][s, :, :len(p)], ref_pool.k[layer][s, :, :len(p)],
+                                          atol=1e-6, rtol=1e-5)
+                    assert torch.allclose(pool.v[layer][s, :, :len(p)], ref_pool.v[layer][s, :, :len(p)],
+                                          atol=1e-6, rtol=1e-5)
+                assert not pool.k[layer][1].any() and not pool.k[layer][4].any()  # untouched slots
+                assert pool.k[layer][pool.scratch].any()  # the padding went to the scratch row

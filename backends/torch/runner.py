@@ -22,6 +22,7 @@ from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
 from .staging import stager
+from .prefill_graphs import PrefillGraphs
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
@@ -73,6 +74,9 @@ class TorchModel:
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
+        # short first prompt chunks (one prompt or several packed) replay a graph per token bucket
+        self.prefill_graphs = PrefillGraphs(self.graphs, self.pool) if (
+            self.graphs is not None and self.pool is not None) else None
         if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
@@ -82,6 +86,7 @@ class TorchModel:
                 for L in sorted({bucket_for(p, first.capacity) for p in range(0, first.capacity, BUCKET_MIN)}):
                     self.graphs.run(first, 0, L - 1)
                 self.pool.give_back(first)
+                self.prefill_graphs.precapture()
             torch.cuda.synchronize()
             self.graph_capture = {"graphs": self.graphs.captures, "seconds": round(time.perf_counter() - t0, 3),
                                   "bytes": torch.cuda.memory_reserved() - m0}
@@ -281,18 +286,22 @@ class TorchModel:
 
     @torch.inference_mode()
     def _prefill_packed(self, batch: StepBatch, aid: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
-        """On CUDA, the first chunks (start 0) of two or more prompts with plain pool-slot caches
-        run as one packed forward (``graphs.prefill_packed_static``).  Their last-row logits."""
+        """On CUDA, the first chunks (start 0) of prompts with plain pool-slot caches run as one packed
+        forward (``graphs.prefill_packed_static``): replayed from a graph (``prefill_graphs``) when
+        they fit its largest bucket, one prompt alone too; else eagerly, for two or more.  Their
+        last-row logits."""
         if self.pool is None:
             return {}
         work = [w for w in batch.seqs if w.start_pos == 0 and len(w.tokens) > 1 and w.media is None
                 and not (aid or {}).get(w.seq_id)  # adapter prompts: eager, per sequence
                 and not self.kv_formats.get(w.seq_id, self.kv_default).compressed]
-        if len(work) < 2:
+        pg = getattr(self, "prefill_graphs", None)  # (pipeline ranks build no graphs)
+        graphed = pg is not None and pg.fits(sum(len(w.tokens) for w in work), len(work))
+        if len(work) < (1 if graphed else 2):
             return {}
         caches = [self._cache(w.seq_id, 0) for w in work]
         keep = [(w, c) for w, c in zip(work, caches) if getattr(c, "slot", None) is not None]
-        if len(keep) < 2:
+        if len(keep) < (1 if graphed else 2):
             return {}
         toks, slots, pos, seg, last = [], [], [], [], []
         for n, (w, c) in enumerate(keep):
@@ -302,11 +311,14 @@ class TorchModel:
             pos += range(L)
             seg += [n] * L
             last.append(len(toks) - 1)
-        host = torch.tensor([toks, slots, pos, seg])
-        t, s_, p, g = stager(self.device).to_device(host).unbind(0)
-        last_t = stager(self.device).to_device(torch.tensor(last))
-        with prefill_attention(self.device, len(toks)):
-            logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
+        if graphed and len(keep) == len(work):
+            logits = pg.run(toks, slots, pos, seg, last)
+        else:
+            host = torch.tensor([toks, slots, pos, seg])
+            t, s_, p, g = stager(self.device).to_device(host).unbind(0)
+            last_t = stager(self.device).to_device(torch.tensor(last))
+            with prefill_attention(self.device, len(toks)):
+                logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
         for w, c in keep:
             c.length = len(w.tokens)
         return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
