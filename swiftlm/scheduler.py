@@ -4,7 +4,10 @@ FCFS: a waiting sequence is admitted when fewer than ``max_running`` are running
 a KV budget (in tokens), when the KV its whole context needs fits beside the running ones.
 Each step carries every running sequence's decode row plus prefill chunks of at most
 ``prefill_size`` tokens per sequence, within ``token_budget`` tokens per step (decode rows
-first, so running streams are never stalled by a long prompt).
+first, so running streams are never stalled by a long prompt).  A prompt that one chunk would hold
+is not split at the edge of a step's budget when other prompt chunks are in the step: it waits for
+the next step, whole, and shorter prompts behind it may take the rest of the budget (first chunks of several prompts run as one packed forward; a chunk that
+starts past position 0 runs on its own).
 
 When the running sequences outgrow the KV budget, the most recently admitted one is
 preempted: its KV state is dropped (the engine frees it), it goes back to the front of the
@@ -113,10 +116,17 @@ class Scheduler:
                 work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed,
                                     True, seq.params, seq.state))
                 budget -= 1
+        chunks = 0
         for seq in self.running:  # then prefill chunks, oldest first
             if seq.in_prefill and budget > 0:
                 target = seq.prefill_target
-                n = min(self.prefill_size, budget, target - seq.num_computed)
+                rest = target - seq.num_computed
+                if chunks and budget < rest <= self.prefill_size:
+                    # a prompt that one chunk holds waits for the next step (where it comes first) rather than
+                    # split at the budget's edge (a later chunk starts past position 0: it would run on its own,
+                    # not packed with the others); shorter prompts behind it may still fill the budget
+                    continue
+                n = min(self.prefill_size, budget, rest)
                 media = None
                 if seq.media is not None and seq.num_computed == 0:
                     n, media = target, seq.media  # media prompts: alone in one chunk (running rows still step)
@@ -125,4 +135,5 @@ class Scheduler:
                 work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed, end), seq.num_computed,
                                     end == target and not resumed, seq.params, seq.state, media))
                 budget -= n
+                chunks += 1
         return StepBatch(work, preempted)

@@ -65,9 +65,10 @@ def test_constructor_defaults_and_clamps():
 
 def test_a_large_token_budget_prefills_a_wave_of_prompts_in_one_step():
     """--max-batched-tokens: 16 prompts of 40 tokens arrive together.  The default budget
-    (max(512, 16) + 16 = 528) prefills 13 and a part in the first step and the rest beside the 13
-    new decode rows in a second; a budget of 4096 takes the whole wave in one step."""
-    for budget, want in ((None, [528, 13 + 112]), (4096, [640])):
+    (max(512, 16) + 16 = 528) prefills 13 whole prompts in the first step (the 14th, which one chunk
+    holds, is not split at the budget's edge) and the other 3 beside the 13 new decode rows in a
+    second; a budget of 4096 takes the whole wave in one step."""
+    for budget, want in ((None, [520, 13 + 120]), (4096, [640])):
         s = Scheduler(max_running=16, prefill_size=512, token_budget=budget)
         seqs = {i: _seq(i, prompt_len=40) for i in range(1, 17)}
         for q in seqs.values():
@@ -292,3 +293,38 @@ def test_media_only_on_the_first_chunk():
     s.add(a)
     b = s.schedule()
     assert _rows(b) == [(1, [102, 103], 2, False)] and b.seqs[0].media is None
+
+
+def test_a_prompt_one_chunk_holds_is_not_split_at_the_budget_edge():
+    """Beside other prompt chunks, a prompt whose rest fits one chunk (<= prefill_size) but not the
+    step's remaining budget waits for the next step, whole (where it is scheduled first), while a
+    shorter prompt behind it may fill the budget; a longer prompt is still split, and a step's first
+    chunk always takes what the budget allows (progress)."""
+    def step(s, seqs):
+        b = s.schedule()
+        for w in b.seqs:
+            q = seqs[w.seq_id]
+            q.num_computed += len(w.tokens)
+            if w.sample:
+                q.output_tokens.append(7)
+        return [(w.seq_id, w.start_pos, len(w.tokens)) for w in b.seqs]
+
+    s = Scheduler(max_running=4, prefill_size=8, token_budget=10)
+    seqs = {1: _seq(1, 6), 2: _seq(2, 6), 3: _seq(3, 3)}
+    for q in seqs.values():
+        s.add(q)
+    assert step(s, seqs) == [(1, 0, 6), (3, 0, 3)]  # 2 (6 > 4 left) waits; 3 fits behind it
+    assert step(s, seqs) == [(1, 6, 1), (3, 3, 1), (2, 0, 6)]
+
+    s = Scheduler(max_running=4, prefill_size=8, token_budget=10)
+    seqs = {1: _seq(1, 6), 2: _seq(2, 20)}
+    for q in seqs.values():
+        s.add(q)
+    assert step(s, seqs) == [(1, 0, 6), (2, 0, 4)]  # 20 > prefill_size: split as before
+    assert step(s, seqs) == [(1, 6, 1), (2, 4, 8)]
+
+    s = Scheduler(max_running=1, prefill_size=8, token_budget=4)
+    seqs = {1: _seq(1, 6)}
+    s.add(seqs[1])
+    assert step(s, seqs) == [(1, 0, 4)]  # the step's first chunk: split at the budget
+    assert step(s, seqs) == [(1, 4, 2)]

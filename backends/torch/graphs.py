@@ -22,6 +22,7 @@ from .fused_decode import (decode_batch_static_fused, decode_compressed_batch_st
                            decode_turbo_static_fused, fusable)
 from .kv_cache import SeqCache
 from .model import MLP, Transformer
+from .packed_attention import packed_causal
 from .rope import apply_rope
 from .staging import stager
 
@@ -129,29 +130,29 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
 
 
 def prefill_packed_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
-                          pos: torch.Tensor, seg: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+                          pos: torch.Tensor, seg: torch.Tensor, last: torch.Tensor, cu: torch.Tensor | None = None,
+                          max_len: int = 0) -> torch.Tensor:
     """The first chunks of several prompts in one forward: their T tokens packed in one row
-    ([T] ``tokens``, each token's pool ``slots``, position ``pos`` and prompt index ``seg``).
-    The matmuls run once over all T rows; attention is causal within each prompt and blind
-    across prompts (a block-diagonal mask), K/V go to each token's slot and position in one
-    indexed write per layer.  Chunks here start at position 0, so no earlier KV is read.
-    Returns the logits [n, V] of the rows ``last`` (each prompt's final token)."""
+    ([T] ``tokens``, each token's pool ``slots``, position ``pos`` and prompt index ``seg``, the
+    prompts in order).  The matmuls run once over all T rows; attention is causal within each prompt
+    and blind across prompts (``packed_attention.packed_causal``: the variable-length flash kernel
+    given ``cu``, the prompts' int32 cumulative lengths, and ``max_len``; else a block-diagonal mask),
+    K/V go to each token's slot and position in one indexed write per layer.  Chunks here start at
+    position 0, so no earlier KV is read.  Returns the logits [n, V] of the rows ``last`` (each
+    prompt's final token)."""
     a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    H, D = a.heads, a.head_dim
     T = tokens.shape[0]
     x = model.embed(tokens)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [T, 1, D]
-    mask = (seg.view(T, 1) == seg.view(1, T)) & (pos.view(1, T) <= pos.view(T, 1))  # [T(query), T(key)]
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [T, H, D], [T, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pool.k[i][slots, :, pos] = k
         pool.v[i][slots, :, pos] = v
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                             v.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                                             enable_gqa=H != KVH)  # [1, H, T, D]
-        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
+        out = packed_causal(q, k, v, seg, pos, cu, max_len)  # [T, H, D]
+        x = x + attn.o_proj(out.reshape(T, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x[last])
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -1,4 +1,5 @@
-"""Prompt chunks of up to ``BUCKETS[-1]`` tokens replayed from CUDA graphs.
+"""Prompt chunks of up to ``BUCKETS[-1]`` tokens (the default step budget of 640 included) replayed
+from CUDA graphs.
 
 A short prompt is ~2 ms of device work on an H100 behind ~7 ms of eager launches (388 kernels
 for the 1B shape; docs/engine.md "One stream's time to first token"), so each new stream waited
@@ -23,11 +24,12 @@ from typing import Any
 import torch
 
 from .graphs import prefill_packed_static
+from .packed_attention import cu_seqlens
 
-BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768)
 log = logging.getLogger(__name__)
 
-MAX_PROMPTS = 32  # prompts per graphed chunk (their last rows go through the LM head)
+MAX_PROMPTS = 64  # prompts per graphed chunk (their last rows go through the LM head)
 
 
 def bucket(tokens: int) -> int | None:
@@ -38,11 +40,15 @@ def bucket(tokens: int) -> int | None:
 def padded_inputs(tokens: list[int], slots: list[int], pos: list[int], seg: list[int], last: list[int],
                   width: int, scratch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed chunk's rows padded to ``width`` tokens ([4, width]: tokens, slots, positions,
-    segments) and its ``last`` rows padded to MAX_PROMPTS."""
+    segments) and, in one [2 * MAX_PROMPTS + 2] tensor, its ``last`` rows padded to MAX_PROMPTS then
+    the cumulative lengths of its prompts and the padding (MAX_PROMPTS + 2 entries; zero-length
+    sequences fill the rest)."""
     pad, n = width - len(tokens), len(last)
     host = torch.tensor([tokens + [0] * pad, slots + [scratch] * pad, pos + [i % capacity for i in range(pad)],
                          seg + [n] * pad])
-    return host, torch.tensor(last + [0] * (MAX_PROMPTS - n))
+    lengths = [b - a for a, b in zip([-1] + last[:-1], last)]
+    cu = cu_seqlens(lengths, width, MAX_PROMPTS + 2)
+    return host, torch.cat([torch.tensor(last + [0] * (MAX_PROMPTS - n)), cu.long()])
 
 
 class PrefillGraphs:
@@ -60,11 +66,12 @@ class PrefillGraphs:
     def fits(self, tokens: int, prompts: int) -> bool:
         return self.enabled and prompts <= MAX_PROMPTS and bucket(tokens) is not None
 
-    def _fn(self, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, last: torch.Tensor) -> Any:
+    def _fn(self, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, tail: torch.Tensor) -> Any:
         from .runner import prefill_attention
 
+        last, cu = tail[:MAX_PROMPTS], tail[MAX_PROMPTS:].int()
         with prefill_attention(self.decoder.device, t.shape[0]):
-            return prefill_packed_static(self.decoder.model, self.pool, t, s, p, g, last)
+            return prefill_packed_static(self.decoder.model, self.pool, t, s, p, g, last, cu, t.shape[0])
 
     def run(self, tokens: list[int], slots: list[int], pos: list[int], seg: list[int],
             last: list[int]) -> torch.Tensor:

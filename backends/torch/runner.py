@@ -22,6 +22,7 @@ from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
 from .staging import stager
+from .packed_attention import cu_seqlens
 from .prefill_graphs import PrefillGraphs
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
 from .decode_rows import decode_batch
@@ -317,8 +318,10 @@ class TorchModel:
             host = torch.tensor([toks, slots, pos, seg])
             t, s_, p, g = stager(self.device).to_device(host).unbind(0)
             last_t = stager(self.device).to_device(torch.tensor(last))
+            lengths = [len(w.tokens) for w, _ in keep]
+            cu = stager(self.device).to_device(cu_seqlens(lengths))
             with prefill_attention(self.device, len(toks)):
-                logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t)
+                logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t, cu, max(lengths))
         for w, c in keep:
             c.length = len(w.tokens)
         return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
