@@ -16,7 +16,8 @@
 # Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
 # garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
 # base (one stream as in session 12: cuBLAS GEMV and SDPA attention), noprefillgraph (prompt chunks
-# eager: SWIFTLM_PREFILL_GRAPHS=0), novarlen (packed prompts' attention by masked SDPA), swNN (GIL switch interval 0.NN ms).
+# eager: SWIFTLM_PREFILL_GRAPHS=0), novarlen (packed prompts' attention by masked SDPA), nomixed
+# (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -46,6 +47,7 @@ mode_env() {  # the environment of a mode's server
     nopdl) echo "SWIFTLM_PDL=0" ;;                            # kernels launched without PDL (cuda_ext/pdl.py)
     noprefillgraph) echo "SWIFTLM_PREFILL_GRAPHS=0" ;;        # prompt chunks eager (backends/torch/prefill_graphs.py)
     novarlen) echo "SWIFTLM_VARLEN_ATTENTION=0" ;;            # packed prompts' attention masked SDPA (packed_attention.py)
+    nomixed) echo "SWIFTLM_MIXED_STEP=0" ;;                   # prompt steps as two forwards (mixed_step.py)
     sw*) echo "SWIFTLM_GIL_SWITCH_MS=0.${1#sw}" ;;              # sw05: GIL switch interval 0.5 ms (swiftlm/gil.py)
     *) echo "SWIFTLM_FUSED_DECODE=1" ;;
   esac

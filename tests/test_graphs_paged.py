@@ -142,3 +142,61 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
                                           atol=1e-6, rtol=1e-5)
                 assert not pool.k[layer][1].any() and not pool.k[layer][4].any()  # untouched slots
                 assert pool.k[layer][pool.scratch].any()  # the padding went to the scratch row
+
+
+@needs_torch
+def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
+    """A step's decode rows and new prompts in one forward (mixed_step: CUDA's prompt steps) give the
+    logits and KV rows of the two forwards it replaces (the packed prompts, then the batched decode
+    over the slots): fp32 on CPU, the shared matmuls have more rows, so within rounding.  Through
+    MixedGraphs' padded inputs (prompt bucket, decode rows padded to the pool with scratch rows)."""
+    import torch
+
+    from swiftlm.backends.torch.graphs import SlotPool, decode_batch_static, prefill_packed_static
+    from swiftlm.backends.torch.mixed_step import MixedGraphs
+    from swiftlm.backends.torch.runner import load_model
+    from swiftlm.registry import resolve
+
+    tm = load_model(resolve(str(tiny_llama)), None)
+    m, a = tm.module, tm.module.a
+
+    class Eager:  # the GraphDecoder fields MixedGraphs reads, graphs off (CPU)
+        use_graph, device, model = False, torch.device("cpu"), m
+
+        def splits_for(self, L, B):
+            return 0
+
+    def packed(prompts, slots):
+        toks, sl, pos, seg, last = [], [], [], [], []
+        for n, (p, s) in enumerate(zip(prompts, slots)):
+            toks += p
+            sl += [s] * len(p)
+            pos += range(len(p))
+            seg += [n] * len(p)
+            last.append(len(toks) - 1)
+        return toks, sl, pos, seg, last
+
+    g = torch.Generator().manual_seed(2)
+    old = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (9, 4, 13)]  # decoding already
+    new = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (6, 11)]     # arriving now
+    old_slots, new_slots = [4, 0, 2], [1, 5]
+    nxt = torch.randint(0, a.vocab, (3,), generator=g).tolist()  # the decode rows' tokens
+    with torch.inference_mode():
+        pools = [SlotPool(a, 6, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
+        for pool in pools:  # the same history in both
+            prefill_packed_static(m, pool, *(torch.tensor(x) for x in packed(old, old_slots)))
+        want_p = prefill_packed_static(m, pools[0], *(torch.tensor(x) for x in packed(new, new_slots)))
+        want_d = decode_batch_static(m, pools[0], torch.tensor(nxt), torch.tensor(old_slots),
+                                     torch.tensor([len(p) for p in old]), 64, torch.arange(64))
+        mg = MixedGraphs(Eager(), pools[1], enabled=True)
+        assert mg.fits(17, 2, 3) and not mg.fits(17, 2, 7) and not mg.fits(17, 0, 3)
+        got_p, got_d = mg.run(*packed(new, new_slots), nxt, old_slots, [len(p) for p in old])
+        for got, want in ((got_p, want_p), (got_d, want_d)):
+            assert got.shape == want.shape
+            tol = 1e-5 * float(want.abs().max())  # fp32: the same sums over row blocks of another height
+            assert float((got - want).abs().max()) <= tol
+        for layer in range(a.layers):
+            for s in old_slots + new_slots:
+                assert torch.allclose(pools[1].k[layer][s], pools[0].k[layer][s], atol=1e-6, rtol=1e-5)
+                assert torch.allclose(pools[1].v[layer][s], pools[0].v[layer][s], atol=1e-6, rtol=1e-5)
+            assert not pools[1].k[layer][3].any()  # a slot nobody holds stays untouched

@@ -67,7 +67,7 @@ class PrefillGraphs:
         return self.enabled and prompts <= MAX_PROMPTS and bucket(tokens) is not None
 
     def _fn(self, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, tail: torch.Tensor) -> Any:
-        from .runner import prefill_attention
+        from .packed_attention import prefill_attention
 
         last, cu = tail[:MAX_PROMPTS], tail[MAX_PROMPTS:].int()
         with prefill_attention(self.decoder.device, t.shape[0]):

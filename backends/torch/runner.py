@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -21,10 +20,11 @@ from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
-from .staging import stager
-from .packed_attention import cu_seqlens
+from .packed_attention import prefill_attention
+from .mixed_step import MixedGraphs
+from .packed_steps import PackedSteps
 from .prefill_graphs import PrefillGraphs
-from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable, prefill_packed_static
+from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
 from .model import PackedAttend, build, param_bytes
@@ -38,7 +38,7 @@ CUDA_DEFAULT_CTX = 8192
 EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
 
 
-class TorchModel:
+class TorchModel(PackedSteps):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
@@ -78,6 +78,8 @@ class TorchModel:
         # short first prompt chunks (one prompt or several packed) replay a graph per token bucket
         self.prefill_graphs = PrefillGraphs(self.graphs, self.pool) if (
             self.graphs is not None and self.pool is not None) else None
+        # a step with decode rows and first prompt chunks: one forward, one graph per token bucket
+        self.mixed_graphs = MixedGraphs(self.graphs, self.pool) if self.prefill_graphs is not None else None
         if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
@@ -88,6 +90,7 @@ class TorchModel:
                     self.graphs.run(first, 0, L - 1)
                 self.pool.give_back(first)
                 self.prefill_graphs.precapture()
+                self.mixed_graphs.precapture()
             torch.cuda.synchronize()
             self.graph_capture = {"graphs": self.graphs.captures, "seconds": round(time.perf_counter() - t0, 3),
                                   "bytes": torch.cuda.memory_reserved() - m0}
@@ -224,7 +227,11 @@ class TorchModel:
         rows: dict[int, torch.Tensor] = {}
         batched = None
         prep = None
-        if len(decode) > 1:
+        mixed = self._mixed(batch, decode, aid) if dev is None and decode else None
+        if mixed is not None:  # decode rows and first prompt chunks in one forward
+            batched, packed = mixed
+            rows = {w.seq_id: j for j, w in enumerate(decode)}
+        elif len(decode) > 1:
             caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
             toks = dev if dev is not None else [w.tokens[0] for w in decode]
             positions = [w.start_pos for w in decode]
@@ -244,7 +251,8 @@ class TorchModel:
             else:
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
-        packed = self._prefill_packed(batch, aid) if dev is None else {}
+        if mixed is None:
+            packed = self._prefill_packed(batch, aid) if dev is None else {}
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
@@ -284,47 +292,6 @@ class TorchModel:
             ids = batch.input_ids[keep] if batch.input_ids is not None else None
             batch = StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
         return batch, aid, failed
-
-    @torch.inference_mode()
-    def _prefill_packed(self, batch: StepBatch, aid: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
-        """On CUDA, the first chunks (start 0) of prompts with plain pool-slot caches run as one packed
-        forward (``graphs.prefill_packed_static``): replayed from a graph (``prefill_graphs``) when
-        they fit its largest bucket, one prompt alone too; else eagerly, for two or more.  Their
-        last-row logits."""
-        if self.pool is None:
-            return {}
-        work = [w for w in batch.seqs if w.start_pos == 0 and len(w.tokens) > 1 and w.media is None
-                and not (aid or {}).get(w.seq_id)  # adapter prompts: eager, per sequence
-                and not self.kv_formats.get(w.seq_id, self.kv_default).compressed]
-        pg = getattr(self, "prefill_graphs", None)  # (pipeline ranks build no graphs)
-        graphed = pg is not None and pg.fits(sum(len(w.tokens) for w in work), len(work))
-        if len(work) < (1 if graphed else 2):
-            return {}
-        caches = [self._cache(w.seq_id, 0) for w in work]
-        keep = [(w, c) for w, c in zip(work, caches) if getattr(c, "slot", None) is not None]
-        if len(keep) < (1 if graphed else 2):
-            return {}
-        toks, slots, pos, seg, last = [], [], [], [], []
-        for n, (w, c) in enumerate(keep):
-            L = len(w.tokens)
-            toks += w.tokens
-            slots += [c.slot] * L
-            pos += range(L)
-            seg += [n] * L
-            last.append(len(toks) - 1)
-        if graphed and len(keep) == len(work):
-            logits = pg.run(toks, slots, pos, seg, last)
-        else:
-            host = torch.tensor([toks, slots, pos, seg])
-            t, s_, p, g = stager(self.device).to_device(host).unbind(0)
-            last_t = stager(self.device).to_device(torch.tensor(last))
-            lengths = [len(w.tokens) for w, _ in keep]
-            cu = stager(self.device).to_device(cu_seqlens(lengths))
-            with prefill_attention(self.device, len(toks)):
-                logits = prefill_packed_static(self.module, self.pool, t, s_, p, g, last_t, cu, max(lengths))
-        for w, c in keep:
-            c.length = len(w.tokens)
-        return {w.seq_id: logits[n] for n, (w, _) in enumerate(keep)}
 
     # ---------------------------------------------------------------- fork hooks (n / best_of)
     @torch.inference_mode()
@@ -448,19 +415,6 @@ def cuda_eager_reason(a: Any, device: torch.device, ctx: int) -> str | None:
     if a.offload is not None:
         return "--gpu-layers keeps layers on the CPU"
     return a.eager_reason(ctx)
-
-
-def prefill_attention(device: torch.device, T: int) -> Any:
-    """SDPA without its cuDNN backend for prompt chunks on CUDA.  cuDNN (torch's first choice for
-    bf16 on Hopper) builds and NVRTC-compiles a kernel for every new query/key length: with prompts
-    of varied lengths that was 25% of the engine thread's time and 100-350 ms stalls in the
-    inter-token latency (py-spy --native, H100).  Decode keeps it: its shapes are fixed per captured
-    graph, and turning it off there cost 1B/8B single-stream decode ~20% (measured)."""
-    if device.type != "cuda" or T <= 1:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def device_memory(device: torch.device) -> dict[str, Any]:

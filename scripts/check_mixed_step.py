@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The mixed prompt + decode step on a GPU (backends/torch/mixed_step.py) against the two forwards it replaces.
+
+    python scripts/check_mixed_step.py --model DIR [--json out.json]
+
+Two slot pools get the same history (old prompts prefilled); then one runs the new prompts' packed prefill and the
+old sequences' batched decode step (the fused graph's step function, eager), the other the mixed step replayed
+from its CUDA graph.  Prints, per decode batch size, the largest logit difference relative to the logits' range,
+the fraction of rows whose argmax agrees and the largest KV difference (bf16: the shared matmuls have more rows,
+so within rounding, not equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from swiftlm import LLM
+    from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
+    from swiftlm.backends.torch.mixed_step import MixedGraphs
+    from swiftlm.backends.torch.packed_attention import cu_seqlens, prefill_attention
+
+    llm = LLM(a.model, backend="torch", parallel=16, prompt_cache_bytes=0, ctx_size=1024)
+    tm = llm.engine.model
+    m, dec = tm.module, tm.graphs
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    out = {"model": a.model, "device": torch.cuda.get_device_name(), "rows": []}
+
+    def packed(prompts, slots):
+        toks, sl, pos, seg, last = [], [], [], [], []
+        for n, (p, s) in enumerate(zip(prompts, slots)):
+            toks += p
+            sl += [s] * len(p)
+            pos += range(len(p))
+            seg += [n] * len(p)
+            last.append(len(toks) - 1)
+        return toks, sl, pos, seg, last
+
+    def prefill(pool, prompts, slots):
+        toks, sl, pos, seg, last = packed(prompts, slots)
+        cu = cu_seqlens([len(p) for p in prompts]).to(dev)
+        with prefill_attention(dev, len(toks)):
+            return prefill_packed_static(m, pool, *(torch.tensor(x, device=dev) for x in (toks, sl, pos, seg, last)),
+                                         cu, max(len(p) for p in prompts))
+
+    with torch.inference_mode():
+        for B in (1, 5, 16):
+            old = [torch.randint(0, m.a.vocab, (int(n),), generator=g).tolist()
+                   for n in torch.randint(20, 90, (B,), generator=g)]
+            new = [torch.randint(0, m.a.vocab, (int(n),), generator=g).tolist() for n in (70, 33, 51)]
+            old_slots, new_slots = list(range(B)), list(range(B, B + 3))
+            nxt = torch.randint(0, m.a.vocab, (B,), generator=g).tolist()
+            pools = [SlotPool(m.a, 32, 1024, tm.dtype, dev) for _ in range(2)]
+            for pool in pools:
+                prefill(pool, old, old_slots)
+            want_p = prefill(pools[0], new, new_slots).float()
+            L = pools[0].capacity
+            want_d = dec.batch_fn(m, pools[0], torch.tensor(nxt, device=dev), torch.tensor(old_slots, device=dev),
+                                  torch.tensor([len(p) for p in old], device=dev), L, dec.arange,
+                                  dec.splits_for(L, B)).float()
+            mg = MixedGraphs(dec, pools[1])
+            got_p, got_d = mg.run(*packed(new, new_slots), nxt, old_slots, [len(p) for p in old])
+            torch.cuda.synchronize()
+            row = {"decode_rows": B, "prompts": len(new), "graphed": dec.use_graph}
+            for name, got, want in (("prompts", got_p, want_p), ("decode", got_d, want_d)):
+                span = float(want.max() - want.min())
+                row[name] = {"max_diff_rel": round(float((got - want).abs().max()) / span, 5),
+                             "argmax_agree": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
+            kv = max(float((pools[1].k[i][:B + 3, :, :100] - pools[0].k[i][:B + 3, :, :100]).abs().max())
+                     for i in range(m.a.layers))
+            row["kv_max_diff"] = kv
+            print(row, flush=True)
+            out["rows"].append(row)
+    llm.close()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SWIFTLM_ENGINE_PROCESS", "off")
+    main()
