@@ -27,7 +27,7 @@ def main() -> None:
     from swiftlm import LLM
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
     from swiftlm.backends.torch.mixed_step import MixedGraphs
-    from swiftlm.backends.torch.packed_attention import cu_seqlens, prefill_attention
+    from swiftlm.backends.torch.packed_attention import cu_seqlens, pack, prefill_attention
 
     llm = LLM(a.model, backend="torch", parallel=16, prompt_cache_bytes=0, ctx_size=1024)
     tm = llm.engine.model
@@ -36,18 +36,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     out = {"model": a.model, "device": torch.cuda.get_device_name(), "rows": []}
 
-    def packed(prompts, slots):
-        toks, sl, pos, seg, last = [], [], [], [], []
-        for n, (p, s) in enumerate(zip(prompts, slots)):
-            toks += p
-            sl += [s] * len(p)
-            pos += range(len(p))
-            seg += [n] * len(p)
-            last.append(len(toks) - 1)
-        return toks, sl, pos, seg, last
-
     def prefill(pool, prompts, slots):
-        toks, sl, pos, seg, last = packed(prompts, slots)
+        toks, sl, pos, seg, last = pack(prompts, slots)
         cu = cu_seqlens([len(p) for p in prompts]).to(dev)
         with prefill_attention(dev, len(toks)):
             return prefill_packed_static(m, pool, *(torch.tensor(x, device=dev) for x in (toks, sl, pos, seg, last)),
@@ -69,7 +59,7 @@ def main() -> None:
                                   torch.tensor([len(p) for p in old], device=dev), L, dec.arange,
                                   dec.splits_for(L, B)).float()
             mg = MixedGraphs(dec, pools[1])
-            got_p, got_d = mg.run(*packed(new, new_slots), nxt, old_slots, [len(p) for p in old])
+            got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])
             torch.cuda.synchronize()
             row = {"decode_rows": B, "prompts": len(new), "graphed": dec.use_graph}
             for name, got, want in (("prompts", got_p, want_p), ("decode", got_d, want_d)):

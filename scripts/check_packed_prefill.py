@@ -30,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     from swiftlm.backends.torch.graphs import prefill_packed_static
     from swiftlm.backends.torch.kv_cache import SeqCache
-    from swiftlm.backends.torch.packed_attention import cu_seqlens
+    from swiftlm.backends.torch.packed_attention import cu_seqlens, pack
     from swiftlm.backends.torch.prefill_graphs import PrefillGraphs
     from swiftlm.backends.torch.runner import prefill_attention
 
@@ -61,13 +61,7 @@ def main() -> None:
         for total in (int(x) for x in a.totals.split(",")):
             n = max(1, total // a.prompt_tokens)
             prompts = [torch.randint(0, m.a.vocab, (a.prompt_tokens,), generator=g).tolist() for _ in range(n)]
-            toks, sl, pos, seg, last = [], [], [], [], []
-            for i, p in enumerate(prompts):
-                toks += p
-                sl += [i % pool.n] * len(p)
-                pos += range(len(p))
-                seg += [i] * len(p)
-                last.append(len(toks) - 1)
+            toks, sl, pos, seg, last = pack(prompts, [i % pool.n for i in range(n)])
             host = [torch.tensor(x, device=dev) for x in (toks, sl, pos, seg, last)]
             cu = cu_seqlens([len(p) for p in prompts]).to(dev)
             ref = []

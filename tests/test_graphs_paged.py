@@ -61,6 +61,7 @@ def test_packed_prefill_equals_per_prompt_forward(tiny_llama):
 
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
     from swiftlm.backends.torch.kv_cache import SeqCache
+    from swiftlm.backends.torch.packed_attention import pack
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 
@@ -70,13 +71,7 @@ def test_packed_prefill_equals_per_prompt_forward(tiny_llama):
     prompts = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (5, 17, 2, 33)]
     pool = SlotPool(a, 4, 64, torch.float32, torch.device("cpu"))
     slots = [3, 0, 2, 1]
-    toks, sl, pos, seg, last = [], [], [], [], []
-    for n, (p, s) in enumerate(zip(prompts, slots)):
-        toks += p
-        sl += [s] * len(p)
-        pos += range(len(p))
-        seg += [n] * len(p)
-        last.append(len(toks) - 1)
+    toks, sl, pos, seg, last = pack(prompts, slots)
     with torch.inference_mode():
         got = prefill_packed_static(m, pool, *(torch.tensor(x) for x in (toks, sl, pos, seg, last)))
         for n, (p, s) in enumerate(zip(prompts, slots)):
@@ -98,6 +93,7 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
     import torch
 
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
+    from swiftlm.backends.torch.packed_attention import pack
     from swiftlm.backends.torch.prefill_graphs import BUCKETS, MAX_PROMPTS, PrefillGraphs, bucket, padded_inputs
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
@@ -111,13 +107,7 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (7, 1 + 2, 20)]
     slots = [2, 0, 3]
-    toks, sl, pos, seg, last = [], [], [], [], []
-    for n, (p, s) in enumerate(zip(prompts, slots)):
-        toks += p
-        sl += [s] * len(p)
-        pos += range(len(p))
-        seg += [n] * len(p)
-        last.append(len(toks) - 1)
+    toks, sl, pos, seg, last = pack(prompts, slots)
     assert bucket(len(toks)) == 32 and bucket(BUCKETS[-1] + 1) is None
     with torch.inference_mode():
         ref_pool = SlotPool(a, 5, 64, torch.float32, torch.device("cpu"))
@@ -154,6 +144,7 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
 
     from swiftlm.backends.torch.graphs import SlotPool, decode_batch_static, prefill_packed_static
     from swiftlm.backends.torch.mixed_step import MixedGraphs
+    from swiftlm.backends.torch.packed_attention import pack
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 
@@ -166,16 +157,6 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
         def splits_for(self, L, B):
             return 0
 
-    def packed(prompts, slots):
-        toks, sl, pos, seg, last = [], [], [], [], []
-        for n, (p, s) in enumerate(zip(prompts, slots)):
-            toks += p
-            sl += [s] * len(p)
-            pos += range(len(p))
-            seg += [n] * len(p)
-            last.append(len(toks) - 1)
-        return toks, sl, pos, seg, last
-
     g = torch.Generator().manual_seed(2)
     old = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (9, 4, 13)]  # decoding already
     new = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (6, 11)]     # arriving now
@@ -184,13 +165,13 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
     with torch.inference_mode():
         pools = [SlotPool(a, 6, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
         for pool in pools:  # the same history in both
-            prefill_packed_static(m, pool, *(torch.tensor(x) for x in packed(old, old_slots)))
-        want_p = prefill_packed_static(m, pools[0], *(torch.tensor(x) for x in packed(new, new_slots)))
+            prefill_packed_static(m, pool, *(torch.tensor(x) for x in pack(old, old_slots)))
+        want_p = prefill_packed_static(m, pools[0], *(torch.tensor(x) for x in pack(new, new_slots)))
         want_d = decode_batch_static(m, pools[0], torch.tensor(nxt), torch.tensor(old_slots),
                                      torch.tensor([len(p) for p in old]), 64, torch.arange(64))
         mg = MixedGraphs(Eager(), pools[1], enabled=True)
         assert mg.fits(17, 2, 3) and not mg.fits(17, 2, 7) and not mg.fits(17, 0, 3)
-        got_p, got_d = mg.run(*packed(new, new_slots), nxt, old_slots, [len(p) for p in old])
+        got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])
         for got, want in ((got_p, want_p), (got_d, want_d)):
             assert got.shape == want.shape
             tol = 1e-5 * float(want.abs().max())  # fp32: the same sums over row blocks of another height

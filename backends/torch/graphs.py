@@ -22,7 +22,6 @@ from .fused_decode import (decode_batch_static_fused, decode_compressed_batch_st
                            decode_turbo_static_fused, fusable)
 from .kv_cache import SeqCache
 from .model import MLP, Transformer
-from .packed_attention import packed_causal
 from .rope import apply_rope
 from .staging import stager
 
@@ -140,23 +139,9 @@ def prefill_packed_static(model: Transformer, pool: "SlotPool", tokens: torch.Te
     K/V go to each token's slot and position in one indexed write per layer.  Chunks here start at
     position 0, so no earlier KV is read.  Returns the logits [n, V] of the rows ``last`` (each
     prompt's final token)."""
-    a = model.a
-    H, D = a.heads, a.head_dim
-    T = tokens.shape[0]
-    x = model.embed(tokens)
-    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [T, 1, D]
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [T, H, D], [T, KVH, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        pool.k[i][slots, :, pos] = k
-        pool.v[i][slots, :, pos] = v
-        out = packed_causal(q, k, v, seg, pos, cu, max_len)  # [T, H, D]
-        x = x + attn.o_proj(out.reshape(T, H * D))
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x[last])
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)
+    from .mixed_step import mixed_static  # (the same forward with no decode rows)
+
+    return mixed_static(model, pool, tokens, slots, pos, seg, last, cu, max_len, tokens.shape[0], 0)
 
 
 def decode_turbo_static(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,

@@ -47,8 +47,8 @@ def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tenso
                  seg: torch.Tensor, rows: torch.Tensor, cu: torch.Tensor | None, max_len: int, n_prompt: int,
                  splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [0, n_prompt) are prompt chunks starting at position 0, packed in order (``seg``, ``cu``,
-    ``max_len`` as in ``graphs.prefill_packed_static``); rows [n_prompt, T) decode one token each at
-    ``pos`` in pool slot ``slots``.  Every row's K/V is written to its slot and position first.
+    ``max_len`` as in ``graphs.prefill_packed_static``, which is this forward with no decode rows);
+    rows [n_prompt, T) decode one token each at ``pos`` in pool slot ``slots``.  Every row's K/V is written to its slot and position first.
     Returns the logits of ``rows`` [len(rows), V] (into ``out`` when given)."""
     a = model.a
     H, D = a.heads, a.head_dim
@@ -63,9 +63,10 @@ def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tenso
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pool.k[i][slots, :, pos] = k
         pool.v[i][slots, :, pos] = v
-        o_p = packed_causal(q[:n_prompt], k[:n_prompt], v[:n_prompt], seg[:n_prompt], pos[:n_prompt], cu, max_len)
-        o_d = decode_attention(q[n_prompt:], pool.k[i], pool.v[i], tables, lens, splits)
-        x = x + attn.o_proj(torch.cat([o_p, o_d]).reshape(T, H * D))
+        o = packed_causal(q[:n_prompt], k[:n_prompt], v[:n_prompt], seg[:n_prompt], pos[:n_prompt], cu, max_len)
+        if B:
+            o = torch.cat([o, decode_attention(q[n_prompt:], pool.k[i], pool.v[i], tables, lens, splits)])
+        x = x + attn.o_proj(o.reshape(T, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x[rows])
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

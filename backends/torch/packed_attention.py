@@ -29,6 +29,23 @@ def varlen_ok(q: torch.Tensor) -> bool:
             and os.environ.get("SWIFTLM_VARLEN_ATTENTION", "1") != "0")
 
 
+def pack(prompts: list[list[int]], slots: list[int]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Prompts (each starting at position 0, each in its pool slot) packed in order into one row block:
+    (tokens, each token's slot, its position, its prompt's index, each prompt's last row)."""
+    toks: list[int] = []
+    sl: list[int] = []
+    pos: list[int] = []
+    seg: list[int] = []
+    last: list[int] = []
+    for n, (p, s) in enumerate(zip(prompts, slots)):
+        toks += p
+        sl += [s] * len(p)
+        pos += range(len(p))
+        seg += [n] * len(p)
+        last.append(len(toks) - 1)
+    return toks, sl, pos, seg, last
+
+
 def cu_seqlens(lengths: list[int], total: int | None = None, entries: int | None = None) -> torch.Tensor:
     """int32 [0, l1, l1+l2, ...]; ``total``: one more sequence up to it (padding); ``entries``: repeat the
     last value up to this many entries (zero-length sequences, for a fixed-shape graph input)."""

@@ -9,7 +9,7 @@ import torch
 from swiftlm.backend import SeqWork, StepBatch
 
 from .graphs import prefill_packed_static
-from .packed_attention import cu_seqlens, prefill_attention
+from .packed_attention import cu_seqlens, pack, prefill_attention
 from .staging import stager
 
 
@@ -39,15 +39,8 @@ class PackedSteps:
         pcaches = [self._cache(w.seq_id, 0) for w in work]
         if any(getattr(c, "slot", None) is None for c in dcaches + pcaches):
             return None
-        toks, slots, pos, seg, last = [], [], [], [], []
-        for n, (w, c) in enumerate(zip(work, pcaches)):
-            L = len(w.tokens)
-            toks += w.tokens
-            slots += [c.slot] * L
-            pos += range(L)
-            seg += [n] * L
-            last.append(len(toks) - 1)
-        p_logits, d_logits = mg.run(toks, slots, pos, seg, last, [w.tokens[0] for w in decode],
+        p_logits, d_logits = mg.run(*pack([w.tokens for w in work], [c.slot for c in pcaches]),
+                                    [w.tokens[0] for w in decode],
                                     [c.slot for c in dcaches], [w.start_pos for w in decode])
         for w, c in zip(work, pcaches):
             c.length = len(w.tokens)
@@ -72,14 +65,7 @@ class PackedSteps:
         keep = [(w, c) for w, c in zip(work, caches) if getattr(c, "slot", None) is not None]
         if len(keep) < (1 if graphed else 2):
             return {}
-        toks, slots, pos, seg, last = [], [], [], [], []
-        for n, (w, c) in enumerate(keep):
-            L = len(w.tokens)
-            toks += w.tokens
-            slots += [c.slot] * L
-            pos += range(L)
-            seg += [n] * L
-            last.append(len(toks) - 1)
+        toks, slots, pos, seg, last = pack([w.tokens for w, _ in keep], [c.slot for _, c in keep])
         if graphed and len(keep) == len(work):
             logits = pg.run(toks, slots, pos, seg, last)
         else:
