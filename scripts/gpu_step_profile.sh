@@ -4,6 +4,7 @@
 # streams (~40-token prompts, 128 new tokens, EOS banned, prompt cache off), after a warm-up run.
 #
 #   bash scripts/gpu_step_profile.sh 8b [N]      # on the lent GPU; carry .whl (with py-spy's wheel) and .gpu
+#   SERVER_TOO=1 bash scripts/gpu_step_profile.sh 1b 1    # also the HTTP server's process
 # Results: $OUT/sp_<shape>.tgz (step log, py-spy raw profile and its summary, bench JSON, server log).
 set -uo pipefail
 REPO=$(pwd)
@@ -27,7 +28,8 @@ pid=$!
 for t in $(seq 1 300); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
 bench() {  # label
   PYTHONPATH=$SITE timeout 300 $PY -m swiftlm.cli bench serve --base-url http://127.0.0.1:$port --concurrency $N \
-      --num-requests $((2 * N)) --workers 4 --warmup 32 --prompt-tokens 40 --output-tokens 128 --ignore-eos \
+      --num-requests $(( N < 8 ? 16 : 2 * N )) --workers $(( N >= 32 ? 4 : 1 )) --warmup $(( N < 32 ? 2 : 32 )) \
+      --prompt-tokens 40 --output-tokens 128 --ignore-eos \
       --tokenizer $REPO/.gpu/tok --no-progress --json $D/bench_$1.json 2>&1 | grep -E "output tok/s|ITL|TTFT" | tr -s ' '
 }
 bench warm
@@ -35,15 +37,21 @@ $PY -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('$REPO/.whl/py_spy-*
 open('/tmp/py-spy', 'wb').write(z.read([n for n in z.namelist() if n.endswith('scripts/py-spy')][0]))" \
     && chmod +x /tmp/py-spy
 epid=$(pgrep -f "swiftlm.engine_process" | head -1)
-echo "engine process: $epid"
-/tmp/py-spy record --native --rate 250 --format raw -p $epid -d ${SECS:-8} -o $D/pyspy.txt \
-    > $D/pyspy.log 2>&1 &
+echo "engine process: $epid, server process: $pid"
+/tmp/py-spy record --native --rate 250 --format raw -p $epid -d ${SECS:-8} -o $D/pyspy.txt > $D/pyspy.log 2>&1 &
 spy=$!
+spy2=""
+if [ "${SERVER_TOO:-0}" = 1 ]; then  # the HTTP server's process as well (chat templates, tokenizer, SSE)
+  /tmp/py-spy record --rate 250 --format raw -p $pid -d ${SECS:-8} -o $D/pyspy_server.txt > $D/pyspy_server.log 2>&1 &
+  spy2=$!
+fi
 sleep 1
 bench profiled
-wait $spy
+wait $spy $spy2
 tail -3 $D/pyspy.log
 $PY $REPO/scripts/pyspy_top.py $D/pyspy.txt --top 30 > $D/pyspy_top.txt 2>&1; head -80 $D/pyspy_top.txt
+[ -n "$spy2" ] && $PY $REPO/scripts/pyspy_top.py $D/pyspy_server.txt --top 40 > $D/pyspy_server_top.txt 2>&1 \
+    && head -90 $D/pyspy_server_top.txt
 curl -s http://127.0.0.1:$port/health > $D/health.json
 kill $pid; wait $pid 2>/dev/null
 $PY $REPO/scripts/step_timeline.py $D/steps.jsonl --since-gap 0.5

@@ -94,7 +94,8 @@ class TorchModel(PackedSteps):
             torch.cuda.synchronize()
             self.graph_capture = {"graphs": self.graphs.captures, "seconds": round(time.perf_counter() - t0, 3),
                                   "bytes": torch.cuda.memory_reserved() - m0}
-            log.info("captured %d batched decode graphs in %.2f s (%.0f MB)", self.graph_capture["graphs"],
+            log.info("captured %d CUDA graphs (batched decode, prompt buckets, mixed steps) in %.2f s (%.0f MB)",
+                     self.graph_capture["graphs"],
                      self.graph_capture["seconds"], self.graph_capture["bytes"] / 2**20)
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
