@@ -12,29 +12,22 @@ so within rounding, not equal).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
+
+from _gpu_check_common import Check, parse_args, run
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    from swiftlm import LLM
+    a = parse_args(__doc__)
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
-    from swiftlm.backends.torch.mixed_step import MixedGraphs
     from swiftlm.backends.torch.packed_attention import cu_seqlens, pack, prefill_attention
+    from swiftlm.backends.torch.prefill_graphs import PackedGraphs
 
-    llm = LLM(a.model, backend="torch", parallel=16, prompt_cache_bytes=0, ctx_size=1024)
-    tm = llm.engine.model
+    check = Check(a.model, parallel=16, ctx_size=1024)
+    tm = check.tm
     m, dec = tm.module, tm.graphs
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    out = {"model": a.model, "device": torch.cuda.get_device_name(), "rows": []}
 
     def prefill(pool, prompts, slots):
         toks, sl, pos, seg, last = pack(prompts, slots)
@@ -58,7 +51,7 @@ def main() -> None:
             want_d = dec.batch_fn(m, pools[0], torch.tensor(nxt, device=dev), torch.tensor(old_slots, device=dev),
                                   torch.tensor([len(p) for p in old], device=dev), L, dec.arange,
                                   dec.splits_for(L, B)).float()
-            mg = MixedGraphs(dec, pools[1])
+            mg = PackedGraphs(dec, pools[1], rows=pools[1].n)
             got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])
             torch.cuda.synchronize()
             row = {"decode_rows": B, "prompts": len(new), "graphed": dec.use_graph}
@@ -69,14 +62,9 @@ def main() -> None:
             kv = max(float((pools[1].k[i][:B + 3, :, :100] - pools[0].k[i][:B + 3, :, :100]).abs().max())
                      for i in range(m.a.layers))
             row["kv_max_diff"] = kv
-            print(row, flush=True)
-            out["rows"].append(row)
-    llm.close()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+            check.row(row)
+    check.finish(a.json)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("SWIFTLM_ENGINE_PROCESS", "off")
-    main()
+    run(main)

@@ -13,36 +13,27 @@ equal); then each variant's time per chunk (CUDA events, the median of 20 after 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 
 import torch
 
+from _gpu_check_common import Check, parse_args, run
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompt-tokens", type=int, default=40)
-    ap.add_argument("--totals", default="40,80,320,480,640,1280,2560")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = parse_args(__doc__, ("--prompt-tokens", {"type": int, "default": 40}),
+                   ("--totals", {"default": "40,80,320,480,640,1280,2560"}))
     from swiftlm.backends.torch.graphs import prefill_packed_static
     from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.packed_attention import cu_seqlens, pack
-    from swiftlm.backends.torch.prefill_graphs import PrefillGraphs
+    from swiftlm.backends.torch.prefill_graphs import PackedGraphs
     from swiftlm.backends.torch.runner import prefill_attention
 
     dev = torch.device("cuda")
-    from swiftlm import LLM
-
-    llm = LLM(a.model, backend="torch", parallel=64, prompt_cache_bytes=0, ctx_size=4096)
-    tm = llm.engine.model
+    check = Check(a.model, parallel=64, ctx_size=4096, prompt_tokens=a.prompt_tokens)
+    tm = check.tm
     m, pool = tm.module, tm.pool
     g = torch.Generator().manual_seed(0)
-    out: dict = {"model": a.model, "device": torch.cuda.get_device_name(), "prompt_tokens": a.prompt_tokens,
-                 "rows": []}
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -80,9 +71,9 @@ def main() -> None:
                     return prefill_packed_static(m, pool, *host, cu, a.prompt_tokens)
 
             variants = {"masked": masked, "varlen": varlen}
-            pg = PrefillGraphs(tm.graphs, pool)
+            pg = PackedGraphs(tm.graphs, pool)
             if pg.fits(len(toks), n):
-                variants["graph"] = lambda: pg.run(toks, sl, pos, seg, last)
+                variants["graph"] = lambda: pg.run(toks, sl, pos, seg, last)[0]
             row = {"prompts": n, "tokens": len(toks)}
             for name, fn in variants.items():
                 got = fn()[:len(ref)].float()
@@ -90,14 +81,9 @@ def main() -> None:
                 row[name] = {"max_diff_rel": round(float((got - ref_t).abs().max()) / span, 5),
                              "argmax_agree": float((got.argmax(-1) == ref_t.argmax(-1)).float().mean()),
                              "ms": timed(fn)}
-            print(row, flush=True)
-            out["rows"].append(row)
-    llm.close()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+            check.row(row)
+    check.finish(a.json)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("SWIFTLM_ENGINE_PROCESS", "off")
-    main()
+    run(main)

@@ -94,14 +94,14 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
 
     from swiftlm.backends.torch.graphs import SlotPool, prefill_packed_static
     from swiftlm.backends.torch.packed_attention import pack
-    from swiftlm.backends.torch.prefill_graphs import BUCKETS, MAX_PROMPTS, PrefillGraphs, bucket, padded_inputs
+    from swiftlm.backends.torch.prefill_graphs import BUCKETS, MAX_PROMPTS, PackedGraphs, bucket, padded_inputs
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 
     tm = load_model(resolve(str(tiny_llama)), None)
     m, a = tm.module, tm.module.a
 
-    class Eager:  # the GraphDecoder fields PrefillGraphs reads, with graphs off (CPU)
+    class Eager:  # the GraphDecoder fields a prompt-only PackedGraphs reads, with graphs off (CPU)
         use_graph, device, model = False, torch.device("cpu"), m
 
     g = torch.Generator().manual_seed(1)
@@ -114,13 +114,14 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
         want = prefill_packed_static(m, ref_pool, *(torch.tensor(x) for x in (toks, sl, pos, seg, last)))
         for width in (None, 64, 128):  # None: the chunk's own bucket (32)
             pool = SlotPool(a, 5, 64, torch.float32, torch.device("cpu"))
-            pg = PrefillGraphs(Eager(), pool, enabled=True)
+            pg = PackedGraphs(Eager(), pool, enabled=True)
             assert pg.fits(len(toks), len(last)) and not pg.fits(len(toks), MAX_PROMPTS + 1)
             if width is None:
-                got = pg.run(toks, sl, pos, seg, last)
+                got, none = pg.run(toks, sl, pos, seg, last)
+                assert none.shape[0] == 0  # no decode rows
             else:  # a wider bucket than the chunk's own
                 host, lh = padded_inputs(toks, sl, pos, seg, last, width, pool.scratch, pool.capacity)
-                got = pg._fn(*host.unbind(0), lh)[:len(last)]
+                got = pg._fn(width, *host.unbind(0), lh)[:len(last)]
             assert got.shape == want.shape
             tol = 1e-5 * float(want.abs().max())  # fp32: the same sums, row blocks of another height
             assert float((got - want).abs().max()) <= tol, width
@@ -139,11 +140,11 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
     """A step's decode rows and new prompts in one forward (mixed_step: CUDA's prompt steps) give the
     logits and KV rows of the two forwards it replaces (the packed prompts, then the batched decode
     over the slots): fp32 on CPU, the shared matmuls have more rows, so within rounding.  Through
-    MixedGraphs' padded inputs (prompt bucket, decode rows padded to the pool with scratch rows)."""
+    PackedGraphs' padded inputs (prompt bucket, decode rows padded to the pool with scratch rows)."""
     import torch
 
     from swiftlm.backends.torch.graphs import SlotPool, decode_batch_static, prefill_packed_static
-    from swiftlm.backends.torch.mixed_step import MixedGraphs
+    from swiftlm.backends.torch.prefill_graphs import PackedGraphs
     from swiftlm.backends.torch.packed_attention import pack
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
@@ -151,7 +152,7 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
     tm = load_model(resolve(str(tiny_llama)), None)
     m, a = tm.module, tm.module.a
 
-    class Eager:  # the GraphDecoder fields MixedGraphs reads, graphs off (CPU)
+    class Eager:  # the GraphDecoder fields PackedGraphs with decode rows reads, graphs off (CPU)
         use_graph, device, model = False, torch.device("cpu"), m
 
         def splits_for(self, L, B):
@@ -169,7 +170,7 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
         want_p = prefill_packed_static(m, pools[0], *(torch.tensor(x) for x in pack(new, new_slots)))
         want_d = decode_batch_static(m, pools[0], torch.tensor(nxt), torch.tensor(old_slots),
                                      torch.tensor([len(p) for p in old]), 64, torch.arange(64))
-        mg = MixedGraphs(Eager(), pools[1], enabled=True)
+        mg = PackedGraphs(Eager(), pools[1], rows=pools[1].n, enabled=True)
         assert mg.fits(17, 2, 3) and not mg.fits(17, 2, 7) and not mg.fits(17, 0, 3)
         got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])
         for got, want in ((got_p, want_p), (got_d, want_d)):
@@ -181,3 +182,85 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
                 assert torch.allclose(pools[1].k[layer][s], pools[0].k[layer][s], atol=1e-6, rtol=1e-5)
                 assert torch.allclose(pools[1].v[layer][s], pools[0].v[layer][s], atol=1e-6, rtol=1e-5)
             assert not pools[1].k[layer][3].any()  # a slot nobody holds stays untouched
+
+
+@needs_torch
+def test_packed_graphs_replay_bookkeeping(tiny_llama, caplog):
+    """The graph branch of PackedGraphs on the CPU, through a stand-in for ``GraphDecoder._capture`` (its
+    "graph" runs the forward again into the captured output on replay): each instance keeps its graphs, by
+    width, and none in the decoder's dict; start-up captures every bucket (prompt-only: those up to a slot's
+    capacity; a wider one on first use); replays give the eager forward's logits; a capture that fails
+    turns that instance off and drops its graphs."""
+    import torch
+
+    from swiftlm.backends.torch.graphs import SlotPool
+    from swiftlm.backends.torch.packed_attention import pack
+    from swiftlm.backends.torch.prefill_graphs import BUCKETS, PackedGraphs
+    from swiftlm.backends.torch.runner import load_model
+    from swiftlm.registry import resolve
+
+    tm = load_model(resolve(str(tiny_llama)), None)
+    m, a = tm.module, tm.module.a
+
+    class Replay:
+        def __init__(self, fn, ins):
+            self.fn, self.ins = fn, ins
+            self.out = fn(*ins)
+
+        def replay(self):
+            got = self.fn(*self.ins)
+            if got is not self.out:
+                self.out.copy_(got)
+
+    class Decoder:  # GraphDecoder's fields and capture, graphs "on"
+        device, model = torch.device("cpu"), m
+
+        def __init__(self, use_graph=True, fail_after=None):
+            self.use_graph, self.fail_after, self.graphs, self.captures = use_graph, fail_after, {}, 0
+
+        def splits_for(self, L, B):
+            return 0
+
+        def _capture(self, key, fn, ins):
+            if self.captures == self.fail_after:
+                raise RuntimeError("capture refused")
+            r = Replay(fn, ins)
+            entry = (r, ins, r.out)
+            if key is not None:
+                self.graphs[key] = entry
+            self.captures += 1
+            return entry
+
+    g = torch.Generator().manual_seed(3)
+    old = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (9, 4)]
+    new = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (30, 33, 31)]  # 94 tokens: bucket 128
+    old_slots, new_slots = [4, 0], [1, 5, 2]
+    nxt = torch.randint(0, a.vocab, (2,), generator=g).tolist()
+    with torch.inference_mode():
+        dec = Decoder()
+        pools = [SlotPool(a, 6, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
+        pg, mg = PackedGraphs(dec, pools[0], enabled=True), PackedGraphs(dec, pools[0], rows=6, enabled=True)
+        pg.precapture()
+        mg.precapture()
+        assert not dec.graphs and dec.captures == 3 + len(BUCKETS)
+        assert set(pg.graphs) == {w for w in BUCKETS if w <= 64} and set(mg.graphs) == set(BUCKETS)
+        assert all(mg.graphs[w][2] is mg.out for w in BUCKETS)  # one shared logits buffer
+        e_pg = PackedGraphs(Decoder(use_graph=False), pools[1], enabled=True)
+        e_mg = PackedGraphs(Decoder(use_graph=False), pools[1], rows=6, enabled=True)
+        for prompts, slots in ((old, old_slots), (new, new_slots)):  # precaptured bucket 16; 128 > capacity
+            assert pg.fits(sum(map(len, prompts)), len(prompts)) and not pg.fits(sum(map(len, prompts)), 2, 1)
+            got, none = pg.run(*pack(prompts, slots))
+            want, _ = e_pg.run(*pack(prompts, slots))
+            assert torch.equal(got, want) and got.shape[0] == len(prompts) and none.shape[0] == 0
+        assert 128 in pg.graphs and not dec.graphs  # captured on first use
+        step = (*pack([p[:5] for p in new], new_slots), nxt, old_slots, [len(p) for p in old])
+        assert mg.fits(15, 3, 2) and not mg.fits(15, 3, 0)
+        for got, want in zip(mg.run(*step), e_mg.run(*step)):
+            assert torch.equal(got, want) and got.dtype == torch.float32
+        for layer in range(a.layers):
+            assert torch.equal(pools[0].k[layer][:6], pools[1].k[layer][:6])
+
+        pg2 = PackedGraphs(Decoder(fail_after=2), pools[0], enabled=True)  # refuses the third bucket (64)
+        pg2.precapture()
+        assert not pg2.enabled and not pg2.graphs
+        assert "capturing the prefill graphs failed; prompt chunks run eagerly" in caplog.text

@@ -274,7 +274,8 @@ class GraphDecoder:
 
     def _capture(self, key: Any, fn: Any, inputs: tuple) -> tuple:
         """Run ``fn(*inputs)`` once on a side stream (warm-up; also this step's result), then
-        capture it into a graph that replays on the same input tensors."""
+        capture it into a graph that replays on the same input tensors, kept in ``graphs`` under
+        ``key`` (None: only returned, for a caller that keeps its own, as ``prefill_graphs`` does)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -283,7 +284,9 @@ class GraphDecoder:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             out = fn(*inputs)
-        self.graphs[key] = entry = (g, inputs, out)
+        entry = (g, inputs, out)
+        if key is not None:
+            self.graphs[key] = entry
         self.captures += 1
         return entry
 

@@ -1,5 +1,5 @@
 """Prompt chunks of up to ``BUCKETS[-1]`` tokens (the default step budget of 640 included) replayed
-from CUDA graphs.
+from CUDA graphs, alone or with a step's decode rows (``PackedGraphs``).
 
 A short prompt is ~2 ms of device work on an H100 behind ~7 ms of eager launches (388 kernels
 for the 1B shape; docs/engine.md "One stream's time to first token"), so each new stream waited
@@ -13,23 +13,33 @@ keeps them out of every real prompt's attention and their KV writes land in the 
 Logits come from ``MAX_PROMPTS`` rows (each real prompt's last token; unused entries read row 0
 and are dropped).  The math per real token is the unpadded packed forward's; only the matmul
 shapes differ (cuBLAS may pick another kernel for 64 rows than for 40: bf16 rounding).
+
+With decode rows (``rows`` = the pool's size; ``mixed_step``) the step's decode rows ride in the same
+forward after the padded prompt rows, padded to ``rows`` with scratch rows as the batched decode pads.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from .graphs import prefill_packed_static
-from .packed_attention import cu_seqlens
+from .mixed_step import mixed_static
+from .packed_attention import cu_seqlens, prefill_attention
 
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768)
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS = 64  # prompts per graphed chunk (their last rows go through the LM head)
+
+# per graph kind (prompt chunks only; with a step's decode rows): its off switch (A/B runs) and the message of a
+# start-up capture that failed
+KINDS = {"prefill": ("SWIFTLM_PREFILL_GRAPHS", "capturing the prefill graphs failed; prompt chunks run eagerly"),
+         "mixed": ("SWIFTLM_MIXED_STEP",
+                   "capturing the mixed prompt + decode graphs failed; such steps run two forwards")}
 
 
 def bucket(tokens: int) -> int | None:
@@ -51,66 +61,110 @@ def padded_inputs(tokens: list[int], slots: list[int], pos: list[int], seg: list
     return host, torch.cat([torch.tensor(last + [0] * (MAX_PROMPTS - n)), cu.long()])
 
 
-class PrefillGraphs:
-    """One CUDA graph of the packed prefill per token bucket (``GraphDecoder``'s memory pool and
-    capture), or, where graphs are off (CPU, tests), the same padded forward run eagerly.
-    ``SWIFTLM_PREFILL_GRAPHS=0`` turns the graphs off (the eager packed path of before, for A/B runs)."""
+class PackedGraphs:
+    """One CUDA graph per token bucket of ``mixed_static`` over the packed, padded first prompt chunks and
+    ``rows`` decode rows (``GraphDecoder``'s memory pool and capture; the graphs are kept here, in ``graphs``
+    by width, not in the decoder's dict: they are bound to this instance's slot pool, and a check script may
+    build one over another pool on the same decoder), or, where graphs are off (CPU, tests), the same padded
+    forward run eagerly.
 
-    def __init__(self, decoder: Any, pool: Any, enabled: bool | None = None):
+    ``rows`` = 0: prompt chunks only (the packed prefill; ``SWIFTLM_PREFILL_GRAPHS=0`` turns the graphs
+    off: the eager packed path of before, for A/B runs).  ``rows`` = the pool's size: a step's decode rows
+    too, padded to ``rows`` with scratch rows, every graph writing its logits into one shared buffer
+    (``SWIFTLM_MIXED_STEP=0`` keeps the two forwards, for A/B runs)."""
+
+    def __init__(self, decoder: Any, pool: Any, rows: int = 0, enabled: bool | None = None):
         self.decoder, self.pool = decoder, pool
+        self.rows = rows  # decode rows per graph
+        self.kind = "mixed" if rows else "prefill"
+        env, self.failure_message = KINDS[self.kind]
         if enabled is None:
-            enabled = os.environ.get("SWIFTLM_PREFILL_GRAPHS", "1") != "0"
+            enabled = os.environ.get(env, "1") != "0"
         self.enabled = enabled
         self.graphs: dict[int, tuple[Any, tuple, torch.Tensor]] = {}
+        self.out: torch.Tensor | None = None  # with decode rows: the logits buffer every graph writes
 
-    def fits(self, tokens: int, prompts: int) -> bool:
-        return self.enabled and prompts <= MAX_PROMPTS and bucket(tokens) is not None
+    def fits(self, prompt_tokens: int, prompts: int, decode_rows: int = 0) -> bool:
+        """A prompt-only instance takes no decode rows, one with decode rows 1 to ``rows``."""
+        return (self.enabled and 0 < prompts <= MAX_PROMPTS and decode_rows <= self.rows
+                and (decode_rows > 0) == (self.rows > 0) and bucket(prompt_tokens) is not None)
 
-    def _fn(self, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, tail: torch.Tensor) -> Any:
-        from .packed_attention import prefill_attention
+    def _inputs(self, p_tokens: list[int], p_slots: list[int], p_pos: list[int], p_seg: list[int],
+                p_last: list[int], d_tokens: Sequence[int], d_slots: Sequence[int], d_pos: Sequence[int],
+                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[4, width + rows] (tokens, slots, positions, segments: the padded prompt rows, then the decode
+        rows padded with scratch rows) and the prompts' logit rows and cumulative lengths
+        (``padded_inputs``)."""
+        ph, tail = padded_inputs(p_tokens, p_slots, p_pos, p_seg, p_last, width, self.pool.scratch,
+                                 self.pool.capacity)
+        if not self.rows:
+            return ph, tail
+        pad = self.rows - len(d_tokens)
+        dh = torch.tensor([list(d_tokens) + [0] * pad, list(d_slots) + [self.pool.scratch] * pad,
+                           list(d_pos) + [0] * pad, [0] * self.rows])
+        return torch.cat([ph, dh], dim=1), tail
 
+    def _fn(self, width: int, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor,
+            tail: torch.Tensor) -> torch.Tensor:
+        """Logits [MAX_PROMPTS + rows, V]: the prompts' logit rows, then the decode rows'."""
         last, cu = tail[:MAX_PROMPTS], tail[MAX_PROMPTS:].int()
-        with prefill_attention(self.decoder.device, t.shape[0]):
-            return prefill_packed_static(self.decoder.model, self.pool, t, s, p, g, last, cu, t.shape[0])
+        rows, splits = last, 0  # prompt-only: graphs.prefill_packed_static's call
+        if self.rows:
+            rows = torch.cat([last, width + torch.arange(self.rows, device=last.device)])
+            splits = self.decoder.splits_for(self.pool.capacity, self.rows)
+        with prefill_attention(self.decoder.device, width):
+            return mixed_static(self.decoder.model, self.pool, t, s, p, g, rows, cu, width, width, splits,
+                                out=self.out)
 
-    def run(self, tokens: list[int], slots: list[int], pos: list[int], seg: list[int],
-            last: list[int]) -> torch.Tensor:
-        """Logits [len(last), V] of each prompt's last token (the caller checked ``fits``)."""
-        width = bucket(len(tokens))
-        host, last_h = padded_inputs(tokens, slots, pos, seg, last, width, self.pool.scratch, self.pool.capacity)
-        n = len(last)
+    def run(self, p_tokens: list[int], p_slots: list[int], p_pos: list[int], p_seg: list[int], p_last: list[int],
+            d_tokens: Sequence[int] = (), d_slots: Sequence[int] = (), d_pos: Sequence[int] = ()
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the prompts' last-token logits [n, V], the decode rows' logits [B, V]); the caller checked
+        ``fits``.  With decode rows float32 copies (the next replay rewrites the shared buffer); prompt-only,
+        the forward's own rows in the model's dtype (B = 0)."""
+        width = bucket(len(p_tokens))
+        host, tail = self._inputs(p_tokens, p_slots, p_pos, p_seg, p_last, d_tokens, d_slots, d_pos, width)
+        n, B = len(p_last), len(d_tokens)
         if not self.decoder.use_graph:
-            t, s, p, g = host.to(self.decoder.device).unbind(0)
-            return self._fn(t, s, p, g, last_h.to(self.decoder.device))[:n]
-        from .staging import stager
+            logits = self._fn(width, *host.to(self.decoder.device).unbind(0), tail.to(self.decoder.device))
+        else:
+            from .staging import stager
 
-        st = stager(self.decoder.device)
-        dev, dev_last = st.to_device(host), st.to_device(last_h)
-        entry = self.graphs.get(width)
-        if entry is None:
-            ins = tuple(x.clone() for x in dev.unbind(0)) + (dev_last.clone(),)
-            entry = self.decoder._capture(("prefill", width), self._fn, ins)
-            self.graphs[width] = entry
-        g_, ins, out = entry
-        for dst, src in zip(ins, tuple(dev.unbind(0)) + (dev_last,)):
-            dst.copy_(src)
-        g_.replay()
-        return out[:n]
+            st = stager(self.decoder.device)
+            dev = tuple(st.to_device(host).unbind(0)) + (st.to_device(tail),)
+            entry = self.graphs.get(width)
+            if entry is None:
+                entry = self._capture(width, tuple(x.clone() for x in dev))
+            g_, ins, logits = entry
+            for dst, src in zip(ins, dev):
+                dst.copy_(src)
+            g_.replay()
+        p_logits, d_logits = logits[:n], logits[MAX_PROMPTS:MAX_PROMPTS + B]
+        if self.rows:  # copies: the next replay rewrites the shared buffer
+            return p_logits.float(), d_logits.float()
+        return p_logits, d_logits
+
+    def _capture(self, width: int, ins: tuple) -> tuple:
+        if self.rows and self.out is None:
+            m = self.decoder.model
+            w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+            self.out = torch.empty((MAX_PROMPTS + self.rows, w.shape[0]), dtype=w.dtype, device=w.device)
+        self.graphs[width] = entry = self.decoder._capture(None, functools.partial(self._fn, width), ins)
+        return entry
 
     def precapture(self) -> None:
-        """Every bucket's graph at start-up (a padding-only chunk into the scratch slot), so that no
-        stream waits for a capture while serving."""
+        """Every bucket's graph at start-up (padding-only rows into the scratch slot), so that no stream
+        waits for a capture while serving (prompt-only: buckets wider than a slot on first use)."""
         if not (self.enabled and self.decoder.use_graph):
             return
-        s = self.pool.scratch
+        s, dev = self.pool.scratch, self.decoder.device
         try:
             for width in BUCKETS:
-                if width > self.pool.capacity or width in self.graphs:
+                if width in self.graphs or (not self.rows and width > self.pool.capacity):
                     continue
-                host, last_h = padded_inputs([0], [s], [0], [0], [0], width, s, self.pool.capacity)
-                ins = tuple(x.to(self.decoder.device) for x in host.unbind(0)) + (last_h.to(self.decoder.device),)
-                self.graphs[width] = self.decoder._capture(("prefill", width), self._fn, ins)
-        except Exception:  # a capture this torch / driver refuses: prompt chunks stay eager
-            log.exception("capturing the prefill graphs failed; prompt chunks run eagerly")
+                host, tail = self._inputs([0], [s], [0], [0], [0], [], [], [], width)
+                self._capture(width, tuple(x.to(dev) for x in host.unbind(0)) + (tail.to(dev),))
+        except Exception:  # a capture this torch / driver refuses: prompt steps run as without these graphs
+            log.exception(self.failure_message)
             self.enabled = False
             self.graphs.clear()

@@ -21,9 +21,8 @@ from swiftlm.errors import UnsupportedArchitecture
 
 from .loader import check_arch, load_state
 from .packed_attention import prefill_attention
-from .mixed_step import MixedGraphs
-from .packed_steps import PackedSteps
-from .prefill_graphs import PrefillGraphs
+from .packed_steps import PackedSteps, PromptChunks
+from .prefill_graphs import PackedGraphs
 from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
@@ -76,10 +75,11 @@ class TorchModel(PackedSteps):
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
         # short first prompt chunks (one prompt or several packed) replay a graph per token bucket
-        self.prefill_graphs = PrefillGraphs(self.graphs, self.pool) if (
+        self.prefill_graphs = PackedGraphs(self.graphs, self.pool) if (
             self.graphs is not None and self.pool is not None) else None
         # a step with decode rows and first prompt chunks: one forward, one graph per token bucket
-        self.mixed_graphs = MixedGraphs(self.graphs, self.pool) if self.prefill_graphs is not None else None
+        self.mixed_graphs = PackedGraphs(self.graphs, self.pool, rows=self.pool.n) if (
+            self.prefill_graphs is not None) else None
         if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
@@ -228,7 +228,8 @@ class TorchModel(PackedSteps):
         rows: dict[int, torch.Tensor] = {}
         batched = None
         prep = None
-        mixed = self._mixed(batch, decode, aid) if dev is None and decode else None
+        chunks = PromptChunks(self, batch, aid)  # the step's packable prompt chunks: worked out once, on first use
+        mixed = self._mixed(batch, decode, aid, chunks) if dev is None and decode else None
         if mixed is not None:  # decode rows and first prompt chunks in one forward
             batched, packed = mixed
             rows = {w.seq_id: j for j, w in enumerate(decode)}
@@ -253,7 +254,7 @@ class TorchModel(PackedSteps):
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         if mixed is None:
-            packed = self._prefill_packed(batch, aid) if dev is None else {}
+            packed = self._prefill_packed(batch, aid, chunks) if dev is None else {}
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
