@@ -6,9 +6,13 @@
 #          (scripts/greedy_probe.py), then `swiftlm bench serve` at N=1/64/128 (~40-token prompts, 128 new
 #          tokens, EOS banned, prompt cache off); then, on the TP=2 server, one rank killed with 8 open
 #          streams (scripts/tp_rank_kill.py): what the clients get and when the server exits
-#   tpar   TP=1, TP=2 with NCCL only, TP=2 with the one-shot symmetric-memory all-reduce (8B; greedy + N=1/64)
+#   tpar   TP=1, TP=2 with NCCL only, TP=2 with the one-shot symmetric-memory all-reduce (8B; greedy + N=1/64);
+#          TPAR_CFGS="tp1 tp2nccl tp2peer" for the peer-store sum fused into add + RMSNorm (SWIFTLM_TP_ALLREDUCE=peer),
+#          TPAR_REPS=n rounds, TPAR_N128=1 adds N=128, TPAR_KILL=1 kills a rank of the tp2peer server at the end
+#   tpprof torch.profiler on rank 0 of TP=2 at one stream, NCCL vs SWIFTLM_TP_ALLREDUCE=peer (kernel tables, gaps)
 #   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
 #   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
+#   tp32bpar  the 32B shape (as tp32b) with TP=1, TP=2 NCCL-only and TP=2 with the peer-store sums
 #   tp32b  a 32B shape (Qwen2.5-32B-like: hidden 5120, 64 layers, 40/8 heads, MLP 27648), TP=1 vs TP=2,
 #          --parallel 64 --ctx-size 256 (65 GB of weights leave ~10 GB on one 80 GB H100), N=1 and N=64
 #   bash scripts/gpu_issue26.sh env tp8b dp tp32b
@@ -121,21 +125,43 @@ for stage in "$@"; do
     tpar)  # the TP all-reduce (backends/torch/tp_allreduce.py): TP=1, then TP=2 with NCCL only, then TP=2 with the
            # one-shot symmetric-memory path; greedy tokens of the two TP=2 servers must be identical
       ckpt 8b 4096 32 32 8 128 14336 || continue
-      for cfg in tp1 tp2nccl tp2symm; do
+      for cfg in ${TPAR_CFGS:-tp1 tp2nccl tp2symm}; do
         tp=2; [ $cfg = tp1 ] && tp=1
-        export SWIFTLM_TP_ALLREDUCE=nccl; [ $cfg = tp2symm ] && export SWIFTLM_TP_ALLREDUCE=symm
+        export SWIFTLM_TP_ALLREDUCE=${cfg#tp2}; [ $cfg = tp1 ] && export SWIFTLM_TP_ALLREDUCE=nccl
         start_server ${cfg}_8b $CK/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
           || continue
         grep -h "all-reduce" $R/serve_${cfg}_8b.log | tail -2
         probe ${cfg}_8b 16
-        bench ${cfg}_8b 1 8 1; bench ${cfg}_8b 64 128 32
-        stop_server; pack
+        for rep in $(seq 1 ${TPAR_REPS:-1}); do
+          bench ${cfg}_8b 1 8 1; bench ${cfg}_8b 64 128 32; [ -n "${TPAR_N128:-}" ] && bench ${cfg}_8b 128 256 32
+          [ $rep -lt ${TPAR_REPS:-1} ] && for f in $R/bench_${cfg}_8b_n*.json; do mv $f ${f%.json}_r$rep.json; done
+        done
+        if [ $cfg = tp2peer ] && [ -n "${TPAR_KILL:-}" ]; then  # a rank killed with streams open, peer sums on
+          timeout 200 "$PY" $REPO/scripts/tp_rank_kill.py --base-url "http://127.0.0.1:$PORT" --server-pid $SPID \
+              --json $R/rank_kill_peer_8b.json | cut -c1-600
+          timeout 120 tail --pid=$SPID -f /dev/null; wait $SPID; echo "[tp2peer_8b] server exit code $?" \
+              | tee $R/rank_kill_peer_8b_exit.txt
+        else stop_server; fi
+        pack
       done
       unset SWIFTLM_TP_ALLREDUCE
+      [ -f $R/greedy_tp2peer_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp2nccl_8b.json \
+          $R/greedy_tp2peer_8b.json --json $R/greedy_equal_peer_vs_nccl_8b.json
       [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp2nccl_8b.json \
           $R/greedy_tp2symm_8b.json --json $R/greedy_equal_symm_vs_nccl_8b.json
       [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_8b.json \
           $R/greedy_tp2symm_8b.json --json $R/greedy_equal_symm_vs_tp1_8b.json ;;
+    tpprof)  # rank 0 of TP=2 (8B, one stream, 128 tokens) under torch.profiler, NCCL vs the peer-store sums:
+             # kernel tables ($R/prof_*.txt) and the device's idle gaps (scripts/trace_gaps.py)
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      mkdir -p /tmp/run && cp $REPO/scripts/profile_engine.py /tmp/run/  # (from the checkout it would import its sources)
+      for m in nccl peer; do
+        SWIFTLM_TP_ALLREDUCE=$m timeout 240 "$PY" /tmp/run/profile_engine.py --model $CK/m8b --tensor-parallel 2 \
+            --streams 1,1 --tokens 128 --ctx-size 1024 --torch-profile $R/prof_tp2$m.txt --trace /tmp/trace_$m.json \
+            --json $R/prof_tp2$m.json 2>&1 | tail -4
+        "$PY" $REPO/scripts/trace_gaps.py /tmp/trace_$m.json --json $R/gaps_tp2$m.json 2>&1 | head -12
+        rm -f /tmp/trace_$m.json; pack
+      done ;;
     tp8b-ep)
       ckpt 8b 4096 32 32 8 128 14336 || continue
       start_server tp1ep_8b $CK/m8b --parallel 128 --ctx-size 1024 --engine-process on || continue
@@ -150,6 +176,23 @@ for stage in "$@"; do
           timeout ${ARCHS_TIMEOUT:-400} python3 $ARCHS_ROOT/scripts/gpu_archs.py --tokenizer-from $TOK \
           --out $R/gpu_archs.json > $R/gpu_archs.log 2>&1; echo "exit $?" >> $R/gpu_archs.log) &
       ARCHS_PID=$! ;;
+    tp32bpar)  # the 32B shape: TP=1, TP=2 with NCCL only, TP=2 with the peer-store sums (N=1 and N=64, greedy)
+      rm -rf $CK/m8b
+      ckpt 32b 5120 64 40 8 128 27648 || continue
+      for cfg in tp1 tp2nccl tp2peer; do
+        tp=2; [ $cfg = tp1 ] && tp=1
+        export SWIFTLM_TP_ALLREDUCE=${cfg#tp2}; [ $cfg = tp1 ] && export SWIFTLM_TP_ALLREDUCE=nccl
+        start_server ${cfg}_32b $CK/m32b --tensor-parallel $tp --parallel 64 --ctx-size 256 --engine-process off \
+          || continue
+        probe ${cfg}_32b 8
+        bench ${cfg}_32b 1 4 1; bench ${cfg}_32b 64 128 32
+        stop_server; pack
+      done
+      unset SWIFTLM_TP_ALLREDUCE
+      [ -f $R/greedy_tp2peer_32b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare \
+          $R/greedy_tp2nccl_32b.json $R/greedy_tp2peer_32b.json --json $R/greedy_equal_peer_vs_nccl_32b.json
+      [ -f $R/greedy_tp2peer_32b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare \
+          $R/greedy_tp1_32b.json $R/greedy_tp2peer_32b.json --json $R/greedy_equal_32b.json ;;
     tp32b)
       rm -rf $CK/m8b
       ckpt 32b 5120 64 40 8 128 27648 || continue

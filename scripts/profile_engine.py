@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--json", default=None)
     ap.add_argument("--ctx-size", type=int, default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (this process is rank 0; its profile)")
     ap.add_argument("--trace", default=None, metavar="JSON",
                     help="with --torch-profile: also write the chrome trace here")
     ap.add_argument("--sync-debug", action="store_true",
@@ -125,6 +126,8 @@ def main() -> None:
 
     ns = [int(n) for n in a.streams.split(",")]
     extra = {"ctx_size": a.ctx_size} if a.ctx_size else {}
+    if a.tensor_parallel > 1:
+        extra["tensor_parallel"] = a.tensor_parallel
     llm = LLM(a.model, backend=a.backend, parallel=max(ns), prompt_cache_bytes=0, **extra)  # one load for all N
     syncs = None
     if a.sync_debug:
@@ -133,10 +136,10 @@ def main() -> None:
         syncs = SyncLog() if torch.cuda.is_available() else print("--sync-debug: no CUDA device; ignored")
     try:
         rows = []
-        for n in ns:
+        for i, n in enumerate(ns):
             if syncs:
                 syncs.start()
-            if a.torch_profile and n == ns[-1]:
+            if a.torch_profile and i == len(ns) - 1:  # the last run (``--streams 1,1``: a warm run, then this)
                 rows.append(profiled(llm, n, a, a.torch_profile))
             else:
                 rows.append(run(llm, n, a.tokens, a.temperature))

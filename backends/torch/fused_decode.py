@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import SeqCache
-from .linear_rows import out_proj, rows_linear
+from .linear_rows import rows_linear
 from .model import Transformer
+from .tp_allreduce import out_proj_add_rmsnorm
 
 
 def fusable(model: Any) -> bool:
@@ -55,14 +56,14 @@ def _after_attention(model: Transformer, i: int, x: torch.Tensor, o: torch.Tenso
     """Layer ``i`` after its attention output ``o`` (rows, before o_proj): o_proj, residual add + norm, the MLP,
     residual add + the next layer's input norm (the final norm after the last layer).  ``x`` (the residual
     stream) is updated in place; returns the normed rows the next layer (or the LM head) reads."""
-    from swiftlm.cuda_ext.decode_kernels import add_rmsnorm, silu_mul
+    from swiftlm.cuda_ext.decode_kernels import silu_mul
 
     blocks, eps = model.layers, model.a.eps
     blk = blocks[i]
-    h = add_rmsnorm(x, out_proj(blk.self_attn.o_proj, o).contiguous(), blk.post_attention_layernorm.weight, eps)
-    d = out_proj(blk.mlp.down_proj, silu_mul(rows_linear(h, blk.mlp.gate_up).contiguous())).contiguous()
+    h = out_proj_add_rmsnorm(blk.self_attn.o_proj, o, x, blk.post_attention_layernorm.weight, eps)
+    g = silu_mul(rows_linear(h, blk.mlp.gate_up).contiguous())
     nxt = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else model.norm
-    return add_rmsnorm(x, d, nxt.weight, eps)
+    return out_proj_add_rmsnorm(blk.mlp.down_proj, g, x, nxt.weight, eps)
 
 
 def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
