@@ -6,7 +6,9 @@ kernel of its own with a fixed latency, and it breaks the chain of programmatic 
 of the Triton kernels around it.  Here the sum costs two Triton kernels, both PDL-launched:
 
 - ``push``: each rank stores its partial rows straight into its peer's receive buffer (peer-mapped symmetric
-  memory, over NVLink), then raises the peer's per-row ``full`` flag (a release at system scope);
+  memory, over NVLink), then raises the peer's per-row ``full`` flag (a release at system scope).  (Tried: the
+  one-row GEMV sending its own result from its last program, to save this launch: slower, 265-269 against
+  277-278 tok/s for an 8B shape at one stream: docs/results/tp_peer_h100x2_s17/gemv_send_tried);
 - ``recv_add_rmsnorm``: each rank waits for its own ``full`` flag (acquire), adds its partial and the
   received one (rounded to the model's dtype, as NCCL rounds its sum), then does what ``add_rmsnorm`` does
   (``x += sum``; returns ``rmsnorm(x) * w``), clears its ``full`` flag and raises the peer's ``free`` flag.
@@ -30,18 +32,25 @@ from .pdl import launch_kw
 
 
 @triton.jit
-def _push_kernel(y, peer_recv, peer_full, own_free, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    b = tl.program_id(0)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-    got = tl.atomic_cas(own_free + b, 1, 0, sem="acquire", scope="sys")  # the peer read the last payload
+def send_row(y, peer_recv, peer_full, own_free, b, N, BLOCK: tl.constexpr):
+    """Row ``b`` of ``y`` [rows, N] into the peer's receive buffer, then the peer's ``full`` flag for it (once the
+    peer has read the last payload of that row: ``own_free``).  One program per row (``_push_kernel``)."""
+    got = tl.atomic_cas(own_free + b, 1, 0, sem="acquire", scope="sys")
     while got != 1:
         got = tl.atomic_cas(own_free + b, 1, 0, sem="acquire", scope="sys")
-    i = tl.arange(0, BLOCK)
-    m = i < N
-    tl.store(peer_recv + b * N + i, tl.load(y + b * N + i, mask=m, other=0.0), mask=m)
+    for i0 in range(0, N, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < N
+        tl.store(peer_recv + b * N + i, tl.load(y + b * N + i, mask=m, other=0.0, volatile=True), mask=m)
     tl.debug_barrier()  # every thread's stores before the flag
     tl.atomic_xchg(peer_full + b, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _push_kernel(y, peer_recv, peer_full, own_free, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    send_row(y, peer_recv, peer_full, own_free, tl.program_id(0), N, BLOCK)
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -80,7 +89,8 @@ def push(y: torch.Tensor, peer_recv: torch.Tensor, peer_full: torch.Tensor, own_
     """Send ``y`` [rows, N] (contiguous) into the peer's receive buffer and raise its flags for those rows."""
     rows, N = y.shape
     assert y.is_contiguous() and rows <= peer_full.numel() and rows * N <= peer_recv.numel()
-    _push_kernel[(rows,)](y, peer_recv, peer_full, own_free, N=N, BLOCK=triton.next_power_of_2(N), **launch_kw(y))
+    _push_kernel[(rows,)](y, peer_recv, peer_full, own_free, N=N, BLOCK=min(4096, triton.next_power_of_2(N)),
+                          **launch_kw(y))
 
 
 def recv_add_rmsnorm(x: torch.Tensor, y: torch.Tensor, recv: torch.Tensor, own_full: torch.Tensor,

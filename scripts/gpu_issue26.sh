@@ -8,7 +8,9 @@
 #          streams (scripts/tp_rank_kill.py): what the clients get and when the server exits
 #   tpar   TP=1, TP=2 with NCCL only, TP=2 with the one-shot symmetric-memory all-reduce (8B; greedy + N=1/64);
 #          TPAR_CFGS="tp1 tp2nccl tp2peer" for the peer-store sum fused into add + RMSNorm (SWIFTLM_TP_ALLREDUCE=peer),
-#          TPAR_REPS=n rounds, TPAR_N128=1 adds N=128, TPAR_KILL=1 kills a rank of the tp2peer server at the end
+#          TPAR_REPS=n rounds, TPAR_N128=1 adds N=128, TPAR_NO64=1 drops N=64, TPAR_NOPROBE1=1 skips TP=1's greedy
+#          probe, TPAR_KILL=1 kills a rank of the tp2peer server at the end; cfg tp2peerpush: the peer sums with
+#          SWIFTLM_TP_PEER_GEMV=0 (the one-row GEMV's result sent by a push kernel)
 #   tpprof torch.profiler on rank 0 of TP=2 at one stream, NCCL vs SWIFTLM_TP_ALLREDUCE=peer (kernel tables, gaps)
 #   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
 #   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
@@ -127,13 +129,16 @@ for stage in "$@"; do
       ckpt 8b 4096 32 32 8 128 14336 || continue
       for cfg in ${TPAR_CFGS:-tp1 tp2nccl tp2symm}; do
         tp=2; [ $cfg = tp1 ] && tp=1
-        export SWIFTLM_TP_ALLREDUCE=${cfg#tp2}; [ $cfg = tp1 ] && export SWIFTLM_TP_ALLREDUCE=nccl
+        export SWIFTLM_TP_ALLREDUCE=${cfg#tp2} SWIFTLM_TP_PEER_GEMV=1; [ $cfg = tp1 ] && export SWIFTLM_TP_ALLREDUCE=nccl
+        # tp2peerpush: the peer-store sums with the one-row GEMV's result sent by a push kernel of its own
+        [ $cfg = tp2peerpush ] && export SWIFTLM_TP_ALLREDUCE=peer SWIFTLM_TP_PEER_GEMV=0
         start_server ${cfg}_8b $CK/m8b --tensor-parallel $tp --parallel 128 --ctx-size 1024 --engine-process off \
           || continue
         grep -h "all-reduce" $R/serve_${cfg}_8b.log | tail -2
-        probe ${cfg}_8b 16
+        [ $cfg != tp1 ] || [ -z "${TPAR_NOPROBE1:-}" ] && probe ${cfg}_8b 16
         for rep in $(seq 1 ${TPAR_REPS:-1}); do
-          bench ${cfg}_8b 1 8 1; bench ${cfg}_8b 64 128 32; [ -n "${TPAR_N128:-}" ] && bench ${cfg}_8b 128 256 32
+          bench ${cfg}_8b 1 8 1; [ -z "${TPAR_NO64:-}" ] && bench ${cfg}_8b 64 128 32
+          [ -n "${TPAR_N128:-}" ] && bench ${cfg}_8b 128 256 32
           [ $rep -lt ${TPAR_REPS:-1} ] && for f in $R/bench_${cfg}_8b_n*.json; do mv $f ${f%.json}_r$rep.json; done
         done
         if [ $cfg = tp2peer ] && [ -n "${TPAR_KILL:-}" ]; then  # a rank killed with streams open, peer sums on
@@ -144,9 +149,11 @@ for stage in "$@"; do
         else stop_server; fi
         pack
       done
-      unset SWIFTLM_TP_ALLREDUCE
-      [ -f $R/greedy_tp2peer_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp2nccl_8b.json \
-          $R/greedy_tp2peer_8b.json --json $R/greedy_equal_peer_vs_nccl_8b.json
+      unset SWIFTLM_TP_ALLREDUCE SWIFTLM_TP_PEER_GEMV
+      [ -f $R/greedy_tp2peer_8b.json ] && [ -f $R/greedy_tp2nccl_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py \
+          --compare $R/greedy_tp2nccl_8b.json $R/greedy_tp2peer_8b.json --json $R/greedy_equal_peer_vs_nccl_8b.json
+      [ -f $R/greedy_tp2peer_8b.json ] && [ -f $R/greedy_tp2peerpush_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py \
+          --compare $R/greedy_tp2peerpush_8b.json $R/greedy_tp2peer_8b.json --json $R/greedy_equal_gemv_vs_push_8b.json
       [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp2nccl_8b.json \
           $R/greedy_tp2symm_8b.json --json $R/greedy_equal_symm_vs_nccl_8b.json
       [ -f $R/greedy_tp2symm_8b.json ] && "$PY" $REPO/scripts/greedy_probe.py --compare $R/greedy_tp1_8b.json \
