@@ -3,8 +3,9 @@
 Each rank holds a slice of every layer: attention by heads (the K/V heads of its query heads;
 with fewer KV heads than ranks each rank keeps a copy of the one KV head its query heads read),
 the MLP column-parallel (gate/up rows) then row-parallel (down columns), the embedding and the LM
-head by vocabulary.  Two all-reduces per layer (after ``o_proj`` and after ``down_proj``) and one
-for the embedding; the LM head's vocabulary slices are gathered once per step, outside any CUDA
+head by vocabulary.  Two all-reduces per layer (after ``o_proj`` and after ``down_proj``; in a fused
+decode step with two ranks, peer stores summed inside the add + RMSNorm that follows: ``tp_allreduce``)
+and one for the embedding; the LM head's vocabulary slices are gathered once per step, outside any CUDA
 graph, so that rank 0's sampler sees full logits.  The paged KV cache is sharded by heads for free:
 every cache is built from the rank's local ``Args`` (its own head count).
 
@@ -322,7 +323,8 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
     del state
     from .tp_allreduce import setup as setup_all_reduce
 
-    setup_all_reduce(device, dtype)  # every rank, same point: the one-shot symmetric-memory path on CUDA
+    # every rank, same point: peer-store sums (two ranks of one host) or NCCL on CUDA
+    setup_all_reduce(device, dtype, one_host=info is None or info.local_world in (0, info.world))
     log.info("tensor-parallel rank %d/%d: query heads [%d, %d), KV heads [%d, %d), MLP columns [%d, %d), "
              "vocabulary rows [%d, %d)", rank, world, plan.q0, plan.q1, plan.kv0, plan.kv1, plan.i0, plan.i1,
              plan.v0, plan.v0 + plan.vocab_rows)

@@ -134,18 +134,19 @@ def out_proj_add_rmsnorm(lin: Any, inp: torch.Tensor, x: torch.Tensor, w: torch.
     return add_rmsnorm(x, out_proj(lin, inp).contiguous(), w, eps)
 
 
-def setup(device: torch.device, dtype: torch.dtype) -> str:
-    """Choose the all-reduce for this process group (every rank calls it at load, in the same order).
-    Returns the mode; the reason for a fallback is logged."""
+def setup(device: torch.device, dtype: torch.dtype, one_host: bool = True) -> str:
+    """Choose the all-reduce for this process group (every rank calls it at load, in the same order;
+    ``one_host``: every rank on this machine, as peer stores need).  Returns the mode; the reason for a
+    fallback is logged."""
     global _impl, _peer, _mode
     _impl, _peer, _mode = None, None, "nccl"
     want = os.environ.get("SWIFTLM_TP_ALLREDUCE", "peer")
     if device.type != "cuda" or want not in ("symm", "peer") or dtype not in (torch.bfloat16, torch.float16):
         return _mode
     if want == "peer":
-        if dist.get_world_size() != 2:  # built for two ranks
-            log.info("tensor-parallel all-reduce: NCCL (the peer-store sums are built for two ranks, not %d)",
-                     dist.get_world_size())
+        if dist.get_world_size() != 2 or not one_host:  # built for two ranks of one machine
+            log.info("tensor-parallel all-reduce: NCCL (the peer-store sums are built for two ranks on one host; "
+                     "this group has %d%s)", dist.get_world_size(), "" if one_host else " over several hosts")
             return _mode
         return _setup_peer(device, dtype)
     err = None
