@@ -91,15 +91,9 @@ class PeerSum:
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += all_reduce(y)``; returns ``rmsnorm(x) * w`` (x, y: [rows, N] contiguous, this rank's partial y)."""
-        from swiftlm.cuda_ext.peer_sum import push
+        from swiftlm.cuda_ext.peer_sum import push, recv_add_rmsnorm
 
         push(y, self.peer_recv, self.peer_full, self.free)
-        return self.receive(x, y, w, eps)
-
-    def receive(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """The second half of ``add_rmsnorm``, for a ``y`` already pushed."""
-        from swiftlm.cuda_ext.peer_sum import recv_add_rmsnorm
-
         return recv_add_rmsnorm(x, y, self.recv, self.full, self.peer_free, w, eps)
 
 
