@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kw
+
 _PLANES = {1: (1, 0), 2: (2, 0), 3: (2, 1), 4: (4, 0)}
 
 
@@ -76,11 +78,70 @@ def _mux(x, c_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _spread2(x):
+    """Eight 2-bit fields (bits 0-15 of uint32 ``x``) -> eight nibbles, field t in nibble t."""
+    x = (x | (x << 8)) & 0x00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F
+    return (x | (x << 2)) & 0x33333333
+
+
+@triton.jit
+def _spread1(y):
+    """Eight bits (bits 0-7 of uint32 ``y``) -> bit 0 of eight nibbles, bit t in nibble t."""
+    y = (y | (y << 12)) & 0x000F000F
+    y = (y | (y << 6)) & 0x03030303
+    return (y | (y << 3)) & 0x11111111
+
+
+@triton.jit
+def _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """2- or 3-bit codes as selector words [BLOCK_N, D // 8]: element c holds codes 8c .. 8c + 7 in its
+    nibbles (code 8c + t in nibble t), built from 32-bit words of the 2-bit plane (16 codes each) and
+    16-bit words of the 1-bit plane by shifts and masks on whole words (SWAR), ~2 integer ops per code."""
+    jw = tl.arange(0, D // 16)
+    w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
+    w = w.to(tl.uint32, bitcast=True)
+    lo = _spread2(w & 0xFFFF)
+    hi = _spread2(w >> 16)
+    if W1 > 0:
+        hb = tl.load(p1.to(tl.pointer_type(tl.int16)) + nn[:, None] * (row_bytes1 // 2) + jw[None, :])
+        hb = hb.to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = lo | (_spread1(hb & 0xFF) << 2)
+        hi = hi | (_spread1(hb >> 8) << 2)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D // 8))
+
+
+@triton.jit
+def _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Eight [BLOCK_N, D // 8] tensors (v_t: code 8c + t at element c) -> [BLOCK_N, D] in code order
+    (tl.join adds its axis innermost, so the last join picks bit 0 of t)."""
+    ev = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    od = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(ev, od), (BLOCK_N, D))
+
+
+@triton.jit
 def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr):
+              BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr,
+              SWAR: tl.constexpr = 0):
     """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
     split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``PRMT`` (CUDA):
-    the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees."""
+    the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees.
+    ``SWAR`` (2- and 3-bit codes, D % 16 == 0): selector words built from whole 32-bit words
+    (``_sel_words``), looked up by ``prmt_asm8`` (eight codes per asm call) or the select trees."""
+    if W0 == 2 and SWAR:
+        sel = _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1, BLOCK_N, D)
+        if PRMT:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [sel], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            NB: tl.constexpr = W0 + W1
+            si = sel.to(tl.int32, bitcast=True)
+            v0, v1 = _mux(si & 7, c_ptr, NB), _mux((si >> 4) & 7, c_ptr, NB)
+            v2, v3 = _mux((si >> 8) & 7, c_ptr, NB), _mux((si >> 12) & 7, c_ptr, NB)
+            v4, v5 = _mux((si >> 16) & 7, c_ptr, NB), _mux((si >> 20) & 7, c_ptr, NB)
+            v6, v7 = _mux((si >> 24) & 7, c_ptr, NB), _mux((si >> 28) & 7, c_ptr, NB)
+        return _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, D)
     if W0 == 4 and PRMT:
         j = tl.arange(0, D // 2)
         b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :])
@@ -126,6 +187,37 @@ def _signs_nat(ptr, nn, D: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, vc_ptr, lo, per, N, m, l,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr,
+                    VW0: tl.constexpr, VW1: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr,
+                    VASM: tl.constexpr, VPRMT: tl.constexpr, KSWAR: tl.constexpr, VSWAR: tl.constexpr):
+    """``_tq_attn_kernel``'s loop with the code tiles as first operands: scores^T [BLOCK_N, RP] = K q^T
+    and the value sum kept transposed, acc^T [D, RP] += V^T p^T (fp16 operands, natural order, no QJL).
+    Pointers are already offset to the program's KV head.  Returns (m, l, acc^T)."""
+    qT = tl.trans(q)                                                   # [D, RP] fp16
+    accT = tl.zeros((D, RP), tl.float32)
+    for t in range(0, per):
+        n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = n < N
+        nn = tl.where(ok, n, 0)
+        kvec = _mux_tile(kp0, kp1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D, KASM, KPRMT, KSWAR)
+        knv = tl.load(kn + nn).to(tl.float32)
+        sT = tl.dot(kvec, qT)                                          # [BLOCK_N, RP]
+        sT = tl.where(ok[:, None], sT * knv[:, None], float("-inf"))
+        m_new = tl.maximum(m, tl.max(sT, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        pT = tl.exp(sT - m_safe[None, :])
+        vvec = _mux_tile(vp0, vp1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D, VASM, VPRMT, VSWAR)
+        vnv = tl.load(vn + nn).to(tl.float32)
+        pvT = (pT * vnv[:, None]).to(tl.float16)
+        accT = accT * alpha[None, :] + tl.dot(tl.trans(vvec), pvT)
+        l = l * alpha + tl.sum(pT, axis=0)
+        m = m_new
+    return m, l, accT
+
+
+@triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
                     m_out, l_out, acc_out, N, n_ptr, qjl_scale,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
@@ -133,17 +225,22 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KNAT: tl.constexpr,
                     VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
-                    VPRMT: tl.constexpr, DIAG: tl.constexpr = 0):
+                    VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
+                    TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
     BLOCK_N tiles, sized from the row count (read on the device when N_PTR: a CUDA graph replays
     with any count).  Codes are unpacked in s-major order; the query (and QJL's S q) is loaded in
     the keys' s-major order, and the value sum is kept in the values' order and stored back in the
-    natural one.  F16: dots on fp16 operands with fp32 accumulation (tensor cores); else fp32."""
+    natural one.  F16: dots on fp16 operands with fp32 accumulation (tensor cores); else fp32.
+    TRANS (fp16, natural-order tiles): the code tiles are the dots' first operands (scores^T = K q^T,
+    sum^T = V^T p^T), as in the affine kernel.  GDC: programmatic dependent launch (``pdl.py``)."""
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     if N_PTR:
         N = tl.load(n_ptr)
     KPER: tl.constexpr = 8 // KW0
@@ -169,6 +266,17 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     lo = sp * per * BLOCK_N
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
+    if TRANS:
+        m, l, accT = _tq_range_trans(q, kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, kn_ptr + g * kn_head, kc_ptr,
+                                     vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, vn_ptr + g * vn_head, vc_ptr,
+                                     lo, per, N, m, l, D, BLOCK_N, RP, KW0, KW1, VW0, VW1, KASM, KPRMT, VASM, VPRMT,
+                                     KSWAR, VSWAR)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(m_out + h * S + sp, m, mask=rv)
+        tl.store(l_out + h * S + sp, l, mask=rv)
+        tl.store(acc_out + (h[None, :] * S + sp) * D + col[:, None], accT, mask=rv[None, :])
+        return
     acc = tl.zeros((RP, D), tl.float32)
     for t in range(0, per):
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,7 +284,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         nn = tl.where(ok, n, 0)
         if KNAT:
             kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
-                             KASM, KPRMT)
+                             KASM, KPRMT, KSWAR)
         else:
             kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kj, ks_, KW0, KW1, KPER, BLOCK_N, D)
             kvec = tl.load(kc_ptr + kc)                               # centroids [BLOCK_N, D]
@@ -199,7 +307,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         p = tl.exp(s - m_safe[:, None])
         if VNAT:
             vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D,
-                             VASM, VPRMT)
+                             VASM, VPRMT, VSWAR)
         else:
             vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vj, vs_, VW0, VW1, VPER, BLOCK_N, D)
             vvec = tl.load(vc_ptr + vc)
@@ -213,6 +321,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
             acc = acc * alpha[:, None] + tl.dot(pv, vvec, input_precision="ieee")
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(m_out + h * S + sp, m, mask=rv)
     tl.store(l_out + h * S + sp, l, mask=rv)
     tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
@@ -268,25 +378,54 @@ def dense_rows_online(acc, l, m, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_ro
 
 
 @triton.jit
+def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB: tl.constexpr):
+    """``merge_splits`` over SB splits at a time (two passes: the max, then the weighted sums), so that
+    a head's [S, len(cols)] partials never sit in registers at once (S is ~130 on an H100)."""
+    sidx = tl.arange(0, SB)
+    mv = tl.full((SB,), float("-inf"), tl.float32)
+    for s0 in range(0, S, SB):
+        mv = tl.maximum(mv, tl.load(m_ptr + h * S + s0 + sidx, mask=s0 + sidx < S, other=float("-inf")))
+    mc = tl.max(mv, axis=0)
+    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
+    lv = tl.zeros((SB,), tl.float32)
+    acc = tl.zeros((SB, cols.shape[0]), tl.float32)
+    for s0 in range(0, S, SB):
+        s = s0 + sidx
+        ok = s < S
+        w = tl.exp(tl.load(m_ptr + h * S + s, mask=ok, other=float("-inf")) - mc_safe)
+        lv += w * tl.load(l_ptr + h * S + s, mask=ok, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + (h * S + s[:, None]) * D + cols[None, :], mask=ok[:, None], other=0.0)
+    return mc, tl.sum(lv, axis=0), tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
                        dk_head, dk_row, dv_head, dv_row,
                        D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, VALID: tl.constexpr):
+                       BLOCK_R: tl.constexpr, VALID: tl.constexpr, SB: tl.constexpr = 0, GDC: tl.constexpr = 0):
     """One program per (query head, DS output coordinates): merge the head's S split partials
-    ([BS, D] at once), rotate the code part back for its coordinates (acc @ R[:, slice]), attend
-    over the 16-bit rows (dense window, original domain; ``valid`` masks a static buffer's rows;
-    scores over all D, values for the slice) and write the normalised slice in the output's dtype."""
+    ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
+    coordinates (acc @ R[:, slice]), attend over the 16-bit rows (dense window, original domain;
+    ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
+    normalised slice in the output's dtype."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)   # acc [D], rotated domain
+    if SB > 0:
+        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
+    else:
+        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)   # acc [D], rotated domain
     rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])                 # R[:, slice] [D, DS]
     code = tl.sum(acc[:, None] * rot, axis=0)                            # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     code, l = dense_rows_online(code, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
                                 R, scale, BLOCK_R, VALID, False)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
 
 
@@ -344,23 +483,65 @@ def prmt_asm3(centroids: torch.Tensor) -> str:
             "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
 
 
+def prmt_asm8(centroids: torch.Tensor) -> str:
+    """Inline PTX for 2- and 3-bit codes given as a selector word (``_sel_words``: eight codes, one
+    per nibble): per four codes one ``prmt`` per byte half looks the centroids up in the <= 8 entries
+    held as immediates and two more assemble fp16 pairs; outputs $0..$7 are the eight fp16 centroids
+    in code order (16-bit registers), input $8."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = (bits + [0] * 8)[:8]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    def four(sel: str, o0: str, o1: str) -> str:
+        return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
+                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh, tqs, tqo0, tqo1, tqo2, tqo3; "
+            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
+            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            + four("$8", "tqo0", "tqo1") + "shr.b32 tqs, $8, 16; " + four("tqs", "tqo2", "tqo3")
+            + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }")
+
+
 _ASMS: dict[tuple, tuple] = {}
 
 
-def _prmt_for(centroids: torch.Tensor, bits: int) -> str:
+def _prmt_for(centroids: torch.Tensor, bits: int, swar: bool = False) -> str:
     """The inline PTX lookup for a codebook on CUDA ('' elsewhere, or with SWIFTLM_TQ_PRMT=0: the
-    select trees); built with one host read per codebook, on its first (eager) use."""
+    select trees); built with one host read per codebook, on its first (eager) use.  ``swar``: the
+    eight-code form for selector words (2- and 3-bit codes)."""
     if bits not in (2, 3, 4) or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
         return ""
-    key = (centroids.data_ptr(), centroids.device, bits)
+    swar = swar and bits in (2, 3)
+    key = (centroids.data_ptr(), centroids.device, bits, swar)
     hit = _ASMS.get(key)
     if hit is None or hit[0] is not centroids:
-        hit = _ASMS[key] = (centroids, prmt_asm(centroids) if bits == 4 else prmt_asm3(centroids))
+        make = prmt_asm if bits == 4 else prmt_asm8 if swar else prmt_asm3
+        hit = _ASMS[key] = (centroids, make(centroids))
     return hit[1]
 
 
+def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int) -> bool:
+    """Selector words (``_sel_words``) read the 2-bit plane as 32-bit and the 1-bit plane as 16-bit
+    words: every row and head offset must be aligned to that (SWIFTLM_TQ_SWAR=0: the byte path)."""
+    if w0 != 2 or D % 16 or os.environ.get("SWIFTLM_TQ_SWAR", "1") == "0":
+        return False
+    p0 = planes[0]
+    ok = p0.data_ptr() % 4 == 0 and p0.stride(0) % 4 == 0 and p0.stride(1) % 4 == 0
+    if w1:
+        p1 = planes[1]
+        ok = ok and p1.data_ptr() % 2 == 0 and p1.stride(0) % 2 == 0 and p1.stride(1) % 2 == 0
+    return ok
+
+
 _SM_COUNT: dict[int, int] = {}
-_TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages) set by scripts/bench_tq_kernel.py sweeps
+_TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages / TRANS) set by scripts/bench_tq_kernel.py sweeps
+_COMBINE: dict[str, int] = {}  # the combine pass's knobs (SB, BLOCK_R, num_warps), same use
+_LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
+TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
@@ -398,9 +579,17 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     # fp16 and 2-4-bit codes: natural coordinate order, prmt lookups on CUDA (select trees elsewhere)
     knat = f16 and D % 8 == 0 and kw0 + kw1 in (2, 3, 4)
     vnat = f16 and D % 8 == 0 and vw0 + vw1 in (2, 3, 4)
-    kasm = _prmt_for(k_centroids, kw0 + kw1) if knat else ""
-    vasm = _prmt_for(v_centroids, vw0 + vw1) if vnat else ""
-    _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
+    kswar = knat and _swar_ok(k_planes, kw0, kw1, D)
+    vswar = vnat and _swar_ok(v_planes, vw0, vw1, D)
+    kasm = _prmt_for(k_centroids, kw0 + kw1, kswar) if knat else ""
+    vasm = _prmt_for(v_centroids, vw0 + vw1, vswar) if vnat else ""
+    tune = dict(_TUNE)
+    # code tiles as first operands where the keys go through selector words (k3v2 at 32K: 48.1 -> 41.7 us
+    # on an H100; k4v3 45.6 vs 46.4, so not there); SWIFTLM_TQ_TRANS=0/1 overrides
+    trans = tune.pop("TRANS", kswar if TRANS_DEFAULT is None else TRANS_DEFAULT) and knat and vnat and qjl is None
+    if "GDC" not in tune:
+        tune.update(launch_kw(q_rot))
+    _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale),
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
@@ -409,7 +598,7 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
-                            **_TUNE)
+                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), **tune)
     return m, l, acc
 
 
@@ -457,12 +646,45 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
     R = dk.shape[1]
-    ds = min(D, 32)
-    _tq_combine_kernel[(H, D // ds)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
+    # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10 (H100, 8B
+    # shape at 32K, whole attention 52.0 -> 46.8 us; tq_kernel_s18e.log)
+    kw = {"SB": 32, "BLOCK_R": 64, "num_warps": 4, "DS": min(D, 32)}
+    kw.update(_COMBINE)
+    ds = kw["DS"]
+    if "GDC" not in kw:
+        kw.update(launch_kw(q))
+    _LAST["combine"] = _tq_combine_kernel[(H, D // ds)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
                                      valid if valid is not None else m, out, R, S, float(scale),
                                      dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                                     D=D, DS=ds, BS=max(2, triton.next_power_of_2(S)), REP=rep, BLOCK_R=16,
-                                     VALID=valid is not None, num_warps=4)
+                                     D=D, BS=max(2, triton.next_power_of_2(S)), REP=rep,
+                                     VALID=valid is not None, **kw)
+    return out
+
+
+@triton.jit
+def _rotate_rows_kernel(x_ptr, m_ptr, out_ptr, D: tl.constexpr, DS: tl.constexpr, GDC: tl.constexpr):
+    """Program (row h, DS output columns): out[h, cols] = x[h, :] @ M[:, cols], fp32."""
+    h = tl.program_id(0)
+    e = tl.program_id(1) * DS + tl.arange(0, DS)
+    d = tl.arange(0, D)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + h * D + d).to(tl.float32)
+    mat = tl.load(m_ptr + d[:, None] * D + e[None, :])
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + h * D + e, tl.sum(x[:, None] * mat, axis=0))
+
+
+def rotate_rows(x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
+    """x [H, D] (any float dtype) @ mat [D, D] (fp32) -> fp32 [H, D]: the decode row's query rotated
+    (and scaled, ``mat`` = R^T * scale) in one kernel on CUDA instead of a cast, a matmul and a scale."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return x.float() @ mat
+    H, D = x.shape
+    out = torch.empty(H, D, dtype=torch.float32, device=x.device)
+    ds = min(D, 32)
+    _rotate_rows_kernel[(H, D // ds)](x.contiguous(), mat, out, D=D, DS=ds, num_warps=4, **launch_kw(x))
     return out
 
 

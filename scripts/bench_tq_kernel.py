@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 H, KVH, D = 32, 8, 128
-WINDOW = 64
+WINDOW = 64  # 16-bit rows beside the codes (--window; a static cache's buffer holds 160 with the default preset)
 
 
 def timed(fn, reps: int = 20, inner: int = 10) -> float:
@@ -118,13 +118,16 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="block_n:num_warps:num_stages,... variants timed per preset")
     ap.add_argument("--kv-bits", default="", help="affine kv_bits formats to time (e.g. 8,4)")
     ap.add_argument("--group", type=int, default=64, help="affine group size")
+    ap.add_argument("--window", type=int, default=64, help="16-bit rows the combine pass attends")
     a = ap.parse_args()
+    global WINDOW
+    WINDOW = a.window
     import torch
 
     from swiftlm.backends.torch.kv_quant import TurboCodec
     from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
     from swiftlm.cuda_ext import turboquant_kernels as tk
-    from swiftlm.cuda_ext.turboquant_kernels import _PLANES, tq_decode_attention_full
+    from swiftlm.cuda_ext.turboquant_kernels import _PLANES, rotate_rows, tq_decode_attention_full
     from swiftlm.turboquant.presets import parse_turbo
 
     dev = torch.device("cuda")
@@ -168,11 +171,13 @@ def main() -> None:
                 seqs.append((kp, vp, kn, vn, ks, kr, dk, dv))
             qf = q.float()
             scale = D ** -0.5
+            rt = (kcod.R.T * scale).float().contiguous()  # what the cache's rows pass to rotate_rows
+            st = (kcod.S.T * scale).float().contiguous() if fmt.key_qjl else None
 
             def run(bn=None):
                 for b, (kp, vp, kn, vn, ks, kr, dk, dv) in enumerate(seqs):
-                    qjl = ((qf[b] @ kcod.S.T) * scale, ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
-                    tq_decode_attention_full(q[b], (qf[b] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,
+                    qjl = (rotate_rows(q[b], st), ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
+                    tq_decode_attention_full(q[b], rotate_rows(q[b], rt), kp, kn, kcod.centroids, kb, vp, vn,
                                              vcod.centroids, vb, vcod.R, dk, dv, scale, rep=H // KVH, qjl=qjl,
                                              block_n=bn)
             t = timed(run)
@@ -188,6 +193,31 @@ def main() -> None:
             tk._TUNE.update(DIAG=2)
             parts["split pass, no value side (diagnostic: wrong result)"] = timed(split)
             tk._TUNE.clear()
+            os.environ["SWIFTLM_TQ_SWAR"] = "0"
+            parts["split pass, byte tiles for 2/3-bit codes (no SWAR selector words)"] = timed(split)
+            tk._TUNE.update(TRANS=1)
+            parts["split pass, no SWAR, code tiles as first operands (TRANS)"] = timed(split)
+            os.environ.pop("SWIFTLM_TQ_SWAR")
+            parts["split pass, code tiles as first operands (TRANS)"] = timed(split)
+            tk._TUNE.update(TRANS=0)
+            parts["split pass, code tiles as second operands (TRANS=0)"] = timed(split)
+            tk._TUNE.clear()
+            split()
+            regs = {k: (getattr(v, "n_regs", None), getattr(v, "n_spills", None)) for k, v in tk._LAST.items()}
+            for cfg in ({"SB": 0}, {"BLOCK_R": 32}, {"BLOCK_R": 64}, {"BLOCK_R": 64, "num_warps": 8},
+                        {"BLOCK_R": 32, "DS": 64}, {"BLOCK_R": 64, "DS": 64, "num_warps": 8},
+                        {"BLOCK_R": 32, "DS": 128, "num_warps": 8}, {"BLOCK_R": 32, "DS": 16}):
+                tk._COMBINE.clear()
+                tk._COMBINE.update(cfg)
+                try:
+                    parts[f"whole, combine {cfg}"] = timed(run)
+                except Exception as exc:  # a variant that does not compile
+                    print(f"        combine {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            tk._COMBINE.clear()
+            run()
+            regs.update({f"{k} (after run)": (getattr(v, "n_regs", None), getattr(v, "n_spills", None))
+                         for k, v in tk._LAST.items()})
+            print(f"        {name}: registers / spills per thread: {regs}", flush=True)
             for sp in filter(None, a.splits.split(",")):
                 sp = int(sp)
                 parts[f"split pass, {sp} splits per KV head"] = timed(

@@ -164,6 +164,8 @@ def torch_bench(a, presets, contexts):
                         step(L + i)
                     sync()
                     times.setdefault((name, mode), []).append((time.perf_counter() - t0) / a.steps)
+        if a.profile and dev.type == "cuda":
+            _profile_runners(runners, L, a.steps)
         for name, mode, step, nbytes in runners:
             dt = statistics.median(times[(name, mode)])
             r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
@@ -179,6 +181,29 @@ def torch_bench(a, presets, contexts):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _profile_runners(runners: list, L: int, steps: int) -> None:
+    """torch.profiler over ``steps`` decode steps of each graphed runner: its kernels by GPU time per
+    step (what a step spends where, e.g. the compressed cache's attention against the 16-bit one's)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, mode, step, _nb in runners:
+        if mode != "cuda-graph":
+            continue
+        torch.cuda.synchronize()
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                step(L + i)
+            torch.cuda.synchronize()
+        rows = [(e.device_time_total, e.count, e.key) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        print(f"# profile {name} {mode} at {L}: {total / steps / 1e3:.3f} ms of kernels per step", flush=True)
+        for t, n, key in rows[:14]:
+            print(f"#   {t / steps:9.1f} us/step  {n / steps:6.1f} calls/step  {key[:90]}", flush=True)
 
 
 def batch_bench(a, presets, contexts):
@@ -443,6 +468,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of each graphed format's step")
     ap.add_argument("--batch", type=int, default=1,
                     help="B sequences of the context each, decoding together (torch on CUDA: the 16-bit cache as "
                          "a slot pool through the batched graph, compressed caches through decode_batch)")

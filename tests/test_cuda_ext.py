@@ -239,6 +239,74 @@ def test_turboquant_attention_kernel_on_gpu():
         _check_tq(name, *vals, gpu=True)
 
 
+TQ_SWAR_CODE = """
+import json, os, torch
+from swiftlm.cuda_ext import turboquant_kernels as tk
+from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention, tq_decode_attention_ref, _PLANES
+dev = "{device}"
+g = torch.Generator().manual_seed(0)
+out = []
+# (D, N, key bits, value bits, query heads per KV head): 2- and 3-bit codes on either side, row counts not
+# a multiple of the tile, planes that are views of a larger store (row stride > N)
+for D, N, kb, vb, rep in [(128, 77, 3, 2, 4), (64, 100, 4, 3, 1), (128, 130, 2, 3, 4), (64, 33, 4, 2, 2)]:
+    KVH = 2
+    pl = lambda b: [torch.randint(0, 256, (KVH, N + 5, D * w // 8), generator=g, dtype=torch.uint8)[:, :N].to(dev)
+                    for w in _PLANES[b] if w]
+    kp, vp = pl(kb), pl(vb)
+    kn, vn = ((torch.rand(KVH, N, generator=g) + 0.5).half().to(dev) for _ in range(2))
+    kc, vc = (torch.sort(torch.randn(2 ** b, generator=g)).values.to(dev) for b in (kb, vb))
+    q = (torch.randn(KVH * rep, D, generator=g) * 0.3).to(dev)
+    res = {{}}
+    for name, swar, tune in [("byte", "0", {{"TRANS": 0}}), ("swar", "1", {{"TRANS": 0}}), ("swar_trans", "1", {{"TRANS": 1}})]:
+        os.environ["SWIFTLM_TQ_SWAR"] = swar
+        tk._TUNE.clear(); tk._TUNE.update(tune)
+        m, l, a = tq_decode_attention(q, kp, kn, kc, kb, vp, vn, vc, vb, rep=rep, f16=True, splits=3)
+        res[name] = (a / l[:, None]).double()
+    tk._TUNE.clear()
+    mr, lr, ar = tq_decode_attention_ref(q, kp, kn, kc, kb, vp, vn, vc, vb, rep=rep)
+    ref = (ar / lr[:, None]).double()
+    out.append(dict(case=[D, N, kb, vb, rep], ref_max=float(ref.abs().max()),
+                    swar_vs_byte=float((res["swar"] - res["byte"]).abs().max()),
+                    trans_vs_ref=float((res["swar_trans"] - ref).abs().max() / ref.abs().max()),
+                    byte_vs_ref=float((res["byte"] - ref).abs().max() / ref.abs().max())))
+print(json.dumps(out))
+"""
+
+
+def _check_tq_swar(device: str, interpret: bool) -> None:
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", TQ_SWAR_CODE.format(device=device)], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(cases) == 4
+    for c in cases:
+        # the selector-word path looks up the same fp16 centroids as the byte path and feeds them to the same
+        # dots: equal bits under the interpreter (numpy's dot either way); on the GPU the tensor-core dot may
+        # accumulate in another order for another register layout of the same tile (measured 1.5e-6 on an
+        # H100), so there: the fp32 bound for two summation orders of the 2 chained reductions (D, N terms)
+        D, N = c["case"][:2]
+        bound = 0.0 if interpret else fp32_matmul_tol(max(D, N), c["ref_max"], 2)
+        assert c["swar_vs_byte"] <= bound, (c, bound)
+        # fp16 dot operands with fp32 accumulation, as the f16/ cases of _check_tq: 8 u of fp16
+        assert c["trans_vs_ref"] < 4e-3 and c["byte_vs_ref"] < 4e-3, c
+
+
+@triton_missing
+def test_turboquant_selector_words_equal_byte_path_interpreted():
+    """2- and 3-bit codes read as whole 32/16-bit words and spread into selector nibbles (``_sel_words``)
+    decode to exactly what the byte-tile path decodes; the transposed-operand variant (TRANS) agrees with
+    the reference to fp16-operand rounding."""
+    _check_tq_swar("cpu", interpret=True)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
+def test_turboquant_selector_words_equal_byte_path_on_gpu():
+    _check_tq_swar("cuda", interpret=False)
+
+
 GEMV_CODE = """
 import json, torch
 from swiftlm.cuda_ext.gemv import linear_small_m, linear_small_m_ref

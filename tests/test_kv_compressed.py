@@ -350,3 +350,41 @@ def test_static_affine_cache_eager_path_equals_dynamic():
             for x, y in ((L1.kp[0], L2.kp[0]), (L1.kn, L2.kn), (L1.ks, L2.ks), (L1.vp[0], L2.vp[0]), (L1.vn, L2.vn),
                          (L1.vb, L2.vb)):
                 assert torch.equal(x[:, :pos], y[:, :pos])
+
+
+@pytest.mark.parametrize("preset", ["k4v3", "k3qjl-v3"])
+def test_compress_block_equals_eager_compress(preset):
+    """A static cache stepped as the CUDA-graph decode steps it (the new row written into the 16-bit buffer,
+    then ``after_graph_step``): compressing through ``compress_block`` (the fixed-shape, capturable path the
+    graph decoder replays) leaves exactly the codes, norms, signs, buffer and counters that the eager
+    per-layer ``_compress`` leaves, block after block."""
+    a = SimpleNamespace(layers=2, kv_heads=2, heads=4, head_dim=32)
+    fmt = parse_turbo(preset, window=8)
+    dev = torch.device("cpu")
+    caches = [CompressedCache(a, fmt, torch.float32, dev, capacity=256) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    calls = []
+
+    def graphed(n_code):
+        calls.append(n_code)
+        caches[0].compress_block(torch.tensor([n_code]))
+
+    for pos in range(150):
+        k = torch.randn(a.layers, a.kv_heads, a.head_dim, generator=g)
+        v = torch.randn(a.layers, a.kv_heads, a.head_dim, generator=g)
+        for c in caches:
+            for i, L in enumerate(c.layers):
+                L.dk[:, L.n_dense] = k[i]
+                L.dv[:, L.n_dense] = v[i]
+        caches[0].after_graph_step(pos, graphed)
+        caches[1].after_graph_step(pos)
+    assert len(calls) >= 3 and calls == sorted(calls)  # the block path ran, block after block
+    for L0, L1 in zip(caches[0].layers, caches[1].layers):
+        assert (L0.n_code, L0.n_dense) == (L1.n_code, L1.n_dense)
+        n = L0.n_code
+        for t0, t1 in zip(L0.kp + L0.vp + [L0.kn, L0.vn, L0.ks, L0.kr],
+                          L1.kp + L1.vp + [L1.kn, L1.vn, L1.ks, L1.kr]):
+            if t0 is not None:
+                assert torch.equal(t0[:, :n], t1[:, :n])
+        assert torch.equal(L0.dk[:, :L0.n_dense], L1.dk[:, :L1.n_dense])
+        assert torch.equal(L0.dv[:, :L0.n_dense], L1.dv[:, :L1.n_dense])

@@ -78,6 +78,7 @@ class CompressedCache:
         self.window = fmt.window if fmt.kind == "turbo" else 0
         self.length = 0
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
+        self._rot = None  # (R^T * scale, S^T * scale) fp32, made on first use by _kernel_row
         self.use_triton = False
         if self.static:
             if fmt.kind == "affine" and fmt.threshold:  # graph steps quantize every row as it arrives
@@ -331,17 +332,19 @@ class CompressedCache:
         """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
         planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
         (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
-        from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention_full
+        from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
 
         a = self.a
         H, D = q.shape
         rep = H // a.kv_heads
         scale = D ** -0.5
-        qf = q.float()
         kp, kn, vp, vn, ks = views
-        qjl = ((qf @ self.kc.S.T) * scale, ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        if self._rot is None:  # R^T and S^T with the softmax scale folded in, for rotate_rows
+            self._rot = ((self.kc.R.T * scale).float().contiguous(),
+                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
+        qjl = (rotate_rows(q, self._rot[1]), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
         # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
-        out = tq_decode_attention_full(q, (qf @ self.kc.R.T) * scale, kp, kn, self.kc.centroids, self.kc.mse_bits,
+        out = tq_decode_attention_full(q, rotate_rows(q, self._rot[0]), kp, kn, self.kc.centroids, self.kc.mse_bits,
                                        vp, vn, self.vc.centroids, self.vc.bits, self.vc.R, dk, dv, scale, rep=rep,
                                        qjl=qjl, n_rows=n_rows, valid=valid,
                                        f16=q.dtype in (torch.float16, torch.bfloat16))
@@ -397,17 +400,61 @@ class CompressedCache:
             return self.static and self._affine_kernel()
         return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
 
-    def after_graph_step(self, pos: int) -> None:
-        """Host bookkeeping after a replayed decode step wrote position ``pos``."""
-        for L in self.layers:
-            if self.fmt.kind == "affine":  # the step quantized its row into the codes at n_code
+    def after_graph_step(self, pos: int, compress: Any = None) -> None:
+        """Host bookkeeping after a replayed decode step wrote position ``pos``.  ``compress``: a callable
+        that runs ``compress_block`` (e.g. replays a CUDA graph of it), used when exactly COMPRESS_BLOCK
+        rows of every layer leave the window (the steady state of one-row steps); otherwise each
+        layer compresses eagerly."""
+        if self.fmt.kind == "affine":  # the step quantized its row into the codes at n_code
+            for L in self.layers:
                 if L.n_code >= self.capacity:
                     raise RuntimeError(f"static affine cache holds {self.capacity} positions; {L.n_code + 1} needed")
                 L.n_code += 1
-                continue
+            self.length = pos + 1
+            return
+        for L in self.layers:
             L.n_dense += 1
-            self._compress(L)
+        if compress is not None and self.block_due():
+            n_code = self.layers[0].n_code
+            compress(n_code)
+            for L in self.layers:
+                L.n_code += COMPRESS_BLOCK
+                L.n_dense -= COMPRESS_BLOCK
+        else:
+            for L in self.layers:
+                self._compress(L)
         self.length = pos + 1
+
+    def block_due(self) -> bool:
+        """A static TurboQuant cache whose layers all hold the same counts and must now compress exactly
+        COMPRESS_BLOCK rows (``compress_block``'s fixed shapes)."""
+        L0 = self.layers[0]
+        return (self.static and self.fmt.kind == "turbo" and L0.n_dense == self.window + COMPRESS_BLOCK
+                and L0.n_code + L0.n_dense > self.fmt.threshold
+                and L0.n_code + COMPRESS_BLOCK <= self.capacity
+                and all(L.compressed and L.pending is None and L.n_dense == L0.n_dense and L.n_code == L0.n_code
+                        for L in self.layers))
+
+    def compress_block(self, at: torch.Tensor) -> None:
+        """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
+        ``at`` (device [1]) + 0.. and move the window's rows down in the buffer -- what ``_compress`` does when
+        ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
+        c, n = COMPRESS_BLOCK, self.window
+        idx = at + torch.arange(c, device=self.device)
+        for L in self.layers:
+            k = self.kc.encode(L.dk[:, :c])
+            v = self.vc.encode(L.dv[:, :c])
+            for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
+                dst.index_copy_(1, idx, src)
+            L.kn.index_copy_(1, idx, k.norms)
+            L.vn.index_copy_(1, idx, v.norms)
+            if k.signs is not None:
+                L.ks.index_copy_(1, idx, k.signs)
+            if k.rnorms is not None:
+                L.kr.index_copy_(1, idx, k.rnorms)
+            rest_k, rest_v = L.dk[:, c:c + n].clone(), L.dv[:, c:c + n].clone()
+            L.dk[:, :n] = rest_k
+            L.dv[:, :n] = rest_v
 
     def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:

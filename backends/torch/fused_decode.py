@@ -137,12 +137,13 @@ def _buffer_as_pool(buf: torch.Tensor) -> torch.Tensor:
 
 def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Tensor, pos: torch.Tensor,
                               n_dense: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor | None,
-                              H: int, KVH: int, D: int) -> torch.Tensor:
+                              H: int, KVH: int, D: int, slot: torch.Tensor | None = None) -> torch.Tensor:
     """Layer ``i`` of one decode row over a static compressed cache (every shape fixed): rope of the
     row's q and k (qkv [1, (H+2KVH)*D], pos / n_dense / n_code device [1]) with its K/V row written
     where the cache takes it, then the cache's attention (``attend_static``).  TurboQuant: into the
     16-bit buffer at ``n_dense`` (``valid`` masks the buffer); affine ``kv_bits``: into a one-row buffer
-    that ``attend_static`` quantizes into the codes at ``n_code``.  Returns [1, H*D]."""
+    that ``attend_static`` quantizes into the codes at ``n_code``.  ``slot``: ``n_dense - pos`` when the
+    caller has it (one subtraction per step, not per layer).  Returns [1, H*D]."""
     from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
 
     L = kv.layers[i]
@@ -151,7 +152,8 @@ def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Te
         K, V = row[0].expand(1, KVH, 2, D), row[1].expand(1, KVH, 2, D)  # row stride 0: the one row
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, pos.new_zeros(1), K, V, H, KVH, D)
         return kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
-    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, n_dense - pos, _buffer_as_pool(L.dk),
+    slot = n_dense - pos if slot is None else slot
+    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, _buffer_as_pool(L.dk),
                            _buffer_as_pool(L.dv), H, KVH, D)
     return kv.attend_static(i, q[0], n_code, valid)
 
@@ -184,10 +186,11 @@ def decode_turbo_static_fused(model: Transformer, kv: Any, token: torch.Tensor, 
     tail of the 16-bit step.  Logits [V]."""
     x = model.embed(token)
     valid = arange[:kv.dense_rows] <= n_dense  # the rows held plus the one written now
+    slot = n_dense - pos
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
         h = _after_attention(model, i, x, _compressed_row_attention(model, kv, i, qkv, pos, n_dense, n_code, valid,
-                                                                    H, KVH, D))
+                                                                    H, KVH, D, slot))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)[0]

@@ -33,7 +33,9 @@ def pack(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     for width in PLANES[bits]:
         per = 8 // width
         part = ((codes >> shift) & ((1 << width) - 1)).view(*codes.shape[:-1], d // per, per)
-        weights = torch.tensor([1 << (j * width) for j in range(per)], dtype=torch.int32, device=codes.device)
+        # made on the device (no host copy: encoding runs inside CUDA-graph captures of compression)
+        weights = torch.bitwise_left_shift(torch.ones(per, dtype=torch.int32, device=codes.device),
+                                           torch.arange(per, dtype=torch.int32, device=codes.device) * width)
         out.append((part * weights).sum(-1).to(torch.uint8))
         shift += width
     return out
