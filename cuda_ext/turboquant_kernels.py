@@ -219,14 +219,15 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
 
 @triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
-                    m_out, l_out, acc_out, N, n_ptr, qjl_scale,
+                    m_out, l_out, acc_out, N, n_ptr, qjl_scale, offs_ptr,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KNAT: tl.constexpr,
                     VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
                     VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
-                    TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, DIAG: tl.constexpr = 0):
+                    TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, BATCH: tl.constexpr = 0,
+                    DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -235,13 +236,32 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     the keys' s-major order, and the value sum is kept in the values' order and stored back in the
     natural one.  F16: dots on fp16 operands with fp32 accumulation (tensor cores); else fp32.
     TRANS (fp16, natural-order tiles): the code tiles are the dots' first operands (scores^T = K q^T,
-    sum^T = V^T p^T), as in the affine kernel.  GDC: programmatic dependent launch (``pdl.py``)."""
+    sum^T = V^T p^T), as in the affine kernel.  GDC: programmatic dependent launch (``pdl.py``).
+    BATCH (> 0: the KV heads per sequence): several sequences' caches in one launch, program (b * BATCH
+    + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
+    residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b."""
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    if N_PTR:
+    hg = g  # query heads g * REP .. of the [B * H, D] query rows
+    if BATCH > 0:
+        b = g // BATCH
+        g = g % BATCH
+        ob = offs_ptr + b * 8
+        # offsets are multiples of 16 elements (turbo_batch checks): the loads stay as wide as for one cache
+        kp0 += tl.multiple_of(tl.load(ob), 16)
+        kp1 += tl.multiple_of(tl.load(ob + 1), 16)
+        kn_ptr += tl.multiple_of(tl.load(ob + 2), 16)
+        vp0 += tl.multiple_of(tl.load(ob + 3), 16)
+        vp1 += tl.multiple_of(tl.load(ob + 4), 16)
+        vn_ptr += tl.multiple_of(tl.load(ob + 5), 16)
+        if QJL:
+            ks_ptr += tl.multiple_of(tl.load(ob + 6), 16)
+            kr_ptr += tl.multiple_of(tl.load(ob + 7), 16)
+        N = tl.load(n_ptr + b)
+    elif N_PTR:
         N = tl.load(n_ptr)
     KPER: tl.constexpr = 8 // KW0
     VPER: tl.constexpr = 8 // VW0
@@ -255,7 +275,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     vcoord = col if VNAT else (col % VSW) * VPER + col // VSW   # values (the accumulator)
     r = tl.arange(0, RP)
     rv = r < REP
-    h = g * REP + r
+    h = hg * REP + r
     q = tl.load(q_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)  # [RP, D]
     q = q.to(tl.float16) if F16 else q.to(tl.float32)
     if QJL:
@@ -402,17 +422,27 @@ def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB:
 def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
                        dk_head, dk_row, dv_head, dv_row,
                        D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, VALID: tl.constexpr, SB: tl.constexpr = 0, GDC: tl.constexpr = 0):
+                       BLOCK_R: tl.constexpr, VALID: tl.constexpr, SB: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                       BATCH_H: tl.constexpr = 0, doffs_ptr=None, nd_ptr=None):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
     coordinates (acc @ R[:, slice]), attend over the 16-bit rows (dense window, original domain;
     ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
-    normalised slice in the output's dtype."""
+    normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
+    sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
+    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
     if GDC:
         tl.extra.cuda.gdc_wait()
-    g = h // REP
+    if BATCH_H > 0:
+        b = h // BATCH_H
+        g = (h % BATCH_H) // REP
+        dk_ptr += tl.multiple_of(tl.load(doffs_ptr + 2 * b), 16)
+        dv_ptr += tl.multiple_of(tl.load(doffs_ptr + 2 * b + 1), 16)
+        R = tl.load(nd_ptr + b) + 1
+    else:
+        g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
     if SB > 0:
@@ -557,7 +587,7 @@ def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
 
 
 def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
-                block_n, rep, qjl, n_rows, f16, splits):
+                block_n, rep, qjl, n_rows, f16, splits, batch=None):
     H, D = q_rot.shape
     N = k_planes[0].shape[1]
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -589,16 +619,17 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     trans = tune.pop("TRANS", kswar if TRANS_DEFAULT is None else TRANS_DEFAULT) and knat and vnat and qjl is None
     if "GDC" not in tune:
         tune.update(launch_kw(q_rot))
+    offs, kvh = batch if batch is not None else (m, 0)
     _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
-                            n_rows if n_rows is not None else m, float(qjl_scale),
+                            n_rows if n_rows is not None else m, float(qjl_scale), offs,
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
-                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), **tune)
+                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh, **tune)
     return m, l, acc
 
 
@@ -632,16 +663,21 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
                              v_bits: int, v_rotation: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                              scale: float, rep: int = 1, qjl: tuple | None = None,
                              n_rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                             f16: bool = True, block_n: int | None = None, splits: int | None = None
-                             ) -> torch.Tensor:
+                             f16: bool = True, block_n: int | None = None, splits: int | None = None,
+                             batch: tuple | None = None) -> torch.Tensor:
     """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
     the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
     splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
     ``dk``/``dv`` [H // rep, R, D] with the unrotated query ``q`` [H, D] times ``scale`` (``valid``
-    [R] bool masks a static buffer's rows) and normalises.  Returns [H, D] in ``q``'s dtype."""
+    [R] bool masks a static buffer's rows) and normalises.  Returns [H, D] in ``q``'s dtype.
+
+    ``batch`` = (offs [B, 8], dense offs [B, 2] (int64 elements), n_dense [B], query heads per sequence):
+    B sequences' caches of one format in the same two launches; the tensors given are sequence 0's,
+    q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH)."""
     H, D = q.shape
     m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
-                            v_bits, block_n, rep, qjl, n_rows, f16, splits)
+                            v_bits, block_n, rep, qjl, n_rows, f16, splits,
+                            (batch[0], batch[3] // rep) if batch is not None else None)
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
@@ -653,11 +689,13 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
     ds = kw["DS"]
     if "GDC" not in kw:
         kw.update(launch_kw(q))
+    if batch is not None:
+        kw.update(BATCH_H=batch[3], doffs_ptr=batch[1], nd_ptr=batch[2])
     _LAST["combine"] = _tq_combine_kernel[(H, D // ds)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
                                      valid if valid is not None else m, out, R, S, float(scale),
                                      dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                                      D=D, BS=max(2, triton.next_power_of_2(S)), REP=rep,
-                                     VALID=valid is not None, **kw)
+                                     VALID=valid is not None and batch is None, **kw)
     return out
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (issue 23): the TurboQuant kernel tests on CUDA, the one-layer kernel benchmark with
 # its variants (scripts/bench_tq_kernel.py) and the 8B-shape decode benchmark (bench_turboquant.py).
-#   bash scripts/gpu_issue23.sh [kernel] [e2e] [e2e128]    (carry .whl; see scripts/gpu_prepare.sh)
+#   bash scripts/gpu_issue23.sh [kernel] [e2e] [e2e128] [e2eb8] [e2eb8rows]    (carry .whl; see scripts/gpu_prepare.sh)
 # Knobs: E2E_PRESETS (default fp16,k4v3,k3v2), KCTX (kernel contexts), KPRESETS, TAG (file-name suffix).
 set -uo pipefail
 source scripts/gpu_site.sh
@@ -21,5 +21,10 @@ for stage in "$@"; do
       timeout 500 python3 bench_turboquant.py --backend torch --shape 8b --contexts $ctx --steps 16 \
         --presets ${E2E_PRESETS:-fp16,k4v3,k3v2} ${PROFILE:+--profile} --json "$OUT/e2e_${ctx}_${TAG:-x}.json" 2>&1 \
         | tee "$OUT/e2e_${ctx}_${TAG:-x}.log" | grep -E "^#|^\{" | cut -c1-200 ;;
+    e2eb8|e2eb8rows)  # eight sequences at 32K each; e2eb8rows: each row's own kernels (SWIFTLM_TQ_BATCHED=0)
+      env=""; [ "$stage" = e2eb8rows ] && env="SWIFTLM_TQ_BATCHED=0"
+      env $env timeout 500 python3 bench_turboquant.py --backend torch --shape 8b --batch 8 --contexts 32768 --steps 8 \
+        --presets ${E2E_PRESETS:-fp16,k4v3,k3v2} --json "$OUT/${stage}_32768_${TAG:-x}.json" 2>&1 \
+        | tee "$OUT/${stage}_32768_${TAG:-x}.log" | grep -E "^#|^\{" | cut -c1-200 ;;
   esac
 done

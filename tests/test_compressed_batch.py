@@ -24,7 +24,8 @@ pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_
                                                reason="triton not installed on this machine")]
 
 SCRIPT = textwrap.dedent("""
-    import json, torch
+    import json, sys, torch
+    from swiftlm.backends.torch import turbo_batch
     from swiftlm.backends.torch.model import Transformer
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.graphs import GraphDecoder
@@ -44,8 +45,14 @@ SCRIPT = textwrap.dedent("""
             blk.self_attn.fuse(); blk.mlp.fuse()
     gd = GraphDecoder(model, torch.device("cpu"))
     assert gd.fused
-    fmts = [parse_turbo("k4v3", window=8), parse_turbo("k3v2", window=8), affine(8, 32)]
-    starts = [45, 30, 20]
+    which = sys.argv[1] if len(sys.argv) > 1 else "mixed"
+    if which == "mixed":  # each row's own kernels
+        fmts = [parse_turbo("k4v3", window=8), parse_turbo("k3v2", window=8), affine(8, 32)]
+        starts = [45, 30, 20]
+    else:  # one TurboQuant format: the batched kernels of turbo_batch.py
+        fmts = [parse_turbo(which, window=8)] * 2
+        starts = [45, 30]
+    steps = 40 if which == "mixed" else 30
     toks = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def caches():
@@ -65,7 +72,7 @@ SCRIPT = textwrap.dedent("""
     worst, scale, argmax = 0.0, 0.0, True
     pos = list(starts)
     with torch.inference_mode():
-        for step in range(40):
+        for step in range(steps):
             ids = [toks[p] for p in pos]
             a = gd.run_compressed_batch(batch, ids, pos)
             b = torch.stack([gd.run_turbo(c, t, p) for c, t, p in zip(solo, ids, pos)])
@@ -74,14 +81,18 @@ SCRIPT = textwrap.dedent("""
             argmax &= bool((a.argmax(-1) == b.argmax(-1)).all())
             pos = [p + 1 for p in pos]
     counts = [[c.counts()[0] for c in batch], [c.counts()[0] for c in solo]]
-    print(json.dumps(dict(err=worst, scale=scale, argmax=argmax, counts=counts, starts=starts,
-                          lengths=[c.length for c in batch])))
+    print(json.dumps(dict(err=worst, scale=scale, argmax=argmax, counts=counts, starts=starts, steps=steps,
+                          lengths=[c.length for c in batch], batched_calls=turbo_batch.CALLS)))
 """)
 
 
-def test_compressed_batch_equals_solo_steps():
+@pytest.mark.parametrize("which", ["mixed", "k4v3", "k3qjl-v3"])
+def test_compressed_batch_equals_solo_steps(which):
+    """``mixed``: a k4v3, a k3v2 and a kv_bits=8 cache (each row's own kernels); ``k4v3`` / ``k3qjl-v3``: two
+    caches of one format, decoded by the batched kernels (``turbo_batch``: row offsets into row 0's tensors,
+    one launch per kernel for both rows), which must then have run."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, which], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -89,7 +100,8 @@ def test_compressed_batch_equals_solo_steps():
         hidden, heads, head_dim, intermediate, layers, vocab = 128, 4, 32, 256, 2, 512
         moe_intermediate = shared_intermediate = 0
 
-    assert res["lengths"] == [s + 40 for s in res["starts"]]
+    assert res["lengths"] == [s + res["steps"] for s in res["starts"]]
+    assert (res["batched_calls"] > 0) == (which != "mixed"), res
     assert res["counts"][0] == res["counts"][1], res           # the same rows compressed both ways
     assert all(n > 0 for n in res["counts"][0]), res             # and every cache holds compressed rows
     assert res["err"] <= transformer_logits_tol(A(), res["scale"], context=128), res

@@ -87,8 +87,9 @@ class CompressedCache:
             KVH, d = a.kv_heads, a.head_dim
             for L in self.layers:
                 rows = self.dense_rows if L.compressed else capacity
-                L.dk = torch.zeros((KVH, rows, d), dtype=self.dense_dtype, device=device)
-                L.dv = torch.zeros_like(L.dk)
+                # keys and values in one allocation: every cache's value buffer then sits at the same offset
+                # from its key buffer, which the batched graph step's rope kernel relies on
+                L.dk, L.dv = torch.zeros((2, KVH, rows, d), dtype=self.dense_dtype, device=device).unbind(0)
                 if L.compressed:
                     probe_k = self.kc.encode(torch.zeros(KVH, 1, d, device=device))
                     probe_v = self.vc.encode(torch.zeros(KVH, 1, d, device=device))
@@ -395,6 +396,28 @@ class CompressedCache:
             return static_row(self, L, q, k, v, n_code)
         return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid)
 
+    def attend_static_batch(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, n_dense: torch.Tensor,
+                            offs: torch.Tensor, doffs: torch.Tensor) -> torch.Tensor:
+        """``attend_static`` for B caches of this one's format at once (``turbo_batch``): q [B*H, D], row b's
+        tensors at ``offs`` / ``doffs`` elements from this cache's, its counts in n_code / n_dense [B].
+        Returns [B*H, D]."""
+        from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
+
+        L = self.layers[layer]
+        BH, D = q.shape
+        H = BH // n_code.shape[0]
+        rep = H // self.a.kv_heads
+        scale = D ** -0.5
+        if self._rot is None:
+            self._rot = ((self.kc.R.T * scale).float().contiguous(),
+                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
+        qjl = (rotate_rows(q, self._rot[1]), L.ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        return tq_decode_attention_full(q, rotate_rows(q, self._rot[0]), L.kp, L.kn, self.kc.centroids,
+                                        self.kc.mse_bits, L.vp, L.vn, self.vc.centroids, self.vc.bits, self.vc.R,
+                                        L.dk, L.dv, scale, rep=rep, qjl=qjl, n_rows=n_code,
+                                        f16=q.dtype in (torch.float16, torch.bfloat16),
+                                        batch=(offs, doffs, n_dense, H))
+
     def graphable(self) -> bool:
         if self.fmt.kind == "affine":
             return self.static and self._affine_kernel()
@@ -482,7 +505,8 @@ class CompressedCache:
 
     def nbytes(self) -> int:
         """Bytes of storage this cache holds (codes, norms, signs, 16-bit part: everything)."""
-        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors()}
+        return sum(storages.values())
 
     def counts(self) -> tuple[int, int]:
         """(compressed, 16-bit) positions of the first compressed layer."""

@@ -14,6 +14,7 @@ to the model's dtype per torch op): ``tests/test_fused_decode.py`` bounds the di
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,6 +24,10 @@ from .kv_cache import SeqCache
 from .linear_rows import rows_linear
 from .model import Transformer
 from .tp_allreduce import out_proj_add_rmsnorm
+from .turbo_batch import batch_row_attention, batch_tables, buffer_as_pool
+
+
+BATCHED_TURBO = os.environ.get("SWIFTLM_TQ_BATCHED", "1") != "0"  # turbo_batch.py's kernels for same-format batches
 
 
 def fusable(model: Any) -> bool:
@@ -125,16 +130,6 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
     return rows_linear(h, w)
 
 
-def _buffer_as_pool(buf: torch.Tensor) -> torch.Tensor:
-    """A static compressed cache's 16-bit buffer [KVH, rows, D] seen as a one-slot pool
-    [1, KVH, rows, D] whose slot stride is one row: ``rope_kv_write_rows`` writes row ``pos`` of slot
-    ``s`` at buffer row ``s + pos``, so slot ``n_dense - pos`` puts the rope-rotated row at ``n_dense``
-    while the rotation still uses position ``pos``."""
-    KVH, rows, D = buf.shape
-    assert buf.is_contiguous()
-    return torch.as_strided(buf, (1, KVH, rows, D), (D, rows * D, D, 1))
-
-
 def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Tensor, pos: torch.Tensor,
                               n_dense: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor | None,
                               H: int, KVH: int, D: int, slot: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,8 +148,8 @@ def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Te
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, pos.new_zeros(1), K, V, H, KVH, D)
         return kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
     slot = n_dense - pos if slot is None else slot
-    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, _buffer_as_pool(L.dk),
-                           _buffer_as_pool(L.dv), H, KVH, D)
+    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, buffer_as_pool(L.dk),
+                           buffer_as_pool(L.dv), H, KVH, D)
     return kv.attend_static(i, q[0], n_code, valid)
 
 
@@ -170,8 +165,13 @@ def decode_compressed_batch_static_fused(model: Transformer, kvs: list, tokens: 
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        o = torch.cat([_compressed_row_attention(model, kv, i, qkv[b:b + 1], pos[b:b + 1], n_dense[b:b + 1],
-                                                 n_code[b:b + 1], valid[b], H, KVH, D) for b, kv in enumerate(kvs)])
+        tables = batch_tables(kvs, i) if BATCHED_TURBO else None
+        if tables is not None:  # one format for all rows: each kernel once for the batch (turbo_batch.py)
+            o = batch_row_attention(model, kvs, i, qkv, pos, n_dense, n_code, H, KVH, D, tables)
+        else:
+            o = torch.cat([_compressed_row_attention(model, kv, i, qkv[b:b + 1], pos[b:b + 1], n_dense[b:b + 1],
+                                                     n_code[b:b + 1], valid[b], H, KVH, D)
+                           for b, kv in enumerate(kvs)])
         h = _after_attention(model, i, x, o)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)

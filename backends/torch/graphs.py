@@ -426,7 +426,7 @@ class GraphDecoder:
                 t.copy_(tokens.reshape(B))
             g.replay()
         for kv, p_ in zip(kvs, positions):
-            kv.after_graph_step(p_)
+            kv.after_graph_step(p_, functools.partial(self._compress_turbo, kv) if self.use_graph else None)
         return out
 
     def captured(self, kv: SeqCache, pos: int) -> bool:
