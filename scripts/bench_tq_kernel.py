@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--kv-bits", default="", help="affine kv_bits formats to time (e.g. 8,4)")
     ap.add_argument("--group", type=int, default=64, help="affine group size")
     ap.add_argument("--window", type=int, default=64, help="16-bit rows the combine pass attends")
+    ap.add_argument("--maxnreg", default="", help="register caps to time the split pass with (e.g. 96,112)")
     a = ap.parse_args()
     global WINDOW
     WINDOW = a.window
@@ -225,6 +226,17 @@ def main() -> None:
                                            vcod.centroids, vb, None, H // KVH, qjl0, None, True, sp))
             for what, tv in parts.items():
                 print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
+            for mr in filter(None, a.maxnreg.split(",")):  # register caps: more programs resident per SM
+                tk._TUNE.clear()
+                tk._TUNE.update(maxnreg=int(mr))
+                try:
+                    parts[f"split pass, maxnreg={mr}"] = timed(split)
+                    split()
+                    print(f"        {name}: maxnreg={mr}: registers / spills {getattr(tk._LAST['split'], 'n_regs', None)}"
+                          f" / {getattr(tk._LAST['split'], 'n_spills', None)}", flush=True)
+                except Exception as exc:
+                    print(f"        {name}: maxnreg={mr}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                tk._TUNE.clear()
             for v in filter(None, a.sweep.split(",")):
                 bn, nw, st = (int(x) for x in v.split(":"))
                 tk._TUNE.clear()

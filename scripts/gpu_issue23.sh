@@ -14,7 +14,7 @@ python3 -c "import re; s=open('tests/test_cuda_ext.py').read(); print(eval(re.se
 TRITON_INTERPRET=1 timeout 200 python3 /tmp/swar.py 2>&1 | tail -8 | cut -c1-400
 for stage in "$@"; do
   case $stage in
-    kernel) timeout 400 python3 bench_tq_kernel.py ${KWINDOW:+--window $KWINDOW} ${KSWEEP:+--sweep $KSWEEP} ${KSPLITS:+--splits $KSPLITS} --contexts ${KCTX:-32768,131072} --presets ${KPRESETS:-k4v3,k3v2,k3qjl-v3} \
+    kernel) timeout 400 python3 bench_tq_kernel.py ${KWINDOW:+--window $KWINDOW} ${KSWEEP:+--sweep $KSWEEP} ${KSPLITS:+--splits $KSPLITS} ${KMAXNREG:+--maxnreg $KMAXNREG} --contexts ${KCTX:-32768,131072} --presets ${KPRESETS:-k4v3,k3v2,k3qjl-v3} \
               --json "$OUT/tq_kernel_${TAG:-x}.json" 2>&1 | tee "$OUT/tq_kernel_${TAG:-x}.log" ;;
     e2e|e2e128)
       ctx=32768; [ "$stage" = e2e128 ] && ctx=131072
