@@ -88,21 +88,28 @@ def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D)
 
 # --------------------------------------------------------------------------- add + RMSNorm
 @triton.jit
-def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    r0 = tl.program_id(0) * N  # one program per row of [rows, N] (contiguous)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x, delta, out = x + r0, delta + r0, out + r0
-    i = tl.arange(0, BLOCK)
-    m = i < N
-    h = tl.load(x + i, mask=m, other=0.0).to(tl.float32) + tl.load(delta + i, mask=m, other=0.0).to(tl.float32)
+def add_rmsnorm_row(x, delta, w, out, eps, i, m, N: tl.constexpr):
+    """One row: ``x[i] += delta`` (fp32 values; the sum rounded once to x's dtype as it is stored), then
+    ``out[i] = rmsnorm(x) * w``.  Shared by ``_add_rmsnorm_kernel`` and the peer-sum kernel (peer_sum.py), so
+    the two give the same bits for the same sum."""
+    h = tl.load(x + i, mask=m, other=0.0).to(tl.float32) + delta
     hs = h.to(x.dtype.element_ty)
     tl.store(x + i, hs, mask=m)
     hf = hs.to(tl.float32)  # normalise the stored (rounded) residual, as the unfused code does
     r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
     y = (hf * r).to(x.dtype.element_ty).to(tl.float32) * tl.load(w + i, mask=m, other=0.0).to(tl.float32)
     tl.store(out + i, y.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x, delta, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    r0 = tl.program_id(0) * N  # one program per row of [rows, N] (contiguous)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    add_rmsnorm_row(x + r0, tl.load(delta + r0 + i, mask=m, other=0.0).to(tl.float32), w, out + r0, eps, i, m, N)
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_kernels import add_rmsnorm_row
 from .pdl import launch_kw
 
 
@@ -41,7 +42,7 @@ def send_row(y, peer_recv, peer_full, own_free, b, N, BLOCK: tl.constexpr):
     for i0 in range(0, N, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         m = i < N
-        tl.store(peer_recv + b * N + i, tl.load(y + b * N + i, mask=m, other=0.0, volatile=True), mask=m)
+        tl.store(peer_recv + b * N + i, tl.load(y + b * N + i, mask=m, other=0.0), mask=m)
     tl.debug_barrier()  # every thread's stores before the flag
     tl.atomic_xchg(peer_full + b, 1, sem="release", scope="sys")
 
@@ -71,13 +72,7 @@ def _recv_add_rmsnorm_kernel(x, y, recv, own_full, peer_free, w, out, eps, N: tl
     mine = tl.load(y + r0 + i, mask=m, other=0.0).to(tl.float32)
     theirs = tl.load(recv + r0 + i, mask=m, other=0.0, volatile=True).to(tl.float32)
     s = (mine + theirs).to(x.dtype.element_ty)  # the all-reduced row, rounded as NCCL rounds it
-    h = tl.load(x + r0 + i, mask=m, other=0.0).to(tl.float32) + s.to(tl.float32)
-    hs = h.to(x.dtype.element_ty)
-    tl.store(x + r0 + i, hs, mask=m)
-    hf = hs.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    o = (hf * r).to(x.dtype.element_ty).to(tl.float32) * tl.load(w + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + r0 + i, o.to(out.dtype.element_ty), mask=m)
+    add_rmsnorm_row(x + r0, s.to(tl.float32), w, out + r0, eps, i, m, N)  # what add_rmsnorm does with that sum
     tl.debug_barrier()  # every thread has read the received row
     tl.atomic_xchg(own_full + b, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(peer_free + b, 1, sem="release", scope="sys")
