@@ -128,7 +128,8 @@ def main() -> None:
     from swiftlm.backends.torch.kv_quant import TurboCodec
     from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
     from swiftlm.cuda_ext import turboquant_kernels as tk
-    from swiftlm.cuda_ext.turboquant_kernels import _PLANES, rotate_rows, tq_decode_attention_full
+    from swiftlm.cuda_ext.tq_codes import _PLANES
+    from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
     from swiftlm.turboquant.presets import parse_turbo
 
     dev = torch.device("cuda")

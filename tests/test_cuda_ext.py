@@ -107,7 +107,7 @@ out["gqa"] = [float((acc - accr).abs().max() / accr.abs().max()), float((l - lr)
 # the encode kernel against the torch codec (fp32 both): codes may differ only within rounding of a boundary
 from types import SimpleNamespace
 from swiftlm.backends.torch.kv_quant import TurboCodec, unpack
-from swiftlm.cuda_ext.turboquant_kernels import tq_encode
+from swiftlm.cuda_ext.tq_codes import tq_encode
 for D, bits in [(64, 4), (128, 3), (64, 2), (128, 1)]:
     codec = TurboCodec(D, bits, 3, torch.device(dev))
     x = torch.randn(2, 150, D, device=dev)
@@ -242,7 +242,8 @@ def test_turboquant_attention_kernel_on_gpu():
 TQ_SWAR_CODE = """
 import json, os, torch
 from swiftlm.cuda_ext import turboquant_kernels as tk
-from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention, tq_decode_attention_ref, _PLANES
+from swiftlm.cuda_ext.tq_codes import _PLANES
+from swiftlm.cuda_ext.turboquant_kernels import tq_decode_attention, tq_decode_attention_ref
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 out = []

@@ -328,6 +328,13 @@ class CompressedCache:
         dk, dv = self._dense(L)
         return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
 
+    def rotations(self, scale: float) -> tuple:
+        """(R^T, S^T or None) with the softmax scale folded in, fp32, for ``rotate_rows`` (made once)."""
+        if self._rot is None:
+            self._rot = ((self.kc.R.T * scale).float().contiguous(),
+                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
+        return self._rot
+
     def _kernel_row(self, L: _Layer, q: torch.Tensor, views: tuple, n_rows: torch.Tensor | None,
                     dk: torch.Tensor, dv: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
@@ -340,12 +347,10 @@ class CompressedCache:
         rep = H // a.kv_heads
         scale = D ** -0.5
         kp, kn, vp, vn, ks = views
-        if self._rot is None:  # R^T and S^T with the softmax scale folded in, for rotate_rows
-            self._rot = ((self.kc.R.T * scale).float().contiguous(),
-                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
-        qjl = (rotate_rows(q, self._rot[1]), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        rt, st = self.rotations(scale)
+        qjl = (rotate_rows(q, st), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
         # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
-        out = tq_decode_attention_full(q, rotate_rows(q, self._rot[0]), kp, kn, self.kc.centroids, self.kc.mse_bits,
+        out = tq_decode_attention_full(q, rotate_rows(q, rt), kp, kn, self.kc.centroids, self.kc.mse_bits,
                                        vp, vn, self.vc.centroids, self.vc.bits, self.vc.R, dk, dv, scale, rep=rep,
                                        qjl=qjl, n_rows=n_rows, valid=valid,
                                        f16=q.dtype in (torch.float16, torch.bfloat16))
@@ -395,28 +400,6 @@ class CompressedCache:
 
             return static_row(self, L, q, k, v, n_code)
         return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid)
-
-    def attend_static_batch(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, n_dense: torch.Tensor,
-                            offs: torch.Tensor, doffs: torch.Tensor) -> torch.Tensor:
-        """``attend_static`` for B caches of this one's format at once (``turbo_batch``): q [B*H, D], row b's
-        tensors at ``offs`` / ``doffs`` elements from this cache's, its counts in n_code / n_dense [B].
-        Returns [B*H, D]."""
-        from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
-
-        L = self.layers[layer]
-        BH, D = q.shape
-        H = BH // n_code.shape[0]
-        rep = H // self.a.kv_heads
-        scale = D ** -0.5
-        if self._rot is None:
-            self._rot = ((self.kc.R.T * scale).float().contiguous(),
-                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
-        qjl = (rotate_rows(q, self._rot[1]), L.ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
-        return tq_decode_attention_full(q, rotate_rows(q, self._rot[0]), L.kp, L.kn, self.kc.centroids,
-                                        self.kc.mse_bits, L.vp, L.vn, self.vc.centroids, self.vc.bits, self.vc.R,
-                                        L.dk, L.dv, scale, rep=rep, qjl=qjl, n_rows=n_code,
-                                        f16=q.dtype in (torch.float16, torch.bfloat16),
-                                        batch=(offs, doffs, n_dense, H))
 
     def graphable(self) -> bool:
         if self.fmt.kind == "affine":

@@ -175,7 +175,7 @@ class TurboCodec:
 
     def encode(self, x: torch.Tensor) -> Encoded:
         if self.use_triton and not self.qjl:
-            from swiftlm.cuda_ext.turboquant_kernels import tq_encode
+            from swiftlm.cuda_ext.tq_codes import tq_encode
 
             planes, norms = tq_encode(x, self.R, self.boundaries, self.mse_bits)
             return Encoded(planes, norms)

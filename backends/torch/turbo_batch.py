@@ -88,11 +88,31 @@ def buffer_as_pool(buf: torch.Tensor, slot_stride: int | None = None) -> torch.T
     return torch.as_strided(buf, (1, KVH, rows, D), (D if slot_stride is None else slot_stride, rows * D, D, 1))
 
 
+def attend_static_batch(kv: Any, layer: int, q: torch.Tensor, n_code: torch.Tensor, n_dense: torch.Tensor,
+                        offs: torch.Tensor, doffs: torch.Tensor) -> torch.Tensor:
+    """``CompressedCache.attend_static`` for B caches of ``kv``'s format at once: q [B*H, D], row b's tensors
+    at ``offs`` / ``doffs`` elements from ``kv``'s, its counts in n_code / n_dense [B].  Returns [B*H, D]."""
+    from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
+
+    L = kv.layers[layer]
+    BH, D = q.shape
+    H = BH // n_code.shape[0]
+    rep = H // kv.a.kv_heads
+    scale = D ** -0.5
+    rt, st = kv.rotations(scale)
+    qjl = (rotate_rows(q, st), L.ks, L.kr, kv.kc.qjl_scale) if kv.kc.qjl else None
+    return tq_decode_attention_full(q, rotate_rows(q, rt), L.kp, L.kn, kv.kc.centroids,
+                                    kv.kc.mse_bits, L.vp, L.vn, kv.vc.centroids, kv.vc.bits, kv.vc.R,
+                                    L.dk, L.dv, scale, rep=rep, qjl=qjl, n_rows=n_code,
+                                    f16=q.dtype in (torch.float16, torch.bfloat16),
+                                    batch=(offs, doffs, n_dense, H))
+
+
 def batch_row_attention(model: Any, kvs: list, i: int, qkv: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,
                         n_code: torch.Tensor, H: int, KVH: int, D: int, tables: tuple) -> torch.Tensor:
     """Layer ``i`` of B decode rows over B static TurboQuant caches of one format (``batch_tables``): rope +
     K/V rows written into each cache's buffer at its ``n_dense`` (one kernel), then the caches' attention
-    (``CompressedCache.attend_static_batch``: three kernels for all rows).  qkv [B, (H+2KVH)*D]; pos,
+    (``attend_static_batch``: three kernels for all rows).  qkv [B, (H+2KVH)*D]; pos,
     n_dense, n_code device [B].  Returns [B, H*D]."""
     from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
 
@@ -106,4 +126,4 @@ def batch_row_attention(model: Any, kvs: list, i: int, qkv: torch.Tensor, pos: t
     q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, dense_base + (n_dense - pos) * D,
                            buffer_as_pool(L0.dk, slot_stride=1), buffer_as_pool(L0.dv, slot_stride=1),
                            H, KVH, D)                                                # [B, H, D]
-    return kvs[0].attend_static_batch(i, q.reshape(B * H, D), n_code, n_dense, offs, doffs).reshape(B, H * D)
+    return attend_static_batch(kvs[0], i, q.reshape(B * H, D), n_code, n_dense, offs, doffs).reshape(B, H * D)

@@ -1,0 +1,345 @@
+"""TurboQuant codes on the GPU (Triton): the fused encoder that packs them, and the tile helpers that unpack
+packed codes and look their centroids up inside the decode-attention kernels (``turboquant_kernels.py``).
+
+Layout (``swiftlm.turboquant.packing``): a plane of width w holds 8 / w codes per byte, little-end first; 3-bit
+codes are a 2-bit plane + a 1-bit plane.  Lookups on CUDA are byte permutes (``prmt``) in inline PTX with the
+fp16 centroids as immediates (``prmt_asm`` for 4-bit codes, ``prmt_asm3`` / ``prmt_asm8`` for 2- and 3-bit ones);
+under the CPU interpreter, trees of selects on the code bits.  2- and 3-bit codes are read as whole 32-bit words
+(and 16-bit words of the 1-bit plane) and spread into selector nibbles by shifts and masks (``_sel_words``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_PLANES = {1: (1, 0), 2: (2, 0), 3: (2, 1), 4: (4, 0)}
+
+
+@triton.jit
+def _field(ptr, row_bytes, nn, j, s, W: tl.constexpr, PER0: tl.constexpr):
+    """[BLOCK_N, PER0, SW] W-bit fields of a bit plane (8 // W fields per byte, little-end first)
+    for coordinate ``PER0 * j + s`` of each row: the "s-major" order, in which a plane whose bytes
+    hold PER0 fields is read as one contiguous [BLOCK_N, SW] byte tile (SW = D / PER0, vectorised
+    loads) and split by shifts -- no byte is loaded once per field.  A narrower plane (more fields
+    per byte, e.g. the 1-bit plane of 3-bit codes or QJL signs) is read with index j // G."""
+    G: tl.constexpr = (8 // W) // PER0
+    b = tl.load(ptr + nn[:, None] * row_bytes + (j // G)[None, :]).to(tl.int32)     # [BLOCK_N, SW]
+    sh = ((j % G) * PER0)[None, None, :] + s[None, :, None]                          # field within its byte
+    return (b[:, None, :] >> (sh * W)) & ((1 << W) - 1)
+
+
+@triton.jit
+def _codes(p0, p1, row_bytes0, row_bytes1, nn, j, s, W0: tl.constexpr, W1: tl.constexpr, PER0: tl.constexpr,
+           BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D] codes in s-major column order (column s * SW + j is coordinate PER0 * j + s)."""
+    c = _field(p0, row_bytes0, nn, j, s, W0, PER0)
+    if W1 > 0:
+        c = c | (_field(p1, row_bytes1, nn, j, s, W1, PER0) << W0)
+    return tl.reshape(c, (BLOCK_N, D))
+
+
+@triton.jit
+def _u16_to_f16(x):
+    return (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _mux(x, c_ptr, BITS: tl.constexpr):
+    """fp16 centroid of each code in ``x`` by a tree of selects on its bits (2^BITS - 1 selects,
+    no memory access per element: the centroids are BITS-many scalar loads)."""
+    b0 = (x & 1) != 0
+    v = tl.where(b0, tl.load(c_ptr + 1).to(tl.float16), tl.load(c_ptr).to(tl.float16))
+    if BITS >= 2:
+        b1 = (x & 2) != 0
+        v = tl.where(b1, tl.where(b0, tl.load(c_ptr + 3).to(tl.float16), tl.load(c_ptr + 2).to(tl.float16)), v)
+        if BITS >= 3:
+            b2 = (x & 4) != 0
+            w = tl.where(b0, tl.load(c_ptr + 5).to(tl.float16), tl.load(c_ptr + 4).to(tl.float16))
+            w = tl.where(b1, tl.where(b0, tl.load(c_ptr + 7).to(tl.float16), tl.load(c_ptr + 6).to(tl.float16)), w)
+            v = tl.where(b2, w, v)
+            if BITS >= 4:
+                b3 = (x & 8) != 0
+                u = tl.where(b0, tl.load(c_ptr + 9).to(tl.float16), tl.load(c_ptr + 8).to(tl.float16))
+                u = tl.where(b1, tl.where(b0, tl.load(c_ptr + 11).to(tl.float16),
+                                          tl.load(c_ptr + 10).to(tl.float16)), u)
+                y = tl.where(b0, tl.load(c_ptr + 13).to(tl.float16), tl.load(c_ptr + 12).to(tl.float16))
+                y = tl.where(b1, tl.where(b0, tl.load(c_ptr + 15).to(tl.float16),
+                                          tl.load(c_ptr + 14).to(tl.float16)), y)
+                u = tl.where(b2, y, u)
+                v = tl.where(b3, u, v)
+    return v
+
+
+@triton.jit
+def _spread2(x):
+    """Eight 2-bit fields (bits 0-15 of uint32 ``x``) -> eight nibbles, field t in nibble t."""
+    x = (x | (x << 8)) & 0x00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F
+    return (x | (x << 2)) & 0x33333333
+
+
+@triton.jit
+def _spread1(y):
+    """Eight bits (bits 0-7 of uint32 ``y``) -> bit 0 of eight nibbles, bit t in nibble t."""
+    y = (y | (y << 12)) & 0x000F000F
+    y = (y | (y << 6)) & 0x03030303
+    return (y | (y << 3)) & 0x11111111
+
+
+@triton.jit
+def _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """2- or 3-bit codes as selector words [BLOCK_N, D // 8]: element c holds codes 8c .. 8c + 7 in its
+    nibbles (code 8c + t in nibble t), built from 32-bit words of the 2-bit plane (16 codes each) and
+    16-bit words of the 1-bit plane by shifts and masks on whole words (SWAR), ~2 integer ops per code."""
+    jw = tl.arange(0, D // 16)
+    w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
+    w = w.to(tl.uint32, bitcast=True)
+    lo = _spread2(w & 0xFFFF)
+    hi = _spread2(w >> 16)
+    if W1 > 0:
+        hb = tl.load(p1.to(tl.pointer_type(tl.int16)) + nn[:, None] * (row_bytes1 // 2) + jw[None, :])
+        hb = hb.to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = lo | (_spread1(hb & 0xFF) << 2)
+        hi = hi | (_spread1(hb >> 8) << 2)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D // 8))
+
+
+@triton.jit
+def _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Eight [BLOCK_N, D // 8] tensors (v_t: code 8c + t at element c) -> [BLOCK_N, D] in code order
+    (tl.join adds its axis innermost, so the last join picks bit 0 of t)."""
+    ev = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    od = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(ev, od), (BLOCK_N, D))
+
+
+@triton.jit
+def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr,
+              SWAR: tl.constexpr = 0):
+    """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
+    split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``PRMT`` (CUDA):
+    the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees.
+    ``SWAR`` (2- and 3-bit codes, D % 16 == 0): selector words built from whole 32-bit words
+    (``_sel_words``), looked up by ``prmt_asm8`` (eight codes per asm call) or the select trees."""
+    if W0 == 2 and SWAR:
+        sel = _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1, BLOCK_N, D)
+        if PRMT:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [sel], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            NB: tl.constexpr = W0 + W1
+            si = sel.to(tl.int32, bitcast=True)
+            v0, v1 = _mux(si & 7, c_ptr, NB), _mux((si >> 4) & 7, c_ptr, NB)
+            v2, v3 = _mux((si >> 8) & 7, c_ptr, NB), _mux((si >> 12) & 7, c_ptr, NB)
+            v4, v5 = _mux((si >> 16) & 7, c_ptr, NB), _mux((si >> 20) & 7, c_ptr, NB)
+            v6, v7 = _mux((si >> 24) & 7, c_ptr, NB), _mux((si >> 28) & 7, c_ptr, NB)
+        return _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, D)
+    if W0 == 4 and PRMT:
+        j = tl.arange(0, D // 2)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :])
+        lo, hi = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+        out = tl.interleave(lo, hi)
+    elif W0 == 4:
+        j = tl.arange(0, D // 2)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        out = tl.interleave(_mux(b & 15, c_ptr, 4), _mux(b >> 4, c_ptr, 4))
+    else:
+        j = tl.arange(0, D // 4)
+        b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :]).to(tl.int32)
+        if W1 > 0:  # coordinates 4j..4j+3 take bits 4(j%2).. of byte j//2 of the 1-bit plane
+            b1 = tl.load(p1 + nn[:, None] * row_bytes1 + (j // 2)[None, :]).to(tl.int32)
+            b = b | (((b1 >> ((j % 2) * 4)[None, :]) & 15) << 8)
+    if W0 == 2 and PRMT:  # the four 2/3-bit codes as prmt's four selector nibbles, one lookup each
+        sel = (b & 3) | ((b & 0xC) << 2) | ((b & 0x30) << 4) | ((b & 0xC0) << 6)
+        if W1 > 0:
+            sel = sel | ((b >> 6) & 4) | ((b >> 3) & 0x40) | (b & 0x400) | ((b << 3) & 0x4000)
+        o0, o1 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [sel], dtype=(tl.int32, tl.int32), is_pure=True,
+                                           pack=1)
+        v0, v1, v2, v3 = _u16_to_f16(o0), _u16_to_f16(o0 >> 16), _u16_to_f16(o1), _u16_to_f16(o1 >> 16)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    elif W0 == 2:
+        B: tl.constexpr = W0 + W1
+        v0 = _mux((b & 3) | ((b >> 6) & 4), c_ptr, B)
+        v1 = _mux(((b >> 2) & 3) | ((b >> 7) & 4), c_ptr, B)
+        v2 = _mux(((b >> 4) & 3) | ((b >> 8) & 4), c_ptr, B)
+        v3 = _mux(((b >> 6) & 3) | ((b >> 9) & 4), c_ptr, B)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    return out
+
+
+@triton.jit
+def _signs_nat(ptr, nn, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, D] QJL signs (+-1, fp16) in natural coordinate order from a 1-bit plane."""
+    j = tl.arange(0, D // 8)
+    t = tl.arange(0, 8)
+    b = tl.load(ptr + nn[:, None] * (D // 8) + j[None, :]).to(tl.int32)
+    bits = (b[:, :, None] >> t[None, None, :]) & 1
+    return tl.reshape(2 * bits - 1, (BLOCK_N, D)).to(tl.float16)
+
+
+def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int, int]:
+    w0, w1 = _PLANES[bits]
+    p0 = planes[0]
+    p1 = planes[1] if w1 else planes[0]
+    return p0, p1, p0.stride(0), p1.stride(0), p0.stride(1), p1.stride(1), w0, w1
+
+
+def prmt_asm(centroids: torch.Tensor) -> str:
+    """Inline PTX turning 4 bytes of 4-bit code pairs into their 8 fp16 centroids: the 16 fp16
+    centroids are split into low and high bytes held as immediates; ``prmt`` picks 4 bytes out of
+    8 by 4 nibble selectors, so two ``prmt`` per byte half (entries 0-7 and 8-15, chosen by the
+    code's bit 3 with ``lop3``) look up four codes at once, and two more assemble the fp16 pairs.
+    Outputs: $0, $1 the low nibbles' centroids (fp16x2), $2, $3 the high nibbles'; input $4."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    assert len(bits) == 16
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    lo = [b & 0xFF for b in bits]
+    hi = [b >> 8 for b in bits]
+    tables = [word(lo[4 * i:4 * i + 4]) for i in range(4)] + [word(hi[4 * i:4 * i + 4]) for i in range(4)]
+
+    def half(src: str, o0: str, o1: str) -> str:
+        return (f"and.b32 tqt, {src}, 0x07070707; shr.b32 tqx, tqt, 4; or.b32 tqx, tqx, tqt; prmt.b32 tqs, tqx, tqx, 0x0020; "
+                "prmt.b32 tqr0, tqa0, tqa1, tqs; prmt.b32 tqr1, tqa2, tqa3, tqs; prmt.b32 tqh0, tqb0, tqb1, tqs; prmt.b32 tqh1, tqb2, tqb3, tqs; "
+                f"and.b32 tqm, {src}, 0x08080808; shr.b32 tqm, tqm, 3; mul.lo.u32 tqm, tqm, 255; "
+                "lop3.b32 tqrl, tqr1, tqr0, tqm, 0xE4; lop3.b32 tqrh, tqh1, tqh0, tqm, 0xE4; "
+                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+
+    movs = "".join(f"mov.b32 {n}, {v}; " for n, v in zip(["tqa0", "tqa1", "tqa2", "tqa3", "tqb0", "tqb1", "tqb2", "tqb3"], tables))
+    return ("{ .reg .b32 tqa0, tqa1, tqa2, tqa3, tqb0, tqb1, tqb2, tqb3, tqt, tqx, tqs, tqm, tqr0, tqr1, tqh0, tqh1, tqrl, tqrh, tqu; " + movs
+            + half("$4", "$0", "$1") + "shr.b32 tqu, $4, 4; " + half("tqu", "$2", "$3") + "}")
+
+
+def prmt_asm3(centroids: torch.Tensor) -> str:
+    """Inline PTX for 2- and 3-bit codes: input $2 holds four codes as ``prmt`` selector nibbles
+    (built in the kernel from the 2-bit plane's byte and the 1-bit plane's bits); one ``prmt`` per
+    byte half looks the four centroids up in the <= 8 entries held as immediates, two more
+    assemble the fp16 pairs: $0 = codes 0 and 1, $1 = codes 2 and 3."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = (bits + [0] * 8)[:8]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; "
+            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
+            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
+            "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
+
+
+def prmt_asm8(centroids: torch.Tensor) -> str:
+    """Inline PTX for 2- and 3-bit codes given as a selector word (``_sel_words``: eight codes, one
+    per nibble): per four codes one ``prmt`` per byte half looks the centroids up in the <= 8 entries
+    held as immediates and two more assemble fp16 pairs; outputs $0..$7 are the eight fp16 centroids
+    in code order (16-bit registers), input $8."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = (bits + [0] * 8)[:8]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    def four(sel: str, o0: str, o1: str) -> str:
+        return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
+                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh, tqs, tqo0, tqo1, tqo2, tqo3; "
+            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
+            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            + four("$8", "tqo0", "tqo1") + "shr.b32 tqs, $8, 16; " + four("tqs", "tqo2", "tqo3")
+            + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }")
+
+
+_ASMS: dict[tuple, tuple] = {}
+
+
+def _prmt_for(centroids: torch.Tensor, bits: int, swar: bool = False) -> str:
+    """The inline PTX lookup for a codebook on CUDA ('' elsewhere, or with SWIFTLM_TQ_PRMT=0: the
+    select trees); built with one host read per codebook, on its first (eager) use.  ``swar``: the
+    eight-code form for selector words (2- and 3-bit codes)."""
+    if bits not in (2, 3, 4) or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
+        return ""
+    swar = swar and bits in (2, 3)
+    key = (centroids.data_ptr(), centroids.device, bits, swar)
+    hit = _ASMS.get(key)
+    if hit is None or hit[0] is not centroids:
+        make = prmt_asm if bits == 4 else prmt_asm8 if swar else prmt_asm3
+        hit = _ASMS[key] = (centroids, make(centroids))
+    return hit[1]
+
+
+def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int) -> bool:
+    """Selector words (``_sel_words``) read the 2-bit plane as 32-bit and the 1-bit plane as 16-bit
+    words: every row and head offset must be aligned to that (SWIFTLM_TQ_SWAR=0: the byte path)."""
+    if w0 != 2 or D % 16 or os.environ.get("SWIFTLM_TQ_SWAR", "1") == "0":
+        return False
+    p0 = planes[0]
+    ok = p0.data_ptr() % 4 == 0 and p0.stride(0) % 4 == 0 and p0.stride(1) % 4 == 0
+    if w1:
+        p1 = planes[1]
+        ok = ok and p1.data_ptr() % 2 == 0 and p1.stride(0) % 2 == 0 and p1.stride(1) % 2 == 0
+    return ok
+
+
+# ------------------------------------------------------------------------------------ encode
+@triton.jit
+def _tq_encode_kernel(x_ptr, rt_ptr, b_ptr, p0_ptr, p1_ptr, n_ptr, R,
+                      D: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Rows [BR, D]: norm, unit vector, rotation (u @ R^T), codes by counting boundaries below each
+    coordinate, packed into one or two bit planes; fp16 norms."""
+    pid = tl.program_id(0)
+    r = pid * BR + tl.arange(0, BR)
+    ok = r < R
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    u = x / tl.where(norm > 0, norm, 1.0)[:, None]
+    rt = tl.load(rt_ptr + d[:, None] * D + d[None, :])                     # R^T [D, D]
+    y = tl.dot(u, rt, input_precision="ieee")
+    c = tl.zeros((BR, D), dtype=tl.int32)
+    for i in tl.static_range(NB):
+        c += (y > tl.load(b_ptr + i)).to(tl.int32)
+    tl.store(n_ptr + r, norm.to(tl.float16), mask=ok)
+    PER0: tl.constexpr = 8 // W0
+    lo = (c & ((1 << W0) - 1)).reshape(BR, D // PER0, PER0)
+    sh0 = (tl.arange(0, PER0) * W0)[None, None, :]
+    byte0 = tl.sum(lo << sh0, axis=2)
+    j0 = tl.arange(0, D // PER0)
+    tl.store(p0_ptr + r[:, None] * (D // PER0) + j0[None, :], byte0.to(tl.uint8), mask=ok[:, None])
+    if W1 > 0:
+        PER1: tl.constexpr = 8 // W1
+        hi = ((c >> W0) & ((1 << W1) - 1)).reshape(BR, D // PER1, PER1)
+        sh1 = (tl.arange(0, PER1) * W1)[None, None, :]
+        byte1 = tl.sum(hi << sh1, axis=2)
+        j1 = tl.arange(0, D // PER1)
+        tl.store(p1_ptr + r[:, None] * (D // PER1) + j1[None, :], byte1.to(tl.uint8), mask=ok[:, None])
+
+
+def tq_encode(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor, bits: int, block_rows: int = 16
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """x [..., D] -> (planes [..., D * w / 8] uint8 per plane, norms [...] fp16): TurboQuant-mse
+    codes in the ``swiftlm.turboquant.packing`` layout.  ``rotation`` is R (forward: u @ R^T)."""
+    shape = x.shape[:-1]
+    D = x.shape[-1]
+    xf = x.reshape(-1, D).contiguous()
+    R = xf.shape[0]
+    w0, w1 = _PLANES[bits]
+    p0 = torch.empty(R, D * w0 // 8, dtype=torch.uint8, device=x.device)
+    p1 = torch.empty(R, D * w1 // 8 if w1 else 1, dtype=torch.uint8, device=x.device)
+    norms = torch.empty(R, dtype=torch.float16, device=x.device)
+    rt = rotation.float().t().contiguous()
+    grid = (triton.cdiv(R, block_rows),)
+    _tq_encode_kernel[grid](xf, rt, boundaries.float().contiguous(), p0, p1, norms, R,
+                            D=D, BR=block_rows, NB=boundaries.numel(), W0=w0, W1=w1)
+    planes = [p0.view(*shape, -1)] + ([p1.view(*shape, -1)] if w1 else [])
+    return planes, norms.view(shape)
