@@ -11,7 +11,10 @@ function in the loaded model's module so a ``TurboKVCache`` answers with ``cache
 the query is rotated once, scored against centroids looked up from the packed codes (never a 16-bit
 copy of the history), values are summed in the rotated domain and rotated back once.  The fused
 Metal kernel (``swiftlm.metal_kernels``) is used for single decode rows on a Metal device after it
-has checked itself against this module's pure-MLX path.
+has checked itself against this module's pure-MLX path.  When MLX runs on the CPU, single decode
+rows go through the numba kernel shared with the torch backend (``swiftlm.turboquant.cpu_attention``,
+reading the codes in place through numpy views) where numba is installed and ``SWIFTLM_NUMBA`` is
+not "0"; prefill and verify chunks keep the pure-MLX path (matmul work).
 """
 
 from __future__ import annotations
@@ -239,9 +242,12 @@ def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
         s = mx.where(pos_k[None, :] <= pos_q[:, None], s, -mx.inf)
     m = s.max(-1, keepdims=True)
     if cache.n_code:
-        q_rot = (qg @ cache.kc.RT) * scale          # the query, rotated once
-        sq = (qg @ cache.kc.S.T) * scale if cache.kc.qjl else None
-        mc, lc, accc = partials(q_rot, cache.codes, cache.n_code, cache.kc, cache.vc, sq, rows=T)
+        if T == 1 and cpu_kernel_usable(cache, rep):
+            mc, lc, accc = cpu_partials(cache, qg, scale)
+        else:
+            q_rot = (qg @ cache.kc.RT) * scale          # the query, rotated once
+            sq = (qg @ cache.kc.S.T) * scale if cache.kc.qjl else None
+            mc, lc, accc = partials(q_rot, cache.codes, cache.n_code, cache.kc, cache.vc, sq, rows=T)
         M = mx.maximum(m, mc)
         p = mx.exp(s - M)
         ac = mx.exp(mc - M)
@@ -253,10 +259,66 @@ def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
     return out.reshape(1, H, T, D).astype(queries.dtype)
 
 
+def cpu_kernel_usable(cache: TurboKVCache, M: int) -> bool:
+    """Compressed rows through the numba kernel: MLX on the CPU device, numba present and not
+    switched off (``SWIFTLM_NUMBA=0``), M <= 32 query rows per KV head, head dim a multiple of 8."""
+    from swiftlm.turboquant import cpu_attention
+
+    return (cpu_attention.enabled() and M <= 32 and cache.kc.d % 8 == 0
+            and mx.default_device().type == mx.DeviceType.cpu)
+
+
+def _np(a: mx.array) -> np.ndarray:
+    """An evaluated MLX array as numpy: a view of its buffer (MLX arrays on the CPU export it through
+    the buffer protocol, no copy), copied only where it is not C-contiguous."""
+    x = np.asarray(a)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def _np_table(codec: Codec) -> np.ndarray:
+    t = getattr(codec, "_np_lut", None)
+    if t is None:
+        t = codec._np_lut = np.ascontiguousarray(np.array(codec.lut, dtype=np.float32))
+    return t
+
+
+def cpu_partials(cache: TurboKVCache, qg: mx.array, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """``partials`` for qg [KVH, M, D] (fp32, unscaled) through the numba kernel: the same
+    (m, l, acc) contract, acc in the value rotation's domain."""
+    from swiftlm.turboquant import cpu_attention
+
+    kc, vc, c, n = cache.kc, cache.vc, cache.codes, cache.n_code
+    q_rot = (qg @ kc.RT) * scale
+    kn = c["kn"][:, :n].astype(mx.float32)
+    vn = c["vn"][:, :n].astype(mx.float32)
+    arrs = [q_rot, kn, vn, *c["kp"], *c["vp"]]
+    if kc.qjl:
+        sq = (qg @ kc.S.T) * scale
+        kr = c["kr"][:, :n].astype(mx.float32)
+        arrs += [sq, kr, c["ks"]]
+    mx.eval(arrs)   # the codes written by the last compression, the query: computed before they are read
+    qjl = {}
+    if kc.qjl:
+        qjl = dict(st=cpu_attention.qjl_table(_np(sq)), ks=_np(c["ks"]), kr=_np(kr), qjl_scale=kc.qjl_scale)
+    spans = cpu_attention.turbo_spans(_np(q_rot), n, kc.mse_bits, vc.mse_bits, _np_table(kc),
+                                      [_np(p) for p in c["kp"]], _np(kn), _np_table(vc),
+                                      [_np(p) for p in c["vp"]], _np(vn), **qjl)
+    return tuple(mx.array(x) for x in cpu_attention.merge_spans(*spans))
+
+
 def make_turbo_cache(module: Any, fmt: KVFormat, head_dim: int) -> list[TurboKVCache]:
     n = len(module.layers)
     kc = Codec(head_dim, fmt.key_code_bits, fmt.seed * 2 + 1, qjl=fmt.key_qjl)
     vc = Codec(head_dim, fmt.value_bits, fmt.seed * 2 + 2)
+    args = getattr(module, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if on_cpu and isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads:
+        from swiftlm.turboquant import cpu_attention
+
+        # compile the decode kernel of this shape in the background (see cpu_partials)
+        cpu_attention.warm_up_turbo(head_dim, heads // kv_heads, kc.mse_bits, vc.mse_bits, kc.qjl)
     return [TurboKVCache(fmt, fmt.layer_compressed(i, n), kc, vc) for i in range(n)]
 
 

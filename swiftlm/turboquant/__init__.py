@@ -7,9 +7,12 @@ packing.py    bit planes that never split a code across bytes
 
 presets.py    KV formats (TurboQuant presets, affine kv_bits), per-request resolution, the layout byte formula
 attention.py  the numpy reference attention over compressed history
+cpu_attention.py  numba kernels for decode rows over compressed history on a CPU (numpy + numba, optional):
+              the torch backend's CPU path (``backends/torch/cpu_kernels.py``) and MLX on a CPU use them
 
 The caches live in the backends (``backends/torch/compressed_cache.py``, ``backends/mlx/turbo_cache.py``),
-the kernels in ``cuda_ext/turboquant_kernels.py`` (Triton) and ``metal_kernels/turboquant.py`` (Metal).
+the kernels in ``cuda_ext/turboquant_kernels.py`` / ``cuda_ext/tq_codes.py`` (Triton) and
+``metal_kernels/turboquant.py`` (Metal).
 """
 
 from .codebook import Codebook, lloyd_max

@@ -1,0 +1,347 @@
+"""Compressed-KV decode attention on the CPU, compiled with numba (numpy + numba only).
+
+Shared by both backends: ``backends/torch/cpu_kernels.py`` and ``backends/mlx/turbo_cache.py`` are
+the glue that hands their arrays over as numpy views.  A block-wise path that decodes compressed
+rows into a full-width fp32 buffer with a table gather, then multiplies it with the queries, writes
+every compressed row out at full width and reads it back: it costs more memory traffic than the fp32
+row it replaces.  These kernels never leave a decoded row in memory: per row they expand the codes
+through a small per-byte table into registers / L1, take the dot products with the query heads of
+its KV head, update a running softmax (flash-decoding: each task owns one span of rows of one KV
+head and returns its max, denominator and unnormalised value sum) and add the row's weighted values.
+TurboQuant values are summed in the rotated domain and rotated back once by the caller; affine
+(``kv_bits``) values in the original domain.
+
+Layout (``swiftlm.turboquant.packing``; both backends' caches write the same bytes): row-major bit
+planes [KVH, cap, D * width / 8] uint8, QJL sign bytes [KVH, cap, D / 8] (bit t of byte k is
+coordinate 8k + t), the code tables of ``byte_lut``; norms and residual norms as fp32 [KVH, >=n]
+(the caches hold fp16: the glue passes fp32 copies of the first n).
+
+Each kernel is specialised (head dim, query heads per KV head, code widths) when first used and
+compiled by numba (a few seconds, cached on disk where the package directory is writable); without
+numba, or with ``SWIFTLM_NUMBA=0``, ``enabled()`` is False and the backends run their own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+try:  # optional (the torch extra installs it): without it the backends run their own paths
+    import numba as nb
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    nb = None
+
+# no NaN/Inf assumptions: the running max starts at -inf
+_FM = {"reassoc", "contract", "arcp", "nsz", "afn"}
+TILE = 64          # rows scored before their softmax update
+MIN_SPAN = 512     # rows per task at least
+# one kernel at a time per process: numba's thread pool (workqueue/omp layers) does not take
+# concurrent launches from two threads (two engines, e.g. two models served at once)
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
+
+
+def splits(n: int, kv_heads: int) -> int:
+    """Tasks per KV head: enough for every thread, no task shorter than MIN_SPAN rows."""
+    threads = max(1, nb.get_num_threads()) if nb is not None else 1
+    want = -(-4 * threads // kv_heads)
+    return max(1, min(want, -(-n // MIN_SPAN)))
+
+
+def _helpers():
+    """The kernels' building blocks, generic in their size arguments: inlined into each
+    specialised kernel, where those arguments are constants.  (Module-level rather than closures:
+    numba's disk cache keys a kernel by what its closure captures, which must pickle the same in
+    every process.)"""
+    global _decode_row, _softmax_tile, _affine_row
+
+    @nb.njit(inline="always", fastmath=_FM)
+    def _decode_row(tab, p0, p1, j, row, bits, D):
+        """Row j of packed planes into ``row`` [D] through ``tab``: 1/2/4 bits [256, 8/bits]
+        entries per byte of plane 0; 3 bits [4096, 4] indexed by plane-0 byte * 16 + the nibble of
+        plane 1 covering the same four codes (``kv_quant.byte_lut``)."""
+        if bits == 3:
+            for k in range(D // 8):
+                hb = p1[j, k]
+                i0 = np.int64(p0[j, 2 * k]) * 16 + (hb & 15)
+                i1 = np.int64(p0[j, 2 * k + 1]) * 16 + (hb >> 4)
+                for t in range(4):
+                    row[8 * k + t] = tab[i0, t]
+                    row[8 * k + 4 + t] = tab[i1, t]
+        else:
+            per = 8 // bits
+            for k in range(D // per):
+                i = p0[j, k]
+                for t in range(per):
+                    row[k * per + t] = tab[i, t]
+
+    @nb.njit(inline="always", fastmath=_FM)
+    def _softmax_tile(sc, cnt, m, l, acc, M, D):
+        """Scores sc [M, TILE] (first ``cnt``) -> probabilities against the running max m, with
+        l and acc rescaled to the new max."""
+        for t in range(M):
+            bm = m[t]
+            for jj in range(cnt):
+                if sc[t, jj] > bm:
+                    bm = sc[t, jj]
+            alpha = math.exp(m[t] - bm) if m[t] > -np.inf else np.float32(0.0)
+            l[t] *= alpha
+            for d in range(D):
+                acc[t, d] *= alpha
+            m[t] = bm
+            s = np.float32(0.0)
+            for jj in range(cnt):
+                p = math.exp(sc[t, jj] - bm)
+                sc[t, jj] = p
+                s += p
+            l[t] += s
+
+    @nb.njit(inline="always", fastmath=_FM)
+    def _affine_row(p, j, row, bits, D):
+        if bits == 8:
+            for d in range(D):
+                row[d] = np.float32(p[j, d])
+        else:
+            for k in range(D // 2):
+                b = p[j, k]
+                row[2 * k] = np.float32(b & 15)
+                row[2 * k + 1] = np.float32(b >> 4)
+
+
+if nb is not None:
+    _helpers()
+
+
+@functools.lru_cache(maxsize=None)
+def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
+    """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc).
+
+    Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
+    signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
+    unused otherwise); qjl_scale; ktab, kp0, kp1 key tables / planes; kn [KVH, >=n] fp32 key norms;
+    ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n] fp32 residual norms (QJL); vtab, vp0,
+    vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
+    nsb = D // 8
+
+    def kernel(qr, st, qjl_scale, ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S,
+               m_out, l_out, acc_out):
+        KVH = qr.shape[0]
+        span = (n + S - 1) // S
+        for task in nb.prange(KVH * S):
+            h, s = task // S, task % S
+            lo, hi = s * span, min(n, (s + 1) * span)
+            m = np.full(M, -np.inf, dtype=np.float32)
+            l = np.zeros(M, dtype=np.float32)
+            acc = np.zeros((M, D), dtype=np.float32)
+            row = np.empty(D, dtype=np.float32)
+            sg = np.empty(M, dtype=np.float32)
+            sc = np.empty((M, TILE), dtype=np.float32)
+            q, kp0h, kp1h, vp0h, vp1h = qr[h], kp0[h], kp1[h], vp0[h], vp1[h]
+            for t0 in range(lo, hi, TILE):
+                cnt = min(hi, t0 + TILE) - t0
+                for jj in range(cnt):
+                    j = t0 + jj
+                    _decode_row(ktab, kp0h, kp1h, j, row, kbits, D)
+                    if qjl:  # Σ_d (S q)_d sign_d, a table entry per sign byte and query head
+                        for t in range(M):
+                            sg[t] = 0.0
+                        for k in range(nsb):
+                            b = ks[h, j, k]
+                            for t in range(M):
+                                sg[t] += st[h, k, b, t]
+                        w = qjl_scale * kr[h, j]
+                    for t in range(M):
+                        x = np.float32(0.0)
+                        for d in range(D):
+                            x += q[t, d] * row[d]
+                        if qjl:
+                            x += w * sg[t]
+                        sc[t, jj] = x * kn[h, j]
+                _softmax_tile(sc, cnt, m, l, acc, M, D)
+                for jj in range(cnt):
+                    j = t0 + jj
+                    _decode_row(vtab, vp0h, vp1h, j, row, vbits, D)
+                    nj = vn[h, j]
+                    for t in range(M):
+                        w = sc[t, jj] * nj
+                        for d in range(D):
+                            acc[t, d] += w * row[d]
+            m_out[h, s] = m
+            l_out[h, s] = l
+            acc_out[h, s] = acc
+    return _compile(kernel, f"turbo_d{D}_m{M}_k{kbits}{'q' if qjl else ''}_v{vbits}")
+
+
+@functools.lru_cache(maxsize=None)
+def affine_kernel(D: int, M: int, bits: int, group: int):
+    """Split-K attention over affine codes (``kv_bits``): codes [KVH, cap, D*bits/8] (4 bits: code
+    2k in the low nibble of byte k), fp32 scale / bias [KVH, >=n, D/group] per row and group.
+    score = Σ_g scale_g (q_g . code_g) + bias_g Σ q_g; values code * scale + bias.  Arguments:
+    q [KVH, M, D] scaled; qs [KVH, M, G] Σ q per group; kp, kscale, kbias, vp, vscale, vbias; n; S;
+    outputs as ``turbo_kernel``."""
+    G = D // group
+
+
+    def kernel(q, qs, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
+        KVH = q.shape[0]
+        span = (n + S - 1) // S
+        for task in nb.prange(KVH * S):
+            h, s = task // S, task % S
+            lo, hi = s * span, min(n, (s + 1) * span)
+            m = np.full(M, -np.inf, dtype=np.float32)
+            l = np.zeros(M, dtype=np.float32)
+            acc = np.zeros((M, D), dtype=np.float32)
+            bsum = np.zeros((M, G), dtype=np.float32)
+            row = np.empty(D, dtype=np.float32)
+            sc = np.empty((M, TILE), dtype=np.float32)
+            qh, kph, vph = q[h], kp[h], vp[h]
+            for t0 in range(lo, hi, TILE):
+                cnt = min(hi, t0 + TILE) - t0
+                for jj in range(cnt):
+                    j = t0 + jj
+                    _affine_row(kph, j, row, bits, D)
+                    for t in range(M):
+                        x = np.float32(0.0)
+                        for g in range(G):
+                            y = np.float32(0.0)
+                            for d in range(g * group, (g + 1) * group):
+                                y += qh[t, d] * row[d]
+                            x += kscale[h, j, g] * y + kbias[h, j, g] * qs[h, t, g]
+                        sc[t, jj] = x
+                # the running bias sums live apart from acc: rescale them with it
+                for t in range(M):
+                    bm = m[t]
+                    for jj in range(cnt):
+                        if sc[t, jj] > bm:
+                            bm = sc[t, jj]
+                    if m[t] > -np.inf:
+                        alpha = math.exp(m[t] - bm)
+                        for g in range(G):
+                            bsum[t, g] *= alpha
+                _softmax_tile(sc, cnt, m, l, acc, M, D)
+                for jj in range(cnt):
+                    j = t0 + jj
+                    _affine_row(vph, j, row, bits, D)
+                    for t in range(M):
+                        p = sc[t, jj]
+                        for g in range(G):
+                            w = p * vscale[h, j, g]
+                            bsum[t, g] += p * vbias[h, j, g]
+                            for d in range(g * group, (g + 1) * group):
+                                acc[t, d] += w * row[d]
+            for t in range(M):
+                for g in range(G):
+                    for d in range(g * group, (g + 1) * group):
+                        acc[t, d] += bsum[t, g]
+            m_out[h, s] = m
+            l_out[h, s] = l
+            acc_out[h, s] = acc
+    return _compile(kernel, f"affine_d{D}_m{M}_b{bits}_g{group}")
+
+
+def _compile(fn, name: str):
+    """njit ``fn`` (a closure over its specialisation) with an on-disk cache.  numba keys its cache
+    index by the function's qualified name, not by the values a closure captured: the name carries
+    every captured constant, so each specialisation gets its own cache entry."""
+    fn.__qualname__ = fn.__name__ = f"kernel_{name}"
+    return nb.njit(parallel=True, fastmath=_FM, nogil=True, cache=True)(fn)
+
+
+# ------------------------------------------------------------------------------ numpy-level calls
+# placeholders of the right types where an input is unused (numba compiles one signature)
+EMPTY2 = np.zeros((1, 1), np.float32)
+EMPTY3 = np.zeros((1, 1, 1), np.uint8)
+EMPTY4 = np.zeros((1, 1, 1, 1), np.float32)
+NO_PLANE = np.zeros((1, 1, 1), np.uint8)
+# [256, 8] ±1: bit t of byte b (QJL signs are packed little-end first, one bit per coordinate)
+SIGNS = (((np.arange(256)[:, None] >> np.arange(8)) & 1) * 2 - 1).astype(np.float32)
+
+
+def planes(ps) -> tuple[np.ndarray, np.ndarray]:
+    """A code's bit planes as the kernel's (plane 0, plane 1) pair (one-plane widths: a placeholder)."""
+    return ps[0], (ps[1] if len(ps) > 1 else NO_PLANE)
+
+
+def qjl_table(sq: np.ndarray) -> np.ndarray:
+    """sq [KVH, M, D] (scaled S q) -> st [KVH, D/8, 256, M]: Σ over the eight signs of sign byte k
+    with value b of sq * sign, the kernel's per-byte QJL table."""
+    KVH, M, D = sq.shape
+    t = sq.reshape(KVH, M, D // 8, 8).astype(np.float32, copy=False) @ SIGNS.T    # [KVH, M, D/8, 256]
+    return np.ascontiguousarray(t.transpose(0, 2, 3, 1))
+
+
+def turbo_spans(qr, n: int, kbits: int, vbits: int, ktab, kplanes, kn, vtab, vplanes, vn,
+                st=None, ks=None, kr=None, qjl_scale: float = 0.0):
+    """Run ``turbo_kernel`` over compressed rows [0, n): qr [KVH, M, D] rotated, scaled queries;
+    k/v tables, plane lists [KVH, cap, bytes] and fp32 norms [KVH, >=n]; QJL keys: st
+    (``qjl_table``), ks sign bytes, kr fp32 residual norms.  All C-contiguous numpy arrays (views
+    of the caller's storage).  Returns the per-task (m, l, acc) [KVH, S, M], [KVH, S, M, D]."""
+    KVH, M, D = qr.shape
+    S = splits(n, KVH)
+    m_o = np.empty((KVH, S, M), np.float32)
+    l_o = np.empty((KVH, S, M), np.float32)
+    a_o = np.empty((KVH, S, M, D), np.float32)
+    qjl = st is not None
+    if not qjl:
+        st, ks, kr = EMPTY4, EMPTY3, EMPTY2
+    kernel = turbo_kernel(D, M, kbits, vbits, qjl)
+    kp0, kp1 = planes(kplanes)
+    vp0, vp1 = planes(vplanes)
+    with _LOCK:
+        kernel(qr, st, np.float32(qjl_scale), ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S,
+               m_o, l_o, a_o)
+    return m_o, l_o, a_o
+
+
+def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
+    """Per-task partials -> (m, l) [KVH, M, 1] and acc [KVH, M, D] over all tasks."""
+    m = m_o.max(1, keepdims=True)                      # [KVH, 1, M]
+    w = np.exp(m_o - m)                                # tasks with no rows: m = -inf -> 0
+    return (m[:, 0, :, None], (l_o * w).sum(1)[..., None],
+            (a_o * w[..., None]).sum(1))
+
+
+_WARMED: set[tuple] = set()
+
+
+def warm_up_turbo(D: int, M: int, kbits: int, vbits: int, qjl: bool) -> threading.Thread | None:
+    """Compile (or load from numba's disk cache) this shape's kernel on a background thread, with
+    the argument types the backends pass, so a first decode step does not wait for it.  Once per
+    shape and process (later calls: None)."""
+    key = (D, M, kbits, vbits, qjl)
+    if not enabled() or D % 8 or key in _WARMED:
+        return None
+    _WARMED.add(key)
+
+    def run() -> None:
+        try:
+            widths = {3: (D // 4, D // 8)}
+            tab = {3: (4096, 4)}
+
+            def side(bits):
+                ps = [np.zeros((1, 1, w), np.uint8) for w in widths.get(bits, (D * bits // 8,))]
+                return np.zeros(tab.get(bits, (256, 8 // bits)), np.float32), ps, np.ones((1, 1), np.float32)
+
+            ktab, kps, kn = side(kbits)
+            vtab, vps, vn = side(vbits)
+            extra = {}
+            if qjl:
+                extra = dict(st=qjl_table(np.ones((1, M, D), np.float32)), ks=np.zeros((1, 1, D // 8), np.uint8),
+                             kr=np.ones((1, 1), np.float32), qjl_scale=1.0)
+            turbo_spans(np.ones((1, M, D), np.float32), 1, kbits, vbits, ktab, kps, kn, vtab, vps, vn, **extra)
+        except Exception as e:  # pragma: no cover - the first decode step compiles it instead
+            log.warning("numba kernel warm-up (d=%d, m=%d, k%d v%d) failed: %s", D, M, kbits, vbits, e)
+
+    t = threading.Thread(target=run, name="swiftlm-numba-warmup", daemon=True)
+    t.start()
+    return t
