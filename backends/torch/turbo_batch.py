@@ -49,7 +49,9 @@ def batch_tables(kvs: list, i: int) -> tuple | None:
     Ls = [kv.layers[i] for kv in kvs]
     if not all(L.compressed and L.kp is not None for L in Ls):
         return None
-    key = (i,) + tuple(L.kp[0].data_ptr() for L in Ls) + tuple(L.dk.data_ptr() for L in Ls)
+    # every tensor the tables address, so that caches freed and made again elsewhere never meet a stale table
+    key = (kv0.fmt,) + tuple(t.data_ptr() for L in Ls for t in (*L.kp, *L.vp, L.kn, L.vn, L.ks, L.kr, L.dk, L.dv)
+                             if t is not None)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -66,7 +68,7 @@ def batch_tables(kvs: list, i: int) -> tuple | None:
     dk, dv = col(lambda L: L.dk), col(lambda L: L.dv)
     if any(c is None for c in cols) or dk is None or dv is None or dk != dv:
         return None
-    if any(x % 16 for c in cols + [dk] for x in c):  # the kernels assume it (wide loads); CUDA allocations are 512 B aligned
+    if any(x % 16 for c in cols + [dk] for x in c):  # the kernels assume it (wide loads); CUDA allocates 512 B aligned
         return None
     dev = Ls[0].dk.device
     hit = (torch.tensor(cols, dtype=torch.int64).T.contiguous().to(dev),
