@@ -3,9 +3,12 @@ packed codes and look their centroids up inside the decode-attention kernels (``
 
 Layout (``swiftlm.turboquant.packing``): a plane of width w holds 8 / w codes per byte, little-end first; 3-bit
 codes are a 2-bit plane + a 1-bit plane.  Lookups on CUDA are byte permutes (``prmt``) in inline PTX with the
-fp16 centroids as immediates (``prmt_asm`` for 4-bit codes, ``prmt_asm3`` / ``prmt_asm8`` for 2- and 3-bit ones);
-under the CPU interpreter, trees of selects on the code bits.  2- and 3-bit codes are read as whole 32-bit words
-(and 16-bit words of the 1-bit plane) and spread into selector nibbles by shifts and masks (``_sel_words``).
+fp16 centroids as immediates (``prmt_asm4s`` / ``prmt_asm`` for 4-bit codes, ``prmt_asm16`` / ``prmt_asm3`` for 2-
+and 3-bit ones); under the CPU interpreter, trees of selects on the code bits.  Where the rows are aligned, codes are
+read as whole words: 32-bit words of the 2-bit plane (16 codes) with 16-bit words of the 1-bit plane, turned into
+selector nibbles inside the asm (``prmt_asm16``), and 32-bit words of 4-bit codes, whose nibbles are selectors
+already (``prmt_asm4s``).
+The inline PTX is checked on this CPU by an emulator of the instructions it uses (tests/ptx_emu.py).
 """
 
 from __future__ import annotations
@@ -75,40 +78,6 @@ def _mux(x, c_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _spread2(x):
-    """Eight 2-bit fields (bits 0-15 of uint32 ``x``) -> eight nibbles, field t in nibble t."""
-    x = (x | (x << 8)) & 0x00FF00FF
-    x = (x | (x << 4)) & 0x0F0F0F0F
-    return (x | (x << 2)) & 0x33333333
-
-
-@triton.jit
-def _spread1(y):
-    """Eight bits (bits 0-7 of uint32 ``y``) -> bit 0 of eight nibbles, bit t in nibble t."""
-    y = (y | (y << 12)) & 0x000F000F
-    y = (y | (y << 6)) & 0x03030303
-    return (y | (y << 3)) & 0x11111111
-
-
-@triton.jit
-def _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """2- or 3-bit codes as selector words [BLOCK_N, D // 8]: element c holds codes 8c .. 8c + 7 in its
-    nibbles (code 8c + t in nibble t), built from 32-bit words of the 2-bit plane (16 codes each) and
-    16-bit words of the 1-bit plane by shifts and masks on whole words (SWAR), ~2 integer ops per code."""
-    jw = tl.arange(0, D // 16)
-    w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
-    w = w.to(tl.uint32, bitcast=True)
-    lo = _spread2(w & 0xFFFF)
-    hi = _spread2(w >> 16)
-    if W1 > 0:
-        hb = tl.load(p1.to(tl.pointer_type(tl.int16)) + nn[:, None] * (row_bytes1 // 2) + jw[None, :])
-        hb = hb.to(tl.uint16, bitcast=True).to(tl.uint32)
-        lo = lo | (_spread1(hb & 0xFF) << 2)
-        hi = hi | (_spread1(hb >> 8) << 2)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D // 8))
-
-
-@triton.jit
 def _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """Eight [BLOCK_N, D // 8] tensors (v_t: code 8c + t at element c) -> [BLOCK_N, D] in code order
     (tl.join adds its axis innermost, so the last join picks bit 0 of t)."""
@@ -118,26 +87,68 @@ def _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _natural16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
+               BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Sixteen [BLOCK_N, D // 16] tensors (v_t: code 16c + t at element c) -> [BLOCK_N, D] in code order
+    (each join adds the next lower bit of t as the innermost axis)."""
+    a0, a1, a2, a3 = tl.join(v0, v8), tl.join(v1, v9), tl.join(v2, v10), tl.join(v3, v11)
+    a4, a5, a6, a7 = tl.join(v4, v12), tl.join(v5, v13), tl.join(v6, v14), tl.join(v7, v15)
+    b0, b1, b2, b3 = tl.join(a0, a4), tl.join(a1, a5), tl.join(a2, a6), tl.join(a3, a7)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, D))
+
+
+@triton.jit
+def _code2(w, hb, t: tl.constexpr, W1: tl.constexpr):
+    """Code t of sixteen: two bits of the 2-bit plane's word, plus bit t of the 1-bit plane's word."""
+    c = (w >> (2 * t)) & 3
+    if W1 > 0:
+        c = c | (((hb >> t) & 1) << 2)
+    return c
+
+
+@triton.jit
 def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr,
               SWAR: tl.constexpr = 0):
     """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
     split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``PRMT`` (CUDA):
     the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees.
-    ``SWAR`` (2- and 3-bit codes, D % 16 == 0): selector words built from whole 32-bit words
-    (``_sel_words``), looked up by ``prmt_asm8`` (eight codes per asm call) or the select trees."""
-    if W0 == 2 and SWAR:
-        sel = _sel_words(p0, p1, row_bytes0, row_bytes1, nn, W1, BLOCK_N, D)
+    ``SWAR`` (D % 16 == 0): codes read as whole words, 2- and 3-bit ones sixteen per 32-bit word of the
+    2-bit plane (and 16-bit word of the 1-bit plane) looked up by ``prmt_asm16``, 4-bit ones eight per
+    32-bit word by ``prmt_asm4s`` (symmetric codebooks); the select trees per code without ``PRMT``."""
+    if W0 == 2 and SWAR:  # 16 codes per 32-bit word of the 2-bit plane (+ a 16-bit word of the 1-bit plane)
+        jw = tl.arange(0, D // 16)
+        w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
+        if W1 > 0:
+            hb = tl.load(p1.to(tl.pointer_type(tl.int16)) + nn[:, None] * (row_bytes1 // 2) + jw[None, :])
+            hb = hb.to(tl.int32)
+        else:
+            hb = w
         if PRMT:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [sel], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            (v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15) = tl.inline_asm_elementwise(
+                ASM, "=h," * 16 + "r,r", [w, hb], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
         else:
             NB: tl.constexpr = W0 + W1
-            si = sel.to(tl.int32, bitcast=True)
-            v0, v1 = _mux(si & 7, c_ptr, NB), _mux((si >> 4) & 7, c_ptr, NB)
-            v2, v3 = _mux((si >> 8) & 7, c_ptr, NB), _mux((si >> 12) & 7, c_ptr, NB)
-            v4, v5 = _mux((si >> 16) & 7, c_ptr, NB), _mux((si >> 20) & 7, c_ptr, NB)
-            v6, v7 = _mux((si >> 24) & 7, c_ptr, NB), _mux((si >> 28) & 7, c_ptr, NB)
+            v0, v1 = _mux(_code2(w, hb, 0, W1), c_ptr, NB), _mux(_code2(w, hb, 1, W1), c_ptr, NB)
+            v2, v3 = _mux(_code2(w, hb, 2, W1), c_ptr, NB), _mux(_code2(w, hb, 3, W1), c_ptr, NB)
+            v4, v5 = _mux(_code2(w, hb, 4, W1), c_ptr, NB), _mux(_code2(w, hb, 5, W1), c_ptr, NB)
+            v6, v7 = _mux(_code2(w, hb, 6, W1), c_ptr, NB), _mux(_code2(w, hb, 7, W1), c_ptr, NB)
+            v8, v9 = _mux(_code2(w, hb, 8, W1), c_ptr, NB), _mux(_code2(w, hb, 9, W1), c_ptr, NB)
+            v10, v11 = _mux(_code2(w, hb, 10, W1), c_ptr, NB), _mux(_code2(w, hb, 11, W1), c_ptr, NB)
+            v12, v13 = _mux(_code2(w, hb, 12, W1), c_ptr, NB), _mux(_code2(w, hb, 13, W1), c_ptr, NB)
+            v14, v15 = _mux(_code2(w, hb, 14, W1), c_ptr, NB), _mux(_code2(w, hb, 15, W1), c_ptr, NB)
+        return _natural16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, BLOCK_N, D)
+    if W0 == 4 and SWAR:  # 32-bit words of eight codes (code 8c + t in nibble t of word c)
+        jw = tl.arange(0, D // 8)
+        w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
+        if PRMT:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            v0, v1 = _mux(w & 15, c_ptr, 4), _mux((w >> 4) & 15, c_ptr, 4)
+            v2, v3 = _mux((w >> 8) & 15, c_ptr, 4), _mux((w >> 12) & 15, c_ptr, 4)
+            v4, v5 = _mux((w >> 16) & 15, c_ptr, 4), _mux((w >> 20) & 15, c_ptr, 4)
+            v6, v7 = _mux((w >> 24) & 15, c_ptr, 4), _mux((w >> 28) & 15, c_ptr, 4)
         return _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, D)
     if W0 == 4 and PRMT:
         j = tl.arange(0, D // 2)
@@ -237,11 +248,14 @@ def prmt_asm3(centroids: torch.Tensor) -> str:
             "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
 
 
-def prmt_asm8(centroids: torch.Tensor) -> str:
-    """Inline PTX for 2- and 3-bit codes given as a selector word (``_sel_words``: eight codes, one
-    per nibble): per four codes one ``prmt`` per byte half looks the centroids up in the <= 8 entries
-    held as immediates and two more assemble fp16 pairs; outputs $0..$7 are the eight fp16 centroids
-    in code order (16-bit registers), input $8."""
+def prmt_asm16(centroids: torch.Tensor, w1: int) -> str:
+    """Inline PTX for sixteen 2- or 3-bit codes: input $16 is a 32-bit word of the 2-bit plane (code t in bits
+    2t, 2t + 1), $17 (3-bit codes, w1 = 1) a word whose low 16 bits are the 1-bit plane's (code t in bit t).
+    The selector nibbles need no per-code work: word & 0x33333333 holds the even codes' two low bits in its
+    eight nibbles and (word >> 2) & 0x33333333 the odd codes'; the 1-bit plane is spread to every other bit
+    once (four shift + lop3 pairs) and merged into bit 2 of those nibbles.  Per four codes one ``prmt`` per
+    byte half looks the centroids up in the <= 8 entries held as immediates and two more assemble fp16 pairs.
+    Outputs $0..$15: the sixteen fp16 centroids in code order (16-bit registers)."""
     bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
     bits = (bits + [0] * 8)[:8]
     lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
@@ -253,10 +267,58 @@ def prmt_asm8(centroids: torch.Tensor) -> str:
         return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
                 f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
 
-    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh, tqs, tqo0, tqo1, tqo2, tqo3; "
+    spread = ""
+    if w1:  # 1-bit plane: bit t -> bit 2t; then even codes take it at bit 4k + 2 via << 2, odd ones in place
+        spread = "and.b32 tqm, $17, 0xFFFF; " + "".join(
+            f"shl.b32 tqt, tqm, {sh}; lop3.b32 tqm, tqm, tqt, {mask}, 0xA8; "
+            for sh, mask in ((8, "0x00FF00FF"), (4, "0x0F0F0F0F"), (2, "0x33333333"), (1, "0x55555555")))
+    sels = "and.b32 tqA, $16, 0x33333333; shr.b32 tqB, $16, 2; and.b32 tqB, tqB, 0x33333333; "
+    if w1:
+        sels += ("shl.b32 tqt, tqm, 2; lop3.b32 tqA, tqA, tqt, 0x44444444, 0xF8; "
+                 "lop3.b32 tqB, tqB, tqm, 0x44444444, 0xF8; ")
+    look = (four("tqA", "tqo0", "tqo1") + "shr.b32 tqs, tqA, 16; " + four("tqs", "tqo2", "tqo3")
+            + four("tqB", "tqo4", "tqo5") + "shr.b32 tqs, tqB, 16; " + four("tqs", "tqo6", "tqo7"))
+    # tqo0..3 hold the even codes 0, 2, .., 14 in pairs, tqo4..7 the odd ones
+    outs = "".join(f"mov.b32 {{${a}, ${a + 2}}}, tqo{i}; " for i, a in enumerate([0, 4, 8, 12, 1, 5, 9, 13]))
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqm, tqt, tqA, tqB, tqs, tqrl, tqrh, "
+            "tqo0, tqo1, tqo2, tqo3, tqo4, tqo5, tqo6, tqo7; "
             f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
             f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
-            + four("$8", "tqo0", "tqo1") + "shr.b32 tqs, $8, 16; " + four("tqs", "tqo2", "tqo3")
+            + spread + sels + look + outs + "}")
+
+
+def symmetric_fp16(centroids: torch.Tensor) -> bool:
+    """Whether a sorted codebook's fp16 centroids are odd-symmetric bit for bit (c[n-1-i] == -c[i]): the
+    Lloyd-Max codebooks of the rotated coordinates are (their density is even), which ``prmt_asm4s`` needs."""
+    h = centroids.detach().float().half().cpu()
+    return bool(torch.equal(h.view(torch.int16), (-h.flip(0)).view(torch.int16)))
+
+
+def prmt_asm4s(centroids: torch.Tensor) -> str:
+    """Inline PTX for 4-bit codes of an odd-symmetric codebook (``symmetric_fp16``), read as 32-bit words of
+    eight codes (code t in nibble t): c[8 + m] = -c[7 - m], so code x looks up entry x & 7, or 7 - (x & 7)
+    when bit 3 is set (one xor for all eight nibbles), in the 8-entry table c[0..7] held as immediates, and
+    bit 3 flips the looked-up high byte's sign bit (bits 3 and 7 of each input byte brought to the bit 7s by
+    one shift and one ``prmt``).  Per eight codes 17 ALU ops and one multiply, against 29 for ``prmt_asm``.
+    Outputs $0..$7: the eight fp16 centroids in code order (16-bit registers); input $8."""
+    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    assert len(bits) == 16
+    lo, hi = [b & 0xFF for b in bits[:8]], [b >> 8 for b in bits[:8]]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    def four(sel: str, sgn: str, o0: str, o1: str) -> str:
+        return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
+                f"prmt.b32 tqg, tqv, $8, {sgn}; lop3.b32 tqrh, tqrh, tqg, 0x80808080, 0x78; "
+                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqs, tqx, tqxh, tqv, tqg, tqrl, tqrh, tqo0, tqo1, tqo2, tqo3; "
+            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
+            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            "shr.b32 tqs, $8, 3; and.b32 tqs, tqs, 0x11111111; mul.lo.u32 tqs, tqs, 7; "
+            "lop3.b32 tqx, $8, tqs, 0x77777777, 0x28; shl.b32 tqv, $8, 4; "
+            + four("tqx", "0x5140", "tqo0", "tqo1") + "shr.b32 tqxh, tqx, 16; " + four("tqxh", "0x7362", "tqo2", "tqo3")
             + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }")
 
 
@@ -266,23 +328,37 @@ _ASMS: dict[tuple, tuple] = {}
 def _prmt_for(centroids: torch.Tensor, bits: int, swar: bool = False) -> str:
     """The inline PTX lookup for a codebook on CUDA ('' elsewhere, or with SWIFTLM_TQ_PRMT=0: the
     select trees); built with one host read per codebook, on its first (eager) use.  ``swar``: the
-    eight-code form for selector words (2- and 3-bit codes)."""
+    eight-code form for words of codes (2- and 3-bit selector words; 4-bit words of a symmetric codebook)."""
     if bits not in (2, 3, 4) or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
         return ""
-    swar = swar and bits in (2, 3)
     key = (centroids.data_ptr(), centroids.device, bits, swar)
     hit = _ASMS.get(key)
     if hit is None or hit[0] is not centroids:
-        make = prmt_asm if bits == 4 else prmt_asm8 if swar else prmt_asm3
-        hit = _ASMS[key] = (centroids, make(centroids))
+        if bits == 4:
+            asm = prmt_asm4s(centroids) if swar else prmt_asm(centroids)
+        else:
+            asm = prmt_asm16(centroids, bits - 2) if swar else prmt_asm3(centroids)
+        hit = _ASMS[key] = (centroids, asm)
     return hit[1]
 
 
-def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int) -> bool:
-    """Selector words (``_sel_words``) read the 2-bit plane as 32-bit and the 1-bit plane as 16-bit
-    words: every row and head offset must be aligned to that (SWIFTLM_TQ_SWAR=0: the byte path)."""
-    if w0 != 2 or D % 16 or os.environ.get("SWIFTLM_TQ_SWAR", "1") == "0":
+_SYM: dict[tuple, tuple] = {}
+
+
+def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int, centroids: torch.Tensor | None = None) -> bool:
+    """The word paths read the 2-bit plane as 32-bit and the 1-bit plane as 16-bit words, and 4-bit
+    codes as 32-bit words: every row and head offset must be aligned to that
+    (SWIFTLM_TQ_SWAR=0: the byte path).  4-bit words on CUDA also need an odd-symmetric codebook
+    (``prmt_asm4s``; checked with one host read per codebook)."""
+    if w0 not in (2, 4) or D % 16 or os.environ.get("SWIFTLM_TQ_SWAR", "1") == "0":
         return False
+    if w0 == 4 and centroids is not None and centroids.device.type == "cuda":
+        key = (centroids.data_ptr(), centroids.device)
+        hit = _SYM.get(key)
+        if hit is None or hit[0] is not centroids:
+            hit = _SYM[key] = (centroids, symmetric_fp16(centroids))
+        if not hit[1]:
+            return False
     p0 = planes[0]
     ok = p0.data_ptr() % 4 == 0 and p0.stride(0) % 4 == 0 and p0.stride(1) % 4 == 0
     if w1:

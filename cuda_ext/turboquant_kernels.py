@@ -337,13 +337,14 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     # fp16 and 2-4-bit codes: natural coordinate order, prmt lookups on CUDA (select trees elsewhere)
     knat = f16 and D % 8 == 0 and kw0 + kw1 in (2, 3, 4)
     vnat = f16 and D % 8 == 0 and vw0 + vw1 in (2, 3, 4)
-    kswar = knat and _swar_ok(k_planes, kw0, kw1, D)
-    vswar = vnat and _swar_ok(v_planes, vw0, vw1, D)
+    kswar = knat and _swar_ok(k_planes, kw0, kw1, D, k_centroids)
+    vswar = vnat and _swar_ok(v_planes, vw0, vw1, D, v_centroids)
     kasm = _prmt_for(k_centroids, kw0 + kw1, kswar) if knat else ""
     vasm = _prmt_for(v_centroids, vw0 + vw1, vswar) if vnat else ""
     tune = dict(_TUNE)
-    # code tiles as first operands where the keys go through selector words (k3v2 at 32K: 48.1 -> 41.7 us
-    # on an H100; k4v3 45.6 vs 46.4, so not there); SWIFTLM_TQ_TRANS=0/1 overrides
+    # code tiles as first operands where the keys are read as words (H100, 8B shape, split pass at 32K / 128K:
+    # k3v2 48.1 / 154.3 -> 41.9 / 123.2 us; k4v3 with prmt_asm4s 51.8 / 160.7 -> 44.1 / 127.5 us, where the
+    # byte path's k4v3 was 46.4 / ~139 us whole; docs/results/tq_s19/); SWIFTLM_TQ_TRANS=0/1 overrides
     trans = tune.pop("TRANS", kswar if TRANS_DEFAULT is None else TRANS_DEFAULT) and knat and vnat and qjl is None
     if "GDC" not in tune:
         tune.update(launch_kw(q_rot))

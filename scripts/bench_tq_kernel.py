@@ -190,13 +190,13 @@ def main() -> None:
             parts = {"split pass (one sequence)": timed(split)}
             import os
             os.environ["SWIFTLM_TQ_PRMT"] = "0"
-            parts["split pass, select trees for 4-bit keys too (no prmt)"] = timed(split)
+            parts["split pass, select trees, no prmt"] = timed(split)
             os.environ.pop("SWIFTLM_TQ_PRMT")
             tk._TUNE.update(DIAG=2)
             parts["split pass, no value side (diagnostic: wrong result)"] = timed(split)
             tk._TUNE.clear()
             os.environ["SWIFTLM_TQ_SWAR"] = "0"
-            parts["split pass, byte tiles for 2/3-bit codes (no SWAR selector words)"] = timed(split)
+            parts["split pass, byte tiles (no SWAR words; 4-bit: prmt_asm)"] = timed(split)
             tk._TUNE.update(TRANS=1)
             parts["split pass, no SWAR, code tiles as first operands (TRANS)"] = timed(split)
             os.environ.pop("SWIFTLM_TQ_SWAR")

@@ -249,13 +249,19 @@ g = torch.Generator().manual_seed(0)
 out = []
 # (D, N, key bits, value bits, query heads per KV head): 2- and 3-bit codes on either side, row counts not
 # a multiple of the tile, planes that are views of a larger store (row stride > N)
-for D, N, kb, vb, rep in [(128, 77, 3, 2, 4), (64, 100, 4, 3, 1), (128, 130, 2, 3, 4), (64, 33, 4, 2, 2)]:
+# 4-bit keys: an odd-symmetric codebook (as Lloyd-Max ones are: the 32-bit word path, prmt_asm4s on CUDA) and
+# a random one (CUDA falls back to the byte path; the interpreter takes the word path either way)
+for D, N, kb, vb, rep, sym in [(128, 77, 3, 2, 4, 0), (64, 100, 4, 3, 1, 1), (128, 130, 2, 3, 4, 0),
+                               (64, 33, 4, 2, 2, 0), (128, 70, 4, 3, 4, 1)]:
     KVH = 2
     pl = lambda b: [torch.randint(0, 256, (KVH, N + 5, D * w // 8), generator=g, dtype=torch.uint8)[:, :N].to(dev)
                     for w in _PLANES[b] if w]
     kp, vp = pl(kb), pl(vb)
     kn, vn = ((torch.rand(KVH, N, generator=g) + 0.5).half().to(dev) for _ in range(2))
     kc, vc = (torch.sort(torch.randn(2 ** b, generator=g)).values.to(dev) for b in (kb, vb))
+    if sym:
+        half = torch.sort(torch.rand(2 ** (kb - 1), generator=g) + 0.05).values
+        kc = torch.cat([-half.flip(0), half]).to(dev)
     q = (torch.randn(KVH * rep, D, generator=g) * 0.3).to(dev)
     res = {{}}
     for name, swar, tune in [("byte", "0", {{"TRANS": 0}}), ("swar", "1", {{"TRANS": 0}}), ("swar_trans", "1", {{"TRANS": 1}})]:
@@ -282,7 +288,7 @@ def _check_tq_swar(device: str, interpret: bool) -> None:
                        env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     cases = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(cases) == 4
+    assert len(cases) == 5
     for c in cases:
         # the selector-word path looks up the same fp16 centroids as the byte path and feeds them to the same
         # dots: equal bits under the interpreter (numpy's dot either way); on the GPU the tensor-core dot may

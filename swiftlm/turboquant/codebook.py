@@ -75,6 +75,10 @@ def lloyd_max(d: int | None, bits: int, iters: int = 400) -> Codebook:
             c = new
             break
         c = new
+    # the density is even, so the optimum is odd-symmetric; the grid's cell edges leave a bias of about one grid
+    # step (d = 128, 4 bits: c[i] + c[15 - i] ~ -6e-5) that is removed here.  Exact symmetry is what lets the
+    # CUDA lookup of 4-bit codes use an 8-entry table and a sign flip (cuda_ext/tq_codes.prmt_asm4s).
+    c = 0.5 * (c - c[::-1])
     b = 0.5 * (c[1:] + c[:-1])
     cut = np.searchsorted(x, b)
     edges = np.concatenate([[0], cut, [len(x)]])

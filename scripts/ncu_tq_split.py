@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""One TurboQuant split pass (8B shape: 32 query / 8 KV heads, head_dim 128) on random codes, launched a few
+times, for Nsight Compute to profile on the GPU machine (issue 23):
+
+    ncu -k regex:_tq_attn --launch-skip 2 --launch-count 1 --section ... python3 scripts/ncu_tq_split.py 131072 k4v3
+"""
+
+import sys
+
+import torch
+
+from swiftlm.backends.torch.kv_quant import TurboCodec
+from swiftlm.cuda_ext import turboquant_kernels as tk
+from swiftlm.cuda_ext.tq_codes import _PLANES
+from swiftlm.turboquant.presets import parse_turbo
+
+
+def main() -> None:
+    N, preset = int(sys.argv[1]), sys.argv[2]
+    H, KVH, D = 32, 8, 128
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    fmt = parse_turbo(preset, window=64)
+    kcod = TurboCodec(D, fmt.key_bits, 1, dev, qjl=fmt.key_qjl)
+    vcod = TurboCodec(D, fmt.value_bits, 2, dev)
+    kb, vb = kcod.mse_bits, vcod.bits
+
+    def planes(bits):
+        return [torch.randint(0, 256, (KVH, N, D * w // 8), generator=g, device=dev, dtype=torch.uint8)
+                for w in _PLANES[bits] if w]
+
+    kp, vp = planes(kb), planes(vb)
+    kn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
+    vn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
+    q = (torch.randn(H, D, device=dev) @ kcod.R.T) * D ** -0.5
+    for _ in range(4):
+        tk._split_pass(q, kp, kn, kcod.centroids, kb, vp, vn, vcod.centroids, vb, None, H // KVH, None, None, True,
+                       None)
+    torch.cuda.synchronize()
+    k = tk._LAST["split"]
+    print(f"{preset} N={N}: registers {getattr(k, 'n_regs', None)}, spills {getattr(k, 'n_spills', None)}")
+
+
+if __name__ == "__main__":
+    main()
