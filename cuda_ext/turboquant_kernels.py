@@ -55,7 +55,7 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
 
 @triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
-                    m_out, l_out, acc_out, N, n_ptr, qjl_scale, offs_ptr,
+                    m_out, l_out, acc_out, N, S, n_ptr, qjl_scale, offs_ptr,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
@@ -77,8 +77,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b."""
     g = tl.program_id(0)   # KV head
-    sp = tl.program_id(1)  # split
-    S = tl.num_programs(1)
+    sp = tl.program_id(1)  # split, of S (passed in: Triton 3.6's interpreter gives tl.num_programs as an array)
     if GDC:
         tl.extra.cuda.gdc_wait()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
@@ -350,7 +349,7 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
         tune.update(launch_kw(q_rot))
     offs, kvh = batch if batch is not None else (m, 0)
     _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N, S,
                             n_rows if n_rows is not None else m, float(qjl_scale), offs,
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,

@@ -105,3 +105,26 @@ def test_prmt_asm16_and_asm3(bits):
         o0, o1 = ptx_emu.run(tq_codes.prmt_asm3(c), {2: sel}, 2)
         for t, (reg, sh) in enumerate([(o0, 0), (o0, 16), (o1, 0), (o1, 16)]):
             np.testing.assert_array_equal((reg >> np.uint32(sh)) & np.uint32(0xFFFF), table[codes[:, t]])
+
+
+def _ttgir_tq():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "ttgir_tq.py")
+    spec = importlib.util.spec_from_file_location("ttgir_tq", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("preset,trans", [("k4v3", 1), ("k3v2", 1), ("k4v3", 0)])
+def test_split_kernel_compiles_for_sm90(preset, trans):
+    """The CUDA path of the split kernel -- the word lookups' inline PTX included -- compiled for an H100 here
+    (Triton lowers it and ptxas assembles it; no GPU needed): a PTX syntax error or a kernel that does not lower
+    fails on this CPU instead of on the GPU machine."""
+    k = _ttgir_tq().compile_split(preset, trans)
+    assert len(k.asm["cubin"]) > 0
+    ptx = k.asm["ptx"]
+    # the lookups went in as inline asm: the 8-entry tables' immediates and the byte permutes are in the PTX
+    assert ptx.count("prmt.b32") >= 8 and "lop3.b32" in ptx
+    assert ("wgmma" in ptx) or ("mma.sync" in ptx)
