@@ -96,7 +96,7 @@ def _dequant(c_ptr, s_ptr, b_ptr, rows, c_row, s_row, BITS: tl.constexpr, BLOCK_
 
 @triton.jit
 def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m_out, l_out, acc_out,
-                        N, S, n_ptr, qk_scale, kc_head, kc_row, ks_head, ks_row, vc_head, vc_row, vs_head, vs_row,
+                        N, n_ptr, qk_scale, kc_head, kc_row, ks_head, ks_row, vc_head, vc_row, vs_head, vs_row,
                         D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                         REP: tl.constexpr, RP: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr,
                         GDC: tl.constexpr):
@@ -104,7 +104,8 @@ def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m
     both dequantized tiles are the dots' first operands (measured on an H100 at 32K rows: 4 bits
     43 us against 49 us for q K^T and p V, 8 bits about equal)."""
     g = tl.program_id(0)   # KV head
-    sp = tl.program_id(1)  # split, of S (passed in: Triton 3.6's interpreter gives tl.num_programs as an array)
+    sp = tl.program_id(1)  # split
+    S = tl.num_programs(1)
     if GDC:  # programmatic dependent launch (pdl.py): q and this step's codes come from earlier kernels
         tl.extra.cuda.gdc_wait()
     if N_PTR:
@@ -271,7 +272,7 @@ def affine_split_pass(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Ten
     l = torch.empty_like(m)
     acc = torch.empty(H, S, D, dtype=torch.float32, device=q.device)
     _affine_attn_kernel[(KVH, S)](
-        q.contiguous(), k_codes, k_scale, k_bias, v_codes, v_scale, v_bias, m, l, acc, N, S,
+        q.contiguous(), k_codes, k_scale, k_bias, v_codes, v_scale, v_bias, m, l, acc, N,
         n_rows if n_rows is not None else m, float(scale) * _LOG2E,
         k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1),

@@ -32,6 +32,9 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
     Pointers are already offset to the program's KV head.  Returns (m, l, acc^T)."""
     qT = tl.trans(q)                                                   # [D, RP] fp16
     accT = tl.zeros((D, RP), tl.float32)
+    # the denominator is kept per row and summed once after the loop: the rows of a tile sit in all warps, so a
+    # sum over them per tile is a shared-memory exchange and a barrier
+    lT = tl.zeros((BLOCK_N, RP), tl.float32)
     for t in range(0, per):
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
@@ -48,14 +51,14 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
         vnv = tl.load(vn + nn).to(tl.float32)
         pvT = (pT * vnv[:, None]).to(tl.float16)
         accT = accT * alpha[None, :] + tl.dot(tl.trans(vvec), pvT)
-        l = l * alpha + tl.sum(pT, axis=0)
+        lT = lT * alpha[None, :] + pT
         m = m_new
-    return m, l, accT
+    return m, l + tl.sum(lT, axis=0), accT
 
 
 @triton.jit
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
-                    m_out, l_out, acc_out, N, S, n_ptr, qjl_scale, offs_ptr,
+                    m_out, l_out, acc_out, N, n_ptr, qjl_scale, offs_ptr,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
@@ -77,7 +80,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b."""
     g = tl.program_id(0)   # KV head
-    sp = tl.program_id(1)  # split, of S (passed in: Triton 3.6's interpreter gives tl.num_programs as an array)
+    sp = tl.program_id(1)  # split
+    S = tl.num_programs(1)
     if GDC:
         tl.extra.cuda.gdc_wait()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
@@ -133,6 +137,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         tl.store(acc_out + (h[None, :] * S + sp) * D + col[:, None], accT, mask=rv[None, :])
         return
     acc = tl.zeros((RP, D), tl.float32)
+    lv = tl.zeros((RP, BLOCK_N), tl.float32)  # the denominator per row, summed after the loop (as in the TRANS loop)
     for t in range(0, per):
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
@@ -174,8 +179,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
             acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float16), vvec.to(tl.float16))
         else:
             acc = acc * alpha[:, None] + tl.dot(pv, vvec, input_precision="ieee")
-        l = l * alpha + tl.sum(p, axis=1)
+        lv = lv * alpha[:, None] + p
         m = m_new
+    l = l + tl.sum(lv, axis=1)
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(m_out + h * S + sp, m, mask=rv)
@@ -298,6 +304,12 @@ _SM_COUNT: dict[int, int] = {}
 _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages / TRANS) set by scripts/bench_tq_kernel.py sweeps
 _COMBINE: dict[str, int] = {}  # the combine pass's knobs (SB, BLOCK_R, num_warps), same use
 _LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
+_REGS: dict[tuple, tuple] = {}  # (key bits, value bits, TRANS, N_PTR, BATCH) -> the split kernel's (registers, spills)
+# the split kernel's register cap where the code tiles are first operands (ptxas maxnreg; SWIFTLM_TQ_MAXNREG, 0:
+# none): four 4-warp programs per SM need <= 128.  The graphed step's k4v3 kernel (row count read on the device)
+# took 130 on an H100's Triton 3.6, three programs per SM: 141.2 -> 144.0 tok/s at 32K, 102.2 -> 105.2 at 128K with
+# the cap, no spills (docs/results/tq_s19/e2e_*_s19h*).
+MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
@@ -347,9 +359,11 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     trans = tune.pop("TRANS", kswar if TRANS_DEFAULT is None else TRANS_DEFAULT) and knat and vnat and qjl is None
     if "GDC" not in tune:
         tune.update(launch_kw(q_rot))
+    if MAXNREG and trans and dev.type == "cuda" and "maxnreg" not in tune and tune.get("num_warps", 4) == 4:
+        tune["maxnreg"] = MAXNREG
     offs, kvh = batch if batch is not None else (m, 0)
     _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N, S,
+                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale), offs,
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
                             ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
@@ -358,6 +372,9 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
                             KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh, **tune)
+    k = _LAST["split"]
+    _REGS[(k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh)] = (getattr(k, "n_regs", None),
+                                                                         getattr(k, "n_spills", None))
     return m, l, acc
 
 

@@ -178,6 +178,7 @@ def torch_bench(a, presets, contexts):
             rows.append(r)
             print(json.dumps(r), flush=True)
         runners.clear()
+        _print_split_registers()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -287,6 +288,7 @@ def batch_bench(a, presets, contexts):
             rows.append(r)
             print(json.dumps(r), flush=True)
         runners.clear()
+        _print_split_registers()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -419,6 +421,7 @@ def mlx_bench(a, presets, contexts):
             rows.append(r)
             print(json.dumps(r), flush=True)
         runners.clear()
+        _print_split_registers()
     return rows
 
 
@@ -456,6 +459,18 @@ def memory_table(a, presets):
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
+
+
+def _print_split_registers() -> None:
+    """The TurboQuant split kernels' registers / spills per variant launched so far (CUDA only)."""
+    try:
+        from swiftlm.cuda_ext import turboquant_kernels as tk
+    except Exception:  # no Triton
+        return
+    for key, (regs, spills) in sorted(tk._REGS.items(), key=str):
+        if regs is not None:
+            print(f"# split kernel (key bits, value bits, TRANS, N_PTR, BATCH)={key}: {regs} registers, "
+                  f"{spills} spills", flush=True)
 
 
 def main() -> None:
