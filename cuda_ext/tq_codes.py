@@ -201,21 +201,42 @@ def _planes(planes: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.
     return p0, p1, p0.stride(0), p1.stride(0), p0.stride(1), p1.stride(1), w0, w1
 
 
+def _fp16_bits(centroids) -> list[int]:
+    """A codebook's fp16 centroids as 16-bit patterns (one host read of a tensor; a list passes through)."""
+    if isinstance(centroids, torch.Tensor):
+        return [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    return list(centroids)
+
+
+def _byte_tables(bits: list[int], n: int) -> tuple[list[str], list[str]]:
+    """The first ``n`` fp16 patterns (zero-padded) as ``prmt`` tables: 32-bit immediates of their low bytes and
+    of their high bytes, four entries per word."""
+    bits = (bits + [0] * n)[:n]
+
+    def word(vals: list[int]) -> str:
+        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
+
+    lo = [word([b & 0xFF for b in bits[i:i + 4]]) for i in range(0, n, 4)]
+    hi = [word([b >> 8 for b in bits[i:i + 4]]) for i in range(0, n, 4)]
+    return lo, hi
+
+
+def _table8(bits: list[int]) -> str:
+    """PTX loading an 8-entry table into tqa0, tqa1 (low bytes) and tqb0, tqb1 (high bytes)."""
+    lo, hi = _byte_tables(bits, 8)
+    return f"mov.b32 tqa0, {lo[0]}; mov.b32 tqa1, {lo[1]}; mov.b32 tqb0, {hi[0]}; mov.b32 tqb1, {hi[1]}; "
+
+
 def prmt_asm(centroids: torch.Tensor) -> str:
     """Inline PTX turning 4 bytes of 4-bit code pairs into their 8 fp16 centroids: the 16 fp16
     centroids are split into low and high bytes held as immediates; ``prmt`` picks 4 bytes out of
     8 by 4 nibble selectors, so two ``prmt`` per byte half (entries 0-7 and 8-15, chosen by the
     code's bit 3 with ``lop3``) look up four codes at once, and two more assemble the fp16 pairs.
     Outputs: $0, $1 the low nibbles' centroids (fp16x2), $2, $3 the high nibbles'; input $4."""
-    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = _fp16_bits(centroids)
     assert len(bits) == 16
-
-    def word(vals: list[int]) -> str:
-        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
-
-    lo = [b & 0xFF for b in bits]
-    hi = [b >> 8 for b in bits]
-    tables = [word(lo[4 * i:4 * i + 4]) for i in range(4)] + [word(hi[4 * i:4 * i + 4]) for i in range(4)]
+    lo, hi = _byte_tables(bits, 16)
+    tables = lo + hi
 
     def half(src: str, o0: str, o1: str) -> str:
         return (f"and.b32 tqt, {src}, 0x07070707; shr.b32 tqx, tqt, 4; or.b32 tqx, tqx, tqt; prmt.b32 tqs, tqx, tqx, 0x0020; "
@@ -234,17 +255,8 @@ def prmt_asm3(centroids: torch.Tensor) -> str:
     (built in the kernel from the 2-bit plane's byte and the 1-bit plane's bits); one ``prmt`` per
     byte half looks the four centroids up in the <= 8 entries held as immediates, two more
     assemble the fp16 pairs: $0 = codes 0 and 1, $1 = codes 2 and 3."""
-    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
-    bits = (bits + [0] * 8)[:8]
-    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
-
-    def word(vals: list[int]) -> str:
-        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
-
-    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; "
-            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
-            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
-            "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
+    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; " + _table8(_fp16_bits(centroids))
+            + "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
             "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
 
 
@@ -256,13 +268,6 @@ def prmt_asm16(centroids: torch.Tensor, w1: int) -> str:
     once (four shift + lop3 pairs) and merged into bit 2 of those nibbles.  Per four codes one ``prmt`` per
     byte half looks the centroids up in the <= 8 entries held as immediates and two more assemble fp16 pairs.
     Outputs $0..$15: the sixteen fp16 centroids in code order (16-bit registers)."""
-    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
-    bits = (bits + [0] * 8)[:8]
-    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
-
-    def word(vals: list[int]) -> str:
-        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
-
     def four(sel: str, o0: str, o1: str) -> str:
         return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
                 f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
@@ -281,17 +286,15 @@ def prmt_asm16(centroids: torch.Tensor, w1: int) -> str:
     # tqo0..3 hold the even codes 0, 2, .., 14 in pairs, tqo4..7 the odd ones
     outs = "".join(f"mov.b32 {{${a}, ${a + 2}}}, tqo{i}; " for i, a in enumerate([0, 4, 8, 12, 1, 5, 9, 13]))
     return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqm, tqt, tqA, tqB, tqs, tqrl, tqrh, "
-            "tqo0, tqo1, tqo2, tqo3, tqo4, tqo5, tqo6, tqo7; "
-            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
-            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
+            "tqo0, tqo1, tqo2, tqo3, tqo4, tqo5, tqo6, tqo7; " + _table8(_fp16_bits(centroids))
             + spread + sels + look + outs + "}")
 
 
 def symmetric_fp16(centroids: torch.Tensor) -> bool:
     """Whether a sorted codebook's fp16 centroids are odd-symmetric bit for bit (c[n-1-i] == -c[i]): the
     Lloyd-Max codebooks of the rotated coordinates are (their density is even), which ``prmt_asm4s`` needs."""
-    h = centroids.detach().float().half().cpu()
-    return bool(torch.equal(h.view(torch.int16), (-h.flip(0)).view(torch.int16)))
+    bits = _fp16_bits(centroids)
+    return all(b == bits[-1 - i] ^ 0x8000 for i, b in enumerate(bits))
 
 
 def prmt_asm4s(centroids: torch.Tensor) -> str:
@@ -301,12 +304,8 @@ def prmt_asm4s(centroids: torch.Tensor) -> str:
     bit 3 flips the looked-up high byte's sign bit (bits 3 and 7 of each input byte brought to the bit 7s by
     one shift and one ``prmt``).  Per eight codes 17 ALU ops and one multiply, against 29 for ``prmt_asm``.
     Outputs $0..$7: the eight fp16 centroids in code order (16-bit registers); input $8."""
-    bits = [int(v) & 0xFFFF for v in centroids.detach().float().half().view(torch.int16).cpu().tolist()]
+    bits = _fp16_bits(centroids)
     assert len(bits) == 16
-    lo, hi = [b & 0xFF for b in bits[:8]], [b >> 8 for b in bits[:8]]
-
-    def word(vals: list[int]) -> str:
-        return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
 
     def four(sel: str, sgn: str, o0: str, o1: str) -> str:
         return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
@@ -314,51 +313,51 @@ def prmt_asm4s(centroids: torch.Tensor) -> str:
                 f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
 
     return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqs, tqx, tqxh, tqv, tqg, tqrl, tqrh, tqo0, tqo1, tqo2, tqo3; "
-            f"mov.b32 tqa0, {word(lo[:4])}; mov.b32 tqa1, {word(lo[4:])}; "
-            f"mov.b32 tqb0, {word(hi[:4])}; mov.b32 tqb1, {word(hi[4:])}; "
-            "shr.b32 tqs, $8, 3; and.b32 tqs, tqs, 0x11111111; mul.lo.u32 tqs, tqs, 7; "
+            + _table8(bits[:8]) + "shr.b32 tqs, $8, 3; and.b32 tqs, tqs, 0x11111111; mul.lo.u32 tqs, tqs, 7; "
             "lop3.b32 tqx, $8, tqs, 0x77777777, 0x28; shl.b32 tqv, $8, 4; "
             + four("tqx", "0x5140", "tqo0", "tqo1") + "shr.b32 tqxh, tqx, 16; " + four("tqxh", "0x7362", "tqo2", "tqo3")
             + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }")
 
 
-_ASMS: dict[tuple, tuple] = {}
+_BOOKS: dict[tuple, tuple] = {}  # (data_ptr, device) -> (centroids, fp16 patterns, odd-symmetric, {asm key: PTX})
+
+
+def _book(centroids: torch.Tensor) -> tuple:
+    """A CUDA codebook's fp16 patterns, symmetry and built lookups, from one host read on its first (eager) use."""
+    key = (centroids.data_ptr(), centroids.device)
+    hit = _BOOKS.get(key)
+    if hit is None or hit[0] is not centroids:
+        bits = _fp16_bits(centroids)
+        hit = _BOOKS[key] = (centroids, bits, symmetric_fp16(bits), {})
+    return hit
 
 
 def _prmt_for(centroids: torch.Tensor, bits: int, swar: bool = False) -> str:
     """The inline PTX lookup for a codebook on CUDA ('' elsewhere, or with SWIFTLM_TQ_PRMT=0: the
-    select trees); built with one host read per codebook, on its first (eager) use.  ``swar``: the
-    eight-code form for words of codes (2- and 3-bit selector words; 4-bit words of a symmetric codebook)."""
+    select trees).  ``swar``: the form for words of codes (``prmt_asm16`` for 2- and 3-bit codes,
+    ``prmt_asm4s`` for 4-bit codes of a symmetric codebook)."""
     if bits not in (2, 3, 4) or centroids.device.type != "cuda" or os.environ.get("SWIFTLM_TQ_PRMT", "1") == "0":
         return ""
-    key = (centroids.data_ptr(), centroids.device, bits, swar)
-    hit = _ASMS.get(key)
-    if hit is None or hit[0] is not centroids:
+    _, fp16, _, asms = _book(centroids)
+    asm = asms.get((bits, swar))
+    if asm is None:
         if bits == 4:
-            asm = prmt_asm4s(centroids) if swar else prmt_asm(centroids)
+            asm = prmt_asm4s(fp16) if swar else prmt_asm(fp16)
         else:
-            asm = prmt_asm16(centroids, bits - 2) if swar else prmt_asm3(centroids)
-        hit = _ASMS[key] = (centroids, asm)
-    return hit[1]
-
-
-_SYM: dict[tuple, tuple] = {}
+            asm = prmt_asm16(fp16, bits - 2) if swar else prmt_asm3(fp16)
+        asms[(bits, swar)] = asm
+    return asm
 
 
 def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int, centroids: torch.Tensor | None = None) -> bool:
     """The word paths read the 2-bit plane as 32-bit and the 1-bit plane as 16-bit words, and 4-bit
     codes as 32-bit words: every row and head offset must be aligned to that
     (SWIFTLM_TQ_SWAR=0: the byte path).  4-bit words on CUDA also need an odd-symmetric codebook
-    (``prmt_asm4s``; checked with one host read per codebook)."""
+    (``prmt_asm4s``)."""
     if w0 not in (2, 4) or D % 16 or os.environ.get("SWIFTLM_TQ_SWAR", "1") == "0":
         return False
-    if w0 == 4 and centroids is not None and centroids.device.type == "cuda":
-        key = (centroids.data_ptr(), centroids.device)
-        hit = _SYM.get(key)
-        if hit is None or hit[0] is not centroids:
-            hit = _SYM[key] = (centroids, symmetric_fp16(centroids))
-        if not hit[1]:
-            return False
+    if w0 == 4 and centroids is not None and centroids.device.type == "cuda" and not _book(centroids)[2]:
+        return False
     p0 = planes[0]
     ok = p0.data_ptr() % 4 == 0 and p0.stride(0) % 4 == 0 and p0.stride(1) % 4 == 0
     if w1:

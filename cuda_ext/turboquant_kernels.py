@@ -372,9 +372,10 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
                             KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh, **tune)
-    k = _LAST["split"]
-    _REGS[(k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh)] = (getattr(k, "n_regs", None),
-                                                                         getattr(k, "n_spills", None))
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh)
+    if key not in _REGS:  # once per variant: this runs on every eager step
+        k = _LAST["split"]
+        _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
     return m, l, acc
 
 

@@ -31,6 +31,16 @@ H, KVH, D = 32, 8, 128
 WINDOW = 64  # 16-bit rows beside the codes (--window; a static cache's buffer holds 160 with the default preset)
 
 
+def random_planes(bits: int, N: int, g, dev, kvh: int = KVH, d: int = D) -> list:
+    """Random packed code planes [kvh, N, d * w / 8] (uint8) for ``bits``-bit codes (swiftlm.turboquant.packing)."""
+    import torch
+
+    from swiftlm.cuda_ext.tq_codes import _PLANES
+
+    return [torch.randint(0, 256, (kvh, N, d * w // 8), generator=g, device=dev, dtype=torch.uint8)
+            for w in _PLANES[bits] if w]
+
+
 def timed(fn, reps: int = 20, inner: int = 10) -> float:
     """Median seconds per call of ``fn`` captured in a CUDA graph ``inner`` times."""
     import torch
@@ -128,7 +138,6 @@ def main() -> None:
     from swiftlm.backends.torch.kv_quant import TurboCodec
     from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
     from swiftlm.cuda_ext import turboquant_kernels as tk
-    from swiftlm.cuda_ext.tq_codes import _PLANES
     from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
     from swiftlm.turboquant.presets import parse_turbo
 
@@ -158,15 +167,12 @@ def main() -> None:
             kcod = TurboCodec(D, fmt.key_bits, 1, dev, qjl=fmt.key_qjl)
             vcod = TurboCodec(D, fmt.value_bits, 2, dev)
             kb, vb = kcod.mse_bits, vcod.bits
-            def planes(bits):
-                return [torch.randint(0, 256, (KVH, N, D * w // 8), generator=g, device=dev, dtype=torch.uint8)
-                        for w in _PLANES[bits] if w]
             seqs = []
             for _ in range(B):
-                kp, vp = planes(kb), planes(vb)
+                kp, vp = random_planes(kb, N, g, dev), random_planes(vb, N, g, dev)
                 kn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
                 vn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
-                ks = planes(1)[0] if fmt.key_qjl else None
+                ks = random_planes(1, N, g, dev)[0] if fmt.key_qjl else None
                 kr = (torch.rand(KVH, N, generator=g, device=dev)).half() if fmt.key_qjl else None
                 dk = torch.randn(KVH, WINDOW, D, device=dev, dtype=torch.bfloat16)
                 dv = torch.randn_like(dk)

@@ -421,7 +421,6 @@ def mlx_bench(a, presets, contexts):
             rows.append(r)
             print(json.dumps(r), flush=True)
         runners.clear()
-        _print_split_registers()
     return rows
 
 

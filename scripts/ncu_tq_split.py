@@ -3,16 +3,21 @@
 times, for Nsight Compute to profile on the GPU machine (issue 23):
 
     ncu -k regex:_tq_attn --launch-skip 2 --launch-count 1 --section ... python3 scripts/ncu_tq_split.py 131072 k4v3
+
+(run it from scripts/, or a copy beside bench_tq_kernel.py, whose random planes it uses)
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-from swiftlm.backends.torch.kv_quant import TurboCodec
-from swiftlm.cuda_ext import turboquant_kernels as tk
-from swiftlm.cuda_ext.tq_codes import _PLANES
-from swiftlm.turboquant.presets import parse_turbo
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tq_kernel import random_planes  # noqa: E402
+
+from swiftlm.backends.torch.kv_quant import TurboCodec  # noqa: E402
+from swiftlm.cuda_ext import turboquant_kernels as tk  # noqa: E402
+from swiftlm.turboquant.presets import parse_turbo  # noqa: E402
 
 
 def main() -> None:
@@ -25,11 +30,7 @@ def main() -> None:
     vcod = TurboCodec(D, fmt.value_bits, 2, dev)
     kb, vb = kcod.mse_bits, vcod.bits
 
-    def planes(bits):
-        return [torch.randint(0, 256, (KVH, N, D * w // 8), generator=g, device=dev, dtype=torch.uint8)
-                for w in _PLANES[bits] if w]
-
-    kp, vp = planes(kb), planes(vb)
+    kp, vp = random_planes(kb, N, g, dev, KVH, D), random_planes(vb, N, g, dev, KVH, D)
     kn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
     vn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
     q = (torch.randn(H, D, device=dev) @ kcod.R.T) * D ** -0.5
