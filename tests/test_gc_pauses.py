@@ -28,7 +28,9 @@ def test_freeze_counts_once_and_can_be_turned_off(monkeypatch):
         assert freeze() == 0
         monkeypatch.setenv("SWIFTLM_GC_FREEZE", "1")
         n = freeze()
-        assert n == gc.get_freeze_count() > 0
+        # Frozen objects freed by refcount leave the permanent generation, and a thread left running by an
+        # earlier test can free some between the two reads (CI saw 883434 then 883432): the count can only fall.
+        assert 0 < gc.get_freeze_count() <= n and gc.get_freeze_count() > 0.99 * n
         assert GcPauses.install().snapshot()["frozen_objects"] == n
         gc_pauses.unfreeze()
         assert gc.get_freeze_count() == 0 and GcPauses.install().snapshot()["frozen_objects"] == 0
