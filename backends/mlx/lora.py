@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cpu_split import unsplit
+
 from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
 
 
@@ -131,6 +133,7 @@ class LoraSet:
             if layer is None:
                 raise AdapterError(f"adapter {ad.name!r}: {path} is not a module of this model (does the adapter "
                                    "belong to another architecture?)")
+            unsplit(layer)  # a projection split over CPU streams (cpu_split.py) takes its adapter unsplit
             if type(layer) not in (nn.Linear, nn.QuantizedLinear, _LoraLinear, _LoraQuantizedLinear):
                 raise AdapterError(f"adapter {ad.name!r}: {path} is a {type(layer).__name__}; only linear "
                                    "projections are supported (not embeddings or mixture-of-experts layers)")

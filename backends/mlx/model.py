@@ -319,6 +319,10 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
                 f"supported: {', '.join(sorted(supported_architectures()))}")
         module, tokenizer, config, reader = load_hf(spec, cfg, shard=shard)
     _apply_mem_limit(cfg)
+    if shard is None:  # MLX on a CPU: projections' rows over the cores (cpu_split.py; not for mlx.launch ranks)
+        from .cpu_split import split_projections
+
+        split_projections(module)
     k_used = 0
     if spec.is_moe:
         from .streamed_moe import set_experts_per_token
