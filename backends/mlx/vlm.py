@@ -30,6 +30,9 @@ class MLXMultimodal(MultimodalModel):
         if mx.default_device().type == mx.DeviceType.cpu:  # MLX's CPU gather/matmul kernels want fp32
             self.module.set_dtype(mx.float32)
         _materialise(self.module)
+        from .cpu_split import split_projections
+
+        split_projections(self.module)  # on a CPU: projections' rows over the cores (cpu_split.py)
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
         self.ops = MLXOps()
         nbytes = sum(v.nbytes for _, v in tree_flatten(self.module.parameters()))
