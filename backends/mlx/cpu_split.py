@@ -62,7 +62,7 @@ def _cuts(rows: int, n: int) -> list[int]:
 
 
 def _join(parts: list[mx.array]) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return mx.concatenate(parts, axis=-1)
 
 
 def split_matmul(x: mx.array, w: mx.array, n: int) -> mx.array:
@@ -78,10 +78,7 @@ def split_quantized_matmul(x: mx.array, layer: Any, n: int) -> mx.array:
     them whole)."""
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     cuts = _cuts(w.shape[0], n)
-    kw = {"transpose": True, "group_size": layer.group_size, "bits": layer.bits}
-    mode = getattr(layer, "mode", None)
-    if mode is not None:
-        kw["mode"] = mode
+    kw = {"transpose": True, "group_size": layer.group_size, "bits": layer.bits, "mode": layer.mode}
     return _join([mx.quantized_matmul(x, w[a:b], scales=scales[a:b],
                                       biases=None if biases is None else biases[a:b], stream=s, **kw)
                   for s, a, b in zip(_streams(n), cuts, cuts[1:])])
@@ -111,13 +108,17 @@ class SplitQuantizedEmbedding(nn.QuantizedEmbedding):
 
 _SWAP = {nn.Linear: SplitLinear, nn.QuantizedLinear: SplitQuantizedLinear,
          nn.Embedding: SplitEmbedding, nn.QuantizedEmbedding: SplitQuantizedEmbedding}
+_PLAIN = {split: plain for plain, split in _SWAP.items()}
+
+
+def plain_type(layer: Any) -> type:
+    """The class a layer had before ``split_projections`` (its own class when not split)."""
+    return _PLAIN.get(type(layer), type(layer))
 
 
 def unsplit(layer: Any) -> Any:
     """Give a split layer its plain class back (its weights never changed); other layers are left as they are."""
-    for plain, split in _SWAP.items():
-        if type(layer) is split:
-            layer.__class__ = plain
+    layer.__class__ = plain_type(layer)
     return layer
 
 
@@ -136,7 +137,7 @@ def split_projections(module: nn.Module, n: int | None = None) -> int:
         if rows < n:
             continue
         layer.__class__ = new
-        object.__setattr__(layer, "_swiftlm_slices", n)
+        layer._swiftlm_slices = n
         swapped += 1
     if swapped:
         log.info("MLX on the CPU: %d projections split over %d streams (SWIFTLM_MLX_CPU_SPLIT)", swapped, n)

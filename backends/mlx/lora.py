@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_split import unsplit
+from .cpu_split import plain_type, unsplit
 
 from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
 
@@ -133,8 +133,7 @@ class LoraSet:
             if layer is None:
                 raise AdapterError(f"adapter {ad.name!r}: {path} is not a module of this model (does the adapter "
                                    "belong to another architecture?)")
-            unsplit(layer)  # a projection split over CPU streams (cpu_split.py) takes its adapter unsplit
-            if type(layer) not in (nn.Linear, nn.QuantizedLinear, _LoraLinear, _LoraQuantizedLinear):
+            if plain_type(layer) not in (nn.Linear, nn.QuantizedLinear, _LoraLinear, _LoraQuantizedLinear):
                 raise AdapterError(f"adapter {ad.name!r}: {path} is a {type(layer).__name__}; only linear "
                                    "projections are supported (not embeddings or mixture-of-experts layers)")
             fan_in, fan_out = _dims(layer)
@@ -143,6 +142,7 @@ class LoraSet:
                                    f"{tuple(b.shape)}, which do not fit this model ({fan_in} -> {fan_out})")
             checked.append((layer, a, b))
         for layer, a, b in checked:
+            unsplit(layer)  # a projection split over CPU streams (cpu_split.py) takes its adapter unsplit
             if type(layer) is nn.Linear:
                 layer.__class__ = _LoraLinear
             elif type(layer) is nn.QuantizedLinear:
