@@ -53,6 +53,16 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
 
     x, w = rnd(1, 3 * N), rnd(I, 3 * N) * 0.05  # odd N and K: masked tails
     errs["linear_small_m"] = _rel(linear_small_m(x, w), linear_small_m_ref(x, w))
+    from .sample_kernel import draw, draw_ref
+
+    # rows whose draw has one right answer (targets far from any CDF boundary): a greedy row, a biased greedy
+    # row, and sampled rows of a few dominant tokens; a different token counts as 1.0
+    V = 3 * 4096 + 5
+    logits = (rnd(4, V) * 0.5).float()
+    logits[:, V - 3], logits[:, 11] = 30.0, 29.0  # two tokens hold ~73% / ~27% of the mass at temperature 1
+    inp = torch.tensor([[1.0, 0.5, 1.0, 11.0, 2.0], [1.0, 0.5, 1.0, 5.0, 0.0], [1.0, 0.1, 0.0, 0.0, 0.0],
+                        [1.0, 0.9, 0.0, 0.0, 0.0]], device=device)
+    errs["sample_draw"] = float(not torch.equal(draw(logits.to(dtype), inp).cpu(), draw_ref(logits.to(dtype), inp)))
     return errs
 
 

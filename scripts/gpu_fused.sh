@@ -17,7 +17,8 @@
 # garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
 # base (one stream as in session 12: cuBLAS GEMV and SDPA attention), noprefillgraph (prompt chunks
 # eager: SWIFTLM_PREFILL_GRAPHS=0), novarlen (packed prompts' attention by masked SDPA), nomixed
-# (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms).
+# (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms),
+# torchsample (the sampler's captured torch graph instead of its Triton kernels: SWIFTLM_SAMPLE_KERNEL=0).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -48,6 +49,7 @@ mode_env() {  # the environment of a mode's server
     noprefillgraph) echo "SWIFTLM_PREFILL_GRAPHS=0" ;;        # prompt chunks eager (backends/torch/prefill_graphs.py)
     novarlen) echo "SWIFTLM_VARLEN_ATTENTION=0" ;;            # packed prompts' attention masked SDPA (packed_attention.py)
     nomixed) echo "SWIFTLM_MIXED_STEP=0" ;;                   # prompt steps as two forwards (mixed_step.py)
+    torchsample) echo "SWIFTLM_SAMPLE_KERNEL=0" ;;            # the sampler's torch graph, not its Triton kernels
     sw*) echo "SWIFTLM_GIL_SWITCH_MS=0.${1#sw}" ;;              # sw05: GIL switch interval 0.5 ms (swiftlm/gil.py)
     *) echo "SWIFTLM_FUSED_DECODE=1" ;;
   esac

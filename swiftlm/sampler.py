@@ -63,6 +63,8 @@ class BatchOps(Protocol):
     def topk_rows(self, x: Any, k: int) -> tuple[Any, Any]: ...  # (values, indices), values descending
     def max_rows(self, x: Any) -> Any: ...                  # [rows, 1]
     def count_below(self, c: Any, t: Any) -> Any: ...       # int [rows]: #(c[r] < t[r])
+    # optional: ``draw_rows(y, u) -> int [rows]``, the inverse-CDF draw below in one kernel (None or absent:
+    # softmax, cumsum and count_below); ``sample_simple(logits, host)``, the fused path of ``simple_inputs``
     def to_host(self, x: Any) -> np.ndarray: ...            # a blocking transfer
     def start_copy(self, x: Any) -> Any: ...                # queue THE transfer now (async where possible)
     def wait(self, handle: Any) -> np.ndarray: ...          # ... and take its result
@@ -278,7 +280,11 @@ def _draw(ops: BatchOps, x: Any, P: list[SamplingParams], greedy: np.ndarray, u:
     """Temperature, top-k, top-p, min-p, then inverse-CDF with ``u``; greedy rows take the argmax."""
     n = len(P)
     temps = np.array([1.0 if g else p.temperature for p, g in zip(P, greedy)], np.float32).reshape(n, 1)
-    y = x / float(temps[0, 0]) if (temps == temps[0, 0]).all() else x / ops.vec(temps)  # one setting: no copy
+    kernel = getattr(ops, "draw_rows", None)  # optional: the draw below in the backend's own kernel (CUDA)
+    # one setting: no copy; with a kernel always per row, as the fused path divides (CUDA divides by a scalar
+    # as a multiplication by its reciprocal, which may round differently)
+    one = (temps == temps[0, 0]).all() and kernel is None
+    y = x / float(temps[0, 0]) if one else x / ops.vec(temps)
     ks = np.array([p.top_k if (p.top_k and p.top_k > 0) else 0 for p in P], np.int64)
     if ks.any():
         V = _width(y)
@@ -304,10 +310,13 @@ def _draw(ops: BatchOps, x: Any, P: list[SamplingParams], greedy: np.ndarray, u:
         with np.errstate(divide="ignore"):
             off = np.log(mps).astype(np.float32).reshape(n, 1)  # min_p 0 -> -inf: nothing masked
         y = ops.where(ls < ops.max_rows(ls) + ops.vec(off), NEG_INF, y)
-    cdf = ops.cumsum_rows(ops.softmax_rows(y))
-    total = cdf[:, -1:]  # the last column: a view, no host-to-device copy
-    target = ops.vec(u.astype(np.float32).reshape(n, 1)) * total
-    tok = ops.count_below(cdf, target)
+    if kernel is not None:
+        tok = kernel(y, u.astype(np.float32))
+    else:
+        cdf = ops.cumsum_rows(ops.softmax_rows(y))
+        total = cdf[:, -1:]  # the last column: a view, no host-to-device copy
+        target = ops.vec(u.astype(np.float32).reshape(n, 1)) * total
+        tok = ops.count_below(cdf, target)
     tok = ops.where_int(tok < _width(y), tok, _width(y) - 1)
     if greedy.any():
         tok = ops.where_int(ops.vec(greedy), ops.argmax_rows(x), tok)

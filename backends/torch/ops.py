@@ -42,11 +42,28 @@ def release_omp_pool() -> None:
         _GOMP.omp_pause_resource_all(1)  # omp_pause_soft; fails (non-zero) only inside a parallel region
 
 
+def sample_kernel_wanted(device: torch.device) -> bool:
+    """Draw tokens with the Triton sampling kernels (``cuda_ext/sample_kernel.py``) on this device?  CUDA with
+    the Triton kernels on (self-checked); ``SWIFTLM_SAMPLE_KERNEL=0`` keeps the torch operations (A/B runs)."""
+    import os
+
+    if device.type != "cuda" or os.environ.get("SWIFTLM_SAMPLE_KERNEL", "1") == "0":
+        return False
+    from swiftlm.cuda_ext import enabled
+
+    return enabled("cuda")
+
+
 class TorchOps:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, sample_kernel: bool | None = None):
+        """``sample_kernel``: both sampling paths draw through the Triton kernels (default: on CUDA where
+        they run, ``sample_kernel_wanted``; tests force it on CPU tensors under ``TRITON_INTERPRET=1``)."""
         self.device = device
         self._pinned: dict[tuple, list] = {}  # (shape, dtype) -> [ring of 3 page-locked buffers, next index]
         self._fused: Any = None  # fused_sampler.GraphedSampler, made on first use
+        self.sample_kernel = sample_kernel_wanted(device) if sample_kernel is None else sample_kernel
+        if not self.sample_kernel:
+            self.draw_rows = None  # the sampler's torch operations (swiftlm.sampler._draw) draw instead
 
     def asarray(self, values, dtype):
         return torch.tensor(values, dtype=_DT[dtype], device=self.device)
@@ -180,8 +197,27 @@ class TorchOps:
     def pack(self, cols):
         return torch.cat([c.float().reshape(c.shape[0], -1) for c in cols], dim=1)
 
+    def draw_rows(self, y, u):
+        """The general path's draw (after its filters): token ids [n] of the inverse-CDF rule over the float32
+        rows ``y`` with the rows' uniforms ``u`` (numpy), by the same kernels as ``sample_simple``, so that a row
+        draws the same token whichever path its batch takes.  Set to None where the kernels are off."""
+        from swiftlm.cuda_ext.sample_kernel import draw
+
+        host = np.zeros((y.shape[0], 3), np.float32)
+        host[:, 0], host[:, 1] = 1.0, u
+        return draw(y, self._inputs(host))
+
+    def _inputs(self, host):
+        t = torch.from_numpy(np.ascontiguousarray(host))
+        return t if self.device.type == "cpu" else stager(self.device).to_device(t)
+
     def sample_simple(self, logits, host):
-        """Temperature / logit bias / greedy rows in one call (``swiftlm.sampler.simple_inputs``)."""
+        """Temperature / logit bias / greedy rows in one call (``swiftlm.sampler.simple_inputs``): the Triton
+        sampling kernels (two launches) where they are on, else a captured graph of torch operations."""
+        if self.sample_kernel:
+            from swiftlm.cuda_ext.sample_kernel import draw
+
+            return draw(logits, self._inputs(host))
         if self._fused is None:
             from .fused_sampler import GraphedSampler
 
