@@ -66,6 +66,10 @@ class MLXModel:
                 log.warning("kv_bits: head_dim %d is not a multiple of 32 (MLX's smallest quantization group); "
                             "this sequence keeps a 16-bit cache", self.head_dim)
                 return make_prompt_cache(self.module)
+            if mx.default_device().type == mx.DeviceType.cpu:  # decode rows through the numba kernel (affine_cpu.py)
+                from .affine_cpu import prepare
+
+                prepare(self.module, self.head_dim, fmt.key_bits, group)
             return [QuantizedKVCache(group_size=group, bits=fmt.key_bits) for _ in self.module.layers]
         return make_prompt_cache(self.module)
 

@@ -14,7 +14,9 @@ Metal kernel (``swiftlm.metal_kernels``) is used for single decode rows on a Met
 has checked itself against this module's pure-MLX path.  When MLX runs on the CPU, single decode
 rows go through the numba kernel shared with the torch backend (``swiftlm.turboquant.cpu_attention``,
 reading the codes in place through numpy views) where numba is installed and ``SWIFTLM_NUMBA`` is
-not "0"; prefill and verify chunks keep the pure-MLX path (matmul work).
+not "0"; prefill and verify chunks keep the pure-MLX path (matmul work).  The same hook sends a
+``kv_bits`` cache's (mlx-lm ``QuantizedKVCache``) decode rows on the CPU to the numba kernel's affine
+variant (``affine_cpu.py``).
 """
 
 from __future__ import annotations
@@ -324,7 +326,10 @@ def make_turbo_cache(module: Any, fmt: KVFormat, head_dim: int) -> list[TurboKVC
 
 def install_attention_hook(module: Any) -> None:
     """Wrap ``scaled_dot_product_attention`` in the model's mlx-lm module(s) so a TurboKVCache
-    attends over its own layout (other caches go to the original function unchanged)."""
+    attends over its own layout and a ``kv_bits`` QuantizedKVCache's decode rows on the CPU go through
+    the numba kernel (``affine_cpu``); other calls go to the original function unchanged."""
+    from . import affine_cpu
+
     names = {type(module).__module__}
     for sub in module.modules() if hasattr(module, "modules") else []:
         names.add(type(sub).__module__)
@@ -337,6 +342,8 @@ def install_attention_hook(module: Any) -> None:
         def hooked(queries, keys, values, cache, scale, mask, *a, _orig=f, **kw):
             if isinstance(cache, TurboKVCache):
                 return cache.attend(queries, scale)
+            if affine_cpu.routes(cache, queries, mask, a[0] if a else kw.get("sinks")):
+                return affine_cpu.attend(cache, queries, scale)
             return _orig(queries, keys, values, cache, scale, mask, *a, **kw)
 
         hooked._swiftlm_turbo = True

@@ -1,15 +1,16 @@
 """Compressed-KV decode attention on the CPU, compiled with numba (numpy + numba only).
 
-Shared by both backends: ``backends/torch/cpu_kernels.py`` and ``backends/mlx/turbo_cache.py`` are
-the glue that hands their arrays over as numpy views.  A block-wise path that decodes compressed
-rows into a full-width fp32 buffer with a table gather, then multiplies it with the queries, writes
-every compressed row out at full width and reads it back: it costs more memory traffic than the fp32
-row it replaces.  These kernels never leave a decoded row in memory: per row they expand the codes
-through a small per-byte table into registers / L1, take the dot products with the query heads of
-its KV head, update a running softmax (flash-decoding: each task owns one span of rows of one KV
-head and returns its max, denominator and unnormalised value sum) and add the row's weighted values.
-TurboQuant values are summed in the rotated domain and rotated back once by the caller; affine
-(``kv_bits``) values in the original domain.
+Shared by both backends: ``backends/torch/cpu_kernels.py``, ``backends/mlx/turbo_cache.py`` and
+``backends/mlx/affine_cpu.py`` (``kv_bits``) are the glue that hands their arrays over as numpy
+views.  A block-wise path that decodes compressed rows into a full-width fp32 buffer with a table
+gather, then multiplies it with the queries, writes every compressed row out at full width and reads
+it back: it costs more memory traffic than the fp32 row it replaces.  These kernels never leave a
+decoded row in memory: per row they expand the codes through a small per-byte table into registers /
+L1, take the dot products with the query heads of its KV head, update a running softmax
+(flash-decoding: each task owns one span of rows of one KV head and returns its max, denominator and
+unnormalised value sum) and add the row's weighted values.  TurboQuant values are summed in the
+rotated domain and rotated back once by the caller; affine (``kv_bits``) values in the original
+domain.
 
 Layout (``swiftlm.turboquant.packing``; both backends' caches write the same bytes): row-major bit
 planes [KVH, cap, D * width / 8] uint8, QJL sign bytes [KVH, cap, D / 8] (bit t of byte k is
@@ -303,6 +304,22 @@ def turbo_spans(qr, n: int, kbits: int, vbits: int, ktab, kplanes, kn, vtab, vpl
     return m_o, l_o, a_o
 
 
+def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, group: int):
+    """Run ``affine_kernel`` over rows [0, n): q [KVH, M, D] fp32 scaled queries; kp / vp codes
+    [KVH, cap, D*bits/8] uint8; scales and biases fp32 [KVH, >=n, D/group].  All C-contiguous numpy
+    arrays (views of the caller's storage).  Returns the per-task (m, l, acc) like ``turbo_spans``."""
+    KVH, M, D = q.shape
+    S = splits(n, KVH)
+    m_o = np.empty((KVH, S, M), np.float32)
+    l_o = np.empty((KVH, S, M), np.float32)
+    a_o = np.empty((KVH, S, M, D), np.float32)
+    qs = np.ascontiguousarray(q.reshape(KVH, M, D // group, group).sum(-1, dtype=np.float32))
+    kernel = affine_kernel(D, M, bits, group)
+    with _LOCK:
+        kernel(q, qs, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
+    return m_o, l_o, a_o
+
+
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
     """Per-task partials -> (m, l) [KVH, M, 1] and acc [KVH, M, D] over all tasks."""
     m = m_o.max(1, keepdims=True)                      # [KVH, 1, M]
@@ -341,6 +358,26 @@ def warm_up_turbo(D: int, M: int, kbits: int, vbits: int, qjl: bool) -> threadin
             turbo_spans(np.ones((1, M, D), np.float32), 1, kbits, vbits, ktab, kps, kn, vtab, vps, vn, **extra)
         except Exception as e:  # pragma: no cover - the first decode step compiles it instead
             log.warning("numba kernel warm-up (d=%d, m=%d, k%d v%d) failed: %s", D, M, kbits, vbits, e)
+
+    t = threading.Thread(target=run, name="swiftlm-numba-warmup", daemon=True)
+    t.start()
+    return t
+
+
+def warm_up_affine(D: int, M: int, bits: int, group: int) -> threading.Thread | None:
+    """``warm_up_turbo`` for the affine (``kv_bits``) kernel, with the argument types of ``affine_spans``."""
+    key = ("affine", D, M, bits, group)
+    if not enabled() or D % group or key in _WARMED:
+        return None
+    _WARMED.add(key)
+
+    def run() -> None:
+        try:
+            codes = np.zeros((1, 1, D * bits // 8), np.uint8)
+            side = np.ones((1, 1, D // group), np.float32)
+            affine_spans(np.ones((1, M, D), np.float32), codes, side, side, codes, side, side, 1, bits, group)
+        except Exception as e:  # pragma: no cover - the first decode step compiles it instead
+            log.warning("numba kernel warm-up (affine d=%d, m=%d, %d bits, group %d) failed: %s", D, M, bits, group, e)
 
     t = threading.Thread(target=run, name="swiftlm-numba-warmup", daemon=True)
     t.start()
