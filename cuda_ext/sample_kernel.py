@@ -94,7 +94,8 @@ def _pick_kernel(x_ptr, sx, inp_ptr, si, part_ptr, tok_ptr, V, NC,
     last = tl.max(tl.where(m & (w > 0), idx, -1), axis=0)
     tok = tl.where(hit < 2147483647, hit, tl.where(last >= 0, last, argmax)).to(tl.int64)
     greedy = tl.load(row + 2) > 0.5
-    tl.store(tok_ptr + r, tl.where(greedy, argmax, tok))
+    out = tl.where(greedy, argmax, tok)
+    tl.store(tok_ptr + r, tl.minimum(tl.maximum(out, 0), V - 1))  # a row of NaN logits still names a token
 
 
 def draw(logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

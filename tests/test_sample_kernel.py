@@ -53,6 +53,8 @@ for V, n, K in [(1000, 16, 8), (CHUNK, 8, 0), (CHUNK + 1, 8, 2), (3 * CHUNK - 5,
             weights.append(float(w[got[i]]))
         out.append(dict(V=V, dtype=dtype, scale=scale, got=got, ref=ref, greedy=inp[:, 2].tolist(),
                         margins=margins, weights=weights))
+nan = torch.full((2, 5000), float("nan"))
+out.append(dict(nan_tokens=draw(nan, torch.tensor([[0.7, 0.5, 0.0], [1.0, 0.5, 1.0]])).tolist()))
 print(json.dumps(out))
 """
 
@@ -108,6 +110,8 @@ def _run(code: str) -> list:
 
 def test_kernel_draws_the_inverse_cdf_token():
     cases = _run(KERNEL_VS_REF)
+    nan = cases.pop()["nan_tokens"]
+    assert len(nan) == 2 and all(0 <= t < 5000 for t in nan), nan  # NaN logits (a broken model): still a token id
     assert len(cases) == 15
     checked = near = 0
     for c in cases:
