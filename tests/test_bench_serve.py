@@ -374,6 +374,22 @@ def test_workers_merge_their_records():
     assert min(r.send for r in recs) < 0.5  # one clock: both workers start at about the same moment
 
 
+def test_workers_start_together():
+    """--workers processes that get ready at different times (one 0.8 s late here; spawned processes differ by
+    a few hundred ms on their own) still send their first requests at the same moment."""
+    from swiftlm.bench.serve import run_workers
+
+    srv = FakeSSE(ttft=0.010, itl=0.002)
+    try:
+        cfg = ClientConfig(base_url=srv.base, model="fake", concurrency=2)
+        recs = run_workers(cfg, _work(4, 3), 2, start_delays=[0.0, 0.8])
+    finally:
+        srv.close()
+    assert all(r.ok for r in recs) and len(recs) == 4
+    first = [min(r.send for r in recs if r.index % 2 == k) for k in (0, 1)]  # requests are dealt round-robin
+    assert abs(first[0] - first[1]) < 0.2, first
+
+
 # =========================================================================== the real server
 @needs_torch
 def test_bench_serve_against_real_server(tmp_path, monkeypatch):
