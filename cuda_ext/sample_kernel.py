@@ -33,21 +33,26 @@ CHUNK = 4096  # tokens per program of the first kernel
 
 
 @triton.jit
+def _scaled(x_ptr, sx, row, r, idx, m, K: tl.constexpr):
+    """Row ``r``'s logits at ``idx`` as float32, plus the row's logit bias (y[col] + val, as the sampler's scatter of
+    gather + val), divided by its temperature (IEEE division); -inf outside the vocabulary (``m`` False)."""
+    y = tl.load(x_ptr + r.to(tl.int64) * sx + idx, mask=m, other=float("-inf")).to(tl.float32)
+    for k in tl.static_range(K):
+        col = tl.load(row + 3 + k).to(tl.int32)
+        val = tl.load(row + 3 + K + k)
+        y = tl.where(idx == col, y + val, y)
+    y = tl.math.div_rn(y, tl.zeros_like(y) + tl.load(row))
+    return tl.where(m, y, float("-inf"))
+
+
+@triton.jit
 def _chunk_kernel(x_ptr, sx, inp_ptr, si, part_ptr, V, NC,
                   K: tl.constexpr, CH: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * CH + tl.arange(0, CH)
     m = idx < V
-    y = tl.load(x_ptr + r.to(tl.int64) * sx + idx, mask=m, other=float("-inf")).to(tl.float32)
-    row = inp_ptr + r * si
-    for k in tl.static_range(K):  # the logit bias: y[col] + val, as the sampler's scatter of gather + val
-        col = tl.load(row + 3 + k).to(tl.int32)
-        val = tl.load(row + 3 + K + k)
-        y = tl.where(idx == col, y + val, y)
-    temp = tl.load(row)
-    y = tl.math.div_rn(y, tl.zeros_like(y) + temp)
-    y = tl.where(m, y, float("-inf"))
+    y = _scaled(x_ptr, sx, inp_ptr + r * si, r, idx, m, K)
     mc = tl.max(y, axis=0)
     first = tl.min(tl.where(y == mc, idx, 2147483647), axis=0)
     w = tl.where(y > float("-inf"), tl.exp(y - mc), 0.0)  # a chunk masked whole (top-k ...) weighs 0, not NaN
@@ -81,13 +86,7 @@ def _pick_kernel(x_ptr, sx, inp_ptr, si, part_ptr, tok_ptr, V, NC,
     # the chosen chunk again: y as the first kernel made it, weights relative to the row's max
     idx = cstar * CH + tl.arange(0, CH)
     m = idx < V
-    y = tl.load(x_ptr + r.to(tl.int64) * sx + idx, mask=m, other=float("-inf")).to(tl.float32)
-    for k in tl.static_range(K):
-        col = tl.load(row + 3 + k).to(tl.int32)
-        val = tl.load(row + 3 + K + k)
-        y = tl.where(idx == col, y + val, y)
-    temp = tl.load(row)
-    y = tl.math.div_rn(y, tl.zeros_like(y) + temp)
+    y = _scaled(x_ptr, sx, row, r, idx, m, K)
     w = tl.where(m, tl.exp(y - M), 0.0)
     cs = tl.cumsum(w, axis=0) + before
     hit = tl.min(tl.where(m & (cs >= target) & (w > 0), idx, 2147483647), axis=0)

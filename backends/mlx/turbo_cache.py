@@ -330,6 +330,9 @@ def install_attention_hook(module: Any) -> None:
     the numba kernel (``affine_cpu``); other calls go to the original function unchanged."""
     from . import affine_cpu
 
+    if getattr(module, "_swiftlm_hooked", False):  # called for every new cache: walk the modules once
+        return
+    module._swiftlm_hooked = True
     names = {type(module).__module__}
     for sub in module.modules() if hasattr(module, "modules") else []:
         names.add(type(sub).__module__)

@@ -205,11 +205,7 @@ class TorchOps:
 
         host = np.zeros((y.shape[0], 3), np.float32)
         host[:, 0], host[:, 1] = 1.0, u
-        return draw(y, self._inputs(host))
-
-    def _inputs(self, host):
-        t = torch.from_numpy(np.ascontiguousarray(host))
-        return t if self.device.type == "cpu" else stager(self.device).to_device(t)
+        return draw(y, self.vec(host))
 
     def sample_simple(self, logits, host):
         """Temperature / logit bias / greedy rows in one call (``swiftlm.sampler.simple_inputs``): the Triton
@@ -217,7 +213,7 @@ class TorchOps:
         if self.sample_kernel:
             from swiftlm.cuda_ext.sample_kernel import draw
 
-            return draw(logits, self._inputs(host))
+            return draw(logits, self.vec(host))
         if self._fused is None:
             from .fused_sampler import GraphedSampler
 
