@@ -245,8 +245,11 @@ def _child_of(pid: int) -> int:
     while time.time() < deadline:
         kids = []
         for t in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{t}/children") as f:
-                kids += [int(x) for x in f.read().split()]
+            try:
+                with open(f"/proc/{pid}/task/{t}/children") as f:
+                    kids += [int(x) for x in f.read().split()]
+            except FileNotFoundError:  # that thread ended between the listing and the read
+                continue
         if kids:
             return kids[0]
         time.sleep(0.1)
