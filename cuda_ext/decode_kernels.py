@@ -20,7 +20,7 @@ from .pdl import launch_kw
 
 # --------------------------------------------------------------------------- rope + KV write, batched
 @triton.jit
-def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, q_out, k_pool, v_pool, slot_stride, head_stride,
+def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, row_ptr, q_out, k_pool, v_pool, slot_stride, head_stride,
                          row_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                          GDC: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
@@ -29,6 +29,7 @@ def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, q_out, k_pool, v_pool
         tl.extra.cuda.gdc_launch_dependents()
     pos = tl.load(pos_ptr + b)
     slot = tl.load(slot_ptr + b)
+    row = tl.load(row_ptr + b)  # the cache row written (the position itself, or its row in a paged block)
     src = qkv + b * ((H + 2 * KVH) * D)
     i = tl.arange(0, HALF)
     if h < H + KVH:
@@ -46,33 +47,36 @@ def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, q_out, k_pool, v_pool
             tl.store(dq + i, o1.to(q_out.dtype.element_ty))
             tl.store(dq + HALF + i, o2.to(q_out.dtype.element_ty))
         else:
-            dst = k_pool + slot * slot_stride + (h - H) * head_stride + pos * row_stride
+            dst = k_pool + slot * slot_stride + (h - H) * head_stride + row * row_stride
             tl.store(dst + i, o1.to(k_pool.dtype.element_ty))
             tl.store(dst + HALF + i, o2.to(k_pool.dtype.element_ty))
     else:
         j = tl.arange(0, D)
         val = tl.load(src + h * D + j)
-        dst = v_pool + slot * slot_stride + (h - H - KVH) * head_stride + pos * row_stride
+        dst = v_pool + slot * slot_stride + (h - H - KVH) * head_stride + row * row_stride
         tl.store(dst + j, val.to(v_pool.dtype.element_ty))
 
 
 def rope_kv_write_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                        slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, H: int, KVH: int,
-                       D: int) -> torch.Tensor:
+                       D: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """B decode rows at once: qkv [B, (H+2KVH)*D] (contiguous); cos/sin the whole rope tables [ctx, D];
-    pos, slots [B] (device ints); pools [S, KVH, C, D] (a slot pool's layer).  Rotates q and k of row b
-    at position pos[b], writes k and v into slot slots[b], row pos[b].  Returns q rotated, [B, H, D]."""
+    pos, slots [B] (device ints); pools [S, KVH, C, D] (a slot pool's layer, or a paged pool's blocks).
+    Rotates q and k of row b at position pos[b], writes k and v into slot (block) slots[b], row rows[b]
+    (default pos[b]).  Returns q rotated, [B, H, D]."""
     B = qkv.shape[0]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_pool.stride(3) == 1
     q = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_rows_kernel[(B, H + 2 * KVH)](qkv, cos, sin, pos, slots, q, k_pool, v_pool, k_pool.stride(0),
+    rows = pos if rows is None else rows
+    _rope_kv_rows_kernel[(B, H + 2 * KVH)](qkv, cos, sin, pos, slots, rows, q, k_pool, v_pool, k_pool.stride(0),
                                            k_pool.stride(1), k_pool.stride(2), H=H, KVH=KVH, D=D, HALF=D // 2,
                                            **launch_kw(qkv))
     return q
 
 
-def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D):
+def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D, rows=None):
     B = qkv.shape[0]
+    rows = pos if rows is None else rows
     q, k, v = qkv.float().split([H * D, KVH * D, KVH * D], dim=-1)
     c, s = cos[pos].float().view(B, 1, D), sin[pos].float().view(B, 1, D)
 
@@ -81,8 +85,8 @@ def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D)
         half = D // 2
         return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
-    k_pool[slots, :, pos] = rot(k, KVH).to(k_pool.dtype)
-    v_pool[slots, :, pos] = v.view(B, KVH, D).to(v_pool.dtype)
+    k_pool[slots, :, rows] = rot(k, KVH).to(k_pool.dtype)
+    v_pool[slots, :, rows] = v.view(B, KVH, D).to(v_pool.dtype)
     return rot(q, H).to(qkv.dtype)
 
 

@@ -18,7 +18,9 @@
 # base (one stream as in session 12: cuBLAS GEMV and SDPA attention), noprefillgraph (prompt chunks
 # eager: SWIFTLM_PREFILL_GRAPHS=0), novarlen (packed prompts' attention by masked SDPA), nomixed
 # (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms),
-# torchsample (the sampler's captured torch graph instead of its Triton kernels: SWIFTLM_SAMPLE_KERNEL=0).
+# torchsample (the sampler's captured torch graph instead of its Triton kernels: SWIFTLM_SAMPLE_KERNEL=0),
+# slots (one KV block per sequence, the old slot pool's layout: --kv-block-size 1024), bsNN (--kv-block-size NN),
+# old (the servers of another checkout, OLD_TREE=path: e.g. `git archive <rev> | tar -x -C .gpu/old`, carried).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -31,6 +33,10 @@ PARALLEL=${PARALLEL:-128}
 OUTTOK=${OUTTOK:-128}
 MODES=${MODES:-"unfused nofreeze fused fused4k"}
 PROFILE=${PROFILE:-1}
+if [ -n "${OLD_TREE:-}" ]; then  # mode "old": the same servers from another checkout (a baseline build)
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site_old \
+      "$OLD_TREE" || exit 1
+fi
 mkdir -p /tmp/run && cd /tmp/run                 # import the installed copies, not the source tree
 
 ckpt() {  # name hidden layers heads kv head_dim inter
@@ -54,12 +60,20 @@ mode_env() {  # the environment of a mode's server
     *) echo "SWIFTLM_FUSED_DECODE=1" ;;
   esac
 }
-mode_args() { [ $1 = fused4k ] && echo "--max-batched-tokens 4096" || echo ""; }
+mode_args() {
+  case $1 in
+    fused4k) echo "--max-batched-tokens 4096" ;;
+    slots) echo "--kv-block-size 1024" ;;   # one KV block per sequence (the context): the slot pool's layout
+    bs*) echo "--kv-block-size ${1#bs}" ;;   # bs16: 16-position KV blocks (default 64)
+    *) echo "" ;;
+  esac
+}
 
 start_server() {  # shape model-argument mode -> sets $pid $port
   port=$((6000 + RANDOM % 1000))
   local log=""; [ "${STEPLOG:-0}" = 1 ] && log="SWIFTLM_STEP_LOG=$OUT/fd_steps_${1}_$3.jsonl"
-  env PYTHONPATH=$SITE $(mode_env $3) $log \
+  local pp=$SITE; [ $3 = old ] && pp=/tmp/site_old:$SITE  # old: a reference build (OLD_TREE) installed there
+  env PYTHONPATH=$pp $(mode_env $3) $log \
       $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size 1024 \
       --prompt-cache-bytes 0 --port $port $(mode_args $3) > "$OUT/fd_serve_${1}_$3.log" 2>&1 &
   pid=$!

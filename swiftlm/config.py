@@ -19,8 +19,11 @@ from .errors import NotSupportedYet
 
 
 def _f(default: Any, help: str, *, flag: str | None = None, group: str = "model", not_built: str | None = None,
-       nargs: str | None = None, const: Any = None, append: bool = False, no_flag: bool = False) -> Any:
+       nargs: str | None = None, const: Any = None, append: bool = False, no_flag: bool = False,
+       aliases: tuple[str, ...] = ()) -> Any:
     extra: dict[str, Any] = {"group": group}
+    if aliases:
+        extra["aliases"] = list(aliases)
     if append:
         extra["append"] = True
     if no_flag:
@@ -53,7 +56,13 @@ class Settings(BaseSettings):
                               flag="--ctx-size")
     prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
                            group="engine")
-    parallel: int = _f(1, "Sequences decoded concurrently; more requests wait in the queue.", group="engine")
+    parallel: int = _f(1, "Sequences decoded concurrently (vLLM's --max-num-seqs); more requests wait in the queue.",
+                       group="engine", aliases=("--max-num-seqs",))
+    kv_block_size: int = _f(64, "Positions per block of the paged KV cache (torch backend on CUDA).", group="engine")
+    kv_cache_memory: str | None = _f(None, "Device memory for the paged KV cache (torch backend on CUDA), e.g. 20GB; "
+                                           "its blocks bound how many tokens the running sequences hold together. "
+                                           "Default: room for every --parallel sequence at full context, capped at "
+                                           "90 percent of the device memory free after loading.", group="engine")
     max_batched_tokens: int = _f(0, "Tokens one engine step may process (decode rows plus prompt chunks; 0: "
                                     "max(prefill-size, parallel) + parallel; at least parallel + 1).  Larger lets a wave of new prompts prefill in fewer "
                                     "steps at the cost of longer steps for the streams already decoding.",
@@ -295,7 +304,7 @@ class Settings(BaseSettings):
             raise ValueError("must be between 1 and 256")
         return v
 
-    @field_validator("mem_limit")
+    @field_validator("mem_limit", "kv_cache_memory")
     @classmethod
     def _mem_limit_ok(cls, v: str | None) -> str | None:
         if v is not None:
@@ -375,7 +384,8 @@ class Settings(BaseSettings):
             raise ValueError("must be in [0.01, 10]")
         return v
 
-    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes", "data_parallel")
+    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes", "data_parallel",
+                     "kv_block_size")
     @classmethod
     def _at_least_one(cls, v: int) -> int:
         if v < 1:
@@ -489,7 +499,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
                 kw["const"] = extra["const"]
             if extra.get("append"):
                 kw["action"] = "append"
-        parser.add_argument(flag_of(name), **kw)
+        parser.add_argument(flag_of(name), *extra.get("aliases", ()), **kw)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

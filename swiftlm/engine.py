@@ -75,7 +75,9 @@ class Engine(PromptSide, EngineRequests, EngineStep):
 
         self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
         self.media_processor: Any = None   # media.MediaProcessor for multimodal models
-        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache else 0)
+        # a paged KV pool (torch on CUDA): the core hands out its blocks, and full blocks are the prompt cache
+        self.kv_blocks = self._paged_kv(prompt_cache_bytes > 0)
+        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache and self.kv_blocks is None else 0)
         self.forks = ForkGroups(self)  # n / best_of: one prefill per request (fork.py)
         self.fork_stats = self.forks.stats
         self._eos = frozenset(self.tokenizer.eos_token_ids)
@@ -249,6 +251,9 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                     continue
                 for sid in batch.preempted:  # recompute later: drop the KV state now
                     self.model.free([sid])
+                    live = self._live.get(sid)
+                    if live is not None and self.kv_blocks is not None:  # its cached blocks, if still there
+                        live.prefix_pending = self._prefix_eligible(live)
                 self.timers.add("schedule", time.perf_counter() - t0)
                 if self.speculator is not None and self._speculate(batch):
                     continue
@@ -281,8 +286,22 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         except Exception:  # pragma: no cover
             log.exception("releasing the engine thread's device streams failed")
 
+    def _paged_kv(self, prefix_caching: bool) -> Any:
+        """The block manager of the model's paged KV pool (``kv_blocks.KVBlocks``), or None."""
+        spec_of = getattr(self.model, "kv_block_spec", None)
+        spec = spec_of() if spec_of is not None else None
+        if spec is None:
+            return None
+        from .kv_blocks import KVBlocks
+
+        blocks = KVBlocks(spec[0], spec[1], prefix_caching=prefix_caching)
+        self.model.attach_kv_blocks(blocks)  # type: ignore[attr-defined]
+        self.scheduler.blocks, self.scheduler.max_positions = blocks, self.ctx_size
+        return blocks
+
     def _prefix_eligible(self, live: _Live) -> bool:
-        return (self.prefix_cache.enabled and not self._compressed_kv(live.seq.params)
+        enabled = self.prefix_cache.enabled or (self.kv_blocks is not None and self.kv_blocks.prefix_caching)
+        return (enabled and not self._compressed_kv(live.seq.params)
                 and live.seq.media is None and not live.seq.params.adapter)  # LoRA: own KV
 
     def _restore_prefixes(self) -> None:
@@ -298,6 +317,9 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             if live is None or not live.prefix_pending:
                 continue
             live.prefix_pending = False
+            if self.kv_blocks is not None:
+                self._adopt_blocks(live)
+                continue
             if seq.num_computed or seq.output_tokens:  # preempted and resumed: recomputed, not restored
                 continue
             n, payload = self.prefix_cache.lookup(seq.prompt_tokens)
@@ -310,6 +332,28 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             except Exception:  # a cache failure costs a full prefill, never the request
                 log.exception("prompt cache restore failed; prefilling in full")
                 self.model.free([seq.seq_id])
+
+    def _adopt_blocks(self, live: _Live) -> None:
+        """Prefix caching on the paged pool: the sequence starts with the cached full blocks of its
+        prompt (a preempted one: of its prompt and output), shared, not copied."""
+        seq, blocks = live.seq, self.kv_blocks
+        if seq.num_computed or blocks.has(seq.seq_id) and blocks.table(seq.seq_id):
+            return
+        ids = blocks.match(seq.tokens(0, seq.prefill_target + 1))
+        if not ids:
+            return
+        blocks.adopt(seq.seq_id, ids)
+        n = len(ids) * blocks.block_size
+        try:
+            self.model.adopt_prefix(seq.seq_id, n)  # type: ignore[attr-defined]
+        except Exception:  # a cache failure costs a full prefill, never the request
+            log.exception("adopting cached KV blocks failed; prefilling in full")
+            self.model.free([seq.seq_id])
+            return
+        seq.num_computed = n
+        if not seq.output_tokens:
+            live.cached_tokens = n
+            self._outs.append(Out(seq.seq_id, cached_tokens=n))
 
     def _expire(self) -> None:
         """--request-timeout: a request past its deadline ends as at its length limit (its text so

@@ -124,7 +124,8 @@ def _snapshot(eng: Any) -> dict:
     reader = getattr(model, "expert_stream", None)
     spec = eng.speculator
     return {"stats": _stats_state(eng.stats), "timers": timers, "kv": eng.kv_stats(), "memory": mem,
-            "sched": (len(sch.waiting), len(sch.running), sch.kv_in_use(), sch.kv_budget, sch.preemptions),
+            "sched": (len(sch.waiting), len(sch.running), sch.kv_in_use(), sch.kv_budget, sch.preemptions,
+                      sch.block_stats()),
             "prefix": (len(pc), pc.bytes, pc.hits, pc.misses, pc.tokens_reused),
             "experts": eng.expert_stream_stats(), "expert_reader": copy.copy(reader.stats) if reader else None,
             "spec": copy.copy(spec.stats) if spec is not None else None,
@@ -262,13 +263,16 @@ def main(fd: int) -> None:
 class _SchedulerView:
     """The child's scheduler levels, as /health and /metrics read them (``len(waiting)`` ...)."""
 
-    def __init__(self, max_running: int, t: tuple = (0, 0, 0, None, 0)):
+    def __init__(self, max_running: int, t: tuple = (0, 0, 0, None, 0, None)):
         self.max_running = max_running
-        n_wait, n_run, self._kv, self.kv_budget, self.preemptions = t
+        n_wait, n_run, self._kv, self.kv_budget, self.preemptions, self._blocks = t
         self.waiting, self.running = range(n_wait), range(n_run)
 
     def kv_in_use(self) -> int:
         return self._kv
+
+    def block_stats(self) -> dict[str, int] | None:
+        return self._blocks
 
 
 class _PrefixView:

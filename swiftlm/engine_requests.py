@@ -24,6 +24,7 @@ class _Live:
     first_token_at: float | None = None
     cached_tokens: int = 0
     prefix_pending: bool = False  # look the prompt cache up when the sequence is about to run
+    commit_blocks: bool | None = None  # its full KV blocks join the prefix cache (paged pool; None: not decided)
     fork: Any = None  # a fork group member's prompt KV source, taken when it is admitted (fork.py)
 
 

@@ -113,6 +113,11 @@ class EngineStep:
                 if seq.num_computed < seq.prefill_target:
                     self.fork_stats.prefill_tokens += len(w.tokens)
                 live.seq.num_computed += len(w.tokens)
+                if self.kv_blocks is not None:  # newly full blocks become matchable (prefix caching)
+                    if live.commit_blocks is None:
+                        live.commit_blocks = self._prefix_eligible(live)
+                    if live.commit_blocks:
+                        self.kv_blocks.commit(w.seq_id, seq.num_computed, seq.tokens)
                 if not w.sample and not live.seq.output_tokens:
                     self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
         for w, s in zip(rows, sampled):
@@ -145,6 +150,10 @@ class EngineStep:
                 return False
         if sch.kv_budget and sum(s.kv_demand for s in sch.running) + len(sch.running) > sch.kv_budget:
             return False
+        if self.kv_blocks is not None:  # the next step writes one position past this one: its block first
+            for w in batch.seqs:
+                if not sch.ensure_blocks(self._live[w.seq_id].seq, w.start_pos + len(w.tokens) + 1):
+                    return False
         return True
 
     def _speculate(self, batch: StepBatch) -> bool:
@@ -158,6 +167,8 @@ class EngineStep:
             return False
         seq = live.seq
         room = min((w.params.max_tokens or 0) - len(seq.output_tokens), self.ctx_size - len(seq.all_tokens))
+        if self.kv_blocks is not None and not self.scheduler.ensure_blocks(seq, w.start_pos + self.speculator.k + 1):
+            return False  # the verified block's positions need blocks: a plain step instead
         t0 = time.perf_counter()
         try:
             sampled = self.speculator.step(w, seq, room)

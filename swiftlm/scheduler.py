@@ -13,6 +13,12 @@ When the running sequences outgrow the KV budget, the most recently admitted one
 preempted: its KV state is dropped (the engine frees it), it goes back to the front of the
 queue with the tokens it has generated, and when readmitted it recomputes its KV from
 prompt + output (recompute, not swap) and continues where it stopped.
+
+With a paged KV pool (``blocks``, a ``kv_blocks.KVBlocks``) the budget is the pool's blocks: a
+sequence is admitted when the blocks its context needs (``kv_demand``, less the cached prefix blocks
+it was given) fit beside what the running ones still need; each step every running sequence's table
+is grown to ``kv_demand`` positions (its next decode position included, so an overlapped next step
+needs none), and when that cannot be done the newest is preempted and its blocks freed at once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Sequence:
     cancelled: bool = False
     preemptions: int = 0
     media: Any = None  # media.MediaInputs: the prompt is prefilled in one chunk with these arrays
+    kv_table: list[int] | None = None  # paged pool: the manager's live block list (Scheduler.blocks_needed)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -69,8 +76,10 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, max_running: int = 1, prefill_size: int = 512, token_budget: int | None = None,
-                 kv_budget_tokens: int | None = None):
+                 kv_budget_tokens: int | None = None, blocks: Any = None, max_positions: int = 0):
         self.max_running = max(1, max_running)
+        self.blocks = blocks  # kv_blocks.KVBlocks of a paged pool, or None
+        self.max_positions = max_positions  # a sequence's positions never exceed this (the context), 0: no cap
         self.kv_budget = kv_budget_tokens or None
         self.preemptions = 0
         self.prefill_size = max(1, prefill_size)
@@ -95,20 +104,70 @@ class Scheduler:
     def kv_in_use(self) -> int:
         return sum(s.num_computed for s in self.running)
 
+    def block_stats(self) -> dict[str, int] | None:
+        return self.blocks.stats() if self.blocks is not None else None
+
+    def _positions(self, seq: Sequence) -> int:
+        d = seq.kv_demand
+        return min(d, self.max_positions) if self.max_positions else d
+
+    def blocks_needed(self, seq: Sequence, positions: int | None = None) -> int:
+        """New blocks ``seq`` needs for its table to cover ``positions`` (default: its ``kv_demand``).  The
+        table is the manager's live list, kept on the sequence: a decode row between block boundaries costs
+        one length check, no manager call."""
+        t = seq.kv_table
+        if t is None:
+            t = seq.kv_table = self.blocks.table(seq.seq_id)
+        n = self._positions(seq) if positions is None else positions
+        bs = self.blocks.block_size
+        return 0 if n <= len(t) * bs else -(-n // bs) - len(t)
+
+    def ensure_blocks(self, seq: Sequence, positions: int | None = None) -> bool:
+        """Grow ``seq``'s table to cover ``positions`` (default: its ``kv_demand``); False if the pool is short."""
+        if not self.blocks_needed(seq, positions):
+            return True
+        return self.blocks.grow(seq.seq_id, self._positions(seq) if positions is None else positions)
+
     def schedule(self) -> StepBatch:
+        b = self.blocks
+        need = sum(self.blocks_needed(s) for s in self.running) if b is not None else 0
         while self.waiting and len(self.running) < self.max_running:
             if self.kv_budget and self.running and \
                     sum(s.kv_demand for s in self.running) + self.waiting[0].kv_demand > self.kv_budget:
                 break  # FCFS: nobody overtakes the head of the queue
+            if b is not None:
+                head = self.waiting[0]
+                head.kv_table = None  # (its table may have been freed or replaced while it waited)
+                extra = self.blocks_needed(head)
+                if self.running and need + extra > b.available():
+                    break
+                need += extra
             self.running.append(self.waiting.popleft())
         preempted: list[int] = []
         while self.kv_budget and len(self.running) > 1 and sum(s.kv_demand for s in self.running) > self.kv_budget:
             victim = self.running.pop()  # the most recently admitted
+            if b is not None:
+                need -= self.blocks_needed(victim)
+                b.free(victim.seq_id)
+                victim.kv_table = None
             victim.num_computed = 0
             victim.preemptions += 1
             self.preemptions += 1
             self.waiting.appendleft(victim)
             preempted.append(victim.seq_id)
+        while b is not None and len(self.running) > 1 and need > b.available():
+            victim = self.running.pop()  # the most recently admitted: its blocks go back now
+            need -= self.blocks_needed(victim)
+            b.free(victim.seq_id)
+            victim.kv_table = None
+            victim.num_computed = 0
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted.append(victim.seq_id)
+        if need:
+            for seq in self.running:  # every table covers its next step (a lone sequence: as far as the pool goes)
+                self.ensure_blocks(seq)
         budget = self.token_budget
         work: list[SeqWork] = []
         for seq in self.running:  # decode rows first

@@ -328,3 +328,38 @@ def test_a_prompt_one_chunk_holds_is_not_split_at_the_budget_edge():
     s.add(seqs[1])
     assert step(s, seqs) == [(1, 0, 4)]  # the step's first chunk: split at the budget
     assert step(s, seqs) == [(1, 4, 2)]
+
+
+def test_paged_pool_admission_and_preemption_by_blocks():
+    """With a block manager the scheduler admits by blocks (less what running sequences still need), grows
+    every running table to its next position, and preempts the newest when blocks run out, freeing its
+    blocks in the same call."""
+    from swiftlm.kv_blocks import KVBlocks
+    from swiftlm.sampling import SamplerState, SamplingParams
+
+    blocks = KVBlocks(6, 4)
+    sch = Scheduler(max_running=4, prefill_size=64, blocks=blocks)
+
+    def seq(i, n):
+        return Sequence(i, list(range(n)), SamplingParams(max_tokens=64), SamplerState())
+
+    a, b, c = seq(1, 7), seq(2, 7), seq(3, 7)  # 8 positions with the next one: 2 blocks each
+    for s in (a, b, c):
+        sch.add(s)
+    batch = sch.schedule()
+    assert [w.seq_id for w in batch.seqs] == [1, 2, 3] and blocks.used() == 6 and blocks.available() == 0
+    for s in (a, b, c):  # prompts done, first tokens sampled: 9 positions -> 3 blocks each
+        s.num_computed = 7
+        s.output_tokens.append(0)
+    batch = sch.schedule()  # a and b need one more block each: c (the newest) is preempted for them
+    assert batch.preempted == [3] and [s.seq_id for s in sch.running] == [1, 2]
+    assert len(blocks.table(1)) == len(blocks.table(2)) == 3 and not blocks.has(3) and blocks.available() == 0
+    assert sch.preemptions == 1 and [s.seq_id for s in sch.waiting] == [3] and c.num_computed == 0
+    blocks.check()
+    # c is readmitted (recomputing from position 0) once a's end frees its blocks
+    sch.remove(a)
+    blocks.free(1)
+    batch = sch.schedule()
+    assert [w.seq_id for w in batch.seqs] == [2, 3] and batch.seqs[1].start_pos == 0
+    assert len(blocks.table(3)) == 3  # prompt + its output token + the next position
+    blocks.check()

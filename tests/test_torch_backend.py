@@ -58,9 +58,10 @@ def test_static_decode_equals_eager_forward(tiny_torch):
 
 
 def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
-    """The bodies of the batched decode graph (rows of a shared slot tensor, padded to a power
-    of two with the scratch slot) and of the speculative verify graph, run eagerly on CPU,
-    against the eager forward of each sequence alone (fp32; masked rows are exact zeros).
+    """The bodies of the batched decode graph (rows of the paged pool, each sequence's 16-position
+    blocks scattered over it in shuffled order, padded to a power of two with the scratch slot) and of
+    the speculative verify graph, run eagerly on CPU, against the eager forward of each sequence alone
+    (fp32; masked rows are exact zeros).
     Batched GEMMs and one-row GEMVs sum in different orders (which depend on the CPU's BLAS
     kernels): equal to the fp32 rounding bound of tests/tolerances.py, not to a constant."""
     import copy
@@ -81,9 +82,14 @@ def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
         return float((a - b).abs().max())
 
     with torch.inference_mode():
-        pool = SlotPool(m.a, 4, 512, torch.float32, cpu)
+        pool = SlotPool(m.a, 4, 512, torch.float32, cpu, block_size=16)
+        pool.attach()  # tables from here on, as the engine's block manager fills them
+        order = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         gd = GraphDecoder(m, cpu, use_graph=False, fused=False)
         slots, refs = [pool.take() for _ in prompts], [SeqCache(m.a, torch.float32, cpu) for _ in prompts]
+        for j, c in enumerate(slots):
+            c.blocks.extend(order[j * 32:(j + 1) * 32])  # 512 positions, scattered
+            c.sync()
         last = []
         for p, sc, rc in zip(prompts, slots, refs):
             m(torch.tensor(p), sc, 0)
@@ -106,7 +112,8 @@ def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
         # K/V projection of block i
         n = len(prompts[1])
         for i in range(m.a.layers):
-            for a, b in ((slots[1].k[i], refs[1].k[i]), (slots[1].v[i], refs[1].v[i])):
+            pk, pv = slots[1].rows(i, start + 5)
+            for a, b in ((pk, refs[1].k[i]), (pv, refs[1].v[i])):
                 assert torch.equal(a[:, :n], b[:, :n]), i
                 a, b = a[:, : start + 5], b[:, : start + 5]
                 t = fp32_matmul_tol(max(m.a.hidden, m.a.intermediate, start + 5), float(b.abs().max()),

@@ -109,22 +109,17 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
 
     B = tokens.shape[0]
     x = model.embed(tokens).contiguous()
-    if splits:
-        from swiftlm.cuda_ext.paged_attention import paged_decode_attention
+    from swiftlm.cuda_ext.paged_attention import paged_decode_attention, paged_decode_attention_sdpa
 
-        tables, lens = slots.view(B, 1).int(), (pos + 1).int()
-    else:
-        valid = (arange[:L].view(1, L) <= pos.view(B, 1)).view(B, 1, 1, L)
+    attend = paged_decode_attention if splits else paged_decode_attention_sdpa
+    blk_ids, rows = pool.locate(slots, pos)  # each row's block and its row there (kv_pool)
+    tables, lens = pool.table[slots][:, :-(-L // pool.block_size)], (pos + 1).int()
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        K, V = pool.k[i], pool.v[i]  # [S, KVH, cap, D]
-        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slots, K, V, H, KVH, D)  # [B, H, D]
-        if splits:
-            out = paged_decode_attention(q, K, V, tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
-        else:
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :L], V[slots, :, :L], attn_mask=valid,
-                                                 enable_gqa=H != KVH)  # [B, H, 1, D]
+        K, V = pool.k[i], pool.v[i]  # [blocks, KVH, block_size, D]
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, blk_ids, K, V, H, KVH, D, rows)  # [B, H, D]
+        out = attend(q, K, V, tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
         h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)

@@ -44,7 +44,8 @@ def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tenso
                  splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [0, n_prompt) are prompt chunks starting at position 0, packed in order (``seg``, ``cu``,
     ``max_len`` as in ``graphs.prefill_packed_static``, which is this forward with no decode rows);
-    rows [n_prompt, T) decode one token each at ``pos`` in pool slot ``slots``.  Every row's K/V is written to its slot and position first.
+    rows [n_prompt, T) decode one token each at ``pos`` in pool slot ``slots``.  Every row's K/V is written first, to
+    its slot's block for its position (``kv_pool``).
     Returns the logits of ``rows`` [len(rows), V] (into ``out`` when given)."""
     a = model.a
     H, D = a.heads, a.head_dim
@@ -52,13 +53,13 @@ def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tenso
     B = T - n_prompt
     x = model.embed(tokens)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [T, 1, D]
-    tables, lens = slots[n_prompt:].view(B, 1).int(), (pos[n_prompt:] + 1).int()
+    tables, lens = pool.table[slots[n_prompt:]], (pos[n_prompt:] + 1).int()
+    where = pool.locate(slots, pos)  # each row's block and its row there (kv_pool)
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [T, H, D], [T, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        pool.k[i][slots, :, pos] = k
-        pool.v[i][slots, :, pos] = v
+        pool.write(i, slots, pos, k, v, where)
         o = packed_causal(q[:n_prompt], k[:n_prompt], v[:n_prompt], seg[:n_prompt], pos[:n_prompt], cu, max_len)
         if B:
             o = torch.cat([o, decode_attention(q[n_prompt:], pool.k[i], pool.v[i], tables, lens, splits)])

@@ -93,6 +93,7 @@ class PackedSteps:
         if graphed and len(keep) == len(work):
             logits, _ = pg.run(toks, slots, pos, seg, last)
         else:
+            self.pool.flush()
             host = torch.tensor([toks, slots, pos, seg])
             t, s_, p, g = stager(self.device).to_device(host).unbind(0)
             last_t = stager(self.device).to_device(torch.tensor(last))

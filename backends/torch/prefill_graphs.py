@@ -122,6 +122,7 @@ class PackedGraphs:
         """(the prompts' last-token logits [n, V], the decode rows' logits [B, V]); the caller checked
         ``fits``.  With decode rows float32 copies (the next replay rewrites the shared buffer); prompt-only,
         the forward's own rows in the model's dtype (B = 0)."""
+        self.pool.flush()  # table rows changed since the last step (kv_pool)
         width = bucket(len(p_tokens))
         host, tail = self._inputs(p_tokens, p_slots, p_pos, p_seg, p_last, d_tokens, d_slots, d_pos, width)
         n, B = len(p_last), len(d_tokens)

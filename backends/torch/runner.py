@@ -23,7 +23,8 @@ from .loader import check_arch, load_state
 from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
 from .prefill_graphs import PackedGraphs
-from .graphs import BUCKET_MIN, GraphDecoder, SlotPool, bucket_for, graphable
+from .graphs import GraphDecoder, graphable
+from .kv_pool import PagedSeqCache, SlotPool
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
 from .model import PackedAttend, build, param_bytes
@@ -42,8 +43,11 @@ class TorchModel(PackedSteps):
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
 
+    kv_blocks: Any = None  # swiftlm.kv_blocks.KVBlocks: the engine's block manager (attach_kv_blocks)
+
     def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 use_graphs: bool | None = None, slots: int = 1, kv_default: KVFormat | None = None):
+                 use_graphs: bool | None = None, slots: int = 1, kv_default: KVFormat | None = None,
+                 block_size: int | None = None, num_blocks: int | None = None):
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
@@ -66,9 +70,10 @@ class TorchModel(PackedSteps):
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
         self.graphs = GraphDecoder(module, device) if use_graphs else None
-        # CUDA: all sequences' caches are rows of one tensor per layer, so decode rows of many
+        # CUDA: all sequences' KV live in one paged pool per layer (kv_pool.py), so decode rows of many
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
-        self.pool = SlotPool(module.a, slots, info.context_length, dtype, device) if self.static else None
+        self.pool = SlotPool(module.a, slots, info.context_length, dtype, device, block_size=block_size,
+                             num_blocks=num_blocks) if self.static else None
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
         self.lora: Any = None  # lora.LoraSet with --adapter: per-request LoRA adapters
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
@@ -84,11 +89,7 @@ class TorchModel(PackedSteps):
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
             with torch.inference_mode():
-                self.graphs.precapture(self.pool)  # batched decode, every batch size (Triton kernel path)
-                first = self.pool.take()  # the slot a lone request gets first: its own graphs too
-                for L in sorted({bucket_for(p, first.capacity) for p in range(0, first.capacity, BUCKET_MIN)}):
-                    self.graphs.run(first, 0, L - 1)
-                self.pool.give_back(first)
+                self.graphs.precapture(self.pool)  # batched decode, every batch size (a lone row: size 1)
                 self.prefill_graphs.precapture()
                 self.mixed_graphs.precapture()
             torch.cuda.synchronize()
@@ -109,12 +110,16 @@ class TorchModel(PackedSteps):
                 if c is None:  # more sequences than slots (or no pool): a standalone fixed cache
                     c = self.free_slots.pop() if self.free_slots else SeqCache(
                         self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                elif self.kv_blocks is not None:  # the engine's block manager grows this list (kv_blocks.py)
+                    c.blocks = self.kv_blocks.table(seq_id)
                 c.length = 0
             else:
                 # a fresh cache sized to this sequence (reusing finished sequences' caches was tried: their
                 # capacities only ratchet up, KV allocated rose 250 -> 400 MiB over a 30-minute soak)
                 c = SeqCache(self.module.a, self.dtype, self.device)
             self.caches[seq_id] = c
+        if isinstance(c, PagedSeqCache):
+            c.sync()  # blocks the manager added since the last step -> the slot's table row
         if c.length > start:  # recompute / rollback: later positions are simply overwritten
             c.length = start
         elif c.length < start:
@@ -157,12 +162,9 @@ class TorchModel(PackedSteps):
             if self.graphs is not None and cache.graphable():
                 return self.graphs.run_turbo(cache, int(tokens[0]), start)
         elif len(tokens) == 1 and self.graphs is not None:
-            slot = getattr(cache, "slot", None)
-            if slot is not None and self.graphs.paged_attention and not self.graphs.captured(cache, start):
-                # a slot decoding alone for the first time at this length: the start-up batch-of-one
-                # graph, instead of capturing this slot's own graph while streams wait
-                out = self.graphs.run_batch(self.pool, [slot], tokens if torch.is_tensor(tokens) else [tokens[0]],
-                                            [start])[0]
+            if isinstance(cache, PagedSeqCache):  # a pool sequence decoding alone: the batch-of-one graph
+                out = self.graphs.run_batch(self.pool, [cache.slot], tokens if torch.is_tensor(tokens)
+                                            else [tokens[0]], [start])[0]
             else:
                 out = self.graphs.run(cache, tokens[0], start)
             cache.length = start + 1
@@ -323,6 +325,11 @@ class TorchModel(PackedSteps):
     def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
         """The KV rows this sequence computed, as an immutable copy: (payload, bytes, positions)."""
         c = self.caches.get(seq_id)
+        if isinstance(c, PagedSeqCache) and c.length:  # gathered out of its blocks
+            n = c.length
+            rows = [c.rows(i, n) for i in range(self.module.a.layers)]
+            k, v = [r[0] for r in rows], [r[1] for r in rows]
+            return (k, v), sum(t.numel() * t.element_size() for t in k + v), n
         if c is None or c.length == 0 or not isinstance(c, SeqCache):
             return None  # compressed caches are not kept by the prompt cache
         if c.trimmed:  # sliding-window layers dropped rows (kv_cache.SeqCache): no rows from position 0 to copy
@@ -344,6 +351,14 @@ class TorchModel(PackedSteps):
         bind_thread(self.device)
         k, v = payload
         c = self._cache(seq_id, 0)
+        if isinstance(c, PagedSeqCache):
+            if self.kv_blocks is not None and not self.kv_blocks.grow(seq_id, n):
+                raise RuntimeError(f"no free KV blocks for {n} restored positions")
+            c.sync()
+            for layer in range(len(k)):
+                c.write_rows(layer, 0, k[layer][:, :n], v[layer][:, :n])
+            c.length = n
+            return
         if not self.static and c.capacity < n:
             c._grow(n)
         for layer in range(len(k)):
@@ -351,18 +366,41 @@ class TorchModel(PackedSteps):
             c.v[layer][:, :n].copy_(v[layer][:, :n])
         c.length = n
 
+    # ---------------------------------------------------------------- paged KV hooks (kv_pool.py, swiftlm/kv_blocks.py)
+    def kv_block_spec(self) -> tuple[int, int] | None:
+        """(blocks, positions per block) of the paged pool whose blocks the engine's manager hands out,
+        or None where sequences keep their own caches (CPU, eager CUDA models, pipeline ranks)."""
+        p = self.pool
+        # tensor / pipeline ranks (subclasses) keep fixed slot runs: the leader's block decisions (prefix
+        # blocks above all) would have to reach every rank's pool
+        if p is None or p.managed or type(self) is not TorchModel:
+            return None
+        return p.num_blocks, p.block_size
+
+    def attach_kv_blocks(self, blocks: Any) -> None:
+        """The engine's ``KVBlocks`` decides each sequence's blocks from now on."""
+        self.kv_blocks = blocks
+        self.pool.attach()
+
+    def adopt_prefix(self, seq_id: int, n: int) -> None:
+        """The manager gave ``seq_id`` cached blocks holding positions [0, n) (prefix caching): its cache starts there."""
+        c = self._cache(seq_id, 0)
+        c.sync()
+        c.length = n
+
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             c = self.caches.pop(s, None)
             self.kv_formats.pop(s, None)
+            if self.kv_blocks is not None:
+                self.kv_blocks.free(s)
             if isinstance(c, CompressedCache) and c.static:
                 self.turbo_free.setdefault(c.fmt, []).append(c)
                 continue
-            if c is not None and self.static and isinstance(c, SeqCache):
-                if getattr(c, "slot", None) is not None:
-                    self.pool.give_back(c)
-                else:
-                    self.free_slots.append(c)
+            if isinstance(c, PagedSeqCache):
+                self.pool.give_back(c)
+            elif c is not None and self.static and isinstance(c, SeqCache):
+                self.free_slots.append(c)
 
     def kv_stats(self) -> dict[str, int]:
         """KV storage the running sequences hold now, and what a 16-bit cache would need for them."""
@@ -538,7 +576,10 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         info.kv_bytes_per_token = kv_bytes_per_token(a, device, dtype)
         log.info("partial offload: layers 0-%d on %s, %d-%d on the CPU (%s)", first_cpu - 1, device, first_cpu,
                  a.layers - 1, str(module.a.offload[2])[6:])
-    model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg))
+    block_size, num_blocks = kv_pool_size(cfg, a, device, dtype, slots, ctx) if (
+        device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None) else (None, None)
+    model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg),
+                       block_size=block_size, num_blocks=num_blocks)
     model.expert_stream = reader
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
@@ -547,6 +588,38 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         model.lora = attach(module, adapters)
         log.info("LoRA adapters: %s", ", ".join(model.lora.names))
     return model
+
+
+KV_FREE_FRACTION = 0.9  # of the device memory free after loading: the default KV pool's cap
+
+
+def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slots: int, ctx: int
+                 ) -> tuple[int, int]:
+    """(block size, blocks) of the paged KV pool: --kv-block-size positions per block; --kv-cache-memory
+    bytes of blocks, else room for every --parallel sequence at full context, capped at KV_FREE_FRACTION of
+    the device memory free now; never less than one full context."""
+    from swiftlm.config import parse_bytes
+
+    bs = max(1, min(int(getattr(cfg, "kv_block_size", 64) or 64), ctx))
+    per_block = 2 * a.layers * a.kv_heads * a.head_dim * bs * torch.finfo(dtype).bits // 8
+    per_seq = -(-ctx // bs)
+    want = getattr(cfg, "kv_cache_memory", None)
+    if want:
+        n = parse_bytes(want) // per_block
+    else:
+        n = slots * per_seq
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = int(free * KV_FREE_FRACTION) // per_block
+        if n > cap:
+            log.warning("KV pool: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): "
+                        "sequences are preempted when they outgrow it (--kv-cache-memory sets it)",
+                        slots, ctx, n * per_block / 2**30, cap * per_block / 2**30, cap * bs)
+            n = cap
+    if n < per_seq:
+        log.warning("KV pool: %d blocks hold less than one %d-token context; raised to %d", n, ctx, per_seq)
+        n = per_seq
+    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, bs, n * bs, n * per_block / 2**30)
+    return bs, n
 
 
 def _apply_mem_limit(cfg: Any, device: torch.device) -> None:

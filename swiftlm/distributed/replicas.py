@@ -319,6 +319,15 @@ class _SchedulerView:
     def kv_in_use(self) -> int:
         return sum(s.kv_in_use() for s in self._s)
 
+    def block_stats(self) -> dict[str, int] | None:
+        """The replicas' paged-pool counters, summed (block_size: the first's)."""
+        stats = [b for b in (s.block_stats() for s in self._s) if b]
+        if not stats:
+            return None
+        out = {k: sum(b[k] for b in stats) for k in stats[0]}
+        out["block_size"] = stats[0]["block_size"]
+        return out
+
 
 class _CacheView:
     """The prompt caches' counters, summed (each replica keeps its own cache)."""

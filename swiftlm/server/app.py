@@ -106,6 +106,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
                              "kv_tokens_in_use": eng.scheduler.kv_in_use(),
                              "kv_bytes_in_use": kv["bytes"], "kv_cache": kv,
                              "kv_budget_tokens": eng.scheduler.kv_budget, "preemptions": eng.scheduler.preemptions,
+                             "kv_blocks": eng.scheduler.block_stats(),
                              "prompt_cache": {"entries": len(eng.prefix_cache), "bytes": eng.prefix_cache.bytes,
                                               "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
                                               "hit_rate": round(eng.prefix_cache.hit_rate, 4),

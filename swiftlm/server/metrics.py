@@ -96,6 +96,18 @@ class EngineCollector:
         yield CounterMetricFamily("swiftlm_engine_steps", "Engine steps run", value=st.steps)
         yield CounterMetricFamily("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed",
                                   value=eng.scheduler.preemptions)
+        blocks = eng.scheduler.block_stats()
+        if blocks:  # the paged KV pool (torch on CUDA)
+            g = GaugeMetricFamily("swiftlm_kv_blocks", "Paged KV pool blocks by state (used: held by running "
+                                  "sequences; cached: free but still holding a matchable prefix)", labels=["state"])
+            for state in ("used", "free", "cached"):
+                g.add_metric([state], blocks[f"blocks_{state}"])
+            yield g
+            yield GaugeMetricFamily("swiftlm_kv_block_size", "Positions per paged KV block", value=blocks["block_size"])
+            yield CounterMetricFamily("swiftlm_prefix_cache_queried_tokens", "Prompt tokens looked up in the block "
+                                      "prefix cache", value=blocks["prefix_queries"])
+            yield CounterMetricFamily("swiftlm_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks",
+                                      value=blocks["prefix_hits"])
         yield CounterMetricFamily("swiftlm_busy_seconds", "Wall time with at least one request live",
                                   value=st.busy_wall_seconds())
         tps = st.avg_tokens_per_sec

@@ -1,0 +1,217 @@
+"""The CUDA KV memory of the torch backend: one paged pool of fixed-size blocks, addressed through block tables.
+
+Every layer's K (and V) is one tensor ``[num_blocks + 1, KVH, block_size, D]``; the last block is scratch
+(padding rows of the fixed-shape graphs write there).  Each running sequence holds a *table row*
+(its ``slot``, at most ``n`` at once: ``--parallel``) listing its blocks in position order::
+
+    position p of the sequence in slot s  ->  block table[s, p // block_size], row p % block_size
+
+``table`` is a device int32 tensor ``[n + 1, max_blocks]`` whose address never changes (the CUDA graphs
+read it); entries past a sequence's blocks, and the whole scratch row ``n``, name the scratch block.  The
+host keeps the same table and copies the rows that changed before a step that reads them (``flush``).
+
+Which blocks a sequence gets is the core's decision (``swiftlm.kv_blocks.KVBlocks``: the engine grows a
+sequence's table before a step that writes past it, preempts when blocks run out, shares full blocks
+between requests with the same prefix).  Without that manager (tests that build a pool by hand) slot ``s``
+owns blocks ``[s * max_blocks, (s + 1) * max_blocks)``: the old fixed-slot layout.
+
+``PagedSeqCache`` is one sequence's view for the eager paths (chunks past position 0, LoRA rows, MoE or
+non-graphed models, speculative verification off the graphs, prompt-cache copies): it writes its rows
+into its blocks and attends over them (``update_attend``, the compressed caches' interface).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class SlotPool:
+    """Paged KV memory for up to ``n`` sequences of up to ``capacity`` positions each.
+
+    ``block_size``: positions per block (default: ``capacity``, one block per sequence); ``num_blocks``:
+    blocks in the pool (default ``n * max_blocks``: every sequence can reach ``capacity`` at once)."""
+
+    def __init__(self, a: Any, n: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int | None = None, num_blocks: int | None = None):
+        self.a, self.n = a, n
+        self.block_size = bs = max(1, min(int(block_size or capacity), capacity))
+        self.max_blocks = -(-capacity // bs)
+        self.capacity = self.max_blocks * bs  # positions a table row can address
+        self.num_blocks = int(num_blocks) if num_blocks else n * self.max_blocks
+        self.scratch_block = self.num_blocks
+        shape = (self.num_blocks + 1, a.kv_heads, bs, a.head_dim)
+        # zeros, not empty: attention reads whole tiles (masked, but 0 * NaN garbage would still be NaN)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.device = device
+        self.host = torch.full((n + 1, self.max_blocks), self.scratch_block, dtype=torch.int32)
+        self.identity = self.num_blocks >= n * self.max_blocks
+        if self.identity:  # no block manager yet: slot s owns its own run of blocks
+            self.host[:n] = torch.arange(n * self.max_blocks, dtype=torch.int32).view(n, self.max_blocks)
+        self.table = self.host.to(device)
+        self._dirty: tuple[int, int] | None = None  # host rows [lo, hi) newer than the device's
+        self.free = list(range(n - 1, -1, -1))
+        self.scratch = n
+        self._views: dict[int, PagedSeqCache] = {}
+        self.managed = False  # a KVBlocks manager decides the blocks (attach)
+
+    @property
+    def block_bytes(self) -> int:
+        t = self.k[0]
+        return 2 * len(self.k) * t[0].numel() * t.element_size()
+
+    def attach(self) -> None:
+        """From now on the block manager fills the table rows (``set_row``): every row starts empty."""
+        self.managed = True
+        self.host.fill_(self.scratch_block)
+        self._mark(0, self.n)
+        for c in self._views.values():
+            c.blocks, c.synced = [], 0
+
+    def take(self) -> "PagedSeqCache | None":
+        """A free slot's cache (the same object each time the slot is reused)."""
+        if not self.free:
+            return None
+        i = self.free.pop()
+        c = self._views.get(i)
+        if c is None:
+            c = self._views[i] = PagedSeqCache(self, i)
+        c.length = 0
+        if self.managed:
+            c.blocks, c.synced = [], 0
+        return c
+
+    def give_back(self, c: "PagedSeqCache") -> None:
+        if self.managed:
+            self.set_row(c.slot, [])
+            c.blocks, c.synced = [], 0
+        self.free.append(c.slot)
+
+    def set_row(self, slot: int, blocks: list[int]) -> None:
+        """Slot ``slot``'s table row: ``blocks`` then scratch (host now, the device at the next ``flush``)."""
+        row = self.host[slot]
+        n = len(blocks)
+        if n:
+            row[:n] = torch.tensor(blocks, dtype=torch.int32)
+        row[n:] = self.scratch_block
+        self._mark(slot, slot + 1)
+
+    def _mark(self, lo: int, hi: int) -> None:
+        d = self._dirty
+        self._dirty = (lo, hi) if d is None else (min(d[0], lo), max(d[1], hi))
+
+    def flush(self) -> None:
+        """Queue the copy of the changed table rows to the device (before a step that reads them)."""
+        if self._dirty is None:
+            return
+        lo, hi = self._dirty
+        self._dirty = None
+        if self.device.type == "cuda":
+            from .staging import stager
+
+            self.table[lo:hi].copy_(stager(self.device).to_device(self.host[lo:hi]))
+        else:
+            self.table[lo:hi].copy_(self.host[lo:hi])
+
+    def locate(self, slots: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of each (slot, position) pair (device tensors; no host sync: capturable)."""
+        bs = self.block_size
+        return self.table[slots, pos // bs].long(), pos % bs
+
+    def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              where: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """k, v [T, KVH, D] into each row's (slot, position); ``where``: ``locate``'s result, if known."""
+        blk, off = where if where is not None else self.locate(slots, pos)
+        self.k[layer][blk, :, off] = k
+        self.v[layer][blk, :, off] = v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PagedSeqCache:
+    """One sequence's KV in a ``SlotPool``: its slot (table row) and its block list (the manager's live
+    list, or the slot's own run of blocks).  ``length``: positions written."""
+
+    trimmed = False
+    window_start = 0
+
+    def __init__(self, pool: SlotPool, slot: int):
+        self.pool, self.slot = pool, slot
+        self.a, self.dtype, self.device = pool.a, pool.k[0].dtype, pool.k[0].device
+        self.capacity = pool.capacity
+        self.length = 0
+        self.blocks: list[int] = ([] if pool.managed else
+                                  list(range(slot * pool.max_blocks, (slot + 1) * pool.max_blocks)))
+        self.synced = len(self.blocks)
+
+    def sync(self) -> None:
+        """Copy new entries of the block list into the slot's table row (host side; ``pool.flush`` sends them)."""
+        if len(self.blocks) != self.synced:
+            self.pool.set_row(self.slot, self.blocks)
+            self.synced = len(self.blocks)
+
+    def offset(self, layer: int) -> int:
+        return 0
+
+    def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.pool.block_size
+        if end > len(self.blocks) * bs:
+            raise RuntimeError(f"KV blocks for positions [{start}, {end}) are not allocated "
+                               f"({len(self.blocks)} blocks of {bs})")
+        p = torch.arange(start, end)
+        blocks = torch.tensor(self.blocks[start // bs:-(-end // bs)], dtype=torch.long)
+        return (blocks[p // bs - start // bs].to(self.device), (p % bs).to(self.device))
+
+    def rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V for positions [0, n), gathered: [KVH, n, D] each (copies)."""
+        bs = self.pool.block_size
+        nb = -(-n // bs)
+        idx = torch.tensor(self.blocks[:nb], dtype=torch.long, device=self.device)
+        out = []
+        for t in (self.pool.k[layer], self.pool.v[layer]):
+            g = t[idx]  # [nb, KVH, bs, D]
+            out.append(g.transpose(0, 1).reshape(g.shape[1], nb * bs, g.shape[3])[:, :n])
+        return out[0], out[1]
+
+    def write_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [KVH, T, D] at positions [start, start + T)."""
+        blk, off = self._where(start, start + k.shape[1])
+        self.pool.k[layer][blk, :, off] = k.transpose(0, 1).to(self.dtype)
+        self.pool.v[layer][blk, :, off] = v.transpose(0, 1).to(self.dtype)
+
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> torch.Tensor:
+        """Write k, v [KVH, T, D] at positions [start, start + T); attend q [H, T, D] causally to every
+        position up to each query's.  Returns [T, H * D]."""
+        from .model import chunk_attention
+
+        T = k.shape[1]
+        end = start + T
+        self.write_rows(layer, start, k, v)
+        keys, values = self.rows(layer, end)
+        H, KVH, D = q.shape[0], keys.shape[0], q.shape[2]
+        rep = H // KVH
+        if T == 1:
+            qg = q.reshape(KVH, rep, D)
+            probs = torch.softmax((qg @ keys.transpose(1, 2) * D ** -0.5).float(), dim=-1).to(values.dtype)
+            out = (probs @ values).reshape(1, H * D)
+        else:
+            if start == 0:
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                   is_causal=True, enable_gqa=rep > 1)
+            else:
+                o = chunk_attention(q, keys, values, start, rep)
+            out = o[0].transpose(0, 1).reshape(T, H * D)
+        if layer == self.a.layers - 1:
+            self.length = end
+        return out
+
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_bytes if self.pool.managed else 0
+
+    def layer_nbytes(self) -> list[int]:
+        return [self.nbytes() // max(1, self.a.layers)] * self.a.layers

@@ -1,0 +1,135 @@
+"""The paged KV pool (backends/torch/kv_pool.py) under the engine's block manager (swiftlm/kv_blocks.py),
+run on CPU: the CUDA layout (pool, block tables, the graph bodies run eagerly) with 16-position blocks.
+
+Exactness: greedy outputs equal plain solo runs (the eager CPU path), with several sequences at once,
+with n-gram speculation, with preemption forced by a pool smaller than the running sequences need, and
+with prompt blocks shared through prefix caching; blocks go back when requests end or are cancelled."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from conftest import needs_torch
+from swiftlm import SamplingParams
+
+CTX = 512
+
+
+def make_paged(llm, parallel: int, block_size: int = 16, num_blocks: int | None = None) -> None:
+    """Give an idle CPU engine's torch model the CUDA layout: a paged pool whose blocks the engine hands out."""
+    import torch
+
+    from swiftlm.backends.torch.graphs import GraphDecoder
+    from swiftlm.backends.torch.kv_pool import SlotPool
+    from swiftlm.prefix_cache import PrefixCache
+
+    eng, m = llm.engine, llm.engine.model
+    cpu = torch.device("cpu")
+    m.static, m.info.context_length = True, CTX
+    m.pool = SlotPool(m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks)
+    m.graphs = GraphDecoder(m.module, cpu, use_graph=False, fused=False)
+    eng.kv_blocks = eng._paged_kv(True)
+    eng.prefix_cache = PrefixCache(0)
+
+
+PROMPTS = ["a b c a b c a b", "the cat sat on the mat the cat " * 3, "one two three", "x y z",
+           "Once upon a time in a land far away there lived " * 2, "count: 1 2 3 4 5 6 7 8 9 10"]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_llama):
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain:
+        return [plain.generate(q, p).token_ids for q in PROMPTS]
+
+
+@needs_torch
+@pytest.mark.parametrize("kw", [{"parallel": 4}, {"parallel": 1, "speculative": "ngram"}], ids=["batched", "ngram"])
+def test_paged_pool_engine_equals_solo(tiny_llama, solo, kw):
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, **kw) as llm:
+        make_paged(llm, kw["parallel"])
+        outs = llm.generate(PROMPTS, p)
+        assert [o.token_ids for o in outs] == solo
+        blocks = llm.engine.kv_blocks
+        blocks.check()
+        assert blocks.used() == 0  # every request ended: no block is held
+
+
+@needs_torch
+def test_preemption_in_a_small_pool_keeps_outputs(tiny_llama, solo):
+    """12 blocks of 16 positions (192 tokens) for four sequences of ~60-110 positions each: the newest
+    is preempted when the others' next blocks are short, then resumed; every output equals its solo run."""
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=4) as llm:
+        make_paged(llm, 4, num_blocks=12)
+        outs = llm.generate(PROMPTS, p)
+        assert [o.token_ids for o in outs] == solo
+        assert llm.engine.scheduler.preemptions > 0
+        blocks = llm.engine.kv_blocks
+        blocks.check()
+        assert blocks.used() == 0
+
+
+@needs_torch
+def test_prefix_blocks_are_shared_not_copied(tiny_llama):
+    """A long shared system prompt: later requests start from its cached full blocks (cached_tokens a whole
+    number of blocks, counted by the manager) and give the tokens of uncached runs."""
+    from swiftlm import LLM
+
+    system = {"role": "system", "content": "You are a terse assistant who answers in one line. " * 6}
+    chats = [[system, {"role": "user", "content": q}] for q in ("One?", "Two, please.", "Three!")]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain:
+        want = [plain.generate(c, p).token_ids for c in chats]
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
+        make_paged(llm, 2)
+        got = [llm.generate(c, p) for c in chats]
+        assert [o.token_ids for o in got] == want
+        cached = [o.usage["cached_tokens"] for o in got]
+        assert cached[0] == 0 and cached[1] > 0 and cached[1] % 16 == 0 and cached[2] == cached[1], cached
+        stats = llm.engine.kv_blocks.stats()
+        assert stats["prefix_hits"] == cached[1] + cached[2]
+        assert stats["blocks_used"] == 0 and stats["blocks_cached"] > 0  # released, kept for the next request
+        llm.engine.kv_blocks.check()
+        # with prefix caching off nothing is matched (and nothing is kept)
+        llm.engine.kv_blocks.prefix_caching = False
+        llm.engine.kv_blocks.reset_prefix_cache()
+        again = llm.generate(chats[1], p)
+        assert again.token_ids == want[1] and again.usage["cached_tokens"] == 0
+
+
+@needs_torch
+def test_cancel_frees_blocks_within_one_step(tiny_llama):
+    from swiftlm import LLM
+
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
+        make_paged(llm, 2)
+        eng = llm.engine
+        q: queue.Queue = queue.Queue()
+        sid = eng.submit(eng.text_prompt("tell me a long story " * 4), SamplingParams(
+            max_tokens=400, temperature=0, ignore_eos=True), q.put)
+        n = 0
+        while n < 5:
+            ev = q.get(timeout=120)
+            n += len(ev.token_ids)
+        assert eng.kv_blocks.used() > 0
+        steps = eng.stats.steps
+        eng.cancel(sid)
+        while not q.get(timeout=120).finished:
+            pass
+        deadline = time.time() + 5
+        while eng.kv_blocks.used() and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.kv_blocks.used() == 0
+        assert eng.stats.steps - steps <= 1  # freed before a second step ran
+        eng.kv_blocks.check()
