@@ -247,6 +247,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 t0 = time.perf_counter()
                 self._restore_prefixes()
                 batch = self.scheduler.schedule()
+                self._end_starved()
                 if not batch.seqs:
                     continue
                 for sid in batch.preempted:  # recompute later: drop the KV state now
@@ -332,6 +333,17 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             except Exception:  # a cache failure costs a full prefill, never the request
                 log.exception("prompt cache restore failed; prefilling in full")
                 self.model.free([seq.seq_id])
+
+    def _end_starved(self) -> None:
+        """Sequences the paged pool cannot hold any longer (a lone one past the pool's tokens: --kv-cache-memory
+        below the context) end as at their length limit, with what they generated."""
+        sch = self.scheduler
+        while sch.starved:
+            live = self._live.get(sch.starved.pop())
+            if live is not None:
+                log.warning("request %d: the KV pool (%d tokens) cannot hold its next position; ending it at length",
+                            live.seq.seq_id, self.kv_blocks.num_blocks * self.kv_blocks.block_size)
+                self._finish(live, "length")
 
     def _adopt_blocks(self, live: _Live) -> None:
         """Prefix caching on the paged pool: the sequence starts with the cached full blocks of its

@@ -79,6 +79,7 @@ class Scheduler:
                  kv_budget_tokens: int | None = None, blocks: Any = None, max_positions: int = 0):
         self.max_running = max(1, max_running)
         self.blocks = blocks  # kv_blocks.KVBlocks of a paged pool, or None
+        self.starved: list[int] = []  # running sequences the pool could not grow (nothing left to preempt)
         self.max_positions = max_positions  # a sequence's positions never exceed this (the context), 0: no cap
         self.kv_budget = kv_budget_tokens or None
         self.preemptions = 0
@@ -165,19 +166,22 @@ class Scheduler:
             self.preemptions += 1
             self.waiting.appendleft(victim)
             preempted.append(victim.seq_id)
+        starved = set()
         if need:
-            for seq in self.running:  # every table covers its next step (a lone sequence: as far as the pool goes)
-                self.ensure_blocks(seq)
+            for seq in self.running:  # every table covers its next step
+                if not self.ensure_blocks(seq):  # a lone sequence past what the whole pool holds: the engine ends it
+                    starved.add(seq.seq_id)
+                    self.starved.append(seq.seq_id)
         budget = self.token_budget
         work: list[SeqWork] = []
         for seq in self.running:  # decode rows first
-            if not seq.in_prefill:
+            if not seq.in_prefill and seq.seq_id not in starved:
                 work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed,
                                     True, seq.params, seq.state))
                 budget -= 1
         chunks = 0
         for seq in self.running:  # then prefill chunks, oldest first
-            if seq.in_prefill and budget > 0:
+            if seq.in_prefill and budget > 0 and seq.seq_id not in starved:
                 target = seq.prefill_target
                 rest = target - seq.num_computed
                 if chunks and budget < rest <= self.prefill_size:

@@ -133,3 +133,64 @@ def test_cancel_frees_blocks_within_one_step(tiny_llama):
         assert eng.kv_blocks.used() == 0
         assert eng.stats.steps - steps <= 1  # freed before a second step ran
         eng.kv_blocks.check()
+
+
+@needs_torch
+def test_health_and_metrics_report_blocks_and_preemptions(tiny_llama):
+    """/health's stats.kv_blocks and /metrics' swiftlm_kv_blocks{state} follow the pool: blocks held while
+    requests run (here a pool too small for all of them, so preemptions count), all back when they end."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from swiftlm import LLM
+    from swiftlm.server.app import create_app
+
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=4) as llm:
+        make_paged(llm, 4, num_blocks=12)
+        app = create_app(llm.settings, engine=llm.engine, spec=llm.spec, backend="torch")
+        with TestClient(app) as client:
+            p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            llm.generate(PROMPTS, p)
+            h = client.get("/health").json()["stats"]
+            blocks = h["kv_blocks"]
+            assert blocks["blocks_total"] == 12 and blocks["block_size"] == 16
+            assert blocks["blocks_used"] == 0 and blocks["blocks_free"] + blocks["blocks_cached"] == 12
+            assert h["preemptions"] == llm.engine.scheduler.preemptions > 0
+            fams = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+            got = {s.labels["state"]: s.value for s in fams["swiftlm_kv_blocks"].samples}
+            assert got == {"used": 0, "free": blocks["blocks_free"], "cached": blocks["blocks_cached"]}
+            assert [s.value for s in fams["swiftlm_preemptions"].samples][0] == h["preemptions"]
+            # while a long request runs, its blocks are counted as used
+            import threading
+
+            t = threading.Thread(target=llm.generate, args=(PROMPTS[1], SamplingParams(
+                max_tokens=200, temperature=0, ignore_eos=True)))
+            t.start()
+            deadline = time.time() + 60
+            used = 0
+            while t.is_alive() and time.time() < deadline and not used:
+                used = client.get("/health").json()["stats"]["kv_blocks"]["blocks_used"]
+                time.sleep(0.01)
+            t.join()
+            assert used > 0
+
+
+@needs_torch
+def test_a_lone_sequence_past_the_pool_ends_at_length(tiny_llama):
+    """A pool smaller than the context (12 blocks of 16: 192 positions of a 512 context) and one request that
+    would outgrow it: it ends 'length' when its next position has no block, with the solo run's tokens so far;
+    the engine goes on serving."""
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0, ctx_size=CTX) as plain:
+        want = plain.generate(PROMPTS[1], p).token_ids
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
+        make_paged(llm, 2, num_blocks=12)
+        out = llm.generate(PROMPTS[1], p)
+        n = len(llm.engine.text_prompt(PROMPTS[1]))
+        assert out.finish_reason == "length" and n + len(out.token_ids) == 192  # every position the pool holds
+        assert out.token_ids == want[:len(out.token_ids)]
+        assert llm.engine.kv_blocks.used() == 0
+        again = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(again.token_ids) == 8

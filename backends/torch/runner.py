@@ -30,11 +30,12 @@ from .kv_cache import SeqCache
 from .model import PackedAttend, build, param_bytes
 from .shared_kv import ForkedCache, prefixes, share
 from .ops import TorchOps
+from .devices import (CUDA_DEFAULT_CTX, _apply_mem_limit, bind_thread, cuda_eager_reason,  # noqa: F401 (re-exported)
+                      device_memory, kv_pool_size, pick_device)
 
 log = logging.getLogger(__name__)
 
 
-CUDA_DEFAULT_CTX = 8192
 EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
 
 
@@ -444,63 +445,6 @@ class TorchModel(PackedSteps):
         return out
 
 
-def cuda_eager_reason(a: Any, device: torch.device, ctx: int) -> str | None:
-    """Why a model on ``device`` runs on the eager (dynamic) path there, or None: on the CPU always
-    eager (None: nothing to say); on CUDA the static path (slot pool, CUDA graphs, packed prefill, paged
-    attention, overlapped steps) unless --gpu-layers keeps layers on the CPU, or the layer is not the
-    llama-family one / a sliding window shorter than the served context ``ctx`` applies
-    (``model_config.Args.eager_reason``)."""
-    if device.type != "cuda":
-        return None
-    if a.offload is not None:
-        return "--gpu-layers keeps layers on the CPU"
-    return a.eager_reason(ctx)
-
-
-def device_memory(device: torch.device) -> dict[str, Any]:
-    """The CUDA caching allocator's figures (active = allocated, peak = max allocated, cache =
-    reserved but unallocated), or on the CPU this process's resident memory and malloc's free bytes."""
-    from swiftlm.memory import host_memory
-
-    if device.type != "cuda":
-        return host_memory()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
-    props = torch.cuda.get_device_properties(index)
-    return {"device": "cuda", "architecture": props.name, "device_name": props.name,
-            "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
-            "reserved": reserved, "device_total": props.total_memory}
-
-
-def bind_thread(device: torch.device) -> None:
-    """A model on cuda:N (--device, --data-parallel) makes N the calling thread's current device:
-    graph capture, Triton launches and new streams follow the current device, not the tensors."""
-    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
-        torch.cuda.set_device(device.index)
-
-
-def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
-    """--device (default: cuda when available) and the compute dtype there: --torch-dtype on a GPU
-    (auto: bfloat16), float32 on the CPU."""
-    want = getattr(cfg, "device", None) if cfg is not None else None
-    name = getattr(cfg, "torch_dtype", "auto") if cfg is not None else "auto"
-    gpu_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float32": torch.float32}.get(name if isinstance(name, str) else "auto", torch.bfloat16)
-    if want:  # --device (one sentence if it does not exist here)
-        dev = torch.device(want)
-        if dev.type == "cuda":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (dev.index or 0) >= n:
-                from swiftlm.errors import ConfigError
-
-                raise ConfigError(f"--device {want}: this machine has {n} CUDA device(s)")
-            return dev, gpu_dtype
-        return dev, torch.float32
-    if torch.cuda.is_available():
-        return torch.device("cuda"), gpu_dtype
-    return torch.device("cpu"), torch.float32
-
-
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     adapters = list(getattr(cfg, "adapter", None) or [])
     if adapters and (int(getattr(cfg, "tensor_parallel", 1) or 1) > 1 or int(getattr(cfg, "pipeline_parallel", None)
@@ -560,8 +504,9 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                  else load_hf_tokenizer(spec.path, spec.config))
     a = module.a
     ctx_cfg = getattr(cfg, "ctx_size", None) if cfg is not None else None
-    # On CUDA every running sequence holds a preallocated cache of the full context, so the
-    # default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more.
+    # On CUDA the default KV pool holds every --parallel sequence at the full context (devices.kv_pool_size),
+    # so the default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more (with
+    # --kv-cache-memory the pool's size no longer follows the context).
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
@@ -590,49 +535,3 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     return model
 
 
-KV_FREE_FRACTION = 0.9  # of the device memory free after loading: the default KV pool's cap
-
-
-def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slots: int, ctx: int
-                 ) -> tuple[int, int]:
-    """(block size, blocks) of the paged KV pool: --kv-block-size positions per block; --kv-cache-memory
-    bytes of blocks, else room for every --parallel sequence at full context, capped at KV_FREE_FRACTION of
-    the device memory free now; never less than one full context."""
-    from swiftlm.config import parse_bytes
-
-    bs = max(1, min(int(getattr(cfg, "kv_block_size", 64) or 64), ctx))
-    per_block = 2 * a.layers * a.kv_heads * a.head_dim * bs * torch.finfo(dtype).bits // 8
-    per_seq = -(-ctx // bs)
-    want = getattr(cfg, "kv_cache_memory", None)
-    if want:
-        n = parse_bytes(want) // per_block
-    else:
-        n = slots * per_seq
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * KV_FREE_FRACTION) // per_block
-        if n > cap:
-            log.warning("KV pool: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): "
-                        "sequences are preempted when they outgrow it (--kv-cache-memory sets it)",
-                        slots, ctx, n * per_block / 2**30, cap * per_block / 2**30, cap * bs)
-            n = cap
-    if n < per_seq:
-        log.warning("KV pool: %d blocks hold less than one %d-token context; raised to %d", n, ctx, per_seq)
-        n = per_seq
-    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, bs, n * bs, n * per_block / 2**30)
-    return bs, n
-
-
-def _apply_mem_limit(cfg: Any, device: torch.device) -> None:
-    """--mem-limit on CUDA: the caching allocator refuses to grow past it (OOM instead)."""
-    limit = getattr(cfg, "mem_limit", None)
-    if not limit:
-        return
-    from swiftlm.config import parse_bytes
-
-    if device.type != "cuda":
-        log.warning("--mem-limit applies to CUDA memory; ignored on %s", device.type)
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(limit) / total), index)
-    log.info("CUDA memory capped at %s bytes (%.3f of %s)", parse_bytes(limit), parse_bytes(limit) / total, total)
