@@ -194,3 +194,30 @@ def test_a_lone_sequence_past_the_pool_ends_at_length(tiny_llama):
         assert llm.engine.kv_blocks.used() == 0
         again = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert len(again.token_ids) == 8
+
+
+@needs_torch
+def test_pool_size_from_memory_and_flags():
+    """--kv-cache-memory bytes of blocks (never less than one context); --max-num-seqs is --parallel."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    from swiftlm.backends.torch.devices import kv_pool_size
+    from swiftlm.config import add_settings_arguments, settings_from_args
+
+    a = SimpleNamespace(layers=2, kv_heads=2, head_dim=8)
+    per_block = 2 * 2 * 2 * 8 * 16 * 4  # K and V, layers, heads, dim, positions, fp32 bytes
+    cfg = SimpleNamespace(kv_block_size=16, kv_cache_memory=str(100 * per_block))
+    assert kv_pool_size(cfg, a, torch.device("cpu"), torch.float32, 4, 512) == (16, 100)
+    cfg.kv_cache_memory = str(3 * per_block)  # less than one 512-token context: raised to 32 blocks
+    assert kv_pool_size(cfg, a, torch.device("cpu"), torch.float32, 4, 512) == (16, 32)
+    p = argparse.ArgumentParser()
+    add_settings_arguments(p)
+    s = settings_from_args(p.parse_args(["--max-num-seqs", "7", "--kv-cache-memory", "2GB", "--kv-block-size", "32"]))
+    assert (s.parallel, s.kv_cache_memory, s.kv_block_size) == (7, "2GB", 32)
+    with pytest.raises(Exception, match="kv_block_size"):
+        settings_from_args(p.parse_args(["--kv-block-size", "0"]))
+    with pytest.raises(Exception, match="not a size"):
+        settings_from_args(p.parse_args(["--kv-cache-memory", "lots"]))
