@@ -20,7 +20,8 @@
 # (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms),
 # torchsample (the sampler's captured torch graph instead of its Triton kernels: SWIFTLM_SAMPLE_KERNEL=0),
 # slots (one KV block per sequence, the old slot pool's layout: --kv-block-size 1024), bsNN (--kv-block-size NN),
-# old (the servers of another checkout, OLD_TREE=path: e.g. `git archive <rev> | tar -x -C .gpu/old`, carried).
+# old (the servers of another checkout, OLD_TREE=path: e.g. `git archive <rev> | tar -x -C .gpu/old`, carried),
+# memSIZE (--kv-cache-memory SIZE, e.g. mem2GB).  CTX=8192: the servers' --ctx-size (default 1024).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
 set -uo pipefail
 REPO=$(pwd)
@@ -65,6 +66,7 @@ mode_args() {
     fused4k) echo "--max-batched-tokens 4096" ;;
     slots) echo "--kv-block-size 1024" ;;   # one KV block per sequence (the context): the slot pool's layout
     bs*) echo "--kv-block-size ${1#bs}" ;;   # bs16: 16-position KV blocks (default 64)
+    mem*) echo "--kv-cache-memory ${1#mem}" ;; # mem2GB: a 2 GB paged KV pool
     *) echo "" ;;
   esac
 }
@@ -74,7 +76,7 @@ start_server() {  # shape model-argument mode -> sets $pid $port
   local log=""; [ "${STEPLOG:-0}" = 1 ] && log="SWIFTLM_STEP_LOG=$OUT/fd_steps_${1}_$3.jsonl"
   local pp=$SITE; [ $3 = old ] && pp=/tmp/site_old:$SITE  # old: a reference build (OLD_TREE) installed there
   env PYTHONPATH=$pp $(mode_env $3) $log \
-      $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size 1024 \
+      $PY -m swiftlm.cli serve $2 --backend torch --parallel $PARALLEL --max-queue 512 --ctx-size ${CTX:-1024} \
       --prompt-cache-bytes 0 --port $port $(mode_args $3) > "$OUT/fd_serve_${1}_$3.log" 2>&1 &
   pid=$!
 }
@@ -110,7 +112,7 @@ interleaved() {  # shape model-argument: every mode's server up at once, the run
   i=0
   for m in $MODES; do
     curl -s "http://127.0.0.1:${ports[$i]}/health" > "$OUT/fd_health_${1}_$m.json"
-    $PY -c "import json,sys; d=json.load(open(sys.argv[1]))['stats']; print({k: v['mean_ms'] for k, v in d['step_phases'].items()}, 'gc', {k: d.get('gc', {}).get(k) for k in ('gen1', 'gen2')})" \
+    $PY -c "import json,sys; d=json.load(open(sys.argv[1]))['stats']; print({k: v['mean_ms'] for k, v in d['step_phases'].items()}, 'gc', {k: d.get('gc', {}).get(k) for k in ('gen1', 'gen2')}, 'preemptions', d.get('preemptions'), 'kv_blocks', d.get('kv_blocks'))" \
         "$OUT/fd_health_${1}_$m.json" 2>/dev/null | sed "s/^/[$1 $m health] /"
     i=$((i + 1))
   done

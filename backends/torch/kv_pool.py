@@ -144,9 +144,17 @@ class PagedSeqCache:
         self.a, self.dtype, self.device = pool.a, pool.k[0].dtype, pool.k[0].device
         self.capacity = pool.capacity
         self.length = 0
-        self.blocks: list[int] = ([] if pool.managed else
+        self.blocks = ([] if pool.managed else
                                   list(range(slot * pool.max_blocks, (slot + 1) * pool.max_blocks)))
         self.synced = len(self.blocks)
+
+    @property
+    def blocks(self) -> list[int]:
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, value: list[int]) -> None:  # another sequence's list: the cached plan is not its
+        self._blocks, self._plan_key = value, None
 
     def sync(self) -> None:
         """Copy new entries of the block list into the slot's table row (host side; ``pool.flush`` sends them)."""
@@ -157,29 +165,46 @@ class PagedSeqCache:
     def offset(self, layer: int) -> int:
         return 0
 
-    def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block, row) of positions [start, end) and the blocks holding [0, end), as device tensors: worked
+        out once per chunk (every layer writes and reads the same places), sent in one page-locked copy."""
+        key = (start, end, len(self.blocks))
+        if self._plan_key == key:
+            return self._plan_val
         bs = self.pool.block_size
         if end > len(self.blocks) * bs:
             raise RuntimeError(f"KV blocks for positions [{start}, {end}) are not allocated "
                                f"({len(self.blocks)} blocks of {bs})")
+        T, nb = end - start, -(-end // bs)
         p = torch.arange(start, end)
-        blocks = torch.tensor(self.blocks[start // bs:-(-end // bs)], dtype=torch.long)
-        return (blocks[p // bs - start // bs].to(self.device), (p % bs).to(self.device))
+        held = torch.tensor(self.blocks[:nb], dtype=torch.long)
+        host = torch.cat([held[p // bs], p % bs, held])
+        if self.device.type == "cuda":
+            from .staging import stager
+
+            dev = stager(self.device).to_device(host)
+        else:
+            dev = host
+        self._plan_key, self._plan_val = key, (dev[:T], dev[T:2 * T], dev[2 * T:])
+        return self._plan_val
+
+    _plan_key: tuple | None = None
+    _plan_val: Any = None
+
+    def _gather(self, t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+        """Positions [0, n) of one layer's K or V through the block list ``idx``: [KVH, n, D], one copy."""
+        g = torch.index_select(t.transpose(0, 1), 1, idx)  # [KVH, nb, bs, D]
+        return g.view(g.shape[0], -1, g.shape[3])[:, :n]
 
     def rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V for positions [0, n), gathered: [KVH, n, D] each (copies)."""
         bs = self.pool.block_size
-        nb = -(-n // bs)
-        idx = torch.tensor(self.blocks[:nb], dtype=torch.long, device=self.device)
-        out = []
-        for t in (self.pool.k[layer], self.pool.v[layer]):
-            g = t[idx]  # [nb, KVH, bs, D]
-            out.append(g.transpose(0, 1).reshape(g.shape[1], nb * bs, g.shape[3])[:, :n])
-        return out[0], out[1]
+        idx = torch.tensor(self.blocks[:-(-n // bs)], dtype=torch.long, device=self.device)
+        return self._gather(self.pool.k[layer], idx, n), self._gather(self.pool.v[layer], idx, n)
 
     def write_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [KVH, T, D] at positions [start, start + T)."""
-        blk, off = self._where(start, start + k.shape[1])
+        blk, off, _ = self._plan(start, start + k.shape[1])
         self.pool.k[layer][blk, :, off] = k.transpose(0, 1).to(self.dtype)
         self.pool.v[layer][blk, :, off] = v.transpose(0, 1).to(self.dtype)
 
@@ -192,7 +217,8 @@ class PagedSeqCache:
         T = k.shape[1]
         end = start + T
         self.write_rows(layer, start, k, v)
-        keys, values = self.rows(layer, end)
+        idx = self._plan(start, end)[2]
+        keys, values = self._gather(self.pool.k[layer], idx, end), self._gather(self.pool.v[layer], idx, end)
         H, KVH, D = q.shape[0], keys.shape[0], q.shape[2]
         rep = H // KVH
         if T == 1:
