@@ -194,6 +194,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 # reference to a cache entry (the 30-minute soak found ~184 queued requests pinning entries
                 # the cache had evicted: ~400 MiB of malloc'd memory counted nowhere)
                 arg.prefix_pending = self._prefix_eligible(arg)
+                self._mark_paged(arg)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
             elif cmd == "group":  # n choices of one prompt: the first prefills, the others fork from it
@@ -201,6 +202,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 for live in arg:
                     self._live[live.seq.seq_id] = live
                     self.stats.request_started()
+                    self._mark_paged(live)
                     if live is lead or lead is None:
                         live.prefix_pending = self._prefix_eligible(live)
                         self.scheduler.add(live.seq)
@@ -418,6 +420,11 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
         return {"default_format": fmt.name, "bytes": s["bytes"], "fp16_bytes": s["fp16_bytes"],
                 "compression_ratio": round(ratio, 4)}
+
+    def _mark_paged(self, live: _Live) -> None:
+        """A request whose KV is compressed (TurboQuant / kv_bits) keeps its own cache: no pool blocks for it."""
+        if self.kv_blocks is not None and self._compressed_kv(live.seq.params):
+            live.seq.paged = False
 
     def _compressed_kv(self, params: Any) -> bool:
         """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,

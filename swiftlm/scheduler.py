@@ -43,6 +43,7 @@ class Sequence:
     preemptions: int = 0
     media: Any = None  # media.MediaInputs: the prompt is prefilled in one chunk with these arrays
     kv_table: list[int] | None = None  # paged pool: the manager's live block list (Scheduler.blocks_needed)
+    paged: bool = True  # its KV lives in the paged pool (False: a compressed cache of its own, no blocks)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -116,6 +117,8 @@ class Scheduler:
         """New blocks ``seq`` needs for its table to cover ``positions`` (default: its ``kv_demand``).  The
         table is the manager's live list, kept on the sequence: a decode row between block boundaries costs
         one length check, no manager call."""
+        if not seq.paged:
+            return 0
         t = seq.kv_table
         if t is None:
             t = seq.kv_table = self.blocks.table(seq.seq_id)

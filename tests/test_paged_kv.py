@@ -221,3 +221,79 @@ def test_pool_size_from_memory_and_flags():
         settings_from_args(p.parse_args(["--kv-block-size", "0"]))
     with pytest.raises(Exception, match="not a size"):
         settings_from_args(p.parse_args(["--kv-cache-memory", "lots"]))
+
+
+@needs_torch
+def test_compressed_kv_requests_take_no_blocks(tiny_llama):
+    """A request with its own compressed cache (kv_bits) beside a plain one: only the plain one holds blocks,
+    and both give their solo tokens."""
+    import threading
+
+    from swiftlm import LLM
+
+    plain_p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    bits_p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, kv_bits=8)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, prompt_cache_bytes=0) as ref:
+        want = ref.generate(PROMPTS[1], bits_p).token_ids
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
+        make_paged(llm, 2)
+        blocks = llm.engine.kv_blocks
+        peak = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak.append(blocks.used())
+                time.sleep(0.002)
+
+        t = threading.Thread(target=watch)
+        t.start()
+        got = llm.generate(PROMPTS[1], bits_p)
+        stop.set()
+        t.join()
+        assert got.token_ids == want
+        assert max(peak) == 0  # the compressed request never held a block
+        assert llm.generate(PROMPTS[0], plain_p).token_ids and blocks.used() == 0
+
+
+@needs_torch
+def test_a_failing_request_frees_its_blocks_and_spares_the_others(tiny_llama):
+    """A request that fails in its step (the backend reports it in ``Forward.failed``, as for a LoRA adapter it
+    cannot run or a bad media item) gives its blocks back at once; a request running beside it finishes with its
+    solo tokens."""
+    import threading
+
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, prompt_cache_bytes=0) as ref:
+        want = ref.generate(PROMPTS[4], p).token_ids
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
+        make_paged(llm, 2)
+        eng = llm.engine
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.setdefault("ok", llm.generate(PROMPTS[4], p)))
+        t.start()
+        m = eng.model
+        forward, doomed, seen = m.forward, set(), []
+
+        def failing_forward(batch):
+            fwd = forward(batch)
+            for w in batch.seqs:
+                if w.seq_id in doomed and w.start_pos > 20:  # past its prompt: it holds blocks by now
+                    seen.append(len(eng.kv_blocks.table(w.seq_id)))
+                    fwd.failed[w.seq_id] = "injected failure"
+            return fwd
+
+        m.forward = failing_forward
+        q: queue.Queue = queue.Queue()
+        doomed.add(eng.submit(eng.text_prompt(PROMPTS[1]), SamplingParams(max_tokens=40, ignore_eos=True), q.put))
+        ev = q.get(timeout=60)
+        while not ev.finished:
+            ev = q.get(timeout=60)
+        assert ev.finish_reason == "error" and "injected" in (ev.error or "") and seen and seen[0] > 0
+        assert not eng.kv_blocks.has(ev.seq_id)  # freed in the step that failed it, before its event went out
+        t.join(120)
+        assert got["ok"].token_ids == want
+        assert eng.kv_blocks.used() == 0
+        eng.kv_blocks.check()
