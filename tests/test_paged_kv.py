@@ -93,7 +93,17 @@ def test_prefix_blocks_are_shared_not_copied(tiny_llama):
         want = [plain.generate(c, p).token_ids for c in chats]
     with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
         make_paged(llm, 2)
+        m, late = llm.engine.model, []
+        chunk_rows = m._late_chunks  # the rest after the cached blocks: rows of the batched decode step
+
+        def counted(batch, aid):
+            r = chunk_rows(batch, aid)
+            late.extend(r)
+            return r
+
+        m._late_chunks = counted
         got = [llm.generate(c, p) for c in chats]
+        assert len(late) == 2  # the two cached requests' rests ran as decode rows (and gave the same tokens)
         assert [o.token_ids for o in got] == want
         cached = [o.usage["cached_tokens"] for o in got]
         assert cached[0] == 0 and cached[1] > 0 and cached[1] % 16 == 0 and cached[2] == cached[1], cached

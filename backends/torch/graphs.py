@@ -229,10 +229,10 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
 
-    def precapture(self, pool: SlotPool) -> None:
+    def precapture(self, pool: SlotPool, rows: int = 0) -> None:
         """Capture the batched decode graphs at start-up, so that no stream waits for a capture while
-        serving: a lone row's per length bucket, then every batch size 2, 4, ... up to the pool's size (the
-        Triton-kernel path needs one graph per batch size)."""
+        serving: a lone row's per length bucket, then every batch size 2, 4, ... up to the pool's size or ``rows``
+        (the Triton-kernel path needs one graph per batch size)."""
         if not (self.use_graph and self.paged_attention):
             return
         L = BUCKET_MIN  # a lone row: one graph per length bucket (run_batch)
@@ -241,11 +241,11 @@ class GraphDecoder:
             if L >= pool.capacity:
                 break
             L *= 2
-        Bp = 2
-        while pool.n > 1:
-            n = min(Bp, pool.n)
+        Bp, most = 2, max(pool.n, rows)
+        while most > 1:
+            n = min(Bp, most)
             self.run_batch(pool, [pool.scratch] * n, [0] * n, [0] * n)  # scratch rows only
-            if Bp >= pool.n:
+            if Bp >= most:
                 break
             Bp *= 2
 

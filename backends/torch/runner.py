@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 
 EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
+# a short prompt chunk past position 0 (the rest of a prompt whose first blocks came from the prefix cache) runs
+# as rows of the batched decode graph when its rows x positions stay under this (each row reads its prefix)
+LATE_CHUNK_ROW_POSITIONS = 1 << 17
+LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
 class TorchModel(PackedSteps):
@@ -90,7 +94,8 @@ class TorchModel(PackedSteps):
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
             with torch.inference_mode():
-                self.graphs.precapture(self.pool)  # batched decode, every batch size (a lone row: size 1)
+                # batched decode, every batch size (a lone row: size 1; short prompt rests: LATE_CHUNK_ROWS)
+                self.graphs.precapture(self.pool, max(self.pool.n, LATE_CHUNK_ROWS))
                 self.prefill_graphs.precapture()
                 self.mixed_graphs.precapture()
             torch.cuda.synchronize()
@@ -258,6 +263,8 @@ class TorchModel(PackedSteps):
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         if mixed is None:
             packed = self._prefill_packed(batch, aid, chunks) if dev is None else {}
+        if dev is None:
+            packed.update(self._late_chunks(batch, aid))
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
@@ -278,6 +285,40 @@ class TorchModel(PackedSteps):
         else:
             logits = torch.stack(out) if out else None
         return Forward(logits, failed=failed, prepare_seconds=prep or 0.0)
+
+    def _late_chunks(self, batch: StepBatch, aid: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Short prompt chunks past position 0 on the paged pool (the rest of a prompt after its cached prefix
+        blocks) as rows of one batched decode graph replay: each token a row at its own position in its
+        sequence's slot; every row's K/V is written before any row attends, and a row attends up to its own
+        position, so the chunk is causal.  Instead of an eager forward per chunk (launch-bound: 1B shape on an
+        H100, a 46-token rest after 1,984 cached tokens, ~16 ms).  Their last rows' logits."""
+        g = self.graphs
+        if g is None or self.pool is None or not (g.paged_attention or not g.use_graph):  # (no graph per length)
+            return {}
+        slots: list[int] = []
+        toks: list[int] = []
+        pos: list[int] = []
+        ends: list[tuple[Any, int, Any]] = []
+        for w in batch.seqs:
+            T, s0 = len(w.tokens), w.start_pos
+            if (T < 2 or s0 == 0 or w.media is not None or aid.get(w.seq_id)
+                    or len(slots) + T > max(self.pool.n, LATE_CHUNK_ROWS)
+                    or T * (s0 + T) > LATE_CHUNK_ROW_POSITIONS
+                    or self.kv_formats.get(w.seq_id, self.kv_default).compressed):
+                continue
+            c = self._cache(w.seq_id, s0)
+            if not isinstance(c, PagedSeqCache):
+                continue
+            slots += [c.slot] * T
+            toks += list(w.tokens)
+            pos += range(s0, s0 + T)
+            ends.append((w, len(slots) - 1, c))
+        if not ends:
+            return {}
+        logits = g.run_batch(self.pool, slots, toks, pos)
+        for w, last, c in ends:
+            c.length = w.start_pos + len(w.tokens)
+        return {w.seq_id: logits[last] for w, last, _ in ends}
 
     def _adapters(self, batch: StepBatch) -> tuple[StepBatch, dict[int, int], dict[int, str]]:
         """Each sequence's adapter index (from ``params.adapter``); sequences naming an adapter this
