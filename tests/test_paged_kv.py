@@ -178,11 +178,14 @@ def test_health_and_metrics_report_blocks_and_preemptions(tiny_llama):
             t.start()
             deadline = time.time() + 60
             used = 0
+            kv_bytes = 0
             while t.is_alive() and time.time() < deadline and not used:
-                used = client.get("/health").json()["stats"]["kv_blocks"]["blocks_used"]
+                st = client.get("/health").json()["stats"]
+                used, kv_bytes = st["kv_blocks"]["blocks_used"], st["kv_bytes_in_use"]
                 time.sleep(0.01)
             t.join()
-            assert used > 0
+            bb = llm.engine.model.pool.block_bytes  # KV bytes in use are whole blocks (read apart from blocks_used:
+            assert used > 0 and kv_bytes > 0 and kv_bytes % bb == 0  # the step may add one in between)
 
 
 @needs_torch

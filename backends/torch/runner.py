@@ -449,7 +449,13 @@ class TorchModel(PackedSteps):
         held = fp16 = 0
         per_tok16 = 2 * self.module.a.layers * self.module.a.kv_heads * self.module.a.head_dim * 2
         caches = list(self.caches.values())
+        blocks = self.kv_blocks
+        if blocks is not None:  # the paged pool: the blocks held (shared prefix blocks once), from the manager
+            held = blocks.used() * self.pool.block_bytes
+            fp16 = held * per_tok16 // max(1, self.info.kv_bytes_per_token)
         for c in caches:
+            if blocks is not None and isinstance(c, PagedSeqCache):
+                continue
             if isinstance(c, CompressedCache):
                 held += c.nbytes()
                 fp16 += c.length * per_tok16
