@@ -132,6 +132,22 @@ class Scheduler:
             return True
         return self.blocks.grow(seq.seq_id, self._positions(seq) if positions is None else positions)
 
+    def _preempt(self, preempted: list[int]) -> int:
+        """Send the most recently admitted running sequence back to the front of the queue (recomputed when
+        readmitted); with a paged pool its blocks go back now.  Returns the blocks it still needed."""
+        victim = self.running.pop()
+        need = 0
+        if self.blocks is not None:
+            need = self.blocks_needed(victim)
+            self.blocks.free(victim.seq_id)
+            victim.kv_table = None
+        victim.num_computed = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        preempted.append(victim.seq_id)
+        return need
+
     def schedule(self) -> StepBatch:
         b = self.blocks
         need = sum(self.blocks_needed(s) for s in self.running) if b is not None else 0
@@ -149,26 +165,9 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
         preempted: list[int] = []
         while self.kv_budget and len(self.running) > 1 and sum(s.kv_demand for s in self.running) > self.kv_budget:
-            victim = self.running.pop()  # the most recently admitted
-            if b is not None:
-                need -= self.blocks_needed(victim)
-                b.free(victim.seq_id)
-                victim.kv_table = None
-            victim.num_computed = 0
-            victim.preemptions += 1
-            self.preemptions += 1
-            self.waiting.appendleft(victim)
-            preempted.append(victim.seq_id)
+            need -= self._preempt(preempted)
         while b is not None and len(self.running) > 1 and need > b.available():
-            victim = self.running.pop()  # the most recently admitted: its blocks go back now
-            need -= self.blocks_needed(victim)
-            b.free(victim.seq_id)
-            victim.kv_table = None
-            victim.num_computed = 0
-            victim.preemptions += 1
-            self.preemptions += 1
-            self.waiting.appendleft(victim)
-            preempted.append(victim.seq_id)
+            need -= self._preempt(preempted)
         starved = set()
         if need:
             for seq in self.running:  # every table covers its next step

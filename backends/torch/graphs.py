@@ -65,10 +65,10 @@ def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: to
     return F.linear(x, w)[0]
 
 
-def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int,
-                  arange: torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] for ``T`` tokens at positions ``pos .. pos+T-1`` (speculative verification):
-    causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
+def _verify(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor,
+            kv_io: Any) -> torch.Tensor:
+    """The verify forward: ``kv_io(layer, positions, k [KVH, T, D], v [T, KVH, D])`` writes the block's K/V and
+    returns the layer's keys and values [KVH, L, D] (the cache's layout is its business)."""
     a = model.a
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
     T = tokens.shape[0]
@@ -81,40 +81,7 @@ def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: t
         q, k, v = project_qkv(attn, blk.input_layernorm(x))
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)
-        kv.k[i].index_copy_(1, positions, k)
-        kv.v[i].index_copy_(1, positions, v.transpose(0, 1))
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), kv.k[i][:, :L].unsqueeze(0),
-                                             kv.v[i][:, :L].unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH)
-        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)
-
-
-def verify_paged(model: Transformer, pool: SlotPool, slot: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-                 L: int, arange: torch.Tensor) -> torch.Tensor:
-    """``verify_static`` over a sequence in the paged pool (its table row ``slot``, a device tensor [1]):
-    the block's K/V written through the table, attention over the blocks holding positions [0, L)
-    gathered.  Static shapes (T, L), so it graphs per (T, L).  Logits [T, V]."""
-    a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
-    T = tokens.shape[0]
-    positions = pos + arange[:T]
-    x = model.embed(tokens)
-    cos, sin = model.cos[positions], model.sin[positions]  # [T, D]
-    valid = (arange[:L].view(1, L) <= positions.view(T, 1)).view(1, 1, T, L)
-    where = pool.locate(slot.expand(T), positions)
-    nb = -(-L // pool.block_size)
-    idx = pool.table[slot[0], :nb].long()
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        pool.write(i, None, None, k.transpose(0, 1), v, where)
-        keys = pool.k[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L]
-        values = pool.v[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L]
+        keys, values = kv_io(i, positions, k, v)
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid,
                                              enable_gqa=H != KVH)
         x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
@@ -122,6 +89,35 @@ def verify_paged(model: Transformer, pool: SlotPool, slot: torch.Tensor, tokens:
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(x, w)
+
+
+def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int,
+                  arange: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] for ``T`` tokens at positions ``pos .. pos+T-1`` (speculative verification):
+    causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
+    def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv.k[i].index_copy_(1, positions, k)
+        kv.v[i].index_copy_(1, positions, v.transpose(0, 1))
+        return kv.k[i][:, :L], kv.v[i][:, :L]
+
+    return _verify(model, tokens, pos, L, arange, io)
+
+
+def verify_paged(model: Transformer, pool: SlotPool, slot: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                 L: int, arange: torch.Tensor) -> torch.Tensor:
+    """``verify_static`` over a sequence in the paged pool (its table row ``slot``, a device tensor [1]):
+    the block's K/V written through the table, attention over the blocks holding positions [0, L)
+    gathered.  Static shapes (T, L), so it graphs per (T, L).  Logits [T, V]."""
+    T, KVH, D = tokens.shape[0], model.a.kv_heads, model.a.head_dim
+    where = pool.locate(slot.expand(T), pos + arange[:T])
+    idx = pool.table[slot[0], :-(-L // pool.block_size)].long()
+
+    def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pool.write(i, None, None, k.transpose(0, 1), v, where)
+        return (pool.k[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
+                pool.v[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L])
+
+    return _verify(model, tokens, pos, L, arange, io)
 
 
 def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
