@@ -10,7 +10,8 @@ Runs, each on a fresh engine, N greedy requests at once (``--parallel`` N, EOS b
 - ``preempt``: 16-position blocks in a pool that holds about a third of what the sequences need, so the
   newest are preempted and recomputed;
 - ``prefix``: requests sharing a long first part, one after the other, so later ones start from cached
-  blocks (``cached_tokens``).
+  blocks (``cached_tokens``);
+- ``ngram``: n-gram speculation (verification through the block table) against plain decoding, one stream.
 Prints and writes, per run: the fraction of requests whose tokens equal the ``slots`` run's (and the first
 differing position where not), preemptions, cached tokens, seconds.  bf16 sums in a different batch
 composition (preemption) may round differently: that run reports a fraction, not an assertion.
@@ -92,6 +93,12 @@ def main() -> None:
         res["prefix"] = {"cached": [c for _, c in seq], "prompt_tokens": [len(q) for q in prefixed],
                          "vs_uncached": compare(want, [t for t, _ in seq]),
                          "blocks": llm.engine.kv_blocks.stats()}
+    # n-gram speculation over the paged pool (verification writes through the table): a copy-heavy prompt, one
+    # stream, against plain decoding of the same prompt
+    rep = enc("one two three four five six seven eight nine ten " * 6)
+    res["ngram"] = run(a.model, [rep], a.max_tokens, speculative="ngram", **{**base, "parallel": 1})
+    plain = run(a.model, [rep], a.max_tokens, **{**base, "parallel": 1})
+    res["ngram"]["vs_plain"] = compare(plain["tokens"], res["ngram"]["tokens"])
     for name, r in res.items():
         show = {k: v for k, v in r.items() if k not in ("tokens",)}
         print(name, json.dumps(show))

@@ -110,7 +110,7 @@ def verify_paged(model: Transformer, pool: SlotPool, slot: torch.Tensor, tokens:
     gathered.  Static shapes (T, L), so it graphs per (T, L).  Logits [T, V]."""
     T, KVH, D = tokens.shape[0], model.a.kv_heads, model.a.head_dim
     where = pool.locate(slot.expand(T), pos + arange[:T])
-    idx = pool.table[slot[0], :-(-L // pool.block_size)].long()
+    idx = pool.table[slot][0, :-(-L // pool.block_size)].long()  # (a 0-d tensor index would read it on the host)
 
     def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool.write(i, None, None, k.transpose(0, 1), v, where)
