@@ -128,6 +128,8 @@ class Scheduler:
 
     def ensure_blocks(self, seq: Sequence, positions: int | None = None) -> bool:
         """Grow ``seq``'s table to cover ``positions`` (default: its ``kv_demand``); False if the pool is short."""
+        if positions is not None and self.max_positions:
+            positions = min(positions, self.max_positions)  # never a block past the context
         if not self.blocks_needed(seq, positions):
             return True
         return self.blocks.grow(seq.seq_id, self._positions(seq) if positions is None else positions)

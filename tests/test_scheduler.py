@@ -363,3 +363,17 @@ def test_paged_pool_admission_and_preemption_by_blocks():
     assert [w.seq_id for w in batch.seqs] == [2, 3] and batch.seqs[1].start_pos == 0
     assert len(blocks.table(3)) == 3  # prompt + its output token + the next position
     blocks.check()
+
+
+def test_blocks_never_grow_past_the_context():
+    """A step that asks for positions past the context (speculation's drafts near the end) gets blocks up to the
+    context only: a table never outgrows the pool's block-table row."""
+    from swiftlm.kv_blocks import KVBlocks
+    from swiftlm.sampling import SamplerState, SamplingParams
+
+    blocks = KVBlocks(10, 4)
+    sch = Scheduler(max_running=1, blocks=blocks, max_positions=8)
+    s = Sequence(1, list(range(6)), SamplingParams(max_tokens=8), SamplerState())
+    sch.add(s)
+    sch.schedule()
+    assert sch.ensure_blocks(s, 20) and len(blocks.table(1)) == 2

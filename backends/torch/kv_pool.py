@@ -144,8 +144,7 @@ class PagedSeqCache:
         self.a, self.dtype, self.device = pool.a, pool.k[0].dtype, pool.k[0].device
         self.capacity = pool.capacity
         self.length = 0
-        self.blocks = ([] if pool.managed else
-                                  list(range(slot * pool.max_blocks, (slot + 1) * pool.max_blocks)))
+        self.blocks = [] if pool.managed else list(range(slot * pool.max_blocks, (slot + 1) * pool.max_blocks))
         self.synced = len(self.blocks)
 
     @property
