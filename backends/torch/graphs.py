@@ -449,10 +449,6 @@ class GraphDecoder:
             kv.after_graph_step(p_, functools.partial(self._compress_turbo, kv) if self.use_graph else None)
         return out
 
-    def captured(self, kv: SeqCache, pos: int) -> bool:
-        """Is this slot's single-row graph for ``pos``'s length bucket captured already?"""
-        return (id(kv), bucket_for(pos, kv.capacity)) in self.graphs
-
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         if not self.use_graph:
             return self.eager(kv, token, pos)

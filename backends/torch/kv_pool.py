@@ -48,8 +48,7 @@ class SlotPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
         self.device = device
         self.host = torch.full((n + 1, self.max_blocks), self.scratch_block, dtype=torch.int32)
-        self.identity = self.num_blocks >= n * self.max_blocks
-        if self.identity:  # no block manager yet: slot s owns its own run of blocks
+        if self.num_blocks >= n * self.max_blocks:  # no block manager yet: slot s owns its own run of blocks
             self.host[:n] = torch.arange(n * self.max_blocks, dtype=torch.int32).view(n, self.max_blocks)
         self.table = self.host.to(device)
         self._dirty: tuple[int, int] | None = None  # host rows [lo, hi) newer than the device's
@@ -237,6 +236,3 @@ class PagedSeqCache:
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes if self.pool.managed else 0
-
-    def layer_nbytes(self) -> list[int]:
-        return [self.nbytes() // max(1, self.a.layers)] * self.a.layers

@@ -293,7 +293,7 @@ class TorchModel(PackedSteps):
         position, so the chunk is causal.  Instead of an eager forward per chunk (launch-bound: 1B shape on an
         H100, a 46-token rest after 1,984 cached tokens, ~16 ms).  Their last rows' logits."""
         g = self.graphs
-        if g is None or self.pool is None or not (g.paged_attention or not g.use_graph):  # (no graph per length)
+        if g is None or self.pool is None or (g.use_graph and not g.paged_attention):  # (no graph per length)
             return {}
         slots: list[int] = []
         toks: list[int] = []
@@ -485,7 +485,7 @@ class TorchModel(PackedSteps):
         kv += sum(c.nbytes() for c in list(self.free_slots))
         kv += sum(c.nbytes() for cs in list(self.turbo_free.values()) for c in list(cs))
         if self.pool is not None:
-            kv += sum(t.numel() * t.element_size() for t in self.pool.k + self.pool.v)
+            kv += self.pool.nbytes()
         out = device_memory(self.device)
         out.update(weights=self.info.weight_bytes, kv_allocated=kv,
                    packed_weights=getattr(self, "packed_weight_bytes", 0))  # cpu_packed.py's second copy
