@@ -14,6 +14,8 @@
 #   tpprof torch.profiler on rank 0 of TP=2 at one stream, NCCL vs SWIFTLM_TP_ALLREDUCE=peer (kernel tables, gaps)
 #   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
 #   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
+#   dpscale  where dp's ratio comes from: one replica at N=64/128/256, two at N=128/256 (256-token prompts),
+#          the server process sampled by py-spy (carry py-spy's wheel in .whl) and top while two replicas serve
 #   tp32bpar  the 32B shape (as tp32b) with TP=1, TP=2 NCCL-only and TP=2 with the peer-store sums
 #   tp32b  a 32B shape (Qwen2.5-32B-like: hidden 5120, 64 layers, 40/8 heads, MLP 27648), TP=1 vs TP=2,
 #          --parallel 64 --ctx-size 256 (65 GB of weights leave ~10 GB on one 80 GB H100), N=1 and N=64
@@ -177,6 +179,30 @@ for stage in "$@"; do
       ckpt 8b 4096 32 32 8 128 14336 || continue
       timeout ${DP_TIMEOUT:-420} "$PY" $REPO/scripts/bench_data_parallel.py --model $CK/m8b --replicas 1,2 \
           --num-requests ${DP_REQUESTS:-256} --out $R/dp --load-timeout 300 --run-timeout 200 2>&1 | tail -8 ;;
+    dpscale)  # where --data-parallel 2's ratio comes from: one replica at N=64 and N=128, two at N=128 and N=256
+              # (random 256-token prompts, the completions endpoint, as `dp`), the server process's threads sampled
+              # by py-spy and top while two replicas serve N=128
+      ckpt 8b 4096 32 32 8 128 14336 || continue
+      "$PY" -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('$REPO/.whl/py_spy-*.whl')[0]); \
+open('/tmp/py-spy', 'wb').write(z.read([n for n in z.namelist() if n.endswith('scripts/py-spy')][0]))" \
+          && chmod +x /tmp/py-spy
+      dpbench() {  # name N requests
+        timeout ${BENCH_TIMEOUT:-240} "$PY" -m swiftlm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+            --endpoint completions --concurrency $2 --num-requests $3 --warmup 16 --workers 4 --prompt-tokens 256 \
+            --output-tokens 128 --ignore-eos --temperature 0 --tokenizer $TOK --no-progress --label "$1_n$2" \
+            --json $R/bench_$1_n$2.json 2>&1 | grep -E "output tok/s|ITL|TTFT|failed" | sed "s/^/[$1 N=$2] /"
+      }
+      for r in 1 2; do
+        start_server dp${r} $CK/m8b --data-parallel $r --parallel 128 --ctx-size 2048 || continue
+        if [ $r = 1 ]; then dpbench dp1 64 256; dpbench dp1 128 256; dpbench dp1 256 512; dpbench dp1b 64 256
+        else
+          (sleep 8; timeout 30 /tmp/py-spy record --pid $SPID --duration 8 --rate 250 --nonblocking --threads \
+              --format raw -o $R/pyspy_dp2_parent.txt > /dev/null 2>&1) & SPY=$!
+          (sleep 9; top -b -d 2 -n 3 -H > $R/top_dp2.txt 2>&1) & TOP=$!
+          dpbench dp2 128 512; wait $SPY $TOP; dpbench dp2 256 512; dpbench dp2b 128 512
+        fi
+        stop_server; pack
+      done ;;
     archs-bg)  # scripts/gpu_archs.py (issue 22) on the second GPU while tp32b's TP=1 uses the first; its
                # swiftlm is $ARCHS_SITE's (installed by the caller), waited for at the end
       [ -n "${ARCHS_ROOT:-}" ] && (cd /tmp && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=${ARCHS_SITE:-/tmp/site2}:/tmp/site \
