@@ -23,40 +23,6 @@ from .tq_codes import _PLANES, _codes, _field, _mux_tile, _planes, _prmt_for, _s
 
 
 @triton.jit
-def _l2_prefetch(addr, LAST: tl.constexpr):
-    """Ask L2 for the 128-byte lines at ``addr`` (int64 addresses; nothing waits for them), with the eviction
-    priority ``evict_last`` (LAST) or the normal one."""
-    if LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_share(pf_ptr, pf_lines, S, sp, PF: tl.constexpr):
-    """This program's share of ``pf_lines`` 128-byte lines from ``pf_ptr`` (16-bit elements) into L2.
-    PF 1 / 2: every program, ``evict_last`` / normal; 3 / 4: only the programs of the later splits (the
-    second wave of a two-wave launch), normal / ``evict_last``."""
-    nG = tl.num_programs(0)
-    if PF >= 3:
-        first = S // 2
-    else:
-        first = 0
-    if sp >= first:
-        nact = (S - first) * nG
-        share = (sp - first) * nG + tl.program_id(0)
-        per = tl.cdiv(pf_lines, nact)
-        j = tl.arange(0, 128)
-        for j0 in range(0, per, 128):
-            li = share * per + j0 + j
-            ok = (li < pf_lines) & (j0 + j < per)
-            li = tl.where(ok, li, 0)
-            _l2_prefetch((pf_ptr + li.to(tl.int64) * 64).to(tl.int64), PF == 1 or PF == 4)
-
-
-@triton.jit
 def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, vc_ptr, lo, per, N, m, l,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr,
                     VW0: tl.constexpr, VW1: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr,
@@ -94,13 +60,13 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
 def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
                     m_out, l_out, acc_out, N, n_ptr, qjl_scale, offs_ptr,
                     head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
-                    pf_ptr, pf_lines, D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
                     RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                     QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KNAT: tl.constexpr,
                     VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
                     VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
                     TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, BATCH: tl.constexpr = 0,
-                    DIAG: tl.constexpr = 0, PF: tl.constexpr = 0, TRIG: tl.constexpr = 0):
+                    DIAG: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -116,12 +82,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
-    if PF > 0:  # the weights read after this attention, into L2 while the split pass is bound by its arithmetic
-        _prefetch_share(pf_ptr, pf_lines, S, sp, PF)
     if GDC:
         tl.extra.cuda.gdc_wait()
-        if TRIG:  # dependents may launch once every program has started (their gdc_wait still waits for the end)
-            tl.extra.cuda.gdc_launch_dependents()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
     if BATCH > 0:
         b = g // BATCH
@@ -169,8 +131,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                                      lo, per, N, m, l, D, BLOCK_N, RP, KW0, KW1, VW0, VW1, KASM, KPRMT, VASM, VPRMT,
                                      KSWAR, VSWAR)
         if GDC:
-            if TRIG == 0:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
         tl.store(l_out + h * S + sp, l, mask=rv)
         tl.store(acc_out + (h[None, :] * S + sp) * D + col[:, None], accT, mask=rv[None, :])
@@ -343,9 +304,6 @@ _SM_COUNT: dict[int, int] = {}
 _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages / TRANS) set by scripts/bench_tq_kernel.py sweeps
 _COMBINE: dict[str, int] = {}  # the combine pass's knobs (SB, BLOCK_R, num_warps), same use
 _LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
-# L2 prefetch from the split pass (experiment, scripts/bench_tq_prefetch.py): "target" a 16-bit weight tensor read
-# right after the attention, "bytes" how much of it, "mode" _prefetch_share's PF (0: off)
-PREFETCH: dict[str, object] = {}
 _REGS: dict[tuple, tuple] = {}  # (key bits, value bits, TRANS, N_PTR, BATCH) -> the split kernel's (registers, spills)
 # the split kernel's register cap where the code tiles are first operands (ptxas maxnreg; SWIFTLM_TQ_MAXNREG, 0:
 # none): four 4-warp programs per SM need <= 128.  The graphed step's k4v3 kernel (row count read on the device)
@@ -404,17 +362,11 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     if MAXNREG and trans and dev.type == "cuda" and "maxnreg" not in tune and tune.get("num_warps", 4) == 4:
         tune["maxnreg"] = MAXNREG
     offs, kvh = batch if batch is not None else (m, 0)
-    pf = PREFETCH.get("target")
-    if pf is not None and dev.type == "cuda" and PREFETCH.get("mode", 0) > 0:
-        tune.update(PF=PREFETCH["mode"])
-        pf_ptr, pf_lines = pf, min(pf.numel() * pf.element_size(), PREFETCH.get("bytes", 1 << 62)) // 128
-    else:
-        pf_ptr, pf_lines = m, 0
     _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
                             vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
                             n_rows if n_rows is not None else m, float(qjl_scale), offs,
                             hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
-                            ks_head, kr_head, pf_ptr, pf_lines, D=D, BLOCK_N=block_n, REP=rep,
+                            ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
                             RP=max(16, triton.next_power_of_2(rep)),
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,

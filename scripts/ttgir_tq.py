@@ -32,7 +32,7 @@ def _asm(bits: int) -> str:
 
 
 def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4, stages: int = 3, n_ptr: int = 0,
-                  gdc: int = 0, maxnreg: int | None = None, pf: int = 0):
+                  gdc: int = 0, maxnreg: int | None = None):
     """The split kernel for ``preset`` (no QJL) compiled for sm_90: Triton's CompiledKernel (asm: ttgir, ptx,
     cubin -- ptxas runs here, so the inline PTX of the lookups is assembled too)."""
     fmt = parse_turbo(preset)
@@ -43,8 +43,8 @@ def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4
     fn = tk._tq_attn_kernel
     consts = dict(D=128, BLOCK_N=block_n, REP=4, RP=16, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=False,
                   N_PTR=bool(n_ptr), F16=True, KNAT=True, VNAT=True, KASM=_asm(kb), KPRMT=1, VASM=_asm(vb), VPRMT=1,
-                  KSWAR=1, VSWAR=1, TRANS=trans, GDC=gdc, BATCH=0, DIAG=0, PF=pf)
-    ptrs = {"pf_ptr": "*bf16", "kp0": "*u8", "kp1": "*u8", "vp0": "*u8", "vp1": "*u8", "ks_ptr": "*u8", "kn_ptr": "*fp16",
+                  KSWAR=1, VSWAR=1, TRANS=trans, GDC=gdc, BATCH=0, DIAG=0)
+    ptrs = {"kp0": "*u8", "kp1": "*u8", "vp0": "*u8", "vp1": "*u8", "ks_ptr": "*u8", "kn_ptr": "*fp16",
             "vn_ptr": "*fp16", "kr_ptr": "*fp16"}
     sig = {}
     for n in fn.arg_names:
@@ -91,10 +91,9 @@ def main() -> None:
     ap.add_argument("--n-ptr", type=int, default=0, help="row count read on the device (the graphed step's variant)")
     ap.add_argument("--gdc", type=int, default=0, help="programmatic dependent launch waits (as launched on Hopper)")
     ap.add_argument("--maxnreg", type=int, default=0)
-    ap.add_argument("--pf", type=int, default=0, help="L2 prefetch mode of the split pass (turboquant_kernels.PREFETCH)")
     ap.add_argument("--dump", default="", help="write <dump>.ttgir and <dump>.ptx")
     a = ap.parse_args()
-    k = compile_split(a.preset, a.trans, a.block_n, a.warps, a.stages, a.n_ptr, a.gdc, a.maxnreg or None, a.pf)
+    k = compile_split(a.preset, a.trans, a.block_n, a.warps, a.stages, a.n_ptr, a.gdc, a.maxnreg or None)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     if a.dump:
         open(a.dump + ".ttgir", "w").write(ttgir)
@@ -104,7 +103,7 @@ def main() -> None:
     for pat in ["ttg.local_alloc", "ttg.local_load", "ttg.convert_layout", "ttg.async_copy_global_to_local"]:
         print(f"  TTGIR {pat:<34} {ttgir.count(pat)}")
     for pat in ["st.shared", "ld.shared", "ldmatrix", "stmatrix", "cp.async", "wgmma.mma_async", "mma.sync", "shfl",
-                "prmt", "lop3", "prefetch.global"]:
+                "prmt", "lop3"]:
         print(f"  PTX   {pat:<34} {len(re.findall(re.escape(pat), ptx))}")
 
 
