@@ -211,7 +211,8 @@ def test_a_lone_sequence_past_the_pool_ends_at_length(tiny_llama):
 
 @needs_torch
 def test_pool_size_from_memory_and_flags():
-    """--kv-cache-memory bytes of blocks (never less than one context); --max-num-seqs is --parallel."""
+    """--kv-cache-memory bytes of blocks (never less than one context); --max-num-seqs is --parallel; with
+    --turbo-kv the default pool is one context."""
     import argparse
     from types import SimpleNamespace
 
@@ -230,6 +231,13 @@ def test_pool_size_from_memory_and_flags():
     add_settings_arguments(p)
     s = settings_from_args(p.parse_args(["--max-num-seqs", "7", "--kv-cache-memory", "2GB", "--kv-block-size", "32"]))
     assert (s.parallel, s.kv_cache_memory, s.kv_block_size) == (7, "2GB", 32)
+    # --turbo-kv as the server's default: compressed sequences keep caches of their own, so the 16-bit pool is
+    # one full context (for requests with turbo_kv "off"), not --parallel contexts (read before any device query)
+    s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--parallel", "8", "--kv-block-size", "16"]))
+    assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 32)
+    s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--kv-cache-memory", str(100 * per_block),
+                                         "--kv-block-size", "16"]))
+    assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 100)  # the flag still rules
     with pytest.raises(Exception, match="kv_block_size"):
         settings_from_args(p.parse_args(["--kv-block-size", "0"]))
     with pytest.raises(Exception, match="not a size"):

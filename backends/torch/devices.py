@@ -78,8 +78,12 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
                  ) -> tuple[int, int]:
     """(block size, blocks) of the paged KV pool: --kv-block-size positions per block; --kv-cache-memory
     bytes of blocks, else room for every --parallel sequence at full context, capped at KV_FREE_FRACTION of
-    the device memory free now; never less than one full context."""
+    the device memory free now; never less than one full context.  With a compressed server-wide format
+    (--turbo-kv) the requests that use the pool are those that turn compression off, and each compressed
+    sequence keeps a cache of its own outside it (the whole context, allocated on first use): the default
+    pool is then one full context, and the memory stays free for those caches."""
     from swiftlm.config import parse_bytes
+    from swiftlm.turboquant.presets import settings_format
 
     bs = max(1, min(int(getattr(cfg, "kv_block_size", 64) or 64), ctx))
     per_block = 2 * a.layers * a.kv_heads * a.head_dim * bs * torch.finfo(dtype).bits // 8
@@ -87,6 +91,10 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
     want = getattr(cfg, "kv_cache_memory", None)
     if want:
         n = parse_bytes(want) // per_block
+    elif settings_format(cfg).compressed:
+        n = per_seq
+        log.info("KV pool: --turbo-kv is the default format, so the 16-bit pool holds one %d-token context "
+                 "(requests with turbo_kv \"off\"); --kv-cache-memory sets it", ctx)
     else:
         n = slots * per_seq
         free, _ = torch.cuda.mem_get_info(device)
