@@ -22,13 +22,14 @@ from swiftlm.errors import UnsupportedArchitecture
 from .loader import check_arch, load_state
 from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
+from .prefix_hooks import PrefixHooks
 from .prefill_graphs import PackedGraphs
 from .graphs import GraphDecoder, graphable
 from .kv_pool import PagedSeqCache, SlotPool
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
 from .model import PackedAttend, build, param_bytes
-from .shared_kv import ForkedCache, prefixes, share
+from .shared_kv import ForkedCache, prefixes
 from .ops import TorchOps
 from .devices import (CUDA_DEFAULT_CTX, _apply_mem_limit, bind_thread, cuda_eager_reason,  # noqa: F401 (re-exported)
                       device_memory, kv_pool_size, pick_device)
@@ -43,7 +44,7 @@ LATE_CHUNK_ROW_POSITIONS = 1 << 17
 LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
-class TorchModel(PackedSteps):
+class TorchModel(PackedSteps, PrefixHooks):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
@@ -104,6 +105,10 @@ class TorchModel(PackedSteps):
             log.info("captured %d CUDA graphs (batched decode, prompt buckets, mixed steps) in %.2f s (%.0f MB)",
                      self.graph_capture["graphs"],
                      self.graph_capture["seconds"], self.graph_capture["bytes"] / 2**20)
+
+    def _plain(self) -> bool:
+        """The single-process model itself (tensor / pipeline ranks subclass it and keep their own KV rules)."""
+        return type(self) is TorchModel
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
@@ -338,97 +343,6 @@ class TorchModel(PackedSteps):
             ids = batch.input_ids[keep] if batch.input_ids is not None else None
             batch = StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
         return batch, aid, failed
-
-    # ---------------------------------------------------------------- fork hooks (n / best_of)
-    @torch.inference_mode()
-    def share_prefix(self, seq_id: int) -> tuple[Any, int] | None:
-        """Make this sequence's KV rows [0, length) a read-only shared prefix (shared_kv.py) and
-        rebase the sequence onto it (its own copy is dropped): (handle, positions) for ``fork_from``.
-        None where forks cannot share here (the CUDA slot pool, compressed or offloaded caches,
-        sliding windows, subclasses such as tensor / pipeline ranks): the engine then copies
-        through ``snapshot_prefix`` / ``restore_prefix``."""
-        c = self.caches.get(seq_id)
-        a = self.module.a
-        if (type(self) is not TorchModel or self.static or type(c) is not SeqCache or not c.length
-                or a.windows or a.offload is not None):
-            return None
-        prefix = share(c)
-        self.caches[seq_id] = ForkedCache(prefix, a, self.dtype, self.device)
-        return prefix, c.length
-
-    @torch.inference_mode()
-    def fork_from(self, seq_id: int, handle: Any, n: int) -> None:
-        """Start ``seq_id`` at position ``n`` over the shared prefix ``handle`` (no copy)."""
-        self.caches[seq_id] = ForkedCache(handle, self.module.a, self.dtype, self.device, n)
-        self.kv_formats[seq_id] = self.kv_default
-
-    # ---------------------------------------------------------------- prompt cache hooks
-    @torch.inference_mode()  # cache slots are inference tensors: copies in and out must be too
-    def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
-        """The KV rows this sequence computed, as an immutable copy: (payload, bytes, positions)."""
-        c = self.caches.get(seq_id)
-        if isinstance(c, PagedSeqCache) and c.length:  # gathered out of its blocks
-            n = c.length
-            rows = [c.rows(i, n) for i in range(self.module.a.layers)]
-            k, v = [r[0] for r in rows], [r[1] for r in rows]
-            return (k, v), sum(t.numel() * t.element_size() for t in k + v), n
-        if c is None or c.length == 0 or not isinstance(c, SeqCache):
-            return None  # compressed caches are not kept by the prompt cache
-        if c.trimmed:  # sliding-window layers dropped rows (kv_cache.SeqCache): no rows from position 0 to copy
-            return None
-        n = c.length
-        if isinstance(c, ForkedCache):
-            k, v = c.rows(n)
-            return (k, v), sum(t.numel() * t.element_size() for t in k + v), n
-        # a compact copy: the slot goes back to the pool, and a view of a grown CPU cache would keep
-        # its whole buffer (up to 2x the rows counted) alive in the prompt cache
-        k = [t[:, :n].clone() for t in c.k]
-        v = [t[:, :n].clone() for t in c.v]
-        nbytes = sum(t.numel() * t.element_size() for t in k + v)
-        return (k, v), nbytes, n
-
-    @torch.inference_mode()
-    def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
-        """Start ``seq_id`` with a copy of the first ``n`` cached rows (never shared)."""
-        bind_thread(self.device)
-        k, v = payload
-        c = self._cache(seq_id, 0)
-        if isinstance(c, PagedSeqCache):
-            if self.kv_blocks is not None and not self.kv_blocks.grow(seq_id, n):
-                raise RuntimeError(f"no free KV blocks for {n} restored positions")
-            c.sync()
-            for layer in range(len(k)):
-                c.write_rows(layer, 0, k[layer][:, :n], v[layer][:, :n])
-            c.length = n
-            return
-        if not self.static and c.capacity < n:
-            c._grow(n)
-        for layer in range(len(k)):
-            c.k[layer][:, :n].copy_(k[layer][:, :n])
-            c.v[layer][:, :n].copy_(v[layer][:, :n])
-        c.length = n
-
-    # ---------------------------------------------------------------- paged KV hooks (kv_pool.py, swiftlm/kv_blocks.py)
-    def kv_block_spec(self) -> tuple[int, int] | None:
-        """(blocks, positions per block) of the paged pool whose blocks the engine's manager hands out,
-        or None where sequences keep their own caches (CPU, eager CUDA models, pipeline ranks)."""
-        p = self.pool
-        # tensor / pipeline ranks (subclasses) keep fixed slot runs: the leader's block decisions (prefix
-        # blocks above all) would have to reach every rank's pool
-        if p is None or p.managed or type(self) is not TorchModel:
-            return None
-        return p.num_blocks, p.block_size
-
-    def attach_kv_blocks(self, blocks: Any) -> None:
-        """The engine's ``KVBlocks`` decides each sequence's blocks from now on."""
-        self.kv_blocks = blocks
-        self.pool.attach()
-
-    def adopt_prefix(self, seq_id: int, n: int) -> None:
-        """The manager gave ``seq_id`` cached blocks holding positions [0, n) (prefix caching): its cache starts there."""
-        c = self._cache(seq_id, 0)
-        c.sync()
-        c.length = n
 
     def free(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
