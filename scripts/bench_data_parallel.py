@@ -3,7 +3,10 @@
 prefix-affinity prompt-cache hit rate with a few shared system prompts.
 
 For each replica count R (--replicas 1,2): start `swiftlm serve --data-parallel R`, then
-  1. random prompts at --concurrency (default 128), `swiftlm bench serve` measuring throughput, TTFT;
+  1. random prompts at --concurrency N (default 128), `swiftlm bench serve` measuring throughput, TTFT
+     (the one-replica server also at N / R for every other R: R replicas at N streams are R replicas at N / R
+     streams each, so R x that figure is the most R replicas can give, whatever the server does; the table
+     shows it and how much of it the R-replica server reached);
   2. --shared-prompts system prompts (default 8, each --system-tokens long) each followed by a unique
      question, the same load; then /health's prompt-cache hits and the routing counters.
 Writes one JSON per run and a summary (JSON + Markdown) to --out.
@@ -61,13 +64,14 @@ def start_server(args: argparse.Namespace, replicas: int, log: Path) -> tuple[su
     return proc, f"http://127.0.0.1:{port}"
 
 
-def bench(args: argparse.Namespace, base: str, out: Path, extra: list[str]) -> dict:
+def bench(args: argparse.Namespace, base: str, out: Path, extra: list[str], concurrency: int | None = None) -> dict:
+    n = concurrency or args.concurrency
     cmd = [sys.executable, "-m", "swiftlm.cli", "bench", "serve", "--base-url", base, "--endpoint", "completions",
-           "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
+           "--concurrency", str(n), "--num-requests", str(args.num_requests),
            "--warmup", str(args.warmup), "--output-tokens", str(args.output_tokens), "--ignore-eos",
            "--temperature", "0", "--json", str(out), "--no-progress",
            # one client process tops out near 4-5K SSE events/s (issue 18's H100 runs): spread the load
-           "--workers", str(args.workers or (4 if args.concurrency >= 32 else 1)), *extra]
+           "--workers", str(args.workers or (4 if n >= 32 else 1)), *extra]
     subprocess.run(cmd, check=True, timeout=args.run_timeout)
     return json.loads(out.read_text())["results"]
 
@@ -108,12 +112,19 @@ def main() -> int:
     data = out / "dp_shared_prompts.jsonl"
     shared_dataset(args, data)
     summary = []
-    for r in [int(x) for x in args.replicas.split(",")]:
+    counts = [int(x) for x in args.replicas.split(",")]
+    share = {}  # one replica's random-prompt throughput at concurrency / R: what each of R replicas serves
+    for r in counts:
         proc, base = start_server(args, r, out / f"dp{r}_server.log")
         try:
             row: dict = {"replicas": r}
-            rnd = bench(args, base, out / f"dp{r}_random.json", ["--prompt-tokens", str(args.prompt_tokens),
-                                                                    "--tokenizer", args.model])
+            rnd_args = ["--prompt-tokens", str(args.prompt_tokens), "--tokenizer", args.model]
+            if r == 1:
+                for k in sorted({c for c in counts if c > 1}):
+                    one = bench(args, base, out / f"dp1_random_n{args.concurrency // k}.json", rnd_args,
+                                concurrency=max(1, args.concurrency // k))
+                    share[k] = one["output_throughput"]
+            rnd = bench(args, base, out / f"dp{r}_random.json", rnd_args)
             h0 = httpx.get(base + "/health", timeout=30).json()["stats"]
             shr = bench(args, base, out / f"dp{r}_shared.json", ["--dataset", str(data), "--tokenizer", args.model])
             h1 = httpx.get(base + "/health", timeout=30).json()["stats"]
@@ -133,13 +144,22 @@ def main() -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    (out / "bench_data_parallel.json").write_text(json.dumps(summary, indent=1))
     base_tok = summary[0]["random_tok_s"] or 1.0
-    lines = ["| replicas | random: req/s | output tok/s | x vs first | TTFT p50 ms | shared prompts: tok/s | "
-             "prompt-cache hit rate |", "|---|---|---|---|---|---|---|"]
+    for row in summary:  # R replicas at N streams are R replicas at N / R streams each: the most they can give
+        r = row["replicas"]
+        if r > 1 and share.get(r) and summary[0]["replicas"] == 1:
+            row["bound_tok_s"] = r * share[r]
+            row["bound_x"] = round(r * share[r] / base_tok, 3)
+            row["of_bound"] = round(row["random_tok_s"] / (r * share[r]), 3)
+    (out / "bench_data_parallel.json").write_text(json.dumps({"concurrency": args.concurrency, "rows": summary,
+                                                              "one_replica_at_share": share}, indent=1))
+    lines = ["| replicas | random: req/s | output tok/s | x vs first | R x one replica at N/R (x) | of that | "
+             "TTFT p50 ms | shared prompts: tok/s | prompt-cache hit rate |", "|---|---|---|---|---|---|---|---|---|"]
     for row in summary:
+        bound = (f"{row['bound_tok_s']:.0f} ({row['bound_x']:.2f}x) | {row['of_bound']:.0%}" if "bound_tok_s" in row
+                 else "| ")
         lines.append(f"| {row['replicas']} | {row['random_req_s']:.2f} | {row['random_tok_s']:.0f} | "
-                     f"{row['random_tok_s'] / base_tok:.2f} | {row['random_ttft_p50_ms']:.0f} | "
+                     f"{row['random_tok_s'] / base_tok:.2f} | {bound} | {row['random_ttft_p50_ms']:.0f} | "
                      f"{row['shared_tok_s']:.0f} | {row['shared_hit_rate']:.3f} |")
     (out / "bench_data_parallel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
