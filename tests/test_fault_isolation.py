@@ -5,6 +5,7 @@ engine loop itself dies, every waiter gets the error and new requests are refuse
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -102,6 +103,10 @@ def test_engine_loop_death_is_reported_not_a_hang(tiny_llama, monkeypatch):
         monkeypatch.setattr(m.engine.scheduler, "schedule", boom)
         with pytest.raises(Exception, match="engine loop died"):
             m.generate("hello there", SamplingParams(max_tokens=4))
+        # the dying loop ends the live requests first (their callers get the error), then tells on_fatal
+        deadline = time.monotonic() + 10
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not m.engine.running and told and "scheduler broke" in told[0]
         with pytest.raises(Exception, match="engine loop died"):  # refused at once, not queued forever
             m.generate("again", SamplingParams(max_tokens=4))
