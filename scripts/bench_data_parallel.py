@@ -121,9 +121,9 @@ def main() -> int:
             rnd_args = ["--prompt-tokens", str(args.prompt_tokens), "--tokenizer", args.model]
             if r == 1:
                 for k in sorted({c for c in counts if c > 1}):
-                    one = bench(args, base, out / f"dp1_random_n{args.concurrency // k}.json", rnd_args,
-                                concurrency=max(1, args.concurrency // k))
-                    share[k] = one["output_throughput"]
+                    n_k = max(1, args.concurrency // k)
+                    share[k] = bench(args, base, out / f"dp1_random_n{n_k}.json", rnd_args,
+                                     concurrency=n_k)["output_throughput"]
             rnd = bench(args, base, out / f"dp{r}_random.json", rnd_args)
             h0 = httpx.get(base + "/health", timeout=30).json()["stats"]
             shr = bench(args, base, out / f"dp{r}_shared.json", ["--dataset", str(data), "--tokenizer", args.model])
@@ -148,9 +148,9 @@ def main() -> int:
     for row in summary:  # R replicas at N streams are R replicas at N / R streams each: the most they can give
         r = row["replicas"]
         if r > 1 and share.get(r) and summary[0]["replicas"] == 1:
-            row["bound_tok_s"] = r * share[r]
-            row["bound_x"] = round(r * share[r] / base_tok, 3)
-            row["of_bound"] = round(row["random_tok_s"] / (r * share[r]), 3)
+            bound = row["bound_tok_s"] = r * share[r]
+            row["bound_x"] = round(bound / base_tok, 3)
+            row["of_bound"] = round(row["random_tok_s"] / bound, 3)
     (out / "bench_data_parallel.json").write_text(json.dumps({"concurrency": args.concurrency, "rows": summary,
                                                               "one_replica_at_share": share}, indent=1))
     lines = ["| replicas | random: req/s | output tok/s | x vs first | R x one replica at N/R (x) | of that | "
