@@ -23,10 +23,22 @@ from .tq_codes import _PLANES, _codes, _field, _mux_tile, _planes, _prmt_for, _s
 
 
 @triton.jit
-def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, vc_ptr, lo, per, N, m, l,
+def _page_rows(n, ok, first, N, pt_ptr, PAGE: tl.constexpr):
+    """Storage rows of a tile's sequence rows ``n`` (``first``: the tile's first).  PAGE 0: the rows themselves;
+    else the codes are pages of PAGE rows (a multiple of the tile, so a tile sits in one page) and row r of the
+    sequence is row r % PAGE of page ``pt_ptr[r // PAGE]``: one table read per tile.  Rows past N read row 0."""
+    if PAGE > 0:
+        pg = tl.load(pt_ptr + first // PAGE, mask=first < N, other=0).to(tl.int64)
+        return tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
+    return tl.where(ok, n, 0)
+
+
+@triton.jit
+def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, vc_ptr, lo, per, N, m, l, pt_ptr,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr,
                     VW0: tl.constexpr, VW1: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr,
-                    VASM: tl.constexpr, VPRMT: tl.constexpr, KSWAR: tl.constexpr, VSWAR: tl.constexpr):
+                    VASM: tl.constexpr, VPRMT: tl.constexpr, KSWAR: tl.constexpr, VSWAR: tl.constexpr,
+                    PAGE: tl.constexpr):
     """``_tq_attn_kernel``'s loop with the code tiles as first operands: scores^T [BLOCK_N, RP] = K q^T
     and the value sum kept transposed, acc^T [D, RP] += V^T p^T (fp16 operands, natural order, no QJL).
     Pointers are already offset to the program's KV head.  Returns (m, l, acc^T)."""
@@ -38,7 +50,7 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
     for t in range(0, per):
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
-        nn = tl.where(ok, n, 0)
+        nn = _page_rows(n, ok, lo + t * BLOCK_N, N, pt_ptr, PAGE)
         kvec = _mux_tile(kp0, kp1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D, KASM, KPRMT, KSWAR)
         knv = tl.load(kn + nn).to(tl.float32)
         sT = tl.dot(kvec, qT)                                          # [BLOCK_N, RP]
@@ -66,7 +78,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
                     VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
                     TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, BATCH: tl.constexpr = 0,
-                    DIAG: tl.constexpr = 0):
+                    DIAG: tl.constexpr = 0, pt_ptr=None, pt_row=0, PAGE: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -78,7 +90,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     sum^T = V^T p^T), as in the affine kernel.  GDC: programmatic dependent launch (``pdl.py``).
     BATCH (> 0: the KV heads per sequence): several sequences' caches in one launch, program (b * BATCH
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
-    residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b."""
+    residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
+    PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_rows``) and ``pt_ptr`` the
+    sequence's page table (BATCH: sequence b's at ``pt_ptr + b * pt_row``)."""
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
@@ -100,6 +114,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
             ks_ptr += tl.multiple_of(tl.load(ob + 6), 16)
             kr_ptr += tl.multiple_of(tl.load(ob + 7), 16)
         N = tl.load(n_ptr + b)
+        if PAGE > 0:
+            pt_ptr += b * pt_row
     elif N_PTR:
         N = tl.load(n_ptr)
     KPER: tl.constexpr = 8 // KW0
@@ -128,8 +144,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     if TRANS:
         m, l, accT = _tq_range_trans(q, kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, kn_ptr + g * kn_head, kc_ptr,
                                      vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, vn_ptr + g * vn_head, vc_ptr,
-                                     lo, per, N, m, l, D, BLOCK_N, RP, KW0, KW1, VW0, VW1, KASM, KPRMT, VASM, VPRMT,
-                                     KSWAR, VSWAR)
+                                     lo, per, N, m, l, pt_ptr, D, BLOCK_N, RP, KW0, KW1, VW0, VW1, KASM, KPRMT, VASM,
+                                     VPRMT, KSWAR, VSWAR, PAGE)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
@@ -141,7 +157,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     for t in range(0, per):
         n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < N
-        nn = tl.where(ok, n, 0)
+        nn = _page_rows(n, ok, lo + t * BLOCK_N, N, pt_ptr, PAGE)
         if KNAT:
             kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
                              KASM, KPRMT, KSWAR)
@@ -326,14 +342,16 @@ def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
 
 
 def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
-                block_n, rep, qjl, n_rows, f16, splits, batch=None):
+                block_n, rep, qjl, n_rows, f16, splits, batch=None, pages=None):
     H, D = q_rot.shape
-    N = k_planes[0].shape[1]
+    N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
     kp0, kp1, hk0, hk1, rk0, rk1, kw0, kw1 = _planes(k_planes, k_bits)
     vp0, vp1, hv0, hv1, rv0, rv1, vw0, vw1 = _planes(v_planes, v_bits)
     dev = q_rot.device
     block_n = block_n or (64 if f16 or D <= 64 else 32)
+    if pages is not None:
+        assert pages[1] % block_n == 0 and pages[0].dtype == torch.int32, "pages: int32 table, rows a multiple of the tile"
     S = splits or _splits(dev, H // rep, N, block_n)
     m = torch.empty(H, S, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
@@ -371,8 +389,11 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
                             N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
-                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh, **tune)
-    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh)
+                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh,
+                            pt_ptr=pages[0] if pages is not None else m,
+                            pt_row=pages[0].stride(0) if pages is not None and pages[0].dim() == 2 else 0,
+                            PAGE=int(pages[1]) if pages is not None else 0, **tune)
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
         _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
@@ -383,7 +404,7 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
                         k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
                         v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
                         rep: int = 1, qjl: tuple | None = None, n_rows: torch.Tensor | None = None,
-                        f16: bool = False, splits: int | None = None
+                        f16: bool = False, splits: int | None = None, pages: tuple | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
     views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
@@ -393,9 +414,13 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
     merged here.  ``n_rows`` (int device tensor [1]): read only that many rows of the given planes,
     with the ranges computed on the device (no host sync: capturable).  ``f16``: fp16 operands with
     fp32 accumulation in the dots (tensor cores), else fp32 throughout.
+    ``pages`` = (table int32 [pages] (batch: [B, pages]), rows per page, rows): the planes, norms and QJL
+    tensors are a pool of pages, [H // rep, pool rows, ...], and row r of the sequence is pool row
+    table[r // rows per page] * rows per page + r % rows per page; ``rows`` (host int) replaces the planes'
+    row count (the largest ``n_rows`` may give).  Rows per page: a multiple of ``block_n``.
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and sum p|v|c in the rotated domain."""
     m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
-                            v_bits, block_n, rep, qjl, n_rows, f16, splits)
+                            v_bits, block_n, rep, qjl, n_rows, f16, splits, pages=pages)
     if m.shape[1] == 1:
         return m[:, 0], l[:, 0], acc[:, 0]
     M = m.max(dim=1).values
@@ -410,7 +435,7 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
                              scale: float, rep: int = 1, qjl: tuple | None = None,
                              n_rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                              f16: bool = True, block_n: int | None = None, splits: int | None = None,
-                             batch: tuple | None = None) -> torch.Tensor:
+                             batch: tuple | None = None, pages: tuple | None = None) -> torch.Tensor:
     """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
     the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
     splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
@@ -419,11 +444,12 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
 
     ``batch`` = (offs [B, 8], dense offs [B, 2] (int64 elements), n_dense [B], query heads per sequence):
     B sequences' caches of one format in the same two launches; the tensors given are sequence 0's,
-    q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH)."""
+    q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
+    ``tq_decode_attention`` (with ``batch``, a table row per sequence)."""
     H, D = q.shape
     m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
                             v_bits, block_n, rep, qjl, n_rows, f16, splits,
-                            (batch[0], batch[3] // rep) if batch is not None else None)
+                            (batch[0], batch[3] // rep) if batch is not None else None, pages)
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
