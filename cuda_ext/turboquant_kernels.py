@@ -78,7 +78,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
                     VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
                     VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
                     TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, BATCH: tl.constexpr = 0,
-                    DIAG: tl.constexpr = 0, pt_ptr=None, pt_row=0, PAGE: tl.constexpr = 0):
+                    DIAG: tl.constexpr = 0, pt_ptr=None, PAGE: tl.constexpr = 0):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -92,7 +92,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_rows``) and ``pt_ptr`` the
-    sequence's page table (BATCH: sequence b's at ``pt_ptr + b * pt_row``)."""
+    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
@@ -102,7 +102,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     if BATCH > 0:
         b = g // BATCH
         g = g % BATCH
-        ob = offs_ptr + b * 8
+        ob = offs_ptr + b * (9 if PAGE > 0 else 8)
         # offsets are multiples of 16 elements (turbo_batch checks): the loads stay as wide as for one cache
         kp0 += tl.multiple_of(tl.load(ob), 16)
         kp1 += tl.multiple_of(tl.load(ob + 1), 16)
@@ -115,7 +115,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
             kr_ptr += tl.multiple_of(tl.load(ob + 7), 16)
         N = tl.load(n_ptr + b)
         if PAGE > 0:
-            pt_ptr += b * pt_row
+            pt_ptr += tl.load(ob + 8)
     elif N_PTR:
         N = tl.load(n_ptr)
     KPER: tl.constexpr = 8 // KW0
@@ -391,7 +391,6 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
                             KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
                             KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh,
                             pt_ptr=pages[0] if pages is not None else m,
-                            pt_row=pages[0].stride(0) if pages is not None and pages[0].dim() == 2 else 0,
                             PAGE=int(pages[1]) if pages is not None else 0, **tune)
     key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
@@ -414,10 +413,11 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
     merged here.  ``n_rows`` (int device tensor [1]): read only that many rows of the given planes,
     with the ranges computed on the device (no host sync: capturable).  ``f16``: fp16 operands with
     fp32 accumulation in the dots (tensor cores), else fp32 throughout.
-    ``pages`` = (table int32 [pages] (batch: [B, pages]), rows per page, rows): the planes, norms and QJL
+    ``pages`` = (table int32 [pages], rows per page, rows): the planes, norms and QJL
     tensors are a pool of pages, [H // rep, pool rows, ...], and row r of the sequence is pool row
     table[r // rows per page] * rows per page + r % rows per page; ``rows`` (host int) replaces the planes'
-    row count (the largest ``n_rows`` may give).  Rows per page: a multiple of ``block_n``.
+    row count (the largest ``n_rows`` may give).  Rows per page: a multiple of ``block_n``.  With ``batch``
+    (``tq_decode_attention_full``) the table is sequence 0's and ``offs`` [B, 9] gives the others' offsets.
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and sum p|v|c in the rotated domain."""
     m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
                             v_bits, block_n, rep, qjl, n_rows, f16, splits, pages=pages)
@@ -445,7 +445,7 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
     ``batch`` = (offs [B, 8], dense offs [B, 2] (int64 elements), n_dense [B], query heads per sequence):
     B sequences' caches of one format in the same two launches; the tensors given are sequence 0's,
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
-    ``tq_decode_attention`` (with ``batch``, a table row per sequence)."""
+    ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
     m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
                             v_bits, block_n, rep, qjl, n_rows, f16, splits,

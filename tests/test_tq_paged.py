@@ -121,11 +121,14 @@ for D, Ns, kb, vb, rep, f16, trans, page, qjl in [
         singles.append(got2)
     if not qjl:
         # several sequences in one launch (the batched graph step): each reads its own table row
-        offs = d(torch.zeros(B, 8, dtype=torch.int64))
+        # pool tensors shared (offsets 0); column 8: sequence b's table at b * its row length from sequence 0's
+        offs = torch.zeros(B, 9, dtype=torch.int64)
+        offs[:, 8] = torch.arange(B) * table.shape[1]
+        offs = d(offs)
         n_dev = d(torch.tensor(Ns, dtype=torch.int32))
         got = tk._split_pass(d(q.reshape(B * KVH * rep, D)), [d(x[0]) for x in kp], d(kn_pool), d(kc), kb,
                              [d(x[0]) for x in vp], d(vn_pool), d(vc), vb, None, rep, None, n_dev, f16, S,
-                             batch=(offs, KVH), pages=(d(table), page, max(Ns)))
+                             batch=(offs, KVH), pages=(d(table)[0], page, max(Ns)))
         H = KVH * rep
         for b in range(B):
             res["batch_exact"].append(all(torch.equal(x[b * H:(b + 1) * H], y) for x, y in zip(got, singles[b])))

@@ -31,6 +31,7 @@ import torch
 from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, dense_capacity
 
 from . import cpu_kernels
+from .code_pages import PagedCodes
 from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,16 @@ class _Layer:
         self.pending = None           # static caches: this step's 16-bit rows when they overflow the buffer
 
 
-class CompressedCache:
+class CompressedCache(PagedCodes):
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
     def __init__(self, a: Any, fmt: KVFormat, dtype: torch.dtype, device: torch.device,
-                 dense_dtype: torch.dtype | None = None, capacity: int | None = None):
+                 dense_dtype: torch.dtype | None = None, capacity: int | None = None, pages: Any = None):
         """``capacity``: a *static* cache (CUDA graphs): codes for ``capacity`` positions and a fixed
         16-bit buffer of window + COMPRESS_BLOCK + threshold rows are allocated once and never move;
-        a step's rows that overflow the buffer are held aside until compression makes room."""
+        a step's rows that overflow the buffer are held aside until compression makes room.
+        ``pages`` (a static TurboQuant cache): a ``code_pages.CodePages`` pool of ``fmt`` whose pages hold the
+        codes instead, taken as they are needed (``page_list``; ``ptab``: the same list on the device)."""
         self.a, self.fmt, self.dtype, self.device = a, fmt, dtype, device
         self.static = capacity is not None
         self.capacity = capacity
@@ -80,6 +83,16 @@ class CompressedCache:
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
         self._rot = None  # (R^T * scale, S^T * scale) fp32, made on first use by _kernel_row
         self.use_triton = False
+        self.code_pages = pages if self.static else None
+        self.paged = self.code_pages is not None
+        self.page_list: list[int] = []  # the pages holding code rows, in position order (paged caches)
+        self._pages_synced = 0
+        self._rows_key: tuple | None = None
+        self._rows_val: Any = None
+        if self.paged:
+            if pages.fmt != fmt:
+                raise ValueError(f"code pages of {pages.fmt.name} for a {fmt.name} cache")
+            self.ptab = pages.table(capacity)
         if self.static:
             if fmt.kind == "affine" and fmt.threshold:  # graph steps quantize every row as it arrives
                 raise ValueError("a static affine cache needs threshold 0")
@@ -90,7 +103,10 @@ class CompressedCache:
                 # keys and values in one allocation: every cache's value buffer then sits at the same offset
                 # from its key buffer, which the batched graph step's rope kernel relies on
                 L.dk, L.dv = torch.zeros((2, KVH, rows, d), dtype=self.dense_dtype, device=device).unbind(0)
-                if L.compressed:
+                if L.compressed and self.paged:  # the pool's tensors, shared by every cache of the format
+                    kp, vp, L.kn, L.vn, L.ks, L.kr = pages.layers[self.layers.index(L)]
+                    L.kp, L.vp = list(kp), list(vp)
+                elif L.compressed:
                     probe_k = self.kc.encode(torch.zeros(KVH, 1, d, device=device))
                     probe_v = self.vc.encode(torch.zeros(KVH, 1, d, device=device))
                     self._alloc_codes(L, probe_k, probe_v, capacity)
@@ -101,6 +117,7 @@ class CompressedCache:
             L.n_code = L.n_dense = 0
             L.pending = None
         self.length = 0
+        self.release_pages()
 
     # ------------------------------------------------------------------ storage
     def _dense_cap(self, L: _Layer, need: int) -> int:
@@ -141,6 +158,17 @@ class CompressedCache:
 
     def _store(self, L: _Layer, k: Encoded, v: Encoded, at: int, n: int) -> None:
         """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
+        if self.paged:
+            idx = self._rows_at(at, n)
+            for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
+                dst.index_copy_(1, idx, src)
+            L.kn.index_copy_(1, idx, k.norms)
+            L.vn.index_copy_(1, idx, v.norms)
+            if k.signs is not None:
+                L.ks.index_copy_(1, idx, k.signs)
+            if k.rnorms is not None:
+                L.kr.index_copy_(1, idx, k.rnorms)
+            return
         have = 0 if L.kn is None else L.kn.shape[1]
         if at + n > have:
             if self.static:
@@ -288,6 +316,7 @@ class CompressedCache:
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
         if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self._affine_kernel()):
             return self._attend_triton(L, q, scale)
+        L = self._code_view(L)
 
         def blocks() -> Iterator[tuple]:
             if cpu_kernels.usable(self, L, rep * T) and T == 1:
@@ -323,9 +352,12 @@ class CompressedCache:
 
             return attend_row(self, L, q[:, 0], *self._dense(L))
         n = L.n_code
+        dk, dv = self._dense(L)
+        if self.paged:  # the pool's tensors, read through the page table
+            return self._kernel_row(L, q[:, 0], (L.kp, L.kn, L.vp, L.vn, L.ks), None, dk, dv, None,
+                                    self._pages_arg(n))
         views = ([p[:, :n] for p in L.kp], L.kn[:, :n], [p[:, :n] for p in L.vp], L.vn[:, :n],
                  L.ks[:, :n] if L.ks is not None else None)
-        dk, dv = self._dense(L)
         return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
 
     def rotations(self, scale: float) -> tuple:
@@ -336,7 +368,8 @@ class CompressedCache:
         return self._rot
 
     def _kernel_row(self, L: _Layer, q: torch.Tensor, views: tuple, n_rows: torch.Tensor | None,
-                    dk: torch.Tensor, dv: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+                    dk: torch.Tensor, dv: torch.Tensor, valid: torch.Tensor | None,
+                    pages: tuple | None = None) -> torch.Tensor:
         """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
         planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
         (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
@@ -353,7 +386,7 @@ class CompressedCache:
         out = tq_decode_attention_full(q, rotate_rows(q, rt), kp, kn, self.kc.centroids, self.kc.mse_bits,
                                        vp, vn, self.vc.centroids, self.vc.bits, self.vc.R, dk, dv, scale, rep=rep,
                                        qjl=qjl, n_rows=n_rows, valid=valid,
-                                       f16=q.dtype in (torch.float16, torch.bfloat16))
+                                       f16=q.dtype in (torch.float16, torch.bfloat16), pages=pages)
         return out.reshape(1, H * D)
 
     def truncate(self, L: _Layer, start: int) -> None:
@@ -399,7 +432,8 @@ class CompressedCache:
             from .affine_decode import static_row
 
             return static_row(self, L, q, k, v, n_code)
-        return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid)
+        return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid,
+                                self._pages_arg(self.capacity))
 
     def graphable(self) -> bool:
         if self.fmt.kind == "affine":
@@ -422,6 +456,8 @@ class CompressedCache:
             L.n_dense += 1
         if compress is not None and self.block_due():
             n_code = self.layers[0].n_code
+            if self.paged:
+                self._need_pages(n_code + COMPRESS_BLOCK)
             compress(n_code)
             for L in self.layers:
                 L.n_code += COMPRESS_BLOCK
@@ -447,6 +483,9 @@ class CompressedCache:
         ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
         c, n = COMPRESS_BLOCK, self.window
         idx = at + torch.arange(c, device=self.device)
+        if self.paged:  # code rows -> pool rows through the device page table
+            P = self.code_pages.page_rows
+            idx = self.ptab[idx // P].long() * P + idx % P
         for L in self.layers:
             k = self.kc.encode(L.dk[:, :c])
             v = self.vc.encode(L.dv[:, :c])
@@ -479,17 +518,20 @@ class CompressedCache:
 
     # ------------------------------------------------------------------ accounting
     def tensors(self) -> list[torch.Tensor]:
+        """The storage this cache allocated (a paged cache: its 16-bit buffers; the pool is shared)."""
         out = []
         for L in self.layers:
-            for t in (L.dk, L.dv, L.kn, L.vn, L.ks, L.kr, L.vb, *(L.kp or []), *(L.vp or [])):
+            codes = () if self.paged else (L.kn, L.vn, L.ks, L.kr, L.vb, *(L.kp or []), *(L.vp or []))
+            for t in (L.dk, L.dv, *codes):
                 if t is not None:
                     out.append(t)
         return out
 
     def nbytes(self) -> int:
-        """Bytes of storage this cache holds (codes, norms, signs, 16-bit part: everything)."""
+        """Bytes of storage this cache holds (codes, norms, signs, 16-bit part: everything; a paged cache: its
+        buffers and the pages it holds)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors()}
-        return sum(storages.values())
+        return sum(storages.values()) + self.pages_bytes()
 
     def counts(self) -> tuple[int, int]:
         """(compressed, 16-bit) positions of the first compressed layer."""

@@ -38,20 +38,22 @@ def _offsets(ts: list[torch.Tensor]) -> list[int] | None:
 
 
 def batch_tables(kvs: list, i: int) -> tuple | None:
-    """(offs [B, 8], dense offs [B, 2], slot base [B]) int64 device tables for layer ``i`` of these caches,
+    """(offs [B, 8] (paged caches: [B, 9], the page tables' offsets last), dense offs [B, 2], slot base [B])
+    int64 device tables for layer ``i`` of these caches,
     or None where the batched kernels cannot take them (mixed formats, affine caches, a layer kept 16-bit,
     offsets that do not divide)."""
     kv0 = kvs[0]
     if len(kvs) < 2 or kv0.fmt.kind != "turbo" or not kv0.static:
         return None
-    if any(kv.fmt != kv0.fmt or not kv.static or kv.dense_rows != kv0.dense_rows for kv in kvs):
+    if any(kv.fmt != kv0.fmt or not kv.static or kv.dense_rows != kv0.dense_rows or kv.code_pages is not kv0.code_pages
+           or kv.capacity != kv0.capacity for kv in kvs):
         return None
     Ls = [kv.layers[i] for kv in kvs]
     if not all(L.compressed and L.kp is not None for L in Ls):
         return None
     # every tensor the tables address, so that caches freed and made again elsewhere never meet a stale table
     key = (kv0.fmt,) + tuple(t.data_ptr() for L in Ls for t in (*L.kp, *L.vp, L.kn, L.vn, L.ks, L.kr, L.dk, L.dv)
-                             if t is not None)
+                             if t is not None) + tuple(kv.ptab.data_ptr() for kv in kvs if kv.paged)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -70,6 +72,11 @@ def batch_tables(kvs: list, i: int) -> tuple | None:
         return None
     if any(x % 16 for c in cols + [dk] for x in c):  # the kernels assume it (wide loads); CUDA allocates 512 B aligned
         return None
+    if kv0.paged:  # one pool (offsets 0 above); column 8: each cache's page table from the first's
+        pt = _offsets([kv.ptab for kv in kvs])
+        if pt is None:
+            return None
+        cols.append(pt)
     dev = Ls[0].dk.device
     hit = (torch.tensor(cols, dtype=torch.int64).T.contiguous().to(dev),
            torch.tensor([dk, dv], dtype=torch.int64).T.contiguous().to(dev),
@@ -107,7 +114,7 @@ def attend_static_batch(kv: Any, layer: int, q: torch.Tensor, n_code: torch.Tens
                                     kv.kc.mse_bits, L.vp, L.vn, kv.vc.centroids, kv.vc.bits, kv.vc.R,
                                     L.dk, L.dv, scale, rep=rep, qjl=qjl, n_rows=n_code,
                                     f16=q.dtype in (torch.float16, torch.bfloat16),
-                                    batch=(offs, doffs, n_dense, H))
+                                    batch=(offs, doffs, n_dense, H), pages=kv._pages_arg(kv.capacity))
 
 
 def batch_row_attention(model: Any, kvs: list, i: int, qkv: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,

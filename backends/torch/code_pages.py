@@ -1,0 +1,164 @@
+"""Pages of TurboQuant codes: the compressed part of every static TurboQuant cache of one format in one pool.
+
+Without pages, a static (CUDA-graph) TurboQuant cache holds codes for the whole context from its first
+request on, whatever its length.  With a ``CodePages`` pool, every layer's packed key/value planes, norms
+(and QJL signs / residual norms) are tensors ``[KVH, (pages + 1) * page_rows, ...]`` shared by all caches of
+the format; a cache owns *pages* of ``page_rows`` positions, listed in position order::
+
+    code row r of a sequence  ->  pool row  pages[r // page_rows] * page_rows + r % page_rows
+
+Each cache keeps its list on the host and the same list in a device table of fixed address (a CUDA graph
+reads it; entries past the list name the scratch page, the pool's last).  The split kernel reads one table
+entry per tile (``cuda_ext/turboquant_kernels._page_rows``); encodes write through the same mapping.
+
+Which pages a sequence gets is the engine's decision when the format is the server's default
+(``swiftlm.kv_blocks.KVBlocks`` over the pages: admission and preemption by memory, as for 16-bit blocks);
+without a manager (tests, a cache built by hand) a cache takes free pages itself as its codes grow and gives
+them back on ``reset``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PAGE_ROWS = 256  # positions per page: a multiple of the split kernel's 64-row tile
+
+
+class CodePages:
+    """The code storage of ``pages`` pages for caches of format ``fmt`` (every layer compressed)."""
+
+    def __init__(self, a: Any, fmt: Any, pages: int, device: torch.device, page_rows: int = PAGE_ROWS):
+        from .kv_quant import TurboCodec
+
+        if fmt.kind != "turbo" or fmt.keep_layers:
+            raise ValueError(f"code pages hold TurboQuant formats with every layer compressed, not {fmt.name}")
+        self.fmt, self.a, self.device = fmt, a, device
+        self.pages, self.page_rows = int(pages), int(page_rows)
+        self.scratch = self.pages
+        rows = (self.pages + 1) * self.page_rows
+        KVH, d = a.kv_heads, a.head_dim
+        kc = TurboCodec(d, fmt.key_code_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
+        vc = TurboCodec(d, fmt.value_bits, fmt.seed * 2 + 2, device)
+        k = kc.encode(torch.zeros(KVH, 1, d, device=device))
+        v = vc.encode(torch.zeros(KVH, 1, d, device=device))
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((t.shape[0], rows, *t.shape[2:]), dtype=t.dtype, device=device)
+
+        # per layer: (key planes, value planes, key norms, value norms, QJL signs, QJL residual norms)
+        self.layers = [([like(p) for p in k.planes], [like(p) for p in v.planes], like(k.norms), like(v.norms),
+                        like(k.signs) if k.signs is not None else None,
+                        like(k.rnorms) if k.rnorms is not None else None) for _ in range(a.layers)]
+        self.free = list(range(self.pages - 1, -1, -1))  # pages no cache holds (unmanaged use)
+        self.managed = False  # a KVBlocks manager hands the pages out (attach)
+
+    @staticmethod
+    def page_bytes_for(a: Any, fmt: Any, page_rows: int = PAGE_ROWS) -> int:
+        """Bytes of one page over every layer (codes, norms, QJL): what ``pages`` of them cost."""
+        per_row = fmt.key_row_bytes(a.head_dim) + fmt.value_row_bytes(a.head_dim)  # codes, norms, QJL
+        return per_row * a.kv_heads * page_rows * a.layers
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for L in self.layers for t in (*L[0], *L[1], *L[2:]) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def page_bytes(self) -> int:
+        return self.nbytes() // (self.pages + 1)
+
+    def attach(self) -> None:
+        """From now on a ``KVBlocks`` manager decides which pages each sequence holds."""
+        self.managed = True
+        self.free = []
+
+    def table(self, capacity: int) -> torch.Tensor:
+        """A fresh device page table for a cache of ``capacity`` positions (all scratch)."""
+        n = -(-capacity // self.page_rows) + 1
+        return torch.full((n,), self.scratch, dtype=torch.int32, device=self.device)
+
+
+class PagedCodes:
+    """``CompressedCache``'s side of code pages: its page list, the device table, rows to write and read.
+    Expects ``paged``, ``code_pages``, ``page_list``, ``ptab``, ``device``, ``capacity`` (set in its __init__)."""
+
+    def release_pages(self) -> None:
+        """Give the code pages back: to the pool (a manager's list is the manager's to free)."""
+        if not self.paged:
+            return
+        if not self.code_pages.managed:
+            self.code_pages.free.extend(reversed(self.page_list))
+        self.page_list = []
+        self._pages_synced = -1  # the device table still names them: rewrite it before the next read
+        self._rows_key = None
+
+    def set_pages(self, pages: list[int]) -> None:
+        """The manager's live page list for this cache's sequence (``KVBlocks.table``)."""
+        self.page_list, self._pages_synced, self._rows_key = pages, -1, None
+
+    def sync_pages(self) -> None:
+        """Copy the page list into the device table if it changed (before a step that reads it)."""
+        n = len(self.page_list)
+        if not self.paged or n == self._pages_synced:
+            return
+        host = torch.full((self.ptab.shape[0],), self.code_pages.scratch, dtype=torch.int32)
+        host[:n] = torch.tensor(self.page_list[:host.shape[0]], dtype=torch.int32)
+        if self.ptab.is_cuda:
+            from .staging import stager
+
+            self.ptab.copy_(stager(self.device).to_device(host))
+        else:
+            self.ptab.copy_(host)
+        self._pages_synced = n
+
+    def _need_pages(self, rows: int) -> None:
+        """Pages for code rows [0, rows): a managed list must already hold them; else take free pages."""
+        P = self.code_pages.page_rows
+        need = -(-rows // P) - len(self.page_list)
+        if need > 0:
+            if self.code_pages.managed:
+                raise RuntimeError(f"code pages for {rows} positions are not allocated "
+                                   f"({len(self.page_list)} pages of {P})")
+            if need > len(self.code_pages.free):
+                raise RuntimeError(f"TurboQuant code pages exhausted ({self.code_pages.pages} pages of {P} positions)")
+            self.page_list.extend(self.code_pages.free.pop() for _ in range(need))
+        self.sync_pages()
+
+    def _rows_at(self, at: int, n: int) -> torch.Tensor:
+        """Pool rows of code rows [at, at + n) (device int64; every layer writes the same rows)."""
+        key = (at, n, len(self.page_list))
+        if self._rows_key != key:
+            self._need_pages(at + n)
+            P = self.code_pages.page_rows
+            p = torch.arange(at, at + n)
+            rows = torch.tensor(self.page_list, dtype=torch.long)[p // P] * P + p % P
+            self._rows_key, self._rows_val = key, rows.to(self.device)
+        return self._rows_val
+
+    def _pages_arg(self, rows: int) -> tuple | None:
+        """The kernels' ``pages`` argument for ``rows`` code rows at most (None: contiguous codes)."""
+        return (self.ptab, self.code_pages.page_rows, rows) if self.paged else None
+
+    def _code_view(self, L: Any) -> Any:
+        """L with its code rows [0, n_code) gathered into contiguous tensors (paged caches; the eager
+        paths read codes by position)."""
+        if not self.paged or not L.n_code:
+            return L
+        from .compressed_cache import _Layer
+
+        idx = self._rows_at(0, L.n_code)
+        v = _Layer(True)
+        v.n_code, v.n_dense, v.dk, v.dv, v.pending = L.n_code, L.n_dense, L.dk, L.dv, L.pending
+        v.kp = [t.index_select(1, idx) for t in L.kp]
+        v.vp = [t.index_select(1, idx) for t in L.vp]
+        v.kn, v.vn = L.kn.index_select(1, idx), L.vn.index_select(1, idx)
+        v.ks = L.ks.index_select(1, idx) if L.ks is not None else None
+        v.kr = L.kr.index_select(1, idx) if L.kr is not None else None
+        return v
+
+    def pages_bytes(self) -> int:
+        """Bytes of the code pages this cache holds (0 for a cache with codes of its own)."""
+        return len(self.page_list) * self.code_pages.page_bytes if self.paged else 0
