@@ -76,6 +76,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
         self.media_processor: Any = None   # media.MediaProcessor for multimodal models
         # a paged KV pool (torch on CUDA): the core hands out its blocks, and full blocks are the prompt cache
+        self.code_format: Any = None  # the KV format whose codes are paged (code_pages), if any
         self.kv_blocks = self._paged_kv(prompt_cache_bytes > 0)
         self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache and self.kv_blocks is None else 0)
         self.forks = ForkGroups(self)  # n / best_of: one prefill per request (fork.py)
@@ -291,15 +292,22 @@ class Engine(PromptSide, EngineRequests, EngineStep):
 
     def _paged_kv(self, prefix_caching: bool) -> Any:
         """The block manager of the model's paged KV pool (``kv_blocks.KVBlocks``), or None."""
-        spec_of = getattr(self.model, "kv_block_spec", None)
-        spec = spec_of() if spec_of is not None else None
-        if spec is None:
-            return None
         from .kv_blocks import KVBlocks
 
-        blocks = KVBlocks(spec[0], spec[1], prefix_caching=prefix_caching)
-        self.model.attach_kv_blocks(blocks)  # type: ignore[attr-defined]
-        self.scheduler.blocks, self.scheduler.max_positions = blocks, self.ctx_size
+        spec_of = getattr(self.model, "kv_block_spec", None)
+        spec = spec_of() if spec_of is not None else None
+        blocks = None
+        if spec is not None:
+            blocks = KVBlocks(spec[0], spec[1], prefix_caching=prefix_caching)
+            self.model.attach_kv_blocks(blocks)  # type: ignore[attr-defined]
+            self.scheduler.blocks = blocks
+        self.scheduler.max_positions = self.ctx_size
+        code_spec_of = getattr(self.model, "code_page_spec", None)
+        code_spec = code_spec_of() if code_spec_of is not None else None
+        if code_spec is not None:  # TurboQuant codes in pages: a second manager, no prefix caching (16-bit rows)
+            codes = KVBlocks(code_spec[0], code_spec[1], prefix_caching=False)
+            self.model.attach_code_pages(codes)  # type: ignore[attr-defined]
+            self.scheduler.code_blocks, self.code_format = codes, code_spec[2]
         return blocks
 
     def _prefix_eligible(self, live: _Live) -> bool:
@@ -343,8 +351,10 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         while sch.starved:
             live = self._live.get(sch.starved.pop())
             if live is not None:
-                log.warning("request %d: the KV pool (%d tokens) cannot hold its next position; ending it at length",
-                            live.seq.seq_id, self.kv_blocks.num_blocks * self.kv_blocks.block_size)
+                m = sch.manager(live.seq)
+                log.warning("request %d: the %s (%d tokens) cannot hold its next position; ending it at length",
+                            live.seq.seq_id, "TurboQuant code pages" if live.seq.codes else "KV pool",
+                            m.num_blocks * m.block_size if m is not None else 0)
                 self._finish(live, "length")
 
     def _adopt_blocks(self, live: _Live) -> None:
@@ -422,9 +432,15 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 "compression_ratio": round(ratio, 4)}
 
     def _mark_paged(self, live: _Live) -> None:
-        """A request whose KV is compressed (TurboQuant / kv_bits) keeps its own cache: no pool blocks for it."""
-        if self.kv_blocks is not None and self._compressed_kv(live.seq.params):
+        """A request whose KV is compressed (TurboQuant / kv_bits) takes no pool blocks: code pages when its
+        format is the one the model pages (the server's --turbo-kv default), else a cache of its own."""
+        if (self.kv_blocks is not None or self.code_format is not None) and self._compressed_kv(live.seq.params):
             live.seq.paged = False
+            if self.code_format is not None:
+                from .turboquant.presets import KVFormat, request_format
+
+                fmt = request_format(live.seq.params, getattr(self.model, "kv_default", KVFormat()))
+                live.seq.codes = fmt == self.code_format
 
     def _compressed_kv(self, params: Any) -> bool:
         """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,

@@ -19,6 +19,8 @@ sequence is admitted when the blocks its context needs (``kv_demand``, less the 
 it was given) fit beside what the running ones still need; each step every running sequence's table
 is grown to ``kv_demand`` positions (its next decode position included, so an overlapped next step
 needs none), and when that cannot be done the newest is preempted and its blocks freed at once.
+A second manager (``code_blocks``) may hold the pages of compressed codes (TurboQuant, the server's
+default format): sequences marked ``codes`` are admitted, grown and preempted against it the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Sequence:
     media: Any = None  # media.MediaInputs: the prompt is prefilled in one chunk with these arrays
     kv_table: list[int] | None = None  # paged pool: the manager's live block list (Scheduler.blocks_needed)
     paged: bool = True  # its KV lives in the paged pool (False: a compressed cache of its own, no blocks)
+    codes: bool = False  # its codes live in pages of the code pool (``Scheduler.code_blocks``)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -80,6 +83,7 @@ class Scheduler:
                  kv_budget_tokens: int | None = None, blocks: Any = None, max_positions: int = 0):
         self.max_running = max(1, max_running)
         self.blocks = blocks  # kv_blocks.KVBlocks of a paged pool, or None
+        self.code_blocks: Any = None  # kv_blocks.KVBlocks of the code pages of compressed sequences, or None
         self.starved: list[int] = []  # running sequences the pool could not grow (nothing left to preempt)
         self.max_positions = max_positions  # a sequence's positions never exceed this (the context), 0: no cap
         self.kv_budget = kv_budget_tokens or None
@@ -106,24 +110,38 @@ class Scheduler:
     def kv_in_use(self) -> int:
         return sum(s.num_computed for s in self.running)
 
-    def block_stats(self) -> dict[str, int] | None:
-        return self.blocks.stats() if self.blocks is not None else None
+    def block_stats(self) -> dict[str, Any] | None:
+        """The paged pool's manager's stats; with code pages, theirs under ``code_pages``."""
+        out = self.blocks.stats() if self.blocks is not None else None
+        c = self.code_blocks
+        if c is not None:
+            out = dict(out or {})
+            out["code_pages"] = {"page_size": c.block_size, "pages_total": c.num_blocks, "pages_used": c.used(),
+                                 "pages_free": c.available()}
+        return out
 
     def _positions(self, seq: Sequence) -> int:
         d = seq.kv_demand
         return min(d, self.max_positions) if self.max_positions else d
 
+    def manager(self, seq: Sequence) -> Any:
+        """The block manager ``seq``'s KV is counted against (None: a cache of its own)."""
+        if seq.codes:
+            return self.code_blocks
+        return self.blocks if seq.paged else None
+
     def blocks_needed(self, seq: Sequence, positions: int | None = None) -> int:
         """New blocks ``seq`` needs for its table to cover ``positions`` (default: its ``kv_demand``).  The
         table is the manager's live list, kept on the sequence: a decode row between block boundaries costs
         one length check, no manager call."""
-        if not seq.paged:
+        m = self.manager(seq)
+        if m is None:
             return 0
         t = seq.kv_table
         if t is None:
-            t = seq.kv_table = self.blocks.table(seq.seq_id)
+            t = seq.kv_table = m.table(seq.seq_id)
         n = self._positions(seq) if positions is None else positions
-        bs = self.blocks.block_size
+        bs = m.block_size
         return 0 if n <= len(t) * bs else -(-n // bs) - len(t)
 
     def ensure_blocks(self, seq: Sequence, positions: int | None = None) -> bool:
@@ -132,16 +150,19 @@ class Scheduler:
             positions = min(positions, self.max_positions)  # never a block past the context
         if not self.blocks_needed(seq, positions):
             return True
-        return self.blocks.grow(seq.seq_id, self._positions(seq) if positions is None else positions)
+        return self.manager(seq).grow(seq.seq_id, self._positions(seq) if positions is None else positions)
 
-    def _preempt(self, preempted: list[int]) -> int:
-        """Send the most recently admitted running sequence back to the front of the queue (recomputed when
-        readmitted); with a paged pool its blocks go back now.  Returns the blocks it still needed."""
-        victim = self.running.pop()
+    def _preempt(self, preempted: list[int], victim: Sequence | None = None) -> int:
+        """Send ``victim`` (default: the most recently admitted running sequence) back to the front of the queue
+        (recomputed when readmitted); with a paged pool its blocks go back now.  Returns the blocks it still
+        needed."""
+        victim = victim or self.running[-1]
+        self.running.remove(victim)
         need = 0
-        if self.blocks is not None:
+        m = self.manager(victim)
+        if m is not None:
             need = self.blocks_needed(victim)
-            self.blocks.free(victim.seq_id)
+            m.free(victim.seq_id)
             victim.kv_table = None
         victim.num_computed = 0
         victim.preemptions += 1
@@ -151,27 +172,40 @@ class Scheduler:
         return need
 
     def schedule(self) -> StepBatch:
-        b = self.blocks
-        need = sum(self.blocks_needed(s) for s in self.running) if b is not None else 0
+        mgrs = [m for m in (self.blocks, self.code_blocks) if m is not None]
+        need = {id(m): 0 for m in mgrs}  # blocks the running sequences still need, per manager
+        for s in self.running:
+            m = self.manager(s)
+            if m is not None:
+                need[id(m)] += self.blocks_needed(s)
         while self.waiting and len(self.running) < self.max_running:
             if self.kv_budget and self.running and \
                     sum(s.kv_demand for s in self.running) + self.waiting[0].kv_demand > self.kv_budget:
                 break  # FCFS: nobody overtakes the head of the queue
-            if b is not None:
-                head = self.waiting[0]
+            head = self.waiting[0]
+            m = self.manager(head)
+            if m is not None:
                 head.kv_table = None  # (its table may have been freed or replaced while it waited)
                 extra = self.blocks_needed(head)
-                if self.running and need + extra > b.available():
+                if self.running and need[id(m)] + extra > m.available():
                     break
-                need += extra
+                need[id(m)] += extra
             self.running.append(self.waiting.popleft())
         preempted: list[int] = []
         while self.kv_budget and len(self.running) > 1 and sum(s.kv_demand for s in self.running) > self.kv_budget:
-            need -= self._preempt(preempted)
-        while b is not None and len(self.running) > 1 and need > b.available():
-            need -= self._preempt(preempted)
+            victim = self.running[-1]
+            m = self.manager(victim)
+            n = self._preempt(preempted)
+            if m is not None:
+                need[id(m)] -= n
+        for m in mgrs:  # a manager short of blocks: its newest sequence goes back, while it has more than one
+            while need[id(m)] > m.available():
+                mine = [s for s in self.running if self.manager(s) is m]
+                if len(mine) <= 1:
+                    break
+                need[id(m)] -= self._preempt(preempted, mine[-1])
         starved = set()
-        if need:
+        if any(need.values()):
             for seq in self.running:  # every table covers its next step
                 if not self.ensure_blocks(seq):  # a lone sequence past what the whole pool holds: the engine ends it
                     starved.add(seq.seq_id)

@@ -235,9 +235,27 @@ def test_pool_size_from_memory_and_flags():
     # one full context (for requests with turbo_kv "off"), not --parallel contexts (read before any device query)
     s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--parallel", "8", "--kv-block-size", "16"]))
     assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 32)
+    # ... and --kv-cache-memory sizes the TurboQuant code pages (code_pool_pages) instead
     s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--kv-cache-memory", str(100 * per_block),
                                          "--kv-block-size", "16"]))
-    assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 100)  # the flag still rules
+    assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 32)
+    from swiftlm.backends.torch.code_pages import PAGE_ROWS, CodePages
+    from swiftlm.backends.torch.devices import code_pool_pages
+
+    from swiftlm.turboquant.presets import settings_format
+
+    page = CodePages.page_bytes_for(a, settings_format(s))
+    assert code_pool_pages(s, a, torch.device("cpu"), 8, 4096) == 100 * per_block // page
+    s2 = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--kv-cache-memory", "1KB"]))
+    assert code_pool_pages(s2, a, torch.device("cpu"), 8, 4096) == 4096 // PAGE_ROWS  # at least one context
+    # no TurboQuant default (or layers kept 16-bit, whose caches are not static): no code pages; the flag then
+    # sizes the 16-bit pool
+    assert code_pool_pages(settings_from_args(p.parse_args([])), a, torch.device("cpu"), 8, 4096) == 0
+    s3 = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--turbo-kv-keep-layers", "1"]))
+    assert code_pool_pages(s3, a, torch.device("cpu"), 8, 4096) == 0
+    s4 = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--turbo-kv-keep-layers", "1", "--kv-cache-memory",
+                                          str(100 * per_block), "--kv-block-size", "16"]))
+    assert kv_pool_size(s4, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 100)
     with pytest.raises(Exception, match="kv_block_size"):
         settings_from_args(p.parse_args(["--kv-block-size", "0"]))
     with pytest.raises(Exception, match="not a size"):

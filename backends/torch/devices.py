@@ -89,9 +89,14 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
     per_block = 2 * a.layers * a.kv_heads * a.head_dim * bs * torch.finfo(dtype).bits // 8
     per_seq = -(-ctx // bs)
     want = getattr(cfg, "kv_cache_memory", None)
-    if want:
+    fmt = settings_format(cfg)
+    if fmt.kind == "turbo" and not fmt.keep_layers:  # --kv-cache-memory sizes the code pages (code_pool_pages)
+        n = per_seq
+        log.info("KV pool: --turbo-kv %s is the default format, so the 16-bit pool holds one %d-token context "
+                 "(requests with turbo_kv \"off\")", fmt.name, ctx)
+    elif want:
         n = parse_bytes(want) // per_block
-    elif settings_format(cfg).compressed:
+    elif fmt.compressed:
         n = per_seq
         log.info("KV pool: --turbo-kv is the default format, so the 16-bit pool holds one %d-token context "
                  "(requests with turbo_kv \"off\"); --kv-cache-memory sets it", ctx)
@@ -125,3 +130,38 @@ def _apply_mem_limit(cfg: Any, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(limit) / total), index)
     log.info("CUDA memory capped at %s bytes (%.3f of %s)", parse_bytes(limit), parse_bytes(limit) / total, total)
+
+
+def code_pool_pages(cfg: Any, a: Any, device: torch.device, slots: int, ctx: int, taken: int = 0) -> int:
+    """Pages of the TurboQuant code pool (``code_pages.py``) when --turbo-kv's format is the server default
+    (every layer compressed), else 0: --kv-cache-memory bytes of pages, or by default room for every --parallel
+    sequence at full context, capped at KV_FREE_FRACTION of the device memory free now less ``taken`` bytes
+    (the 16-bit pool, not yet allocated); never less than one full context."""
+    from swiftlm.config import parse_bytes
+    from swiftlm.turboquant.presets import settings_format
+
+    from .code_pages import PAGE_ROWS, CodePages
+
+    fmt = settings_format(cfg)
+    if fmt.kind != "turbo" or fmt.keep_layers:
+        return 0
+    page = CodePages.page_bytes_for(a, fmt)
+    per_seq = -(-ctx // PAGE_ROWS)
+    want = getattr(cfg, "kv_cache_memory", None)
+    if want:
+        n = parse_bytes(want) // page
+    else:
+        n = slots * per_seq
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = max(0, int(free * KV_FREE_FRACTION) - taken) // page
+        if n > cap:
+            log.warning("TurboQuant code pages: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): "
+                        "sequences are preempted when they outgrow it (--kv-cache-memory sets it)",
+                        slots, ctx, n * page / 2**30, cap * page / 2**30, cap * PAGE_ROWS)
+            n = cap
+    if n < per_seq:
+        log.warning("TurboQuant code pages: %d pages hold less than one %d-token context; raised to %d", n, ctx, per_seq)
+        n = per_seq
+    log.info("TurboQuant code pages (%s): %d pages of %d tokens (%d tokens, %.2f GiB)", fmt.name, n, PAGE_ROWS,
+             n * PAGE_ROWS, n * page / 2**30)
+    return n

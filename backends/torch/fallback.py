@@ -95,7 +95,7 @@ class TransformersFallback(MultimodalModel):
         return out
 
     def memory(self) -> dict[str, Any]:
-        from .runner import device_memory
+        from .devices import device_memory
 
         return {**device_memory(self.device), "weights": self.info.weight_bytes}
 

@@ -99,6 +99,19 @@ class PrefixHooks:
             return None
         return p.num_blocks, p.block_size
 
+    def code_page_spec(self) -> tuple[int, int, Any] | None:
+        """(pages, positions per page, format) of the TurboQuant code pool whose pages the engine's second
+        manager hands out to requests of that format (the server's --turbo-kv default), or None."""
+        p = getattr(self, "code_pages", None)
+        if p is None or p.managed or not self._plain():
+            return None
+        return p.pages, p.page_rows, p.fmt
+
+    def attach_code_pages(self, blocks: Any) -> None:
+        """The engine's ``KVBlocks`` over the code pages decides each such sequence's pages from now on."""
+        self.code_blocks = blocks
+        self.code_pages.attach()
+
     def attach_kv_blocks(self, blocks: Any) -> None:
         """The engine's ``KVBlocks`` decides each sequence's blocks from now on."""
         self.kv_blocks = blocks

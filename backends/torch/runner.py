@@ -16,6 +16,7 @@ from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from .affine_decode import static_ok
 from . import cpu_kernels
+from .code_pages import CodePages
 from .compressed_cache import CompressedCache
 from swiftlm.errors import UnsupportedArchitecture
 
@@ -23,16 +24,16 @@ from .loader import check_arch, load_state
 from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
 from .prefix_hooks import PrefixHooks
+from .kv_accounting import KVAccounting
 from .prefill_graphs import PackedGraphs
 from .graphs import GraphDecoder, graphable
 from .kv_pool import PagedSeqCache, SlotPool
 from .decode_rows import decode_batch
 from .kv_cache import SeqCache
 from .model import PackedAttend, build, param_bytes
-from .shared_kv import ForkedCache, prefixes
 from .ops import TorchOps
 from .devices import (CUDA_DEFAULT_CTX, _apply_mem_limit, bind_thread, cuda_eager_reason,  # noqa: F401 (re-exported)
-                      device_memory, kv_pool_size, pick_device)
+                      code_pool_pages, kv_pool_size, pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,17 @@ LATE_CHUNK_ROW_POSITIONS = 1 << 17
 LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
-class TorchModel(PackedSteps, PrefixHooks):
+class TorchModel(PackedSteps, PrefixHooks, KVAccounting):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
 
     kv_blocks: Any = None  # swiftlm.kv_blocks.KVBlocks: the engine's block manager (attach_kv_blocks)
+    code_blocks: Any = None  # the engine's manager of the code pages (attach_code_pages)
 
     def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
                  use_graphs: bool | None = None, slots: int = 1, kv_default: KVFormat | None = None,
-                 block_size: int | None = None, num_blocks: int | None = None):
+                 block_size: int | None = None, num_blocks: int | None = None, code_pages: int = 0):
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
@@ -80,6 +82,10 @@ class TorchModel(PackedSteps, PrefixHooks):
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = SlotPool(module.a, slots, info.context_length, dtype, device, block_size=block_size,
                              num_blocks=num_blocks) if self.static else None
+        # CUDA graphs + a TurboQuant server default: its static caches keep their codes in pages of one pool
+        self.code_pages: CodePages | None = None
+        if code_pages and self.graphs is not None and self._static_turbo(self.kv_default):
+            self.code_pages = CodePages(module.a, self.kv_default, code_pages, device)
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
         self.lora: Any = None  # lora.LoraSet with --adapter: per-request LoRA adapters
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
@@ -131,11 +137,30 @@ class TorchModel(PackedSteps, PrefixHooks):
             self.caches[seq_id] = c
         if isinstance(c, PagedSeqCache):
             c.sync()  # blocks the manager added since the last step -> the slot's table row
+        elif isinstance(c, CompressedCache) and c.paged:
+            if self.code_blocks is not None and not c.page_list:  # the manager's live list for this sequence
+                c.set_pages(self.code_blocks.table(seq_id))
+            c.sync_pages()  # pages added since the last step -> the cache's device table
         if c.length > start:  # recompute / rollback: later positions are simply overwritten
             c.length = start
         elif c.length < start:
             raise RuntimeError(f"sequence {seq_id}: KV cache holds {c.length} positions, step starts at {start}")
         return c
+
+    def _static_turbo(self, fmt: KVFormat) -> bool:
+        from swiftlm import cuda_ext
+
+        return (fmt.kind == "turbo" and not fmt.keep_layers and self.device.type == "cuda"
+                and cuda_ext.enabled("cuda"))
+
+    def _static_ok(self, fmt: KVFormat) -> bool:
+        """CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
+        reused by later requests with the same format) so that decode steps replay one CUDA graph; the
+        server's TurboQuant format: codes in pages of the shared pool instead, taken as the sequence grows."""
+        from swiftlm import cuda_ext
+
+        return (self.device.type == "cuda" and cuda_ext.enabled("cuda") and self.graphs is not None
+                and (self._static_turbo(fmt) or static_ok(self.module.a, fmt)))
 
     def _compressed(self, fmt: KVFormat) -> CompressedCache:
         from swiftlm import cuda_ext
@@ -148,12 +173,10 @@ class TorchModel(PackedSteps, PrefixHooks):
         # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
         dense = self.dtype if self.dtype != torch.float32 else torch.float16
         triton_ok = self.device.type == "cuda" and cuda_ext.enabled("cuda")
-        # CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
-        # reused by later requests with the same format) so that decode steps replay one CUDA graph
-        static = triton_ok and self.graphs is not None and (
-            (fmt.kind == "turbo" and not fmt.keep_layers) or static_ok(self.module.a, fmt))
+        static = self._static_ok(fmt)
+        pages = self.code_pages if static and self.code_pages is not None and fmt == self.code_pages.fmt else None
         c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
-                            capacity=self.info.context_length if static else None)
+                            capacity=self.info.context_length if static else None, pages=pages)
         c.use_triton = triton_ok
         if fmt.kind == "turbo":
             c.kc.use_triton = c.vc.use_triton = c.use_triton
@@ -350,60 +373,16 @@ class TorchModel(PackedSteps, PrefixHooks):
             self.kv_formats.pop(s, None)
             if self.kv_blocks is not None:
                 self.kv_blocks.free(s)
+            if self.code_blocks is not None:
+                self.code_blocks.free(s)
             if isinstance(c, CompressedCache) and c.static:
+                c.release_pages()  # now, not when the cache is reused
                 self.turbo_free.setdefault(c.fmt, []).append(c)
                 continue
             if isinstance(c, PagedSeqCache):
                 self.pool.give_back(c)
             elif c is not None and self.static and isinstance(c, SeqCache):
                 self.free_slots.append(c)
-
-    def kv_stats(self) -> dict[str, int]:
-        """KV storage the running sequences hold now, and what a 16-bit cache would need for them."""
-        held = fp16 = 0
-        per_tok16 = 2 * self.module.a.layers * self.module.a.kv_heads * self.module.a.head_dim * 2
-        caches = list(self.caches.values())
-        blocks = self.kv_blocks
-        if blocks is not None:  # the paged pool: the blocks held (shared prefix blocks once), from the manager
-            held = blocks.used() * self.pool.block_bytes
-            fp16 = held * per_tok16 // max(1, self.info.kv_bytes_per_token)
-        for c in caches:
-            if blocks is not None and isinstance(c, PagedSeqCache):
-                continue
-            if isinstance(c, CompressedCache):
-                held += c.nbytes()
-                fp16 += c.length * per_tok16
-            else:  # a fork's shared prompt rows are counted once, below
-                rows = c.own if isinstance(c, ForkedCache) else c.length
-                # a trimmed window layer holds fewer rows than positions: count its storage
-                held += c.nbytes() if getattr(c, "trimmed", False) else rows * self.info.kv_bytes_per_token
-                fp16 += rows * per_tok16
-        for p in prefixes(caches):
-            held += p.length * self.info.kv_bytes_per_token
-            fp16 += p.length * per_tok16
-        return {"bytes": held, "fp16_bytes": fp16}
-
-    def reset_peak_memory(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def memory(self) -> dict[str, Any]:
-        """Measured memory.  CUDA: the caching allocator's figures (active = allocated, peak = max
-        allocated, cache = reserved but unallocated).  CPU, where torch keeps no allocator counts:
-        this process's resident memory (active = RSS, peak = peak RSS) and the bytes glibc malloc
-        holds free (cache).  Plus the weights and the KV storage allocated now (slot pool, live
-        and pooled caches), counted from the tensors."""
-        caches = list(self.caches.values())
-        kv = sum(c.nbytes() for c in caches if getattr(c, "slot", None) is None)
-        kv += sum(p.nbytes() for p in prefixes(caches))  # forks' shared prompt rows, once
-        kv += sum(c.nbytes() for c in list(self.free_slots))
-        kv += sum(c.nbytes() for cs in list(self.turbo_free.values()) for c in list(cs))
-        if self.pool is not None:
-            kv += self.pool.nbytes()
-        out = device_memory(self.device)
-        out.update(weights=self.info.weight_bytes, kv_allocated=kv,
-                   packed_weights=getattr(self, "packed_weight_bytes", 0))  # cpu_packed.py's second copy
-        return out
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
@@ -484,8 +463,12 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
                  a.layers - 1, str(module.a.offload[2])[6:])
     block_size, num_blocks = kv_pool_size(cfg, a, device, dtype, slots, ctx) if (
         device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None) else (None, None)
+    code_pages = 0
+    if block_size is not None:  # the 16-bit pool's bytes are not allocated yet: the code pages leave them free
+        pool16 = num_blocks * 2 * a.layers * a.kv_heads * a.head_dim * block_size * torch.finfo(dtype).bits // 8
+        code_pages = code_pool_pages(cfg, a, device, slots, ctx, taken=pool16)
     model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg),
-                       block_size=block_size, num_blocks=num_blocks)
+                       block_size=block_size, num_blocks=num_blocks, code_pages=code_pages)
     model.expert_stream = reader
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)

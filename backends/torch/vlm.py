@@ -54,7 +54,7 @@ class TorchMultimodal(MultimodalModel):
 
     def memory(self) -> dict[str, Any]:
         """Measured memory, as TorchModel.memory (runner.device_memory), plus the weights held."""
-        from .runner import device_memory
+        from .devices import device_memory
 
         return {**device_memory(self.device), "weights": self.info.weight_bytes}
 

@@ -108,6 +108,13 @@ class EngineCollector:
                                       "prefix cache", value=blocks["prefix_queries"])
             yield CounterMetricFamily("swiftlm_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks",
                                       value=blocks["prefix_hits"])
+        codes = (blocks or {}).get("code_pages")
+        if codes:  # TurboQuant code pages (torch on CUDA, --turbo-kv)
+            g = GaugeMetricFamily("swiftlm_kv_code_pages", "TurboQuant code pages by state (used: held by running "
+                                  "sequences)", labels=["state"])
+            for state in ("used", "free"):
+                g.add_metric([state], codes[f"pages_{state}"])
+            yield g
         yield CounterMetricFamily("swiftlm_busy_seconds", "Wall time with at least one request live",
                                   value=st.busy_wall_seconds())
         tps = st.avg_tokens_per_sec
