@@ -77,7 +77,20 @@ def fmt_of(name: str):
         return KVFormat()
     if name.startswith("kv_bits="):
         return affine(int(name.split("=")[1]), 64)
-    return parse_turbo(name)
+    return parse_turbo(name.removesuffix("@paged"))
+
+
+def code_pool(ma, fmt, positions: int, seqs: int, dev):
+    """A ``@paged`` preset's code pages (backends/torch/code_pages.py): room for ``seqs`` sequences of
+    ``positions``, handed out in a shuffled order (a server's pool after some churn: no sequence's pages in one
+    run)."""
+    import random
+
+    from swiftlm.backends.torch.code_pages import PAGE_ROWS, CodePages
+
+    pool = CodePages(ma, fmt, seqs * -(-positions // PAGE_ROWS) + 1, dev)
+    random.Random(0).shuffle(pool.free)
+    return pool
 
 
 # ---------------------------------------------------------------------------------------- torch
@@ -111,7 +124,8 @@ def torch_bench(a, presets, contexts):
         base: dict = {}
         for name in presets:
             fmt = fmt_of(name)
-            variants = [("eager", False)]
+            paged = name.endswith("@paged")  # codes in pages of a shared pool: the graphed variant only
+            variants = [] if paged else [("eager", False)]
             if dev.type == "cuda" and (not fmt.compressed or (fmt.kind == "turbo" and use_triton)
                                        or (fmt.kind == "affine" and use_triton and affine_static_ok(ma, fmt))):
                 variants.append(("cuda-graph", True))  # kv_bits: the affine kernel's graph step
@@ -120,7 +134,9 @@ def torch_bench(a, presets, contexts):
                     cap = L + a.warmup + a.steps + 1
                     if fmt.compressed:
                         dense = dtype if dtype != torch.float32 else torch.float16
-                        cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if graphed else None)
+                        pool = code_pool(ma, fmt, cap, 1, dev) if paged else None
+                        cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if graphed else None,
+                                                pages=pool)
                         cache.use_triton = use_triton
                         if fmt.kind == "turbo":
                             cache.kc.use_triton = cache.vc.use_triton = use_triton
@@ -233,8 +249,10 @@ def batch_bench(a, presets, contexts):
                     dense = dtype if dtype != torch.float32 else torch.float16
                     caches = []
                     gd = GraphDecoder(model, dev) if use_triton else None
+                    pool = code_pool(ma, fmt, cap, B, dev) if name.endswith("@paged") and gd else None
                     for _ in range(B):
-                        c = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if gd else None)
+                        c = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if gd else None,
+                                            pages=pool)
                         c.use_triton = use_triton
                         if fmt.kind == "turbo":
                             c.kc.use_triton = c.vc.use_triton = use_triton

@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     kv_cache_memory: str | None = _f(None, "Device memory for the paged KV cache (torch backend on CUDA), e.g. 20GB; "
                                            "its blocks bound how many tokens the running sequences hold together. "
                                            "Default: room for every --parallel sequence at full context, capped at "
-                                           "90 percent of the device memory free after loading.", group="engine")
+                                           "90 percent of the device memory free after loading. With --turbo-kv "
+                                           "it sizes the pages of TurboQuant codes instead.", group="engine")
     max_batched_tokens: int = _f(0, "Tokens one engine step may process (decode rows plus prompt chunks; 0: "
                                     "max(prefill-size, parallel) + parallel; at least parallel + 1).  Larger lets a wave of new prompts prefill in fewer "
                                     "steps at the cost of longer steps for the streams already decoding.",

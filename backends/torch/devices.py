@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -144,6 +145,9 @@ def code_pool_pages(cfg: Any, a: Any, device: torch.device, slots: int, ctx: int
 
     fmt = settings_format(cfg)
     if fmt.kind != "turbo" or fmt.keep_layers:
+        return 0
+    if os.environ.get("SWIFTLM_CODE_PAGES", "1") == "0":  # A/B runs: whole-context codes per sequence, as before
+        log.info("TurboQuant code pages off (SWIFTLM_CODE_PAGES=0): each sequence's cache holds a whole context")
         return 0
     page = CodePages.page_bytes_for(a, fmt)
     per_seq = -(-ctx // PAGE_ROWS)
