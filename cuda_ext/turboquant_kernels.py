@@ -29,8 +29,10 @@ def _page_rows(n, ok, first, N, pt_ptr, PAGE: tl.constexpr):
     sequence is row r % PAGE of page ``pt_ptr[r // PAGE]``: one table read per tile.  Rows past N read row 0."""
     if PAGE > 0:
         pg = tl.load(pt_ptr + first // PAGE, mask=first < N, other=0).to(tl.int64)
-        return tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
-    return tl.where(ok, n, 0)
+        rows = tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
+    else:  # (one return: Triton 3.6 compares the types of every return statement)
+        rows = tl.where(ok, n, 0)
+    return rows
 
 
 @triton.jit
