@@ -23,16 +23,12 @@ from .tq_codes import _PLANES, _codes, _field, _mux_tile, _planes, _prmt_for, _s
 
 
 @triton.jit
-def _page_rows(n, ok, first, N, pt_ptr, PAGE: tl.constexpr):
-    """Storage rows of a tile's sequence rows ``n`` (``first``: the tile's first).  PAGE 0: the rows themselves;
-    else the codes are pages of PAGE rows (a multiple of the tile, so a tile sits in one page) and row r of the
-    sequence is row r % PAGE of page ``pt_ptr[r // PAGE]``: one table read per tile.  Rows past N read row 0."""
-    if PAGE > 0:
-        pg = tl.load(pt_ptr + first // PAGE, mask=first < N, other=0).to(tl.int64)
-        rows = tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
-    else:  # (one return: Triton 3.6 compares the types of every return statement)
-        rows = tl.where(ok, n, 0)
-    return rows
+def _page_of(pt_ptr, first, N, PAGE: tl.constexpr):
+    """The page holding row ``first`` of the sequence (its table entry; 0 past N).  The codes are pages of PAGE
+    rows, a multiple of the tile, so a tile sits in one page: row r of the sequence is row r % PAGE of page
+    ``pt_ptr[r // PAGE]``.  The loops read the next tile's entry one tile ahead (a load that waits for nothing),
+    so its latency hides behind the current tile (read in the tile itself, it cost 5% of the step at 128K)."""
+    return tl.load(pt_ptr + first // PAGE, mask=first < N, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -49,10 +45,17 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
     # the denominator is kept per row and summed once after the loop: the rows of a tile sit in all warps, so a
     # sum over them per tile is a shared-memory exchange and a barrier
     lT = tl.zeros((BLOCK_N, RP), tl.float32)
+    if PAGE > 0:
+        pg = _page_of(pt_ptr, lo, N, PAGE)
     for t in range(0, per):
-        n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = lo + t * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
         ok = n < N
-        nn = _page_rows(n, ok, lo + t * BLOCK_N, N, pt_ptr, PAGE)
+        if PAGE > 0:
+            nn = tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
+            pg = _page_of(pt_ptr, first + BLOCK_N, N, PAGE)  # the next tile's
+        else:
+            nn = tl.where(ok, n, 0)
         kvec = _mux_tile(kp0, kp1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D, KASM, KPRMT, KSWAR)
         knv = tl.load(kn + nn).to(tl.float32)
         sT = tl.dot(kvec, qT)                                          # [BLOCK_N, RP]
@@ -93,7 +96,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     BATCH (> 0: the KV heads per sequence): several sequences' caches in one launch, program (b * BATCH
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
-    PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_rows``) and ``pt_ptr`` the
+    PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
     sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
     g = tl.program_id(0)   # KV head
     sp = tl.program_id(1)  # split
@@ -156,10 +159,17 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         return
     acc = tl.zeros((RP, D), tl.float32)
     lv = tl.zeros((RP, BLOCK_N), tl.float32)  # the denominator per row, summed after the loop (as in the TRANS loop)
+    if PAGE > 0:
+        pg = _page_of(pt_ptr, lo, N, PAGE)
     for t in range(0, per):
-        n = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = lo + t * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
         ok = n < N
-        nn = _page_rows(n, ok, lo + t * BLOCK_N, N, pt_ptr, PAGE)
+        if PAGE > 0:
+            nn = tl.where(ok, pg * PAGE + (n - (first // PAGE) * PAGE), 0)
+            pg = _page_of(pt_ptr, first + BLOCK_N, N, PAGE)  # the next tile's
+        else:
+            nn = tl.where(ok, n, 0)
         if KNAT:
             kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
                              KASM, KPRMT, KSWAR)

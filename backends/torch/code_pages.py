@@ -9,7 +9,7 @@ the format; a cache owns *pages* of ``page_rows`` positions, listed in position 
 
 Each cache keeps its list on the host and the same list in a device table of fixed address (a CUDA graph
 reads it; entries past the list name the scratch page, the pool's last).  The split kernel reads one table
-entry per tile (``cuda_ext/turboquant_kernels._page_rows``); encodes write through the same mapping.
+entry per tile, one tile ahead (``cuda_ext/turboquant_kernels._page_of``); encodes write through the same mapping.
 
 Which pages a sequence gets is the engine's decision when the format is the server's default
 (``swiftlm.kv_blocks.KVBlocks`` over the pages: admission and preemption by memory, as for 16-bit blocks);
