@@ -32,7 +32,7 @@ def _asm(bits: int) -> str:
 
 
 def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4, stages: int = 3, n_ptr: int = 0,
-                  gdc: int = 0, maxnreg: int | None = None):
+                  gdc: int = 0, maxnreg: int | None = None, page: int = 0):
     """The split kernel for ``preset`` (no QJL) compiled for sm_90: Triton's CompiledKernel (asm: ttgir, ptx,
     cubin -- ptxas runs here, so the inline PTX of the lookups is assembled too)."""
     fmt = parse_turbo(preset)
@@ -43,9 +43,9 @@ def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4
     fn = tk._tq_attn_kernel
     consts = dict(D=128, BLOCK_N=block_n, REP=4, RP=16, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=False,
                   N_PTR=bool(n_ptr), F16=True, KNAT=True, VNAT=True, KASM=_asm(kb), KPRMT=1, VASM=_asm(vb), VPRMT=1,
-                  KSWAR=1, VSWAR=1, TRANS=trans, GDC=gdc, BATCH=0, DIAG=0)
+                  KSWAR=1, VSWAR=1, TRANS=trans, GDC=gdc, BATCH=0, DIAG=0, PAGE=page)
     ptrs = {"kp0": "*u8", "kp1": "*u8", "vp0": "*u8", "vp1": "*u8", "ks_ptr": "*u8", "kn_ptr": "*fp16",
-            "vn_ptr": "*fp16", "kr_ptr": "*fp16"}
+            "vn_ptr": "*fp16", "kr_ptr": "*fp16", "pt_ptr": "*i32"}
     sig = {}
     for n in fn.arg_names:
         if n in consts:

@@ -117,12 +117,13 @@ def _ttgir_tq():
     return mod
 
 
-@pytest.mark.parametrize("preset,trans", [("k4v3", 1), ("k3v2", 1), ("k4v3", 0)])
-def test_split_kernel_compiles_for_sm90(preset, trans):
+@pytest.mark.parametrize("preset,trans,page", [("k4v3", 1, 0), ("k3v2", 1, 0), ("k4v3", 0, 0), ("k4v3", 1, 256),
+                                               ("k3v2", 0, 256)])
+def test_split_kernel_compiles_for_sm90(preset, trans, page):
     """The CUDA path of the split kernel -- the word lookups' inline PTX included -- compiled for an H100 here
     (Triton lowers it and ptxas assembles it; no GPU needed): a PTX syntax error or a kernel that does not lower
-    fails on this CPU instead of on the GPU machine."""
-    k = _ttgir_tq().compile_split(preset, trans)
+    fails on this CPU instead of on the GPU machine.  ``page``: over paged codes (code_pages.py)."""
+    k = _ttgir_tq().compile_split(preset, trans, page=page)
     assert len(k.asm["cubin"]) > 0
     ptx = k.asm["ptx"]
     # the lookups went in as inline asm: the 8-entry tables' immediates and the byte permutes are in the PTX
