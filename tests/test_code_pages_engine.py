@@ -118,3 +118,26 @@ def _peak_of(llm, params):
     stop.set()
     t.join()
     return peak
+
+
+@needs_torch
+def test_forks_and_speculation_on_code_pages(tiny_llama):
+    """``n`` = 2 (a fork group: each choice prefills its own compressed cache) and n-gram speculation (the verify
+    block writes past the decode row, rolled back by position) over code pages: the tokens of whole-context codes."""
+    from swiftlm import LLM
+
+    rep = "one two three four five six seven eight nine ten " * 6
+    pn = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, n=2)
+    ps = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    got = {}
+    for pages in (None, 12):
+        with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2, speculative="ngram", **TURBO) as llm:
+            make_static(llm, pages)
+            fork = [c.token_ids for c in llm.generate(PROMPTS[1], pn).outputs]
+            spec = llm.generate(rep, ps).token_ids
+            got[pages] = (fork, spec, llm.engine.speculator.stats.accepted)
+            if pages:
+                assert llm.engine.scheduler.code_blocks.used() == 0
+    assert got[12][0] == got[None][0] and len(got[12][0]) == 2 and len(got[12][0][0]) == 50
+    assert got[12][1] == got[None][1]
+    assert got[12][2] > 0  # drafts were accepted: verify blocks ran over the pages

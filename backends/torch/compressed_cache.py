@@ -32,6 +32,7 @@ from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, 
 
 from . import cpu_kernels
 from .code_pages import PagedCodes
+from .compressed_graph import GraphSteps
 from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class _Layer:
         self.pending = None           # static caches: this step's 16-bit rows when they overflow the buffer
 
 
-class CompressedCache(PagedCodes):
+class CompressedCache(PagedCodes, GraphSteps):
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
     def __init__(self, a: Any, fmt: KVFormat, dtype: torch.dtype, device: torch.device,
@@ -418,88 +419,6 @@ class CompressedCache(PagedCodes):
         if layer == self.a.layers - 1:
             self.length = start + T
         return L
-
-    # ------------------------------------------------------------------ CUDA-graph decode
-    def attend_static(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor,
-                      k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode-row attention with every shape fixed (capturable): q [H, D]; the new row is
-        already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
-        Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
-        Affine caches: the new row is ``k``, ``v`` [KVH, 1, D], quantized into the codes at ``n_code``
-        here and attended in 16 bits (``affine_decode.static_row``).  Returns [1, H*D]."""
-        L = self.layers[layer]
-        if self.fmt.kind == "affine":
-            from .affine_decode import static_row
-
-            return static_row(self, L, q, k, v, n_code)
-        return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid,
-                                self._pages_arg(self.capacity))
-
-    def graphable(self) -> bool:
-        if self.fmt.kind == "affine":
-            return self.static and self._affine_kernel()
-        return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
-
-    def after_graph_step(self, pos: int, compress: Any = None) -> None:
-        """Host bookkeeping after a replayed decode step wrote position ``pos``.  ``compress``: a callable
-        that runs ``compress_block`` (e.g. replays a CUDA graph of it), used when exactly COMPRESS_BLOCK
-        rows of every layer leave the window (the steady state of one-row steps); otherwise each
-        layer compresses eagerly."""
-        if self.fmt.kind == "affine":  # the step quantized its row into the codes at n_code
-            for L in self.layers:
-                if L.n_code >= self.capacity:
-                    raise RuntimeError(f"static affine cache holds {self.capacity} positions; {L.n_code + 1} needed")
-                L.n_code += 1
-            self.length = pos + 1
-            return
-        for L in self.layers:
-            L.n_dense += 1
-        if compress is not None and self.block_due():
-            n_code = self.layers[0].n_code
-            if self.paged:
-                self._need_pages(n_code + COMPRESS_BLOCK)
-            compress(n_code)
-            for L in self.layers:
-                L.n_code += COMPRESS_BLOCK
-                L.n_dense -= COMPRESS_BLOCK
-        else:
-            for L in self.layers:
-                self._compress(L)
-        self.length = pos + 1
-
-    def block_due(self) -> bool:
-        """A static TurboQuant cache whose layers all hold the same counts and must now compress exactly
-        COMPRESS_BLOCK rows (``compress_block``'s fixed shapes)."""
-        L0 = self.layers[0]
-        return (self.static and self.fmt.kind == "turbo" and L0.n_dense == self.window + COMPRESS_BLOCK
-                and L0.n_code + L0.n_dense > self.fmt.threshold
-                and L0.n_code + COMPRESS_BLOCK <= self.capacity
-                and all(L.compressed and L.pending is None and L.n_dense == L0.n_dense and L.n_code == L0.n_code
-                        for L in self.layers))
-
-    def compress_block(self, at: torch.Tensor) -> None:
-        """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
-        ``at`` (device [1]) + 0.. and move the window's rows down in the buffer -- what ``_compress`` does when
-        ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
-        c, n = COMPRESS_BLOCK, self.window
-        idx = at + torch.arange(c, device=self.device)
-        if self.paged:  # code rows -> pool rows through the device page table
-            P = self.code_pages.page_rows
-            idx = self.ptab[idx // P].long() * P + idx % P
-        for L in self.layers:
-            k = self.kc.encode(L.dk[:, :c])
-            v = self.vc.encode(L.dv[:, :c])
-            for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
-                dst.index_copy_(1, idx, src)
-            L.kn.index_copy_(1, idx, k.norms)
-            L.vn.index_copy_(1, idx, v.norms)
-            if k.signs is not None:
-                L.ks.index_copy_(1, idx, k.signs)
-            if k.rnorms is not None:
-                L.kr.index_copy_(1, idx, k.rnorms)
-            rest_k, rest_v = L.dk[:, c:c + n].clone(), L.dv[:, c:c + n].clone()
-            L.dk[:, :n] = rest_k
-            L.dv[:, :n] = rest_v
 
     def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:
