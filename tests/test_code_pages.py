@@ -16,31 +16,18 @@ import textwrap
 import pytest
 
 from conftest import needs_torch
+from tiny_fused import TINY_FUSED_MODEL
 
 pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
                                                reason="triton not installed on this machine")]
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     import json, random, sys, torch
     from swiftlm.backends.torch import turbo_batch
-    from swiftlm.backends.torch.model import Transformer
-    from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.code_pages import CodePages
     from swiftlm.backends.torch.compressed_cache import CompressedCache
     from swiftlm.turboquant.presets import parse_turbo
-    cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=32, intermediate_size=256, vocab_size=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-               max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Transformer(Args.from_config(cfg))
-    with torch.no_grad():
-        for p_ in model.parameters():
-            p_.normal_(0, 0.05)
-    model.eval(); model.init_rope()
-    with torch.no_grad():
-        for blk in model.layers:
-            blk.self_attn.fuse(); blk.mlp.fuse()
     gd = GraphDecoder(model, torch.device("cpu"))
     # the graphed path's compression (compress_block at fixed shapes) rather than the eager one
     orig = CompressedCache.after_graph_step

@@ -55,6 +55,18 @@ class _Layer:
         self.pending = None           # static caches: this step's 16-bit rows when they overflow the buffer
 
 
+def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
+    """Encoded rows (tensors [KVH, n, ...]) into rows ``idx`` (device int64 [n]) of L's code storage."""
+    for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
+        dst.index_copy_(1, idx, src)
+    L.kn.index_copy_(1, idx, k.norms)
+    L.vn.index_copy_(1, idx, v.norms)
+    if k.signs is not None:
+        L.ks.index_copy_(1, idx, k.signs)
+    if k.rnorms is not None:
+        L.kr.index_copy_(1, idx, k.rnorms)
+
+
 class CompressedCache(PagedCodes, GraphSteps):
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
@@ -160,15 +172,7 @@ class CompressedCache(PagedCodes, GraphSteps):
     def _store(self, L: _Layer, k: Encoded, v: Encoded, at: int, n: int) -> None:
         """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
         if self.paged:
-            idx = self._rows_at(at, n)
-            for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
-                dst.index_copy_(1, idx, src)
-            L.kn.index_copy_(1, idx, k.norms)
-            L.vn.index_copy_(1, idx, v.norms)
-            if k.signs is not None:
-                L.ks.index_copy_(1, idx, k.signs)
-            if k.rnorms is not None:
-                L.kr.index_copy_(1, idx, k.rnorms)
+            put_rows(L, self._rows_at(at, n), k, v)
             return
         have = 0 if L.kn is None else L.kn.shape[1]
         if at + n > have:

@@ -76,22 +76,15 @@ class GraphSteps:
         """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
         ``at`` (device [1]) + 0.. and move the window's rows down in the buffer -- what ``_compress`` does when
         ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
+        from .compressed_cache import put_rows
+
         c, n = COMPRESS_BLOCK, self.window
         idx = at + torch.arange(c, device=self.device)
         if self.paged:  # code rows -> pool rows through the device page table
             P = self.code_pages.page_rows
             idx = self.ptab[idx // P].long() * P + idx % P
         for L in self.layers:
-            k = self.kc.encode(L.dk[:, :c])
-            v = self.vc.encode(L.dv[:, :c])
-            for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
-                dst.index_copy_(1, idx, src)
-            L.kn.index_copy_(1, idx, k.norms)
-            L.vn.index_copy_(1, idx, v.norms)
-            if k.signs is not None:
-                L.ks.index_copy_(1, idx, k.signs)
-            if k.rnorms is not None:
-                L.kr.index_copy_(1, idx, k.rnorms)
+            put_rows(L, idx, self.kc.encode(L.dk[:, :c]), self.vc.encode(L.dv[:, :c]))
             rest_k, rest_v = L.dk[:, c:c + n].clone(), L.dv[:, c:c + n].clone()
             L.dk[:, :n] = rest_k
             L.dv[:, :n] = rest_v

@@ -80,10 +80,9 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
     """(block size, blocks) of the paged KV pool: --kv-block-size positions per block; --kv-cache-memory
     bytes of blocks, else room for every --parallel sequence at full context, capped at KV_FREE_FRACTION of
     the device memory free now; never less than one full context.  With a compressed server-wide format
-    (--turbo-kv) the requests that use the pool are those that turn compression off, and each compressed
-    sequence keeps a cache of its own outside it (the whole context, allocated on first use): the default
-    pool is then one full context, and the memory stays free for those caches."""
-    from swiftlm.config import parse_bytes
+    (--turbo-kv) the requests that use the pool are those that turn compression off: the pool is then one
+    full context (the compressed sequences' codes are pages of a pool of their own, ``code_pool_pages``, whose
+    size --kv-cache-memory then sets; with --turbo-kv-keep-layers each keeps a cache of its own)."""
     from swiftlm.turboquant.presets import settings_format
 
     bs = max(1, min(int(getattr(cfg, "kv_block_size", 64) or 64), ctx))
@@ -95,26 +94,41 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
         n = per_seq
         log.info("KV pool: --turbo-kv %s is the default format, so the 16-bit pool holds one %d-token context "
                  "(requests with turbo_kv \"off\")", fmt.name, ctx)
-    elif want:
-        n = parse_bytes(want) // per_block
-    elif fmt.compressed:
+    elif fmt.compressed and not want:
         n = per_seq
         log.info("KV pool: --turbo-kv is the default format, so the 16-bit pool holds one %d-token context "
                  "(requests with turbo_kv \"off\"); --kv-cache-memory sets it", ctx)
     else:
-        n = slots * per_seq
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * KV_FREE_FRACTION) // per_block
-        if n > cap:
-            log.warning("KV pool: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): "
-                        "sequences are preempted when they outgrow it (--kv-cache-memory sets it)",
-                        slots, ctx, n * per_block / 2**30, cap * per_block / 2**30, cap * bs)
-            n = cap
-    if n < per_seq:
-        log.warning("KV pool: %d blocks hold less than one %d-token context; raised to %d", n, ctx, per_seq)
-        n = per_seq
+        return bs, _pool_units("KV pool", "blocks", per_block, bs, slots, ctx, want, device)
     log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, bs, n * bs, n * per_block / 2**30)
     return bs, n
+
+
+def _pool_units(what: str, units: str, unit_bytes: int, unit_tokens: int, slots: int, ctx: int, want: str | None,
+                device: torch.device, taken: int = 0) -> int:
+    """Units (blocks, pages) of ``unit_bytes`` holding ``unit_tokens`` positions each for a preallocated pool:
+    ``want`` bytes (--kv-cache-memory), or room for every --parallel sequence at full context capped at
+    KV_FREE_FRACTION of the device memory free now less ``taken`` bytes; never less than one full context."""
+    from swiftlm.config import parse_bytes
+
+    per_seq = -(-ctx // unit_tokens)
+    if want:
+        n = parse_bytes(want) // unit_bytes
+    else:
+        n = slots * per_seq
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = max(0, int(free * KV_FREE_FRACTION) - taken) // unit_bytes
+        if n > cap:
+            log.warning("%s: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): sequences are "
+                        "preempted when they outgrow it (--kv-cache-memory sets it)", what, slots, ctx,
+                        n * unit_bytes / 2**30, cap * unit_bytes / 2**30, cap * unit_tokens)
+            n = cap
+    if n < per_seq:
+        log.warning("%s: %d %s hold less than one %d-token context; raised to %d", what, n, units, ctx, per_seq)
+        n = per_seq
+    log.info("%s: %d %s of %d tokens (%d tokens, %.2f GiB)", what, n, units, unit_tokens, n * unit_tokens,
+             n * unit_bytes / 2**30)
+    return n
 
 
 def _apply_mem_limit(cfg: Any, device: torch.device) -> None:
@@ -138,7 +152,6 @@ def code_pool_pages(cfg: Any, a: Any, device: torch.device, slots: int, ctx: int
     (every layer compressed), else 0: --kv-cache-memory bytes of pages, or by default room for every --parallel
     sequence at full context, capped at KV_FREE_FRACTION of the device memory free now less ``taken`` bytes
     (the 16-bit pool, not yet allocated); never less than one full context."""
-    from swiftlm.config import parse_bytes
     from swiftlm.turboquant.presets import settings_format
 
     from .code_pages import PAGE_ROWS, CodePages
@@ -149,23 +162,5 @@ def code_pool_pages(cfg: Any, a: Any, device: torch.device, slots: int, ctx: int
     if os.environ.get("SWIFTLM_CODE_PAGES", "1") == "0":  # A/B runs: whole-context codes per sequence, as before
         log.info("TurboQuant code pages off (SWIFTLM_CODE_PAGES=0): each sequence's cache holds a whole context")
         return 0
-    page = CodePages.page_bytes_for(a, fmt)
-    per_seq = -(-ctx // PAGE_ROWS)
-    want = getattr(cfg, "kv_cache_memory", None)
-    if want:
-        n = parse_bytes(want) // page
-    else:
-        n = slots * per_seq
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = max(0, int(free * KV_FREE_FRACTION) - taken) // page
-        if n > cap:
-            log.warning("TurboQuant code pages: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): "
-                        "sequences are preempted when they outgrow it (--kv-cache-memory sets it)",
-                        slots, ctx, n * page / 2**30, cap * page / 2**30, cap * PAGE_ROWS)
-            n = cap
-    if n < per_seq:
-        log.warning("TurboQuant code pages: %d pages hold less than one %d-token context; raised to %d", n, ctx, per_seq)
-        n = per_seq
-    log.info("TurboQuant code pages (%s): %d pages of %d tokens (%d tokens, %.2f GiB)", fmt.name, n, PAGE_ROWS,
-             n * PAGE_ROWS, n * page / 2**30)
-    return n
+    return _pool_units(f"TurboQuant code pages ({fmt.name})", "pages", CodePages.page_bytes_for(a, fmt), PAGE_ROWS,
+                       slots, ctx, getattr(cfg, "kv_cache_memory", None), device, taken)
