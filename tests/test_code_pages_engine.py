@@ -141,3 +141,43 @@ def test_forks_and_speculation_on_code_pages(tiny_llama):
     assert got[12][0] == got[None][0] and len(got[12][0]) == 2 and len(got[12][0][0]) == 50
     assert got[12][1] == got[None][1]
     assert got[12][2] > 0  # drafts were accepted: verify blocks ran over the pages
+
+
+@needs_torch
+def test_a_cache_that_does_not_fit_fails_only_its_request(tiny_llama, whole):
+    """A request whose whole-context cache cannot be allocated (device memory: simulated here) fails with an
+    error that says so; the requests running beside it, on code pages, finish with their tokens."""
+    import torch
+
+    from swiftlm import LLM
+
+    p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=4, **TURBO) as llm:
+        make_static(llm, 40)
+        m = llm.engine.model
+        made = m._compressed
+
+        def compressed(fmt):
+            if fmt.name.startswith("k3v2"):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return made(fmt)
+
+        m._compressed = compressed
+        errors, outs = [], {}
+
+        def one(i, params):
+            try:
+                outs[i] = llm.generate(PROMPTS[i], params).token_ids
+            except Exception as exc:
+                errors.append(str(exc))
+
+        bad = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, turbo_kv="k3v2")
+        ts = [threading.Thread(target=one, args=(i, p)) for i in range(3)] + \
+            [threading.Thread(target=one, args=(3, bad))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert len(errors) == 1 and "not enough device memory" in errors[0] and "k3v2" in errors[0], errors
+        assert [outs[i] for i in range(3)] == whole[:3]
+        assert llm.engine.scheduler.code_blocks.used() == 0

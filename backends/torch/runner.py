@@ -14,7 +14,6 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
-from .affine_decode import static_ok
 from . import cpu_kernels
 from .code_pages import CodePages
 from .compressed_cache import CompressedCache
@@ -25,6 +24,7 @@ from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
 from .prefix_hooks import PrefixHooks
 from .kv_accounting import KVAccounting
+from .seq_caches import SeqCaches
 from .prefill_graphs import PackedGraphs
 from .graphs import GraphDecoder, graphable
 from .kv_pool import PagedSeqCache, SlotPool
@@ -45,7 +45,7 @@ LATE_CHUNK_ROW_POSITIONS = 1 << 17
 LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
-class TorchModel(PackedSteps, PrefixHooks, KVAccounting):
+class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""
@@ -115,72 +115,6 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting):
     def _plain(self) -> bool:
         """The single-process model itself (tensor / pipeline ranks subclass it and keep their own KV rules)."""
         return type(self) is TorchModel
-
-    def _cache(self, seq_id: int, start: int) -> SeqCache:
-        c = self.caches.get(seq_id)
-        fmt = self.kv_formats.get(seq_id, self.kv_default)
-        if c is None and fmt.compressed:
-            c = self.caches[seq_id] = self._compressed(fmt)
-        if c is None:
-            if self.static:
-                c = self.pool.take() if self.pool is not None else None
-                if c is None:  # more sequences than slots (or no pool): a standalone fixed cache
-                    c = self.free_slots.pop() if self.free_slots else SeqCache(
-                        self.module.a, self.dtype, self.device, capacity=self.info.context_length)
-                elif self.kv_blocks is not None:  # the engine's block manager grows this list (kv_blocks.py)
-                    c.blocks = self.kv_blocks.table(seq_id)
-                c.length = 0
-            else:
-                # a fresh cache sized to this sequence (reusing finished sequences' caches was tried: their
-                # capacities only ratchet up, KV allocated rose 250 -> 400 MiB over a 30-minute soak)
-                c = SeqCache(self.module.a, self.dtype, self.device)
-            self.caches[seq_id] = c
-        if isinstance(c, PagedSeqCache):
-            c.sync()  # blocks the manager added since the last step -> the slot's table row
-        elif isinstance(c, CompressedCache) and c.paged:
-            if self.code_blocks is not None and not c.page_list:  # the manager's live list for this sequence
-                c.set_pages(self.code_blocks.table(seq_id))
-            c.sync_pages()  # pages added since the last step -> the cache's device table
-        if c.length > start:  # recompute / rollback: later positions are simply overwritten
-            c.length = start
-        elif c.length < start:
-            raise RuntimeError(f"sequence {seq_id}: KV cache holds {c.length} positions, step starts at {start}")
-        return c
-
-    def _static_turbo(self, fmt: KVFormat) -> bool:
-        from swiftlm import cuda_ext
-
-        return (fmt.kind == "turbo" and not fmt.keep_layers and self.device.type == "cuda"
-                and cuda_ext.enabled("cuda"))
-
-    def _static_ok(self, fmt: KVFormat) -> bool:
-        """CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
-        reused by later requests with the same format) so that decode steps replay one CUDA graph; the
-        server's TurboQuant format: codes in pages of the shared pool instead, taken as the sequence grows."""
-        from swiftlm import cuda_ext
-
-        return (self.device.type == "cuda" and cuda_ext.enabled("cuda") and self.graphs is not None
-                and (self._static_turbo(fmt) or static_ok(self.module.a, fmt)))
-
-    def _compressed(self, fmt: KVFormat) -> CompressedCache:
-        from swiftlm import cuda_ext
-
-        pooled = self.turbo_free.get(fmt)
-        if pooled:
-            c = pooled.pop()
-            c.reset()
-            return c
-        # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
-        dense = self.dtype if self.dtype != torch.float32 else torch.float16
-        triton_ok = self.device.type == "cuda" and cuda_ext.enabled("cuda")
-        static = self._static_ok(fmt)
-        pages = self.code_pages if static and self.code_pages is not None and fmt == self.code_pages.fmt else None
-        c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
-                            capacity=self.info.context_length if static else None, pages=pages)
-        c.use_triton = triton_ok
-        if fmt.kind == "turbo":
-            c.kc.use_triton = c.vc.use_triton = c.use_triton
-        return c
 
     @torch.inference_mode()
     def logits(self, seq_id: int, tokens: list[int] | torch.Tensor, start: int, adapter: int = 0) -> torch.Tensor:
@@ -259,6 +193,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting):
         aid: dict[int, int] = {}
         if self.lora is not None or any(getattr(w.params, 'adapter', None) for w in batch.seqs):
             batch, aid, failed = self._adapters(batch)
+        batch = self._new_caches(batch, failed)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         dev = batch.input_ids  # overlapped decode: the ids are still on the device (row i: batch.seqs[i])
         rows: dict[int, torch.Tensor] = {}
