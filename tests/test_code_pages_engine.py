@@ -181,3 +181,41 @@ def test_a_cache_that_does_not_fit_fails_only_its_request(tiny_llama, whole):
         assert len(errors) == 1 and "not enough device memory" in errors[0] and "k3v2" in errors[0], errors
         assert [outs[i] for i in range(3)] == whole[:3]
         assert llm.engine.scheduler.code_blocks.used() == 0
+
+
+@needs_torch
+def test_health_and_metrics_report_code_pages(tiny_llama):
+    """``/health`` ``stats.kv_blocks.code_pages`` and ``/metrics`` ``swiftlm_kv_code_pages{state}``, as the
+    manager counts them, while a request holds pages and after it ends."""
+    from starlette.testclient import TestClient
+
+    from swiftlm import LLM
+    from swiftlm.server.app import create_app
+
+    with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2, **TURBO) as llm:
+        make_static(llm, 16)
+        codes = llm.engine.scheduler.code_blocks
+        app = create_app(llm.settings, engine=llm.engine, spec=llm.spec, backend="torch")
+        with TestClient(app) as client:
+            seen = []
+            stop = threading.Event()
+
+            def scrape():
+                while not stop.is_set():
+                    seen.append(client.get("/health").json()["stats"]["kv_blocks"]["code_pages"]["pages_used"])
+                    time.sleep(0.01)
+
+            t = threading.Thread(target=scrape)
+            t.start()
+            r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[4], "max_tokens": 120,
+                                                     "temperature": 0, "ignore_eos": True})
+            stop.set()
+            t.join()
+            assert r.status_code == 200, r.text
+            assert max(seen) > 0                       # pages held while the request ran
+            h = client.get("/health").json()["stats"]["kv_blocks"]["code_pages"]
+            assert h == {"page_size": PAGE, "pages_total": 16, "pages_used": 0, "pages_free": 16}
+            text = client.get("/metrics").text
+            assert 'swiftlm_kv_code_pages{state="used"} 0.0' in text
+            assert 'swiftlm_kv_code_pages{state="free"} 16.0' in text
+            assert codes.used() == 0

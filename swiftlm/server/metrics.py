@@ -97,7 +97,7 @@ class EngineCollector:
         yield CounterMetricFamily("swiftlm_preemptions", "Sequences preempted (KV budget) and recomputed",
                                   value=eng.scheduler.preemptions)
         blocks = eng.scheduler.block_stats()
-        if blocks:  # the paged KV pool (torch on CUDA)
+        if blocks and "blocks_used" in blocks:  # the paged KV pool (torch on CUDA)
             g = GaugeMetricFamily("swiftlm_kv_blocks", "Paged KV pool blocks by state (used: held by running "
                                   "sequences; cached: free but still holding a matchable prefix)", labels=["state"])
             for state in ("used", "free", "cached"):
