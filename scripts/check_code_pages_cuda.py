@@ -22,7 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_paged_cuda import compare  # noqa: E402 (next to this script: copy both to the GPU machine)
 
 
 def run(model: str, prompts: list[list[int]], max_tokens: int, pages: bool = True, **kw) -> dict:
@@ -46,12 +50,6 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, pages: bool = Tru
                 "pool": None if eng.model.code_pages is None else
                 [eng.model.code_pages.pages, eng.model.code_pages.page_rows, eng.model.code_pages.page_bytes],
                 "kw": dict(kw, pages=pages)}
-
-
-def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
-    same = [a == b for a, b in zip(ref, got)]
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ref, got)]
-    return {"equal": sum(same), "of": len(same), "first_difference": [f for f in first if f is not None]}
 
 
 def main() -> None:

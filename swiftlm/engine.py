@@ -434,20 +434,23 @@ class Engine(PromptSide, EngineRequests, EngineStep):
     def _mark_paged(self, live: _Live) -> None:
         """A request whose KV is compressed (TurboQuant / kv_bits) takes no pool blocks: code pages when its
         format is the one the model pages (the server's --turbo-kv default), else a cache of its own."""
-        if (self.kv_blocks is not None or self.code_format is not None) and self._compressed_kv(live.seq.params):
+        if not self.scheduler.managed:
+            return
+        fmt = self._kv_format(live.seq.params)
+        if fmt.compressed:
             live.seq.paged = False
-            if self.code_format is not None:
-                from .turboquant.presets import KVFormat, request_format
-
-                fmt = request_format(live.seq.params, getattr(self.model, "kv_default", KVFormat()))
-                live.seq.codes = fmt == self.code_format
+            live.seq.codes = fmt == self.code_format
 
     def _compressed_kv(self, params: Any) -> bool:
         """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,
         whose entries hold 16-bit rows."""
+        return self._kv_format(params).compressed
+
+    def _kv_format(self, params: Any) -> Any:
+        """A request's KV format (``turboquant.presets.KVFormat``): its field, else the model's default."""
         from .turboquant.presets import KVFormat, request_format
 
-        return request_format(params, getattr(self.model, "kv_default", KVFormat())).compressed
+        return request_format(params, getattr(self.model, "kv_default", KVFormat()))
 
     def _finish(self, live: _Live, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Drop the sequence (KV, scheduler, draft state); with ``notify`` tell the caller through

@@ -150,8 +150,7 @@ class EngineStep:
                 return False
         if sch.kv_budget and sum(s.kv_demand for s in sch.running) + len(sch.running) > sch.kv_budget:
             return False
-        if self.kv_blocks is not None or sch.code_blocks is not None:  # the next step writes one position past
-            # this one: its block first
+        if sch.managed:  # the next step writes one position past this one: its block first
             for w in batch.seqs:
                 if not sch.ensure_blocks(self._live[w.seq_id].seq, w.start_pos + len(w.tokens) + 1):
                     return False
@@ -168,8 +167,7 @@ class EngineStep:
             return False
         seq = live.seq
         room = min((w.params.max_tokens or 0) - len(seq.output_tokens), self.ctx_size - len(seq.all_tokens))
-        if (self.kv_blocks is not None or self.scheduler.code_blocks is not None) and \
-                not self.scheduler.ensure_blocks(seq, w.start_pos + self.speculator.k + 1):
+        if self.scheduler.managed and not self.scheduler.ensure_blocks(seq, w.start_pos + self.speculator.k + 1):
             return False  # the verified block's positions need blocks: a plain step instead
         t0 = time.perf_counter()
         try:

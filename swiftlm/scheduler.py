@@ -124,6 +124,11 @@ class Scheduler:
         d = seq.kv_demand
         return min(d, self.max_positions) if self.max_positions else d
 
+    @property
+    def managed(self) -> bool:
+        """Whether a block manager (16-bit blocks or code pages) holds any sequence's KV."""
+        return self.blocks is not None or self.code_blocks is not None
+
     def manager(self, seq: Sequence) -> Any:
         """The block manager ``seq``'s KV is counted against (None: a cache of its own)."""
         if seq.codes:

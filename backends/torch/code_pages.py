@@ -51,6 +51,7 @@ class CodePages:
         self.layers = [([like(p) for p in k.planes], [like(p) for p in v.planes], like(k.norms), like(v.norms),
                         like(k.signs) if k.signs is not None else None,
                         like(k.rnorms) if k.rnorms is not None else None) for _ in range(a.layers)]
+        self.page_bytes = self.nbytes() // (self.pages + 1)  # one page over every layer
         self.free = list(range(self.pages - 1, -1, -1))  # pages no cache holds (unmanaged use)
         self.managed = False  # a KVBlocks manager hands the pages out (attach)
 
@@ -65,10 +66,6 @@ class CodePages:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    @property
-    def page_bytes(self) -> int:
-        return self.nbytes() // (self.pages + 1)
 
     def attach(self) -> None:
         """From now on a ``KVBlocks`` manager decides which pages each sequence holds."""

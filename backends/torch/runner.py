@@ -400,8 +400,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None) else (None, None)
     code_pages = 0
     if block_size is not None:  # the 16-bit pool's bytes are not allocated yet: the code pages leave them free
-        pool16 = num_blocks * 2 * a.layers * a.kv_heads * a.head_dim * block_size * torch.finfo(dtype).bits // 8
-        code_pages = code_pool_pages(cfg, a, device, slots, ctx, taken=pool16)
+        code_pages = code_pool_pages(cfg, a, device, slots, ctx, taken=num_blocks * block_size * info.kv_bytes_per_token)
     model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg),
                        block_size=block_size, num_blocks=num_blocks, code_pages=code_pages)
     model.expert_stream = reader

@@ -51,24 +51,21 @@ class SeqCaches:
             raise RuntimeError(f"sequence {seq_id}: KV cache holds {c.length} positions, step starts at {start}")
         return c
 
-    def _static_turbo(self, fmt: KVFormat) -> bool:
+    def _triton_ok(self) -> bool:
         from swiftlm import cuda_ext
 
-        return (fmt.kind == "turbo" and not fmt.keep_layers and self.device.type == "cuda"
-                and cuda_ext.enabled("cuda"))
+        return self.device.type == "cuda" and cuda_ext.enabled("cuda")
+
+    def _static_turbo(self, fmt: KVFormat) -> bool:
+        return fmt.kind == "turbo" and not fmt.keep_layers and self._triton_ok()
 
     def _static_ok(self, fmt: KVFormat) -> bool:
         """CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
         reused by later requests with the same format) so that decode steps replay one CUDA graph; the
         server's TurboQuant format: codes in pages of the shared pool instead, taken as the sequence grows."""
-        from swiftlm import cuda_ext
-
-        return (self.device.type == "cuda" and cuda_ext.enabled("cuda") and self.graphs is not None
-                and (self._static_turbo(fmt) or static_ok(self.module.a, fmt)))
+        return self.graphs is not None and self._triton_ok() and (self._static_turbo(fmt) or static_ok(self.module.a, fmt))
 
     def _compressed(self, fmt: KVFormat) -> CompressedCache:
-        from swiftlm import cuda_ext
-
         pooled = self.turbo_free.get(fmt)
         if pooled:
             c = pooled.pop()
@@ -76,7 +73,7 @@ class SeqCaches:
             return c
         # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
         dense = self.dtype if self.dtype != torch.float32 else torch.float16
-        triton_ok = self.device.type == "cuda" and cuda_ext.enabled("cuda")
+        triton_ok = self._triton_ok()
         static = self._static_ok(fmt)
         pages = self.code_pages if static and self.code_pages is not None and fmt == self.code_pages.fmt else None
         c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
@@ -92,8 +89,10 @@ class SeqCaches:
         not the step's other rows."""
         bad: dict[int, str] = {}
         for w in batch.seqs:
+            if w.seq_id in self.caches:
+                continue
             fmt = self.kv_formats.get(w.seq_id, self.kv_default)
-            if w.seq_id in self.caches or not fmt.compressed:
+            if not fmt.compressed:
                 continue
             try:
                 self._cache(w.seq_id, w.start_pos)
