@@ -35,7 +35,6 @@ def enabled(device_type: str) -> bool:
 
         ok, why = selfcheck(device_type)
         if not ok:
-            log.warning("Triton kernels disagree with their references on %s (%s); using plain torch",
-                        device_type, why)
+            log.warning("Triton kernels disagree with their references on %s (%s); using plain torch", device_type, why)
         _STATE[device_type] = ok
     return _STATE[device_type]

@@ -38,7 +38,9 @@ from .pdl import launch_kw
 from .turboquant_kernels import dense_rows_online, merge_splits
 
 _LOG2E = 1.4426950408889634
-_RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + _RINT) - _RINT rounds |y| < 2^22 to the nearest integer, ties to even
+_RINT = tl.constexpr(
+    12582912.0
+)  # 1.5 * 2^23: (y + _RINT) - _RINT rounds |y| < 2^22 to the nearest integer, ties to even
 
 
 def supported(head_dim: int, group: int, bits: int) -> bool:
@@ -57,22 +59,44 @@ def _u8_f16(c):
 
 
 @triton.jit
-def _scales(ptr, rows, row_stride, G: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-            F16: tl.constexpr, T: tl.constexpr):
+def _scales(
+    ptr,
+    rows,
+    row_stride,
+    G: tl.constexpr,
+    GS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    F16: tl.constexpr,
+    T: tl.constexpr,
+):
     """Per-group fp16 scales (or biases) of ``rows`` broadcast to [BLOCK_N, D] (T: [D, BLOCK_N])."""
     gi = tl.arange(0, G)
     if T:
-        x = tl.load(ptr + rows[None, :] * row_stride + gi[:, None])                  # [G, BLOCK_N]
+        x = tl.load(ptr + rows[None, :] * row_stride + gi[:, None])  # [G, BLOCK_N]
         x = tl.reshape(tl.broadcast_to(x[:, None, :], (G, GS, BLOCK_N)), (D, BLOCK_N))
     else:
-        x = tl.load(ptr + rows[:, None] * row_stride + gi[None, :])                  # [BLOCK_N, G]
+        x = tl.load(ptr + rows[:, None] * row_stride + gi[None, :])  # [BLOCK_N, G]
         x = tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, G, GS)), (BLOCK_N, D))
     return x if F16 else x.to(tl.float32)
 
 
 @triton.jit
-def _dequant(c_ptr, s_ptr, b_ptr, rows, c_row, s_row, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-             G: tl.constexpr, GS: tl.constexpr, D: tl.constexpr, F16: tl.constexpr, T: tl.constexpr):
+def _dequant(
+    c_ptr,
+    s_ptr,
+    b_ptr,
+    rows,
+    c_row,
+    s_row,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    GS: tl.constexpr,
+    D: tl.constexpr,
+    F16: tl.constexpr,
+    T: tl.constexpr,
+):
     """Rows code * scale + bias: [BLOCK_N, D], or transposed [D, BLOCK_N] (T).  F16: fp16 math (the
     codes exact, one fp16 rounding per product and sum), else fp32."""
     col = tl.arange(0, D)
@@ -84,26 +108,54 @@ def _dequant(c_ptr, s_ptr, b_ptr, rows, c_row, s_row, BITS: tl.constexpr, BLOCK_
     else:  # byte j holds coordinates 2j (low nibble) and 2j + 1
         j = tl.arange(0, D // 2)
         if T:
-            bt = tl.load(c_ptr + rows[None, :] * c_row + j[:, None])                 # [D / 2, BLOCK_N]
+            bt = tl.load(c_ptr + rows[None, :] * c_row + j[:, None])  # [D / 2, BLOCK_N]
             c = tl.reshape(tl.permute(tl.join(bt & 15, bt >> 4), (0, 2, 1)), (D, BLOCK_N))
         else:
             bt = tl.load(c_ptr + rows[:, None] * c_row + j[None, :])
             c = tl.interleave(bt & 15, bt >> 4)
     c = _u8_f16(c) if F16 else c.to(tl.float32)
-    return (c * _scales(s_ptr, rows, s_row, G, GS, BLOCK_N, D, F16, T)
-            + _scales(b_ptr, rows, s_row, G, GS, BLOCK_N, D, F16, T))
+    return c * _scales(s_ptr, rows, s_row, G, GS, BLOCK_N, D, F16, T) + _scales(
+        b_ptr, rows, s_row, G, GS, BLOCK_N, D, F16, T
+    )
 
 
 @triton.jit
-def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m_out, l_out, acc_out,
-                        N, n_ptr, qk_scale, kc_head, kc_row, ks_head, ks_row, vc_head, vc_row, vs_head, vs_row,
-                        D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        REP: tl.constexpr, RP: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr,
-                        GDC: tl.constexpr):
+def _affine_attn_kernel(
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    kb_ptr,
+    vc_ptr,
+    vs_ptr,
+    vb_ptr,
+    m_out,
+    l_out,
+    acc_out,
+    N,
+    n_ptr,
+    qk_scale,
+    kc_head,
+    kc_row,
+    ks_head,
+    ks_row,
+    vc_head,
+    vc_row,
+    vs_head,
+    vs_row,
+    D: tl.constexpr,
+    GS: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REP: tl.constexpr,
+    RP: tl.constexpr,
+    N_PTR: tl.constexpr,
+    F16: tl.constexpr,
+    GDC: tl.constexpr,
+):
     """Transposed products: scores^T = K q^T [BLOCK_N, RP] and (Σ p v)^T = V^T p^T [D, RP], so that
     both dequantized tiles are the dots' first operands (measured on an H100 at 32K rows: 4 bits
     43 us against 49 us for q K^T and p V, 8 bits about equal)."""
-    g = tl.program_id(0)   # KV head
+    g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
     if GDC:  # programmatic dependent launch (pdl.py): q and this step's codes come from earlier kernels
@@ -115,7 +167,7 @@ def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m
     rv = r < REP
     h = g * REP + r
     col = tl.arange(0, D)
-    qT = tl.load(q_ptr + h[None, :] * D + col[:, None], mask=rv[None, :], other=0.0)      # [D, RP]
+    qT = tl.load(q_ptr + h[None, :] * D + col[:, None], mask=rv[None, :], other=0.0)  # [D, RP]
     qT = qT.to(tl.float16) if F16 else qT.to(tl.float32)
     g64 = g.to(tl.int64)
     kc, ks, kb = kc_ptr + g64 * kc_head, ks_ptr + g64 * ks_head, kb_ptr + g64 * ks_head
@@ -135,7 +187,7 @@ def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m
             sT = tl.dot(kd, qT)
         else:
             sT = tl.dot(kd, qT, input_precision="ieee")
-        sT = tl.where(ok[:, None], sT * qk_scale, float("-inf"))                          # [BLOCK_N, RP]
+        sT = tl.where(ok[:, None], sT * qk_scale, float("-inf"))  # [BLOCK_N, RP]
         m_new = tl.maximum(m, tl.max(sT, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a range past the rows: all -inf, no NaN
         alpha = tl.math.exp2(m - m_safe)
@@ -155,10 +207,30 @@ def _affine_attn_kernel(q_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, m
 
 
 @triton.jit
-def _affine_combine_kernel(m_ptr, l_ptr, acc_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, qk_scale,
-                           dk_head, dk_row, dv_head, dv_row,
-                           D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
-                           BLOCK_R: tl.constexpr, VALID: tl.constexpr, GDC: tl.constexpr):
+def _affine_combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    q_ptr,
+    dk_ptr,
+    dv_ptr,
+    valid_ptr,
+    out_ptr,
+    R,
+    S,
+    qk_scale,
+    dk_head,
+    dk_row,
+    dv_head,
+    dv_row,
+    D: tl.constexpr,
+    DS: tl.constexpr,
+    BS: tl.constexpr,
+    REP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    VALID: tl.constexpr,
+    GDC: tl.constexpr,
+):
     """One program per (query head, DS output coordinates): merge the head's S split partials,
     attend the R 16-bit rows ``dk``/``dv`` [KVH, R, D] (scores over all D, values for the slice;
     ``valid`` masks rows), normalise, store in the output's dtype.  Scores in the exp2 domain."""
@@ -169,20 +241,66 @@ def _affine_combine_kernel(m_ptr, l_ptr, acc_ptr, q_ptr, dk_ptr, dv_ptr, valid_p
     g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS, True)    # acc [DS]
+    mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS, True)  # acc [DS]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    acc, l = dense_rows_online(acc, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
-                               R, qk_scale, BLOCK_R, VALID, True)
+    acc, l = dense_rows_online(
+        acc,
+        l,
+        mc,
+        q,
+        dk_ptr,
+        dv_ptr,
+        valid_ptr,
+        g,
+        dk_head,
+        dk_row,
+        dv_head,
+        dv_row,
+        d,
+        e,
+        R,
+        qk_scale,
+        BLOCK_R,
+        VALID,
+        True,
+    )
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + h * D + e, (acc / tl.where(l > 0, l, 1.0)).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _affine_encode_kernel(xk_ptr, xv_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr, vb_ptr, at_ptr, at, T, cap,
-                          levels, inv_levels, xk_head, xk_row, xv_head, xv_row, c_head, c_row, s_head, s_row,
-                          D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BR: tl.constexpr,
-                          AT_PTR: tl.constexpr, RECIP: tl.constexpr, GDC: tl.constexpr):
+def _affine_encode_kernel(
+    xk_ptr,
+    xv_ptr,
+    kc_ptr,
+    ks_ptr,
+    kb_ptr,
+    vc_ptr,
+    vs_ptr,
+    vb_ptr,
+    at_ptr,
+    at,
+    T,
+    cap,
+    levels,
+    inv_levels,
+    xk_head,
+    xk_row,
+    xv_head,
+    xv_row,
+    c_head,
+    c_row,
+    s_head,
+    s_row,
+    D: tl.constexpr,
+    GS: tl.constexpr,
+    BITS: tl.constexpr,
+    BR: tl.constexpr,
+    AT_PTR: tl.constexpr,
+    RECIP: tl.constexpr,
+    GDC: tl.constexpr,
+):
     """Grid (KV head, keys / values, row blocks): BR rows [BR, groups, group] of x -> per group
     min, max, fp16 scale = (max - min) / levels (1 where max == min) and fp16 bias = min, codes =
     clamp(round((x - bias) / scale), 0, levels) (fp32, IEEE division, ties to even), stored packed at
@@ -206,7 +324,7 @@ def _affine_encode_kernel(xk_ptr, xv_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr
     gi = tl.arange(0, G)
     e = tl.arange(0, GS)
     x = tl.load(x_ptr + hd * x_head + rr[:, None, None] * x_row + (gi[:, None] * GS + e[None, :])[None, :, :])
-    x = x.to(tl.float32)                                                      # [BR, G, GS]
+    x = x.to(tl.float32)  # [BR, G, GS]
     lo = tl.min(x, axis=2)
     hi = tl.max(x, axis=2)
     if RECIP:
@@ -222,14 +340,20 @@ def _affine_encode_kernel(xk_ptr, xv_ptr, kc_ptr, ks_ptr, kb_ptr, vc_ptr, vs_ptr
     keep = ok & (pos < cap)
     row = hd.to(tl.int64) * c_head + pos.to(tl.int64) * c_row
     if BITS == 8:
-        tl.store(c_ptr + row[:, None, None] + (gi[:, None] * GS + e[None, :])[None, :, :], code.to(tl.uint8),
-                 mask=keep[:, None, None])
+        tl.store(
+            c_ptr + row[:, None, None] + (gi[:, None] * GS + e[None, :])[None, :, :],
+            code.to(tl.uint8),
+            mask=keep[:, None, None],
+        )
     else:
         pair = tl.reshape(code, (BR, G, GS // 2, 2))
         byte = tl.sum(pair << (tl.arange(0, 2) * 4)[None, None, None, :], axis=3)
         j = tl.arange(0, GS // 2)
-        tl.store(c_ptr + row[:, None, None] + (gi[:, None] * (GS // 2) + j[None, :])[None, :, :], byte.to(tl.uint8),
-                 mask=keep[:, None, None])
+        tl.store(
+            c_ptr + row[:, None, None] + (gi[:, None] * (GS // 2) + j[None, :])[None, :, :],
+            byte.to(tl.uint8),
+            mask=keep[:, None, None],
+        )
     srow = hd.to(tl.int64) * s_head + pos.to(tl.int64) * s_row
     tl.store(s_ptr + srow[:, None] + gi[None, :], scale, mask=keep[:, None])
     tl.store(b_ptr + srow[:, None] + gi[None, :], bias, mask=keep[:, None])
@@ -251,11 +375,23 @@ def _block_n(f16: bool, D: int) -> int:
     return 64 if f16 or D <= 64 else 32
 
 
-def affine_split_pass(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_bias: torch.Tensor,
-                      v_codes: torch.Tensor, v_scale: torch.Tensor, v_bias: torch.Tensor, bits: int, group: int,
-                      scale: float, rep: int = 1, n_rows: torch.Tensor | None = None, f16: bool | None = None,
-                      block_n: int | None = None, splits: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def affine_split_pass(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_bias: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_bias: torch.Tensor,
+    bits: int,
+    group: int,
+    scale: float,
+    rep: int = 1,
+    n_rows: torch.Tensor | None = None,
+    f16: bool | None = None,
+    block_n: int | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split pass alone: (m [H, S], l [H, S], acc [H, S, D]) in the exp2 domain (m is a max of
     q.k * scale * log2(e)); see ``affine_decode_attention`` for the arguments."""
     H, D = q.shape
@@ -272,21 +408,62 @@ def affine_split_pass(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Ten
     l = torch.empty_like(m)
     acc = torch.empty(H, S, D, dtype=torch.float32, device=q.device)
     _affine_attn_kernel[(KVH, S)](
-        q.contiguous(), k_codes, k_scale, k_bias, v_codes, v_scale, v_bias, m, l, acc, N,
-        n_rows if n_rows is not None else m, float(scale) * _LOG2E,
-        k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
-        v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1),
-        D=D, GS=group, BITS=bits, BLOCK_N=block_n, REP=rep, RP=max(16, triton.next_power_of_2(rep)),
-        N_PTR=n_rows is not None, F16=bool(f16), **launch_kw(q), **_TUNE)
+        q.contiguous(),
+        k_codes,
+        k_scale,
+        k_bias,
+        v_codes,
+        v_scale,
+        v_bias,
+        m,
+        l,
+        acc,
+        N,
+        n_rows if n_rows is not None else m,
+        float(scale) * _LOG2E,
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        v_scale.stride(0),
+        v_scale.stride(1),
+        D=D,
+        GS=group,
+        BITS=bits,
+        BLOCK_N=block_n,
+        REP=rep,
+        RP=max(16, triton.next_power_of_2(rep)),
+        N_PTR=n_rows is not None,
+        F16=bool(f16),
+        **launch_kw(q),
+        **_TUNE,
+    )
     return m, l, acc
 
 
-def affine_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_bias: torch.Tensor,
-                            v_codes: torch.Tensor, v_scale: torch.Tensor, v_bias: torch.Tensor, bits: int,
-                            group: int, scale: float, *, rep: int = 1, n_rows: torch.Tensor | None = None,
-                            dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                            valid: torch.Tensor | None = None, f16: bool | None = None,
-                            block_n: int | None = None, splits: int | None = None) -> torch.Tensor:
+def affine_decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_bias: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_bias: torch.Tensor,
+    bits: int,
+    group: int,
+    scale: float,
+    *,
+    rep: int = 1,
+    n_rows: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    f16: bool | None = None,
+    block_n: int | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """softmax(q K^T * scale) V for one decode row over affine codes and optional 16-bit rows.
 
     q [H, D] (query head h reads KV head h // rep); codes [H // rep, N, D * bits / 8] uint8 and
@@ -297,8 +474,9 @@ def affine_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: tor
     ``f16``: fp16 dot operands with fp32 accumulation (default for 16-bit q), else fp32 throughout.
     Returns [H, D] in q's dtype."""
     H, D = q.shape
-    m, l, acc = affine_split_pass(q, k_codes, k_scale, k_bias, v_codes, v_scale, v_bias, bits, group, scale, rep,
-                                  n_rows, f16, block_n, splits)
+    m, l, acc = affine_split_pass(
+        q, k_codes, k_scale, k_bias, v_codes, v_scale, v_bias, bits, group, scale, rep, n_rows, f16, block_n, splits
+    )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     if dk is None:
@@ -306,10 +484,30 @@ def affine_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: tor
     assert dk.stride(2) == 1 and dv.stride(2) == 1 and dk.shape == dv.shape
     ds = min(D, 32)
     _affine_combine_kernel[(H, D // ds)](
-        m, l, acc, q.contiguous(), dk, dv, valid if valid is not None else m, out, dk.shape[1], S,
-        float(scale) * _LOG2E, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        D=D, DS=ds, BS=max(2, triton.next_power_of_2(S)), REP=rep, BLOCK_R=16, VALID=valid is not None,
-        num_warps=4, **launch_kw(q))
+        m,
+        l,
+        acc,
+        q.contiguous(),
+        dk,
+        dv,
+        valid if valid is not None else m,
+        out,
+        dk.shape[1],
+        S,
+        float(scale) * _LOG2E,
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        D=D,
+        DS=ds,
+        BS=max(2, triton.next_power_of_2(S)),
+        REP=rep,
+        BLOCK_R=16,
+        VALID=valid is not None,
+        num_warps=4,
+        **launch_kw(q),
+    )
     return out
 
 
@@ -327,11 +525,25 @@ def _dequant_ref(codes, scale, bias, bits, group):
     return x.view(c.shape)
 
 
-def affine_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_bias: torch.Tensor,
-                                v_codes: torch.Tensor, v_scale: torch.Tensor, v_bias: torch.Tensor, bits: int,
-                                group: int, scale: float, *, rep: int = 1, n_rows: torch.Tensor | int | None = None,
-                                dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                                valid: torch.Tensor | None = None, **_tuning) -> torch.Tensor:
+def affine_decode_attention_ref(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_bias: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_bias: torch.Tensor,
+    bits: int,
+    group: int,
+    scale: float,
+    *,
+    rep: int = 1,
+    n_rows: torch.Tensor | int | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    **_tuning,
+) -> torch.Tensor:
     """Plain torch (float64; host syncs, not capturable): decode the codes, softmax over them and the
     16-bit rows.  Same contract as ``affine_decode_attention``."""
     H, D = q.shape
@@ -355,10 +567,20 @@ def _recip(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def affine_encode_rows(k: torch.Tensor, v: torch.Tensor | None, k_codes: torch.Tensor, k_scale: torch.Tensor,
-                       k_bias: torch.Tensor, v_codes: torch.Tensor | None, v_scale: torch.Tensor | None,
-                       v_bias: torch.Tensor | None, bits: int, group: int, at: torch.Tensor | int,
-                       block_rows: int = 16) -> None:
+def affine_encode_rows(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_bias: torch.Tensor,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_bias: torch.Tensor | None,
+    bits: int,
+    group: int,
+    at: torch.Tensor | int,
+    block_rows: int = 16,
+) -> None:
     """Quantize rows k (and v) [KVH, T, D] and store them at positions at .. at + T - 1 of the code
     storage ([KVH, cap, D * bits / 8], scales / biases [KVH, cap, D / group]); ``at`` an int or an
     int device tensor [1] (capturable); rows at or past cap are dropped.  One launch for both."""
@@ -376,12 +598,37 @@ def affine_encode_rows(k: torch.Tensor, v: torch.Tensor | None, k_codes: torch.T
     inv = float(np.float32(1.0) / np.float32(levels))
     at_t = at if torch.is_tensor(at) else None
     grid = (KVH, 2 if v is not k else 1, triton.cdiv(T, block_rows))
-    _affine_encode_kernel[grid](k, v, k_codes, k_scale, k_bias, v_codes, v_scale, v_bias,
-                                at_t if at_t is not None else k_scale, 0 if at_t is not None else int(at), T,
-                                k_codes.shape[1], float(levels), inv, k.stride(0), k.stride(1), v.stride(0),
-                                v.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0),
-                                k_scale.stride(1), D=D, GS=group, BITS=bits, BR=block_rows, AT_PTR=at_t is not None,
-                                RECIP=_recip(k.device), **launch_kw(k))
+    _affine_encode_kernel[grid](
+        k,
+        v,
+        k_codes,
+        k_scale,
+        k_bias,
+        v_codes,
+        v_scale,
+        v_bias,
+        at_t if at_t is not None else k_scale,
+        0 if at_t is not None else int(at),
+        T,
+        k_codes.shape[1],
+        float(levels),
+        inv,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        D=D,
+        GS=group,
+        BITS=bits,
+        BR=block_rows,
+        AT_PTR=at_t is not None,
+        RECIP=_recip(k.device),
+        **launch_kw(k),
+    )
 
 
 def selfcheck(device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> float:
@@ -400,15 +647,16 @@ def selfcheck(device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -
         store = [torch.zeros_like(t) for t in (enc_k.planes[0], enc_k.norms, enc_k.signs) for _ in (0, 1)]
         store = store[0::2] + store[1::2]  # keys' codes, scales, biases, then the values'
         affine_encode_rows(x[0], x[1], *store, bits, group, torch.tensor([0], device=device))
-        for got, want in zip(store, (enc_k.planes[0], enc_k.norms, enc_k.signs, enc_v.planes[0], enc_v.norms,
-                                     enc_v.signs)):
+        for got, want in zip(
+            store, (enc_k.planes[0], enc_k.norms, enc_k.signs, enc_v.planes[0], enc_v.norms, enc_v.signs)
+        ):
             if not torch.equal(got, want):
                 return 1.0
         q = torch.randn(KVH * rep, D, generator=g).to(device=device, dtype=dtype)
         dk = torch.randn(KVH, R, D, generator=g).to(device=device, dtype=dtype)
         dv = torch.randn(KVH, R, D, generator=g).to(device=device, dtype=dtype)
         valid = torch.tensor([True, False, True], device=device)
-        args = (q, *store, bits, group, D ** -0.5)
+        args = (q, *store, bits, group, D**-0.5)
         kw = dict(rep=rep, n_rows=torch.tensor([n], device=device), dk=dk, dv=dv, valid=valid)
         a = affine_decode_attention(*args, splits=2, **kw)
         r = affine_decode_attention_ref(*args, **kw)
@@ -416,5 +664,11 @@ def selfcheck(device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -
     return worst
 
 
-__all__ = ["affine_decode_attention", "affine_decode_attention_ref", "affine_encode_rows", "affine_split_pass",
-           "selfcheck", "supported"]
+__all__ = [
+    "affine_decode_attention",
+    "affine_decode_attention_ref",
+    "affine_encode_rows",
+    "affine_split_pass",
+    "selfcheck",
+    "supported",
+]

@@ -20,9 +20,25 @@ from .pdl import launch_kw
 
 # --------------------------------------------------------------------------- rope + KV write, batched
 @triton.jit
-def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, row_ptr, q_out, k_pool, v_pool, slot_stride, head_stride,
-                         row_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                         GDC: tl.constexpr):
+def _rope_kv_rows_kernel(
+    qkv,
+    cos,
+    sin,
+    pos_ptr,
+    slot_ptr,
+    row_ptr,
+    q_out,
+    k_pool,
+    v_pool,
+    slot_stride,
+    head_stride,
+    row_stride,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    GDC: tl.constexpr,
+):
     b, h = tl.program_id(0), tl.program_id(1)
     if GDC:  # programmatic dependent launch (pdl.py): the previous kernel's writes first
         tl.extra.cuda.gdc_wait()
@@ -57,9 +73,19 @@ def _rope_kv_rows_kernel(qkv, cos, sin, pos_ptr, slot_ptr, row_ptr, q_out, k_poo
         tl.store(dst + j, val.to(v_pool.dtype.element_ty))
 
 
-def rope_kv_write_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                       slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, H: int, KVH: int,
-                       D: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+def rope_kv_write_rows(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """B decode rows at once: qkv [B, (H+2KVH)*D] (contiguous); cos/sin the whole rope tables [ctx, D];
     pos, slots [B] (device ints); pools [S, KVH, C, D] (a slot pool's layer, or a paged pool's blocks).
     Rotates q and k of row b at position pos[b], writes k and v into slot (block) slots[b], row rows[b]
@@ -68,9 +94,25 @@ def rope_kv_write_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_pool.stride(3) == 1
     q = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
     rows = pos if rows is None else rows
-    _rope_kv_rows_kernel[(B, H + 2 * KVH)](qkv, cos, sin, pos, slots, rows, q, k_pool, v_pool, k_pool.stride(0),
-                                           k_pool.stride(1), k_pool.stride(2), H=H, KVH=KVH, D=D, HALF=D // 2,
-                                           **launch_kw(qkv))
+    _rope_kv_rows_kernel[(B, H + 2 * KVH)](
+        qkv,
+        cos,
+        sin,
+        pos,
+        slots,
+        rows,
+        q,
+        k_pool,
+        v_pool,
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        H=H,
+        KVH=KVH,
+        D=D,
+        HALF=D // 2,
+        **launch_kw(qkv),
+    )
     return q
 
 

@@ -22,8 +22,20 @@ from .pdl import launch_kw
 
 
 @triton.jit
-def _gemv_kernel(x, w, y, M, N, K, K_PER, M_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr):
+def _gemv_kernel(
+    x,
+    w,
+    y,
+    M,
+    N,
+    K,
+    K_PER,
+    M_BLK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    GDC: tl.constexpr,
+):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
@@ -94,8 +106,21 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int
     y = (torch.zeros if atomic else torch.empty)((M, N), dtype=torch.float32 if atomic else x.dtype, device=x.device)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, k_per))
     kw = launch_kw(x) if M == 1 and not atomic else {"GDC": False}  # PDL: one row, no split K (pdl.py)
-    _gemv_kernel[grid](x, w, y, M, N, K, K_PER=k_per, M_BLK=1 if M == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
-                       ATOMIC=atomic, num_warps=warps, **kw)
+    _gemv_kernel[grid](
+        x,
+        w,
+        y,
+        M,
+        N,
+        K,
+        K_PER=k_per,
+        M_BLK=1 if M == 1 else 16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ATOMIC=atomic,
+        num_warps=warps,
+        **kw,
+    )
     return y.to(x.dtype) if atomic else y
 
 

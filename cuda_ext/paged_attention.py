@@ -51,26 +51,56 @@ def _interpret() -> bool:
 
 # ------------------------------------------------------------------------------- kernels
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
-                  qk_scale, NS, MAX_BLOCKS,
-                  sq_b, sq_h, sq_d,
-                  sk_n, sk_h, sk_p, sk_d,
-                  sv_n, sv_h, sv_p, sv_d,
-                  sbt_b, sbt_i,
-                  so_b, so_h, so_d,
-                  REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  BS: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
-                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr,
-                  GDC: tl.constexpr):
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    len_ptr,
+    out_ptr,
+    mid_o,
+    mid_lse,
+    qk_scale,
+    NS,
+    MAX_BLOCKS,
+    sq_b,
+    sq_h,
+    sq_d,
+    sk_n,
+    sk_h,
+    sk_p,
+    sk_d,
+    sv_n,
+    sv_h,
+    sv_p,
+    sv_d,
+    sbt_b,
+    sbt_i,
+    so_b,
+    so_h,
+    so_d,
+    REP: tl.constexpr,
+    RP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DIRECT: tl.constexpr,
+    GDC: tl.constexpr,
+):
     b = tl.program_id(0)
-    g = tl.program_id(1)   # KV head
-    s = tl.program_id(2)   # split
+    g = tl.program_id(1)  # KV head
+    s = tl.program_id(2)  # split
     if GDC:  # programmatic dependent launch (pdl.py): q and this step's K/V row are the previous kernels'
         tl.extra.cuda.gdc_wait()
     H = tl.num_programs(1) * REP
     n_pos = tl.load(len_ptr + b)
     n_pos = tl.minimum(tl.maximum(n_pos, 0), MAX_BLOCKS * BS)  # never read past the table
-    chunk = tl.cdiv(tl.cdiv(n_pos, NS), BLOCK_N) * BLOCK_N     # whole tiles: tile starts stay aligned
+    chunk = tl.cdiv(tl.cdiv(n_pos, NS), BLOCK_N) * BLOCK_N  # whole tiles: tile starts stay aligned
     start = s * chunk
     end = tl.minimum(start + chunk, n_pos)
 
@@ -79,8 +109,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
     rm = r < REP
     dm = d < D
     h = g * REP + r
-    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d,
-                mask=rm[:, None] & dm[None, :], other=0.0)                 # [RP, DP]
+    q = tl.load(
+        q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d, mask=rm[:, None] & dm[None, :], other=0.0
+    )  # [RP, DP]
     if IEEE or not USE_DOT:
         q = q.to(tl.float32)
     else:  # tensor-core dot in the cache's 16-bit type, fp32 accumulation
@@ -99,13 +130,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
             off = n % BS
             k_rows = k_head + blk * sk_n + off * sk_p
             v_rows = v_head + blk * sv_n + off * sv_p
-        else:              # the tile spans blocks: a block id per position
+        else:  # the tile spans blocks: a block id per position
             blk = tl.load(bt + (n // BS) * sbt_i, mask=nm, other=0).to(tl.int64)
             off = n % BS
             k_rows = k_head + blk * sk_n + off * sk_p
             v_rows = v_head + blk * sv_n + off * sv_p
         kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(k_rows[:, None] + d[None, :] * sk_d, mask=kv_mask, other=0.0)   # [BLOCK_N, DP]
+        k = tl.load(k_rows[:, None] + d[None, :] * sk_d, mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
         if USE_DOT:
             if IEEE:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -114,9 +145,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
             else:
                 qk = tl.dot(q, tl.trans(k))
         else:
-            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)       # [RP, BLOCK_N]
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [RP, BLOCK_N]
         qk = tl.where(nm[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, axis=1))   # finite: every tile holds >= 1 position
+        m_new = tl.maximum(m, tl.max(qk, axis=1))  # finite: every tile holds >= 1 position
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
@@ -129,24 +160,38 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, mid_o, mid_lse,
             else:
                 pv = tl.dot(p.to(v.dtype), v)
         else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)       # [RP, DP]
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [RP, DP]
         acc = acc * alpha[:, None] + pv
         m = m_new
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]   # an empty range (or seq_len 0): zeros, not NaN
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # an empty range (or seq_len 0): zeros, not NaN
     if DIRECT:
-        tl.store(out_ptr + b * so_b + h[:, None] * so_h + d[None, :] * so_d, o.to(out_ptr.dtype.element_ty),
-                 mask=rm[:, None] & dm[None, :])
+        tl.store(
+            out_ptr + b * so_b + h[:, None] * so_h + d[None, :] * so_d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=rm[:, None] & dm[None, :],
+        )
     else:
-        row = (b * H + h) * NS + s                                   # [RP] rows of mid_lse / mid_o
+        row = (b * H + h) * NS + s  # [RP] rows of mid_lse / mid_o
         tl.store(mid_lse + row, tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=rm)
         tl.store(mid_o + row[:, None] * D + d[None, :], o, mask=rm[:, None] & dm[None, :])
 
 
 @triton.jit
-def _combine_kernel(mid_o, mid_lse, out_ptr, NS, so_b, so_h, so_d,
-                    D: tl.constexpr, DP: tl.constexpr, NSP: tl.constexpr, GDC: tl.constexpr):
+def _combine_kernel(
+    mid_o,
+    mid_lse,
+    out_ptr,
+    NS,
+    so_b,
+    so_h,
+    so_d,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NSP: tl.constexpr,
+    GDC: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if GDC:
@@ -160,7 +205,7 @@ def _combine_kernel(mid_o, mid_lse, out_ptr, NS, so_b, so_h, so_d,
     base = (b * H + h) * NS
     lse = tl.load(mid_lse + base + i, mask=im, other=float("-inf"))
     mx = tl.max(lse, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)                 # no positions at all: weights 0
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # no positions at all: weights 0
     w = tl.math.exp2(lse - mx)
     den = tl.sum(w, axis=0)
     o = tl.load(mid_o + (base + i)[:, None] * D + d[None, :], mask=im[:, None] & dm[None, :], other=0.0)
@@ -169,8 +214,16 @@ def _combine_kernel(mid_o, mid_lse, out_ptr, NS, so_b, so_h, so_d,
 
 
 # ------------------------------------------------------------------------------- host side
-def default_splits(max_len: int, batch: int, kv_heads: int, sm_count: int = 132, *,
-                   min_chunk: int = 64, waves: int = 4, max_splits: int = 32) -> int:
+def default_splits(
+    max_len: int,
+    batch: int,
+    kv_heads: int,
+    sm_count: int = 132,
+    *,
+    min_chunk: int = 64,
+    waves: int = 4,
+    max_splits: int = 32,
+) -> int:
     """How many splits per (sequence, KV head) for sequences of up to ``max_len`` positions.
 
     Aim for about ``waves * sm_count`` programs (rounding down: at 4 x 132 = 528 an H100 is full;
@@ -200,11 +253,21 @@ def _config(rep: int, DP: int, use_dot: bool | None, block_n: int | None) -> tup
     return use_dot, RP, block_n
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           num_splits: int | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, use_dot: bool | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
     """Decode attention of ``q`` [B, H, D] over each sequence's cached K/V; returns ``out`` [B, H, D]
     (allocated in q's dtype unless given; any strides).
 
@@ -249,25 +312,70 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_stages is not None:
         kw["num_stages"] = num_stages
     _split_kernel[(B, KVH, NS)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        float(scale) * _LOG2E, NS, max_blocks,
-        q.stride(0), q.stride(1), q.stride(2),
-        *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0), block_tables.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        REP=rep, RP=RP, D=D, DP=DP, BS=BS, BLOCK_N=BN, TILE_IN_BLOCK=BS % BN == 0,
-        USE_DOT=dot, IEEE=ieee, DOT_F32=_interpret() and k_cache.dtype == torch.bfloat16, DIRECT=direct, **kw,
-        **launch_kw(q))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        float(scale) * _LOG2E,
+        NS,
+        max_blocks,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        REP=rep,
+        RP=RP,
+        D=D,
+        DP=DP,
+        BS=BS,
+        BLOCK_N=BN,
+        TILE_IN_BLOCK=BS % BN == 0,
+        USE_DOT=dot,
+        IEEE=ieee,
+        DOT_F32=_interpret() and k_cache.dtype == torch.bfloat16,
+        DIRECT=direct,
+        **kw,
+        **launch_kw(q),
+    )
     if not direct:
-        _combine_kernel[(B, H)](mid_o, mid_lse, out, NS, out.stride(0), out.stride(1), out.stride(2),
-                                D=D, DP=DP, NSP=triton.next_power_of_2(NS), **launch_kw(q))
+        _combine_kernel[(B, H)](
+            mid_o,
+            mid_lse,
+            out,
+            NS,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            D=D,
+            DP=DP,
+            NSP=triton.next_power_of_2(NS),
+            **launch_kw(q),
+        )
     return out
 
 
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                               num_splits: int | None = None, out: torch.Tensor | None = None,
-                               **_tuning) -> torch.Tensor:
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    **_tuning,
+) -> torch.Tensor:
     """Plain torch, one sequence at a time (host syncs; not capturable): gather the sequence's
     blocks, softmax in fp32.  Same contract as ``paged_decode_attention`` (num_splits ignored)."""
     B, H, D = q.shape
@@ -282,7 +390,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             out[b] = 0
             continue
         blocks = block_tables[b, : -(-L // BS)].long()
-        k = k_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :L].float()   # [KVH, L, D]
+        k = k_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :L].float()  # [KVH, L, D]
         v = v_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :L].float()
         qb = q[b].float().view(KVH, rep, D)
         p = torch.softmax(torch.einsum("grd,gnd->grn", qb, k) * scale, dim=-1)
@@ -290,10 +398,18 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def paged_decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                                num_splits: int | None = None, out: torch.Tensor | None = None,
-                                **_tuning) -> torch.Tensor:
+def paged_decode_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    **_tuning,
+) -> torch.Tensor:
     """Plain torch without host syncs (a CUDA-graph-capturable fallback when Triton is off):
     gathers every sequence's ``max_blocks`` blocks and runs masked SDPA.  Same contract."""
     B, H, D = q.shape
@@ -306,8 +422,8 @@ def paged_decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     lens = seq_lens.long().view(B, 1)
     mask = (pos.view(1, -1) < lens) | (pos.view(1, -1) == 0)  # a zero-length row attends to slot 0 ...
     res = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask.view(B, 1, 1, -1), scale=scale,
-        enable_gqa=H != KVH).squeeze(2)
+        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask.view(B, 1, 1, -1), scale=scale, enable_gqa=H != KVH
+    ).squeeze(2)
     res = torch.where((lens > 0).view(B, 1, 1), res, torch.zeros((), dtype=res.dtype, device=res.device))  # ... then 0
     if out is None:
         return res
@@ -315,8 +431,14 @@ def paged_decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
     """Write each sequence's new k, v [B, KVH, D] at its position (``positions`` [B], int): block
     ``block_tables[b, pos // block_size]``, row ``pos % block_size``.  Device indexing only (no
     host sync: capturable).  Padding rows must point at a scratch block."""
@@ -338,10 +460,16 @@ def selfcheck(device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -
     bt = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).to(device=device, dtype=torch.int32)
     lens = torch.tensor([1, 37, MB * BS, 0], dtype=torch.int32, device=device)
     q = torch.randn(B, KVH * rep, D, generator=g).to(device=device, dtype=dtype)
-    a = paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=3)
-    r = paged_decode_attention_ref(q, kc, vc, bt, lens, D ** -0.5)
+    a = paged_decode_attention(q, kc, vc, bt, lens, D**-0.5, num_splits=3)
+    r = paged_decode_attention_ref(q, kc, vc, bt, lens, D**-0.5)
     return float((a.float() - r.float()).norm() / (r.float().norm() + 1e-12))
 
 
-__all__ = ["default_splits", "paged_decode_attention", "paged_decode_attention_ref", "paged_decode_attention_sdpa",
-           "write_kv", "selfcheck"]
+__all__ = [
+    "default_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_decode_attention_sdpa",
+    "write_kv",
+    "selfcheck",
+]

@@ -57,8 +57,9 @@ def _push_kernel(y, peer_recv, peer_full, own_free, N: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _recv_add_rmsnorm_kernel(x, y, recv, own_full, peer_free, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                             GDC: tl.constexpr):
+def _recv_add_rmsnorm_kernel(
+    x, y, recv, own_full, peer_free, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr
+):
     b = tl.program_id(0)
     if GDC:
         tl.extra.cuda.gdc_wait()
@@ -84,16 +85,25 @@ def push(y: torch.Tensor, peer_recv: torch.Tensor, peer_full: torch.Tensor, own_
     """Send ``y`` [rows, N] (contiguous) into the peer's receive buffer and raise its flags for those rows."""
     rows, N = y.shape
     assert y.is_contiguous() and rows <= peer_full.numel() and rows * N <= peer_recv.numel()
-    _push_kernel[(rows,)](y, peer_recv, peer_full, own_free, N=N, BLOCK=min(4096, triton.next_power_of_2(N)),
-                          **launch_kw(y))
+    _push_kernel[(rows,)](
+        y, peer_recv, peer_full, own_free, N=N, BLOCK=min(4096, triton.next_power_of_2(N)), **launch_kw(y)
+    )
 
 
-def recv_add_rmsnorm(x: torch.Tensor, y: torch.Tensor, recv: torch.Tensor, own_full: torch.Tensor,
-                     peer_free: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def recv_add_rmsnorm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    recv: torch.Tensor,
+    own_full: torch.Tensor,
+    peer_free: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
     """Wait for the peer's rows, then in place ``x += (y + peer's y)``; returns ``rmsnorm(x) * w`` per row."""
     rows, N = y.shape
     assert x.is_contiguous() and y.is_contiguous() and x.shape == y.shape
     out = torch.empty_like(x)
-    _recv_add_rmsnorm_kernel[(rows,)](x, y, recv, own_full, peer_free, w, out, eps, N=N,
-                                      BLOCK=triton.next_power_of_2(N), **launch_kw(x))
+    _recv_add_rmsnorm_kernel[(rows,)](
+        x, y, recv, own_full, peer_free, w, out, eps, N=N, BLOCK=triton.next_power_of_2(N), **launch_kw(x)
+    )
     return out

@@ -46,8 +46,7 @@ def _scaled(x_ptr, sx, row, r, idx, m, K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, sx, inp_ptr, si, part_ptr, V, NC,
-                  K: tl.constexpr, CH: tl.constexpr):
+def _chunk_kernel(x_ptr, sx, inp_ptr, si, part_ptr, V, NC, K: tl.constexpr, CH: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * CH + tl.arange(0, CH)
@@ -64,8 +63,7 @@ def _chunk_kernel(x_ptr, sx, inp_ptr, si, part_ptr, V, NC,
 
 
 @triton.jit
-def _pick_kernel(x_ptr, sx, inp_ptr, si, part_ptr, tok_ptr, V, NC,
-                 K: tl.constexpr, CH: tl.constexpr, CP: tl.constexpr):
+def _pick_kernel(x_ptr, sx, inp_ptr, si, part_ptr, tok_ptr, V, NC, K: tl.constexpr, CH: tl.constexpr, CP: tl.constexpr):
     r = tl.program_id(0)
     row = inp_ptr + r * si
     cc = tl.arange(0, CP)
@@ -111,10 +109,21 @@ def draw(logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     tok = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return tok
-    _chunk_kernel[(n, NC)](logits, logits.stride(0), inputs, inputs.stride(0), parts, V, NC, K=K, CH=CHUNK,
-                           num_warps=8)
-    _pick_kernel[(n,)](logits, logits.stride(0), inputs, inputs.stride(0), parts, tok, V, NC, K=K, CH=CHUNK,
-                       CP=max(2, triton.next_power_of_2(NC)), num_warps=8)
+    _chunk_kernel[(n, NC)](logits, logits.stride(0), inputs, inputs.stride(0), parts, V, NC, K=K, CH=CHUNK, num_warps=8)
+    _pick_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        inputs,
+        inputs.stride(0),
+        parts,
+        tok,
+        V,
+        NC,
+        K=K,
+        CH=CHUNK,
+        CP=max(2, triton.next_power_of_2(NC)),
+        num_warps=8,
+    )
     return tok
 
 

@@ -9,11 +9,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / (b.float().norm() + 1e-12))
 
 
-def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int = 64, N: int = 320,
-              I: int = 1500, C: int = 16, seed: int = 0) -> dict[str, float]:
+def check_all(
+    device: str,
+    dtype: torch.dtype,
+    H: int = 8,
+    KVH: int = 2,
+    D: int = 64,
+    N: int = 320,
+    I: int = 1500,
+    C: int = 16,
+    seed: int = 0,
+) -> dict[str, float]:
     """Relative errors kernel vs reference for each kernel (fresh random inputs)."""
-    from .decode_kernels import (add_rmsnorm, add_rmsnorm_ref, rope_kv_write_rows, rope_kv_write_rows_ref,
-                                 silu_mul, silu_mul_ref)
+    from .decode_kernels import (
+        add_rmsnorm,
+        add_rmsnorm_ref,
+        rope_kv_write_rows,
+        rope_kv_write_rows_ref,
+        silu_mul,
+        silu_mul_ref,
+    )
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -60,8 +75,10 @@ def check_all(device: str, dtype: torch.dtype, H: int = 8, KVH: int = 2, D: int 
     V = 3 * 4096 + 5
     logits = (rnd(4, V) * 0.5).float()
     logits[:, V - 3], logits[:, 11] = 30.0, 29.0  # two tokens hold ~73% / ~27% of the mass at temperature 1
-    inp = torch.tensor([[1.0, 0.5, 1.0, 11.0, 2.0], [1.0, 0.5, 1.0, 5.0, 0.0], [1.0, 0.1, 0.0, 0.0, 0.0],
-                        [1.0, 0.9, 0.0, 0.0, 0.0]], device=device)
+    inp = torch.tensor(
+        [[1.0, 0.5, 1.0, 11.0, 2.0], [1.0, 0.5, 1.0, 5.0, 0.0], [1.0, 0.1, 0.0, 0.0, 0.0], [1.0, 0.9, 0.0, 0.0, 0.0]],
+        device=device,
+    )
     errs["sample_draw"] = float(not torch.equal(draw(logits.to(dtype), inp).cpu(), draw_ref(logits.to(dtype), inp)))
     return errs
 

@@ -30,14 +30,26 @@ def _field(ptr, row_bytes, nn, j, s, W: tl.constexpr, PER0: tl.constexpr):
     loads) and split by shifts -- no byte is loaded once per field.  A narrower plane (more fields
     per byte, e.g. the 1-bit plane of 3-bit codes or QJL signs) is read with index j // G."""
     G: tl.constexpr = (8 // W) // PER0
-    b = tl.load(ptr + nn[:, None] * row_bytes + (j // G)[None, :]).to(tl.int32)     # [BLOCK_N, SW]
-    sh = ((j % G) * PER0)[None, None, :] + s[None, :, None]                          # field within its byte
+    b = tl.load(ptr + nn[:, None] * row_bytes + (j // G)[None, :]).to(tl.int32)  # [BLOCK_N, SW]
+    sh = ((j % G) * PER0)[None, None, :] + s[None, :, None]  # field within its byte
     return (b[:, None, :] >> (sh * W)) & ((1 << W) - 1)
 
 
 @triton.jit
-def _codes(p0, p1, row_bytes0, row_bytes1, nn, j, s, W0: tl.constexpr, W1: tl.constexpr, PER0: tl.constexpr,
-           BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _codes(
+    p0,
+    p1,
+    row_bytes0,
+    row_bytes1,
+    nn,
+    j,
+    s,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    PER0: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
     """[BLOCK_N, D] codes in s-major column order (column s * SW + j is coordinate PER0 * j + s)."""
     c = _field(p0, row_bytes0, nn, j, s, W0, PER0)
     if W1 > 0:
@@ -67,11 +79,13 @@ def _mux(x, c_ptr, BITS: tl.constexpr):
             if BITS >= 4:
                 b3 = (x & 8) != 0
                 u = tl.where(b0, tl.load(c_ptr + 9).to(tl.float16), tl.load(c_ptr + 8).to(tl.float16))
-                u = tl.where(b1, tl.where(b0, tl.load(c_ptr + 11).to(tl.float16),
-                                          tl.load(c_ptr + 10).to(tl.float16)), u)
+                u = tl.where(
+                    b1, tl.where(b0, tl.load(c_ptr + 11).to(tl.float16), tl.load(c_ptr + 10).to(tl.float16)), u
+                )
                 y = tl.where(b0, tl.load(c_ptr + 13).to(tl.float16), tl.load(c_ptr + 12).to(tl.float16))
-                y = tl.where(b1, tl.where(b0, tl.load(c_ptr + 15).to(tl.float16),
-                                          tl.load(c_ptr + 14).to(tl.float16)), y)
+                y = tl.where(
+                    b1, tl.where(b0, tl.load(c_ptr + 15).to(tl.float16), tl.load(c_ptr + 14).to(tl.float16)), y
+                )
                 u = tl.where(b2, y, u)
                 v = tl.where(b3, u, v)
     return v
@@ -87,8 +101,9 @@ def _natural8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _natural16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
-               BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _natural16(
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
     """Sixteen [BLOCK_N, D // 16] tensors (v_t: code 16c + t at element c) -> [BLOCK_N, D] in code order
     (each join adds the next lower bit of t as the innermost axis)."""
     a0, a1, a2, a3 = tl.join(v0, v8), tl.join(v1, v9), tl.join(v2, v10), tl.join(v3, v11)
@@ -107,9 +122,21 @@ def _code2(w, hb, t: tl.constexpr, W1: tl.constexpr):
 
 
 @triton.jit
-def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr, PRMT: tl.constexpr,
-              SWAR: tl.constexpr = 0):
+def _mux_tile(
+    p0,
+    p1,
+    row_bytes0,
+    row_bytes1,
+    nn,
+    c_ptr,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    ASM: tl.constexpr,
+    PRMT: tl.constexpr,
+    SWAR: tl.constexpr = 0,
+):
     """[BLOCK_N, D] fp16 centroids in natural order: one contiguous byte tile per plane, codes
     split off by shifts, ``_mux`` per code, interleaved back into coordinate order.  ``PRMT`` (CUDA):
     the byte-permute lookups of ``ASM`` (``prmt_asm`` / ``prmt_asm3``) instead of the select trees.
@@ -126,7 +153,8 @@ def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: t
             hb = w
         if PRMT:
             (v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15) = tl.inline_asm_elementwise(
-                ASM, "=h," * 16 + "r,r", [w, hb], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+                ASM, "=h," * 16 + "r,r", [w, hb], dtype=(tl.float16,) * 16, is_pure=True, pack=1
+            )
         else:
             NB: tl.constexpr = W0 + W1
             v0, v1 = _mux(_code2(w, hb, 0, W1), c_ptr, NB), _mux(_code2(w, hb, 1, W1), c_ptr, NB)
@@ -143,7 +171,8 @@ def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: t
         w = tl.load(p0.to(tl.pointer_type(tl.int32)) + nn[:, None] * (row_bytes0 // 4) + jw[None, :])
         if PRMT:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1
+            )
         else:
             v0, v1 = _mux(w & 15, c_ptr, 4), _mux((w >> 4) & 15, c_ptr, 4)
             v2, v3 = _mux((w >> 8) & 15, c_ptr, 4), _mux((w >> 12) & 15, c_ptr, 4)
@@ -153,8 +182,9 @@ def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: t
     if W0 == 4 and PRMT:
         j = tl.arange(0, D // 2)
         b = tl.load(p0 + nn[:, None] * row_bytes0 + j[None, :])
-        lo, hi = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
         out = tl.interleave(lo, hi)
     elif W0 == 4:
         j = tl.arange(0, D // 2)
@@ -170,8 +200,7 @@ def _mux_tile(p0, p1, row_bytes0, row_bytes1, nn, c_ptr, W0: tl.constexpr, W1: t
         sel = (b & 3) | ((b & 0xC) << 2) | ((b & 0x30) << 4) | ((b & 0xC0) << 6)
         if W1 > 0:
             sel = sel | ((b >> 6) & 4) | ((b >> 3) & 0x40) | (b & 0x400) | ((b << 3) & 0x4000)
-        o0, o1 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [sel], dtype=(tl.int32, tl.int32), is_pure=True,
-                                           pack=1)
+        o0, o1 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [sel], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         v0, v1, v2, v3 = _u16_to_f16(o0), _u16_to_f16(o0 >> 16), _u16_to_f16(o1), _u16_to_f16(o1 >> 16)
         out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
     elif W0 == 2:
@@ -216,8 +245,8 @@ def _byte_tables(bits: list[int], n: int) -> tuple[list[str], list[str]]:
     def word(vals: list[int]) -> str:
         return f"0x{vals[0] | vals[1] << 8 | vals[2] << 16 | vals[3] << 24:08X}"
 
-    lo = [word([b & 0xFF for b in bits[i:i + 4]]) for i in range(0, n, 4)]
-    hi = [word([b >> 8 for b in bits[i:i + 4]]) for i in range(0, n, 4)]
+    lo = [word([b & 0xFF for b in bits[i : i + 4]]) for i in range(0, n, 4)]
+    hi = [word([b >> 8 for b in bits[i : i + 4]]) for i in range(0, n, 4)]
     return lo, hi
 
 
@@ -239,15 +268,25 @@ def prmt_asm(centroids: torch.Tensor) -> str:
     tables = lo + hi
 
     def half(src: str, o0: str, o1: str) -> str:
-        return (f"and.b32 tqt, {src}, 0x07070707; shr.b32 tqx, tqt, 4; or.b32 tqx, tqx, tqt; prmt.b32 tqs, tqx, tqx, 0x0020; "
-                "prmt.b32 tqr0, tqa0, tqa1, tqs; prmt.b32 tqr1, tqa2, tqa3, tqs; prmt.b32 tqh0, tqb0, tqb1, tqs; prmt.b32 tqh1, tqb2, tqb3, tqs; "
-                f"and.b32 tqm, {src}, 0x08080808; shr.b32 tqm, tqm, 3; mul.lo.u32 tqm, tqm, 255; "
-                "lop3.b32 tqrl, tqr1, tqr0, tqm, 0xE4; lop3.b32 tqrh, tqh1, tqh0, tqm, 0xE4; "
-                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+        return (
+            f"and.b32 tqt, {src}, 0x07070707; shr.b32 tqx, tqt, 4; or.b32 tqx, tqx, tqt; prmt.b32 tqs, tqx, tqx, 0x0020; "
+            "prmt.b32 tqr0, tqa0, tqa1, tqs; prmt.b32 tqr1, tqa2, tqa3, tqs; prmt.b32 tqh0, tqb0, tqb1, tqs; prmt.b32 tqh1, tqb2, tqb3, tqs; "
+            f"and.b32 tqm, {src}, 0x08080808; shr.b32 tqm, tqm, 3; mul.lo.u32 tqm, tqm, 255; "
+            "lop3.b32 tqrl, tqr1, tqr0, tqm, 0xE4; lop3.b32 tqrh, tqh1, tqh0, tqm, 0xE4; "
+            f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; "
+        )
 
-    movs = "".join(f"mov.b32 {n}, {v}; " for n, v in zip(["tqa0", "tqa1", "tqa2", "tqa3", "tqb0", "tqb1", "tqb2", "tqb3"], tables))
-    return ("{ .reg .b32 tqa0, tqa1, tqa2, tqa3, tqb0, tqb1, tqb2, tqb3, tqt, tqx, tqs, tqm, tqr0, tqr1, tqh0, tqh1, tqrl, tqrh, tqu; " + movs
-            + half("$4", "$0", "$1") + "shr.b32 tqu, $4, 4; " + half("tqu", "$2", "$3") + "}")
+    movs = "".join(
+        f"mov.b32 {n}, {v}; " for n, v in zip(["tqa0", "tqa1", "tqa2", "tqa3", "tqb0", "tqb1", "tqb2", "tqb3"], tables)
+    )
+    return (
+        "{ .reg .b32 tqa0, tqa1, tqa2, tqa3, tqb0, tqb1, tqb2, tqb3, tqt, tqx, tqs, tqm, tqr0, tqr1, tqh0, tqh1, tqrl, tqrh, tqu; "
+        + movs
+        + half("$4", "$0", "$1")
+        + "shr.b32 tqu, $4, 4; "
+        + half("tqu", "$2", "$3")
+        + "}"
+    )
 
 
 def prmt_asm3(centroids: torch.Tensor) -> str:
@@ -255,9 +294,12 @@ def prmt_asm3(centroids: torch.Tensor) -> str:
     (built in the kernel from the 2-bit plane's byte and the 1-bit plane's bits); one ``prmt`` per
     byte half looks the four centroids up in the <= 8 entries held as immediates, two more
     assemble the fp16 pairs: $0 = codes 0 and 1, $1 = codes 2 and 3."""
-    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; " + _table8(_fp16_bits(centroids))
-            + "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
-            "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }")
+    return (
+        "{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqrl, tqrh; "
+        + _table8(_fp16_bits(centroids))
+        + "prmt.b32 tqrl, tqa0, tqa1, $2; prmt.b32 tqrh, tqb0, tqb1, $2; "
+        "prmt.b32 $0, tqrl, tqrh, 0x5140; prmt.b32 $1, tqrl, tqrh, 0x7362; }"
+    )
 
 
 def prmt_asm16(centroids: torch.Tensor, w1: int) -> str:
@@ -268,26 +310,44 @@ def prmt_asm16(centroids: torch.Tensor, w1: int) -> str:
     once (four shift + lop3 pairs) and merged into bit 2 of those nibbles.  Per four codes one ``prmt`` per
     byte half looks the centroids up in the <= 8 entries held as immediates and two more assemble fp16 pairs.
     Outputs $0..$15: the sixteen fp16 centroids in code order (16-bit registers)."""
+
     def four(sel: str, o0: str, o1: str) -> str:
-        return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
-                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+        return (
+            f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
+            f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; "
+        )
 
     spread = ""
     if w1:  # 1-bit plane: bit t -> bit 2t; then even codes take it at bit 4k + 2 via << 2, odd ones in place
         spread = "and.b32 tqm, $17, 0xFFFF; " + "".join(
             f"shl.b32 tqt, tqm, {sh}; lop3.b32 tqm, tqm, tqt, {mask}, 0xA8; "
-            for sh, mask in ((8, "0x00FF00FF"), (4, "0x0F0F0F0F"), (2, "0x33333333"), (1, "0x55555555")))
+            for sh, mask in ((8, "0x00FF00FF"), (4, "0x0F0F0F0F"), (2, "0x33333333"), (1, "0x55555555"))
+        )
     sels = "and.b32 tqA, $16, 0x33333333; shr.b32 tqB, $16, 2; and.b32 tqB, tqB, 0x33333333; "
     if w1:
-        sels += ("shl.b32 tqt, tqm, 2; lop3.b32 tqA, tqA, tqt, 0x44444444, 0xF8; "
-                 "lop3.b32 tqB, tqB, tqm, 0x44444444, 0xF8; ")
-    look = (four("tqA", "tqo0", "tqo1") + "shr.b32 tqs, tqA, 16; " + four("tqs", "tqo2", "tqo3")
-            + four("tqB", "tqo4", "tqo5") + "shr.b32 tqs, tqB, 16; " + four("tqs", "tqo6", "tqo7"))
+        sels += (
+            "shl.b32 tqt, tqm, 2; lop3.b32 tqA, tqA, tqt, 0x44444444, 0xF8; lop3.b32 tqB, tqB, tqm, 0x44444444, 0xF8; "
+        )
+    look = (
+        four("tqA", "tqo0", "tqo1")
+        + "shr.b32 tqs, tqA, 16; "
+        + four("tqs", "tqo2", "tqo3")
+        + four("tqB", "tqo4", "tqo5")
+        + "shr.b32 tqs, tqB, 16; "
+        + four("tqs", "tqo6", "tqo7")
+    )
     # tqo0..3 hold the even codes 0, 2, .., 14 in pairs, tqo4..7 the odd ones
     outs = "".join(f"mov.b32 {{${a}, ${a + 2}}}, tqo{i}; " for i, a in enumerate([0, 4, 8, 12, 1, 5, 9, 13]))
-    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqm, tqt, tqA, tqB, tqs, tqrl, tqrh, "
-            "tqo0, tqo1, tqo2, tqo3, tqo4, tqo5, tqo6, tqo7; " + _table8(_fp16_bits(centroids))
-            + spread + sels + look + outs + "}")
+    return (
+        "{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqm, tqt, tqA, tqB, tqs, tqrl, tqrh, "
+        "tqo0, tqo1, tqo2, tqo3, tqo4, tqo5, tqo6, tqo7; "
+        + _table8(_fp16_bits(centroids))
+        + spread
+        + sels
+        + look
+        + outs
+        + "}"
+    )
 
 
 def symmetric_fp16(centroids: torch.Tensor) -> bool:
@@ -308,15 +368,22 @@ def prmt_asm4s(centroids: torch.Tensor) -> str:
     assert len(bits) == 16
 
     def four(sel: str, sgn: str, o0: str, o1: str) -> str:
-        return (f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
-                f"prmt.b32 tqg, tqv, $8, {sgn}; lop3.b32 tqrh, tqrh, tqg, 0x80808080, 0x78; "
-                f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; ")
+        return (
+            f"prmt.b32 tqrl, tqa0, tqa1, {sel}; prmt.b32 tqrh, tqb0, tqb1, {sel}; "
+            f"prmt.b32 tqg, tqv, $8, {sgn}; lop3.b32 tqrh, tqrh, tqg, 0x80808080, 0x78; "
+            f"prmt.b32 {o0}, tqrl, tqrh, 0x5140; prmt.b32 {o1}, tqrl, tqrh, 0x7362; "
+        )
 
-    return ("{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqs, tqx, tqxh, tqv, tqg, tqrl, tqrh, tqo0, tqo1, tqo2, tqo3; "
-            + _table8(bits[:8]) + "shr.b32 tqs, $8, 3; and.b32 tqs, tqs, 0x11111111; mul.lo.u32 tqs, tqs, 7; "
-            "lop3.b32 tqx, $8, tqs, 0x77777777, 0x28; shl.b32 tqv, $8, 4; "
-            + four("tqx", "0x5140", "tqo0", "tqo1") + "shr.b32 tqxh, tqx, 16; " + four("tqxh", "0x7362", "tqo2", "tqo3")
-            + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }")
+    return (
+        "{ .reg .b32 tqa0, tqa1, tqb0, tqb1, tqs, tqx, tqxh, tqv, tqg, tqrl, tqrh, tqo0, tqo1, tqo2, tqo3; "
+        + _table8(bits[:8])
+        + "shr.b32 tqs, $8, 3; and.b32 tqs, tqs, 0x11111111; mul.lo.u32 tqs, tqs, 7; "
+        "lop3.b32 tqx, $8, tqs, 0x77777777, 0x28; shl.b32 tqv, $8, 4; "
+        + four("tqx", "0x5140", "tqo0", "tqo1")
+        + "shr.b32 tqxh, tqx, 16; "
+        + four("tqxh", "0x7362", "tqo2", "tqo3")
+        + "mov.b32 {$0, $1}, tqo0; mov.b32 {$2, $3}, tqo1; mov.b32 {$4, $5}, tqo2; mov.b32 {$6, $7}, tqo3; }"
+    )
 
 
 _BOOKS: dict[tuple, tuple] = {}  # (data_ptr, device) -> (centroids, fp16 patterns, odd-symmetric, {asm key: PTX})
@@ -368,8 +435,20 @@ def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int, centroids: to
 
 # ------------------------------------------------------------------------------------ encode
 @triton.jit
-def _tq_encode_kernel(x_ptr, rt_ptr, b_ptr, p0_ptr, p1_ptr, n_ptr, R,
-                      D: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+def _tq_encode_kernel(
+    x_ptr,
+    rt_ptr,
+    b_ptr,
+    p0_ptr,
+    p1_ptr,
+    n_ptr,
+    R,
+    D: tl.constexpr,
+    BR: tl.constexpr,
+    NB: tl.constexpr,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+):
     """Rows [BR, D]: norm, unit vector, rotation (u @ R^T), codes by counting boundaries below each
     coordinate, packed into one or two bit planes; fp16 norms."""
     pid = tl.program_id(0)
@@ -379,7 +458,7 @@ def _tq_encode_kernel(x_ptr, rt_ptr, b_ptr, p0_ptr, p1_ptr, n_ptr, R,
     x = tl.load(x_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     u = x / tl.where(norm > 0, norm, 1.0)[:, None]
-    rt = tl.load(rt_ptr + d[:, None] * D + d[None, :])                     # R^T [D, D]
+    rt = tl.load(rt_ptr + d[:, None] * D + d[None, :])  # R^T [D, D]
     y = tl.dot(u, rt, input_precision="ieee")
     c = tl.zeros((BR, D), dtype=tl.int32)
     for i in tl.static_range(NB):
@@ -400,8 +479,9 @@ def _tq_encode_kernel(x_ptr, rt_ptr, b_ptr, p0_ptr, p1_ptr, n_ptr, R,
         tl.store(p1_ptr + r[:, None] * (D // PER1) + j1[None, :], byte1.to(tl.uint8), mask=ok[:, None])
 
 
-def tq_encode(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor, bits: int, block_rows: int = 16
-              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+def tq_encode(
+    x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor, bits: int, block_rows: int = 16
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """x [..., D] -> (planes [..., D * w / 8] uint8 per plane, norms [...] fp16): TurboQuant-mse
     codes in the ``swiftlm.turboquant.packing`` layout.  ``rotation`` is R (forward: u @ R^T)."""
     shape = x.shape[:-1]
@@ -414,7 +494,19 @@ def tq_encode(x: torch.Tensor, rotation: torch.Tensor, boundaries: torch.Tensor,
     norms = torch.empty(R, dtype=torch.float16, device=x.device)
     rt = rotation.float().t().contiguous()
     grid = (triton.cdiv(R, block_rows),)
-    _tq_encode_kernel[grid](xf, rt, boundaries.float().contiguous(), p0, p1, norms, R,
-                            D=D, BR=block_rows, NB=boundaries.numel(), W0=w0, W1=w1)
+    _tq_encode_kernel[grid](
+        xf,
+        rt,
+        boundaries.float().contiguous(),
+        p0,
+        p1,
+        norms,
+        R,
+        D=D,
+        BR=block_rows,
+        NB=boundaries.numel(),
+        W0=w0,
+        W1=w1,
+    )
     planes = [p0.view(*shape, -1)] + ([p1.view(*shape, -1)] if w1 else [])
     return planes, norms.view(shape)

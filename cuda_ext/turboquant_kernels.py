@@ -32,15 +32,45 @@ def _page_of(pt_ptr, first, N, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, vc_ptr, lo, per, N, m, l, pt_ptr,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr,
-                    VW0: tl.constexpr, VW1: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr,
-                    VASM: tl.constexpr, VPRMT: tl.constexpr, KSWAR: tl.constexpr, VSWAR: tl.constexpr,
-                    PAGE: tl.constexpr):
+def _tq_range_trans(
+    q,
+    kp0,
+    kp1,
+    rk0,
+    rk1,
+    kn,
+    kc_ptr,
+    vp0,
+    vp1,
+    rv0,
+    rv1,
+    vn,
+    vc_ptr,
+    lo,
+    per,
+    N,
+    m,
+    l,
+    pt_ptr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RP: tl.constexpr,
+    KW0: tl.constexpr,
+    KW1: tl.constexpr,
+    VW0: tl.constexpr,
+    VW1: tl.constexpr,
+    KASM: tl.constexpr,
+    KPRMT: tl.constexpr,
+    VASM: tl.constexpr,
+    VPRMT: tl.constexpr,
+    KSWAR: tl.constexpr,
+    VSWAR: tl.constexpr,
+    PAGE: tl.constexpr,
+):
     """``_tq_attn_kernel``'s loop with the code tiles as first operands: scores^T [BLOCK_N, RP] = K q^T
     and the value sum kept transposed, acc^T [D, RP] += V^T p^T (fp16 operands, natural order, no QJL).
     Pointers are already offset to the program's KV head.  Returns (m, l, acc^T)."""
-    qT = tl.trans(q)                                                   # [D, RP] fp16
+    qT = tl.trans(q)  # [D, RP] fp16
     accT = tl.zeros((D, RP), tl.float32)
     # the denominator is kept per row and summed once after the loop: the rows of a tile sit in all warps, so a
     # sum over them per tile is a shared-memory exchange and a barrier
@@ -58,7 +88,7 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
             nn = tl.where(ok, n, 0)
         kvec = _mux_tile(kp0, kp1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D, KASM, KPRMT, KSWAR)
         knv = tl.load(kn + nn).to(tl.float32)
-        sT = tl.dot(kvec, qT)                                          # [BLOCK_N, RP]
+        sT = tl.dot(kvec, qT)  # [BLOCK_N, RP]
         sT = tl.where(ok[:, None], sT * knv[:, None], float("-inf"))
         m_new = tl.maximum(m, tl.max(sT, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,16 +104,64 @@ def _tq_range_trans(q, kp0, kp1, rk0, rk1, kn, kc_ptr, vp0, vp1, rv0, rv1, vn, v
 
 
 @triton.jit
-def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, sq_ptr, ks_ptr, kr_ptr,
-                    m_out, l_out, acc_out, N, n_ptr, qjl_scale, offs_ptr,
-                    head_k0, head_k1, head_v0, head_v1, rk0, rk1, rv0, rv1, kn_head, vn_head, ks_head, kr_head,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
-                    RP: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                    QJL: tl.constexpr, N_PTR: tl.constexpr, F16: tl.constexpr, KNAT: tl.constexpr,
-                    VNAT: tl.constexpr, KASM: tl.constexpr, KPRMT: tl.constexpr, VASM: tl.constexpr,
-                    VPRMT: tl.constexpr, KSWAR: tl.constexpr = 0, VSWAR: tl.constexpr = 0,
-                    TRANS: tl.constexpr = 0, GDC: tl.constexpr = 0, BATCH: tl.constexpr = 0,
-                    DIAG: tl.constexpr = 0, pt_ptr=None, PAGE: tl.constexpr = 0):
+def _tq_attn_kernel(
+    q_ptr,
+    kp0,
+    kp1,
+    kn_ptr,
+    kc_ptr,
+    vp0,
+    vp1,
+    vn_ptr,
+    vc_ptr,
+    sq_ptr,
+    ks_ptr,
+    kr_ptr,
+    m_out,
+    l_out,
+    acc_out,
+    N,
+    n_ptr,
+    qjl_scale,
+    offs_ptr,
+    head_k0,
+    head_k1,
+    head_v0,
+    head_v1,
+    rk0,
+    rk1,
+    rv0,
+    rv1,
+    kn_head,
+    vn_head,
+    ks_head,
+    kr_head,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REP: tl.constexpr,
+    RP: tl.constexpr,
+    KW0: tl.constexpr,
+    KW1: tl.constexpr,
+    VW0: tl.constexpr,
+    VW1: tl.constexpr,
+    QJL: tl.constexpr,
+    N_PTR: tl.constexpr,
+    F16: tl.constexpr,
+    KNAT: tl.constexpr,
+    VNAT: tl.constexpr,
+    KASM: tl.constexpr,
+    KPRMT: tl.constexpr,
+    VASM: tl.constexpr,
+    VPRMT: tl.constexpr,
+    KSWAR: tl.constexpr = 0,
+    VSWAR: tl.constexpr = 0,
+    TRANS: tl.constexpr = 0,
+    GDC: tl.constexpr = 0,
+    BATCH: tl.constexpr = 0,
+    DIAG: tl.constexpr = 0,
+    pt_ptr=None,
+    PAGE: tl.constexpr = 0,
+):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
     looked up once, not once per query head.  Split ``sp`` of S owns a contiguous range of whole
@@ -98,7 +176,7 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
     sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
-    g = tl.program_id(0)   # KV head
+    g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
     if GDC:
@@ -131,8 +209,8 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     vj, vs_ = tl.arange(0, VSW), tl.arange(0, VPER)
     col = tl.arange(0, D)
     # s-major column -> coordinate; the fp16 select-tree / prmt paths (KNAT, VNAT) give natural order
-    kcoord = col if KNAT else (col % KSW) * KPER + col // KSW   # keys (and the query, QJL's S q)
-    vcoord = col if VNAT else (col % VSW) * VPER + col // VSW   # values (the accumulator)
+    kcoord = col if KNAT else (col % KSW) * KPER + col // KSW  # keys (and the query, QJL's S q)
+    vcoord = col if VNAT else (col % VSW) * VPER + col // VSW  # values (the accumulator)
     r = tl.arange(0, RP)
     rv = r < REP
     h = hg * REP + r
@@ -147,10 +225,41 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
     if TRANS:
-        m, l, accT = _tq_range_trans(q, kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, kn_ptr + g * kn_head, kc_ptr,
-                                     vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, vn_ptr + g * vn_head, vc_ptr,
-                                     lo, per, N, m, l, pt_ptr, D, BLOCK_N, RP, KW0, KW1, VW0, VW1, KASM, KPRMT, VASM,
-                                     VPRMT, KSWAR, VSWAR, PAGE)
+        m, l, accT = _tq_range_trans(
+            q,
+            kp0 + g * head_k0,
+            kp1 + g * head_k1,
+            rk0,
+            rk1,
+            kn_ptr + g * kn_head,
+            kc_ptr,
+            vp0 + g * head_v0,
+            vp1 + g * head_v1,
+            rv0,
+            rv1,
+            vn_ptr + g * vn_head,
+            vc_ptr,
+            lo,
+            per,
+            N,
+            m,
+            l,
+            pt_ptr,
+            D,
+            BLOCK_N,
+            RP,
+            KW0,
+            KW1,
+            VW0,
+            VW1,
+            KASM,
+            KPRMT,
+            VASM,
+            VPRMT,
+            KSWAR,
+            VSWAR,
+            PAGE,
+        )
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
@@ -171,11 +280,12 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         else:
             nn = tl.where(ok, n, 0)
         if KNAT:
-            kvec = _mux_tile(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D,
-                             KASM, KPRMT, KSWAR)
+            kvec = _mux_tile(
+                kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kc_ptr, KW0, KW1, BLOCK_N, D, KASM, KPRMT, KSWAR
+            )
         else:
             kc = _codes(kp0 + g * head_k0, kp1 + g * head_k1, rk0, rk1, nn, kj, ks_, KW0, KW1, KPER, BLOCK_N, D)
-            kvec = tl.load(kc_ptr + kc)                               # centroids [BLOCK_N, D]
+            kvec = tl.load(kc_ptr + kc)  # centroids [BLOCK_N, D]
             kvec = kvec.to(tl.float16) if F16 else kvec
         kn = tl.load(kn_ptr + g * kn_head + nn).to(tl.float32)
         dot = tl.dot(q, tl.trans(kvec), input_precision="ieee") if not F16 else tl.dot(q, tl.trans(kvec))
@@ -194,8 +304,9 @@ def _tq_attn_kernel(q_ptr, kp0, kp1, kn_ptr, kc_ptr, vp0, vp1, vn_ptr, vc_ptr, s
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         if VNAT:
-            vvec = _mux_tile(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D,
-                             VASM, VPRMT, VSWAR)
+            vvec = _mux_tile(
+                vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vc_ptr, VW0, VW1, BLOCK_N, D, VASM, VPRMT, VSWAR
+            )
         else:
             vc = _codes(vp0 + g * head_v0, vp1 + g * head_v1, rv0, rv1, nn, vj, vs_, VW0, VW1, VPER, BLOCK_N, D)
             vvec = tl.load(vc_ptr + vc)
@@ -237,8 +348,27 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, BS: tl.cons
 
 
 @triton.jit
-def dense_rows_online(acc, l, m, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e, R, scale,
-                      BLOCK_R: tl.constexpr, VALID: tl.constexpr, EXP2: tl.constexpr):
+def dense_rows_online(
+    acc,
+    l,
+    m,
+    q,
+    dk_ptr,
+    dv_ptr,
+    valid_ptr,
+    g,
+    dk_head,
+    dk_row,
+    dv_head,
+    dv_row,
+    d,
+    e,
+    R,
+    scale,
+    BLOCK_R: tl.constexpr,
+    VALID: tl.constexpr,
+    EXP2: tl.constexpr,
+):
     """A combine kernel's 16-bit rows: continue the online softmax (running value sum ``acc`` [DS] for
     coordinates ``e``, denominator ``l``, max ``m``) over the R rows dk/dv [KVH, R, D] of KV head ``g``,
     scores q . k over all D coordinates ``d`` times ``scale`` (``valid`` [R] masks rows when VALID; EXP2:
@@ -288,11 +418,35 @@ def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB:
 
 
 @triton.jit
-def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, valid_ptr, out_ptr, R, S, scale,
-                       dk_head, dk_row, dv_head, dv_row,
-                       D: tl.constexpr, DS: tl.constexpr, BS: tl.constexpr, REP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, VALID: tl.constexpr, SB: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                       BATCH_H: tl.constexpr = 0, doffs_ptr=None, nd_ptr=None):
+def _tq_combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    rot_ptr,
+    q_ptr,
+    dk_ptr,
+    dv_ptr,
+    valid_ptr,
+    out_ptr,
+    R,
+    S,
+    scale,
+    dk_head,
+    dk_row,
+    dv_head,
+    dv_row,
+    D: tl.constexpr,
+    DS: tl.constexpr,
+    BS: tl.constexpr,
+    REP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    VALID: tl.constexpr,
+    SB: tl.constexpr = 0,
+    GDC: tl.constexpr = 0,
+    BATCH_H: tl.constexpr = 0,
+    doffs_ptr=None,
+    nd_ptr=None,
+):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
     coordinates (acc @ R[:, slice]), attend over the 16-bit rows (dense window, original domain;
@@ -317,12 +471,31 @@ def _tq_combine_kernel(m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, dk_ptr, dv_ptr, va
     if SB > 0:
         mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
     else:
-        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)   # acc [D], rotated domain
-    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])                 # R[:, slice] [D, DS]
-    code = tl.sum(acc[:, None] * rot, axis=0)                            # (acc @ R)[slice]
+        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
+    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
+    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    code, l = dense_rows_online(code, l, mc, q, dk_ptr, dv_ptr, valid_ptr, g, dk_head, dk_row, dv_head, dv_row, d, e,
-                                R, scale, BLOCK_R, VALID, False)
+    code, l = dense_rows_online(
+        code,
+        l,
+        mc,
+        q,
+        dk_ptr,
+        dv_ptr,
+        valid_ptr,
+        g,
+        dk_head,
+        dk_row,
+        dv_head,
+        dv_row,
+        d,
+        e,
+        R,
+        scale,
+        BLOCK_R,
+        VALID,
+        False,
+    )
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
@@ -353,8 +526,25 @@ def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
     return max(1, min(triton.cdiv(8 * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
 
 
-def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
-                block_n, rep, qjl, n_rows, f16, splits, batch=None, pages=None):
+def _split_pass(
+    q_rot,
+    k_planes,
+    k_norms,
+    k_centroids,
+    k_bits,
+    v_planes,
+    v_norms,
+    v_centroids,
+    v_bits,
+    block_n,
+    rep,
+    qjl,
+    n_rows,
+    f16,
+    splits,
+    batch=None,
+    pages=None,
+):
     H, D = q_rot.shape
     N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -363,7 +553,9 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     dev = q_rot.device
     block_n = block_n or (64 if f16 or D <= 64 else 32)
     if pages is not None:
-        assert pages[1] % block_n == 0 and pages[0].dtype == torch.int32, "pages: int32 table, rows a multiple of the tile"
+        assert pages[1] % block_n == 0 and pages[0].dtype == torch.int32, (
+            "pages: int32 table, rows a multiple of the tile"
+        )
     S = splits or _splits(dev, H // rep, N, block_n)
     m = torch.empty(H, S, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
@@ -392,18 +584,63 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     if MAXNREG and trans and dev.type == "cuda" and "maxnreg" not in tune and tune.get("num_warps", 4) == 4:
         tune["maxnreg"] = MAXNREG
     offs, kvh = batch if batch is not None else (m, 0)
-    _LAST["split"] = _tq_attn_kernel[(H // rep, S)](q_rot.float().contiguous(), kp0, kp1, k_norms, k_centroids.float(),
-                            vp0, vp1, v_norms, v_centroids.float(), sq, ks, kr, m, l, acc, N,
-                            n_rows if n_rows is not None else m, float(qjl_scale), offs,
-                            hk0, hk1, hv0, hv1, rk0, rk1, rv0, rv1, k_norms.stride(0), v_norms.stride(0),
-                            ks_head, kr_head, D=D, BLOCK_N=block_n, REP=rep,
-                            RP=max(16, triton.next_power_of_2(rep)),
-                            KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=qjl is not None,
-                            N_PTR=n_rows is not None, F16=f16, KNAT=knat, VNAT=vnat,
-                            KASM=kasm or "none", KPRMT=int(bool(kasm)), VASM=vasm or "none", VPRMT=int(bool(vasm)),
-                            KSWAR=int(kswar), VSWAR=int(vswar), TRANS=int(bool(trans)), BATCH=kvh,
-                            pt_ptr=pages[0] if pages is not None else m,
-                            PAGE=int(pages[1]) if pages is not None else 0, **tune)
+    _LAST["split"] = _tq_attn_kernel[(H // rep, S)](
+        q_rot.float().contiguous(),
+        kp0,
+        kp1,
+        k_norms,
+        k_centroids.float(),
+        vp0,
+        vp1,
+        v_norms,
+        v_centroids.float(),
+        sq,
+        ks,
+        kr,
+        m,
+        l,
+        acc,
+        N,
+        n_rows if n_rows is not None else m,
+        float(qjl_scale),
+        offs,
+        hk0,
+        hk1,
+        hv0,
+        hv1,
+        rk0,
+        rk1,
+        rv0,
+        rv1,
+        k_norms.stride(0),
+        v_norms.stride(0),
+        ks_head,
+        kr_head,
+        D=D,
+        BLOCK_N=block_n,
+        REP=rep,
+        RP=max(16, triton.next_power_of_2(rep)),
+        KW0=kw0,
+        KW1=kw1,
+        VW0=vw0,
+        VW1=vw1,
+        QJL=qjl is not None,
+        N_PTR=n_rows is not None,
+        F16=f16,
+        KNAT=knat,
+        VNAT=vnat,
+        KASM=kasm or "none",
+        KPRMT=int(bool(kasm)),
+        VASM=vasm or "none",
+        VPRMT=int(bool(vasm)),
+        KSWAR=int(kswar),
+        VSWAR=int(vswar),
+        TRANS=int(bool(trans)),
+        BATCH=kvh,
+        pt_ptr=pages[0] if pages is not None else m,
+        PAGE=int(pages[1]) if pages is not None else 0,
+        **tune,
+    )
     key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
@@ -411,12 +648,24 @@ def _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms
     return m, l, acc
 
 
-def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_norms: torch.Tensor,
-                        k_centroids: torch.Tensor, k_bits: int, v_planes: list[torch.Tensor],
-                        v_norms: torch.Tensor, v_centroids: torch.Tensor, v_bits: int, block_n: int | None = None,
-                        rep: int = 1, qjl: tuple | None = None, n_rows: torch.Tensor | None = None,
-                        f16: bool = False, splits: int | None = None, pages: tuple | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tq_decode_attention(
+    q_rot: torch.Tensor,
+    k_planes: list[torch.Tensor],
+    k_norms: torch.Tensor,
+    k_centroids: torch.Tensor,
+    k_bits: int,
+    v_planes: list[torch.Tensor],
+    v_norms: torch.Tensor,
+    v_centroids: torch.Tensor,
+    v_bits: int,
+    block_n: int | None = None,
+    rep: int = 1,
+    qjl: tuple | None = None,
+    n_rows: torch.Tensor | None = None,
+    f16: bool = False,
+    splits: int | None = None,
+    pages: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_rot [H, D] (rotated, scaled); planes [H // rep, N, bytes] (row stride may exceed the row:
     views of a larger store are fine, as long as the last axis is contiguous); norms [H // rep, >= N];
     centroids [2^bits].  Query head h reads KV head h // rep.  ``qjl``: (S q scaled [H, D], sign
@@ -431,8 +680,24 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
     row count (the largest ``n_rows`` may give).  Rows per page: a multiple of ``block_n``.  With ``batch``
     (``tq_decode_attention_full``) the table is sequence 0's and ``offs`` [B, 9] gives the others' offsets.
     Returns (m [H], l [H], acc [H, D]): softmax max, denominator and sum p|v|c in the rotated domain."""
-    m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
-                            v_bits, block_n, rep, qjl, n_rows, f16, splits, pages=pages)
+    m, l, acc = _split_pass(
+        q_rot,
+        k_planes,
+        k_norms,
+        k_centroids,
+        k_bits,
+        v_planes,
+        v_norms,
+        v_centroids,
+        v_bits,
+        block_n,
+        rep,
+        qjl,
+        n_rows,
+        f16,
+        splits,
+        pages=pages,
+    )
     if m.shape[1] == 1:
         return m[:, 0], l[:, 0], acc[:, 0]
     M = m.max(dim=1).values
@@ -440,14 +705,31 @@ def tq_decode_attention(q_rot: torch.Tensor, k_planes: list[torch.Tensor], k_nor
     return M, (l * w).sum(1), (acc * w[..., None]).sum(1)
 
 
-def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: list[torch.Tensor],
-                             k_norms: torch.Tensor, k_centroids: torch.Tensor, k_bits: int,
-                             v_planes: list[torch.Tensor], v_norms: torch.Tensor, v_centroids: torch.Tensor,
-                             v_bits: int, v_rotation: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                             scale: float, rep: int = 1, qjl: tuple | None = None,
-                             n_rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                             f16: bool = True, block_n: int | None = None, splits: int | None = None,
-                             batch: tuple | None = None, pages: tuple | None = None) -> torch.Tensor:
+def tq_decode_attention_full(
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k_planes: list[torch.Tensor],
+    k_norms: torch.Tensor,
+    k_centroids: torch.Tensor,
+    k_bits: int,
+    v_planes: list[torch.Tensor],
+    v_norms: torch.Tensor,
+    v_centroids: torch.Tensor,
+    v_bits: int,
+    v_rotation: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    rep: int = 1,
+    qjl: tuple | None = None,
+    n_rows: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    f16: bool = True,
+    block_n: int | None = None,
+    splits: int | None = None,
+    batch: tuple | None = None,
+    pages: tuple | None = None,
+) -> torch.Tensor:
     """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
     the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
     splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
@@ -459,9 +741,25 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
     ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
-    m, l, acc = _split_pass(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids,
-                            v_bits, block_n, rep, qjl, n_rows, f16, splits,
-                            (batch[0], batch[3] // rep) if batch is not None else None, pages)
+    m, l, acc = _split_pass(
+        q_rot,
+        k_planes,
+        k_norms,
+        k_centroids,
+        k_bits,
+        v_planes,
+        v_norms,
+        v_centroids,
+        v_bits,
+        block_n,
+        rep,
+        qjl,
+        n_rows,
+        f16,
+        splits,
+        (batch[0], batch[3] // rep) if batch is not None else None,
+        pages,
+    )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
@@ -475,11 +773,29 @@ def tq_decode_attention_full(q: torch.Tensor, q_rot: torch.Tensor, k_planes: lis
         kw.update(launch_kw(q))
     if batch is not None:
         kw.update(BATCH_H=batch[3], doffs_ptr=batch[1], nd_ptr=batch[2])
-    _LAST["combine"] = _tq_combine_kernel[(H, D // ds)](m, l, acc, v_rotation.float().contiguous(), q.contiguous(), dk, dv,
-                                     valid if valid is not None else m, out, R, S, float(scale),
-                                     dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                                     D=D, BS=max(2, triton.next_power_of_2(S)), REP=rep,
-                                     VALID=valid is not None and batch is None, **kw)
+    _LAST["combine"] = _tq_combine_kernel[(H, D // ds)](
+        m,
+        l,
+        acc,
+        v_rotation.float().contiguous(),
+        q.contiguous(),
+        dk,
+        dv,
+        valid if valid is not None else m,
+        out,
+        R,
+        S,
+        float(scale),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        D=D,
+        BS=max(2, triton.next_power_of_2(S)),
+        REP=rep,
+        VALID=valid is not None and batch is None,
+        **kw,
+    )
     return out
 
 
@@ -510,8 +826,19 @@ def rotate_rows(x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_planes, v_norms, v_centroids, v_bits,
-                            rep: int = 1, qjl: tuple | None = None):
+def tq_decode_attention_ref(
+    q_rot,
+    k_planes,
+    k_norms,
+    k_centroids,
+    k_bits,
+    v_planes,
+    v_norms,
+    v_centroids,
+    v_bits,
+    rep: int = 1,
+    qjl: tuple | None = None,
+):
     """Plain torch: unpack, look up, softmax; same (m, l, acc) contract."""
     if rep > 1:
         k_planes = [p.repeat_interleave(rep, 0) for p in k_planes]
@@ -519,6 +846,7 @@ def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_pla
         k_norms, v_norms = k_norms.repeat_interleave(rep, 0), v_norms.repeat_interleave(rep, 0)
     N = k_planes[0].shape[1]
     k_norms, v_norms = k_norms[:, :N], v_norms[:, :N]
+
     def unpack(planes, bits, D):
         w0, w1 = _PLANES[bits]
         out, shift = None, 0
@@ -533,7 +861,7 @@ def tq_decode_attention_ref(q_rot, k_planes, k_norms, k_centroids, k_bits, v_pla
         return out
 
     D = q_rot.shape[1]
-    kc = k_centroids.float()[unpack(k_planes, k_bits, D)]               # [H, N, D]
+    kc = k_centroids.float()[unpack(k_planes, k_bits, D)]  # [H, N, D]
     dots = torch.einsum("hnd,hd->hn", kc, q_rot.float())
     if qjl is not None:
         sq, ks, kr, qjl_scale = qjl

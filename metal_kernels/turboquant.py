@@ -15,7 +15,8 @@ times the fp16 norm, and keeping its own running max / sum / accumulator; the la
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -78,8 +79,9 @@ _KERNEL: Any = None
 _STATE: dict[str, bool] = {}
 
 
-def partials_ref(q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None
-                 ) -> tuple[mx.array, mx.array, mx.array]:
+def partials_ref(
+    q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
     """Pure MLX, block by block (never more than BLOCK decoded rows at a time)."""
     m = l = acc = None
     for s0 in range(0, n, BLOCK):
@@ -109,12 +111,16 @@ def _kernel() -> Any:
         _KERNEL = mx.fast.metal_kernel(
             name="swiftlm_tq_decode_attention",
             input_names=["q_rot", "kp0", "kp1", "kn", "kc", "vp0", "vp1", "vn", "vc", "n_rows"],
-            output_names=["out_m", "out_l", "out_acc"], source=SOURCE, header=HEADER)
+            output_names=["out_m", "out_l", "out_acc"],
+            source=SOURCE,
+            header=HEADER,
+        )
     return _KERNEL
 
 
-def partials_metal(q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None
-                   ) -> tuple[mx.array, mx.array, mx.array]:
+def partials_metal(
+    q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
     """The fused kernel (single query row per head: M == heads per KV head)."""
     if sq is not None:
         raise ValueError("the Metal kernel does not implement QJL keys")
@@ -124,11 +130,24 @@ def partials_metal(q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: 
     vw0, vw1 = _PLANES[vc.mse_bits]
     kp, vp = codes["kp"], codes["vp"]
     m, l, acc = _kernel()(
-        inputs=[q_rot.reshape(H, D).astype(mx.float32), kp[0], kp[1] if kw1 else kp[0], codes["kn"], kc.centroids,
-                vp[0], vp[1] if vw1 else vp[0], codes["vn"], vc.centroids, mx.array([n], dtype=mx.uint32)],
+        inputs=[
+            q_rot.reshape(H, D).astype(mx.float32),
+            kp[0],
+            kp[1] if kw1 else kp[0],
+            codes["kn"],
+            kc.centroids,
+            vp[0],
+            vp[1] if vw1 else vp[0],
+            codes["vn"],
+            vc.centroids,
+            mx.array([n], dtype=mx.uint32),
+        ],
         template=[("D", D), ("REP", M), ("KW0", kw0), ("KW1", kw1), ("VW0", vw0), ("VW1", vw1)],
-        grid=(H * 32, 1, 1), threadgroup=(32, 1, 1),
-        output_shapes=[(H,), (H,), (H, D)], output_dtypes=[mx.float32, mx.float32, mx.float32])
+        grid=(H * 32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(H,), (H,), (H, D)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
     return m.reshape(KVH, M, 1), l.reshape(KVH, M, 1), acc.reshape(KVH, M, D)
 
 
@@ -160,8 +179,7 @@ def selfcheck(kernel: Callable[..., tuple] = partials_metal) -> bool:
     want = partials_ref(q, codes, n, kc, vc)
     for a, b, name in zip(got, want, ("max", "sum", "acc")):
         if a.shape != b.shape or not mx.allclose(a, b, rtol=1e-4, atol=1e-4).item():
-            log.warning("TurboQuant Metal kernel disagrees with the pure-MLX reference (%s); using the reference",
-                        name)
+            log.warning("TurboQuant Metal kernel disagrees with the pure-MLX reference (%s); using the reference", name)
             return False
     return True
 
@@ -173,8 +191,9 @@ def use_kernel() -> bool:
     return _STATE["ok"]
 
 
-def partials(q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None,
-             rows: int = 1) -> tuple[mx.array, mx.array, mx.array]:
+def partials(
+    q_rot: mx.array, codes: dict[str, Any], n: int, kc: Any, vc: Any, sq: mx.array | None = None, rows: int = 1
+) -> tuple[mx.array, mx.array, mx.array]:
     """Kernel for single decode rows without QJL where it checked out; the reference otherwise."""
     if rows == 1 and sq is None and use_kernel():
         return partials_metal(q_rot, codes, n, kc, vc)

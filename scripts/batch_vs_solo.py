@@ -45,9 +45,16 @@ def main() -> None:
         if b != s:
             first = next((j for j, (x, y) in enumerate(zip(b, s)) if x != y), min(len(b), len(s)))
             diffs.append({"request": i, "first_difference": first})
-    out = {"model": a.model or "bundled SmolLM2", "backend": a.backend, "host": platform.node(),
-           "requests": a.requests, "tokens": a.tokens, "equal": a.requests - len(diffs),
-           "fraction_equal": round((a.requests - len(diffs)) / a.requests, 4), "differ": diffs}
+    out = {
+        "model": a.model or "bundled SmolLM2",
+        "backend": a.backend,
+        "host": platform.node(),
+        "requests": a.requests,
+        "tokens": a.tokens,
+        "equal": a.requests - len(diffs),
+        "fraction_equal": round((a.requests - len(diffs)) / a.requests, 4),
+        "differ": diffs,
+    }
     try:
         import torch
 
@@ -55,8 +62,11 @@ def main() -> None:
             out["device"] = torch.cuda.get_device_name()
     except ImportError:
         pass
-    print(json.dumps({k: v for k, v in out.items() if k != "differ"}), "first differences:",
-          sorted(d["first_difference"] for d in diffs))
+    print(
+        json.dumps({k: v for k, v in out.items() if k != "differ"}),
+        "first differences:",
+        sorted(d["first_difference"] for d in diffs),
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -19,8 +19,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TOPICS = ["cats", "Rome", "Python", "mountains", "prime numbers", "the sea", "music", "the sky", "bread", "rivers",
-          "chess", "volcanoes", "bees", "glass", "trains", "the moon"]
+TOPICS = [
+    "cats",
+    "Rome",
+    "Python",
+    "mountains",
+    "prime numbers",
+    "the sea",
+    "music",
+    "the sky",
+    "bread",
+    "rivers",
+    "chess",
+    "volcanoes",
+    "bees",
+    "glass",
+    "trains",
+    "the moon",
+]
 
 
 def main() -> None:
@@ -54,16 +70,19 @@ def main() -> None:
         outs = llm.generate(batch, p)
         conc = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
         rows.append({"streams": n, "serial_tok_s": serial, "concurrent_tok_s": conc, "ratio": conc / serial})
-    t = Table(title=f"aggregate tok/s, {llm.spec.name} on {llm.backend_choice}, {a.tokens} tokens per stream, "
-                    f"{platform.machine()}")
+    t = Table(
+        title=f"aggregate tok/s, {llm.spec.name} on {llm.backend_choice}, {a.tokens} tokens per stream, "
+        f"{platform.machine()}"
+    )
     for col in ("streams", "serial tok/s", "concurrent tok/s", "ratio"):
         t.add_column(col)
     for r in rows:
         t.add_row(str(r["streams"]), f"{r['serial_tok_s']:.2f}", f"{r['concurrent_tok_s']:.2f}", f"{r['ratio']:.2f}")
     Console().print(t)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"backend": a.backend, "model": llm.spec.name, "tokens": a.tokens,
-                                        "rows": rows}, indent=2))
+    Path(a.json).write_text(
+        json.dumps({"backend": a.backend, "model": llm.spec.name, "tokens": a.tokens, "rows": rows}, indent=2)
+    )
     llm.close()
 
 

@@ -61,9 +61,9 @@ def main() -> int:
     H, I = a.hidden, a.intermediate
     qkv = (a.heads + 2 * a.kv_heads) * a.head_dim
     shapes = [(qkv, H), (H, a.heads * a.head_dim), (2 * I, H), (H, I)]
-    layers = [[torch.randn(n, k) / k ** 0.5 for n, k in shapes] for _ in range(a.layers)]
+    layers = [[torch.randn(n, k) / k**0.5 for n, k in shapes] for _ in range(a.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, a.hint) for w in ws] for ws in layers]
-    head = torch.randn(a.vocab, H) / H ** 0.5
+    head = torch.randn(a.vocab, H) / H**0.5
     head_p = torch.ops.mkldnn._reorder_linear_weight(head, a.hint)
     layer_bytes = sum(w.numel() * 4 for ws in layers for w in ws)
     big = torch.randn(256 * 1024 * 1024)  # 1 GiB: the streaming-read bound
@@ -91,26 +91,50 @@ def main() -> int:
         # the two must compute the same function (fp32 rounding apart)
         ref, got = mkl(head, xh), onednn(head_p, xh)
         err = float((ref - got).abs().max() / ref.abs().max())
-        rows_out.append({"rows": rows, "layers_mkl_ms": round(t_mkl * 1e3, 2), "layers_onednn_ms": round(t_dnn * 1e3, 2),
-                         "layers_speedup": round(t_mkl / t_dnn, 2),
-                         "layers_mkl_gbs": round(layer_bytes / t_mkl / 1e9, 1),
-                         "layers_onednn_gbs": round(layer_bytes / t_dnn / 1e9, 1),
-                         "head_mkl_ms": round(h_mkl * 1e3, 2), "head_onednn_ms": round(h_dnn * 1e3, 2),
-                         "head_speedup": round(h_mkl / h_dnn, 2), "head_rel_err": err})
-    print(f"streaming read bound: {read_gbs:.1f} GB/s; layer weights {layer_bytes / 1e6:.0f} MB, "
-          f"head {head.numel() * 4 / 1e6:.0f} MB; torch {torch.__version__}, {torch.get_num_threads()} threads")
+        rows_out.append(
+            {
+                "rows": rows,
+                "layers_mkl_ms": round(t_mkl * 1e3, 2),
+                "layers_onednn_ms": round(t_dnn * 1e3, 2),
+                "layers_speedup": round(t_mkl / t_dnn, 2),
+                "layers_mkl_gbs": round(layer_bytes / t_mkl / 1e9, 1),
+                "layers_onednn_gbs": round(layer_bytes / t_dnn / 1e9, 1),
+                "head_mkl_ms": round(h_mkl * 1e3, 2),
+                "head_onednn_ms": round(h_dnn * 1e3, 2),
+                "head_speedup": round(h_mkl / h_dnn, 2),
+                "head_rel_err": err,
+            }
+        )
+    print(
+        f"streaming read bound: {read_gbs:.1f} GB/s; layer weights {layer_bytes / 1e6:.0f} MB, "
+        f"head {head.numel() * 4 / 1e6:.0f} MB; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print("| rows | layers: mkl ms (GB/s) | oneDNN packed ms (GB/s) | x | head: mkl ms | oneDNN ms | x |")
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['rows']} | {r['layers_mkl_ms']} ({r['layers_mkl_gbs']}) | {r['layers_onednn_ms']} "
-              f"({r['layers_onednn_gbs']}) | {r['layers_speedup']} | {r['head_mkl_ms']} | {r['head_onednn_ms']} | "
-              f"{r['head_speedup']} |")
+        print(
+            f"| {r['rows']} | {r['layers_mkl_ms']} ({r['layers_mkl_gbs']}) | {r['layers_onednn_ms']} "
+            f"({r['layers_onednn_gbs']}) | {r['layers_speedup']} | {r['head_mkl_ms']} | {r['head_onednn_ms']} | "
+            f"{r['head_speedup']} |"
+        )
     if a.json:
-        Path(a.json).write_text(json.dumps({
-            "what": "fp32 linears of one decode step (every layer matrix once) on this CPU: MKL (the torch backend's "
-                    "path before session 15) vs oneDNN prepacked weights (its path since)", "shapes": vars(a), "read_bound_gbs": round(read_gbs, 1),
-            "host": {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
-            "rows": rows_out}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "what": "fp32 linears of one decode step (every layer matrix once) on this CPU: MKL (the torch backend's "
+                    "path before session 15) vs oneDNN prepacked weights (its path since)",
+                    "shapes": vars(a),
+                    "read_bound_gbs": round(read_gbs, 1),
+                    "host": {
+                        "machine": platform.machine(),
+                        "threads": torch.get_num_threads(),
+                        "torch": torch.__version__,
+                    },
+                    "rows": rows_out,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

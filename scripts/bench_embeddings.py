@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("embeddings map text to vectors so that similar meanings land close together while unrelated "
-         "sentences end up far apart in the space").split()
+WORDS = (
+    "embeddings map text to vectors so that similar meanings land close together while unrelated "
+    "sentences end up far apart in the space"
+).split()
 
 
 def texts(n: int, words: int = 24) -> list[str]:
@@ -47,10 +49,32 @@ def main() -> None:
     model = a.model
     if model is None:
         model = str(Path(tempfile.mkdtemp()) / "emb")
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_checkpoint.py"), model, "--arch", "qwen3",
-                        "--hidden", "576", "--layers", "30", "--heads", "9", "--kv-heads", "3", "--head-dim", "64",
-                        "--intermediate", "1536", "--dtype", "float32", "--embedding-only"], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts/make_checkpoint.py"),
+                model,
+                "--arch",
+                "qwen3",
+                "--hidden",
+                "576",
+                "--layers",
+                "30",
+                "--heads",
+                "9",
+                "--kv-heads",
+                "3",
+                "--head-dim",
+                "64",
+                "--intermediate",
+                "1536",
+                "--dtype",
+                "float32",
+                "--embedding-only",
+            ],
+            check=True,
+            capture_output=True,
+        )
     import numpy as np
     import torch
     import transformers
@@ -78,18 +102,33 @@ def main() -> None:
 
             so, st = timed(ours, a.reps), timed(theirs, a.reps)
             agree = float(np.max(np.abs(np.stack(ours()) - theirs())))
-            rows.append({"batch": b, "tokens_per_input": round(sum(map(len, prompts)) / b, 1),
-                         "swiftlm_emb_per_s": round(b / so, 2), "transformers_emb_per_s": round(b / st, 2),
-                         "ratio": round(st / so, 3), "max_abs_diff": agree})
+            rows.append(
+                {
+                    "batch": b,
+                    "tokens_per_input": round(sum(map(len, prompts)) / b, 1),
+                    "swiftlm_emb_per_s": round(b / so, 2),
+                    "transformers_emb_per_s": round(b / st, 2),
+                    "ratio": round(st / so, 3),
+                    "max_abs_diff": agree,
+                }
+            )
     finally:
         llm.close()
     print(f"{'batch':>5} {'swiftlm emb/s':>14} {'transformers emb/s':>19} {'ratio':>6} {'max |diff|':>10}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['swiftlm_emb_per_s']:>14.1f} {r['transformers_emb_per_s']:>19.1f} "
-              f"{r['ratio']:>6.2f} {r['max_abs_diff']:>10.2e}")
-    out = {"model": a.model or "SmolLM2-135M-shaped embedding-only checkpoint (random weights)",
-           "backend": a.backend, "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
-           "machine": platform.machine(), "threads": torch.get_num_threads(), "rows": rows, "tokenizer": type(tok).__name__}
+        print(
+            f"{r['batch']:>5} {r['swiftlm_emb_per_s']:>14.1f} {r['transformers_emb_per_s']:>19.1f} "
+            f"{r['ratio']:>6.2f} {r['max_abs_diff']:>10.2e}"
+        )
+    out = {
+        "model": a.model or "SmolLM2-135M-shaped embedding-only checkpoint (random weights)",
+        "backend": a.backend,
+        "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "tokenizer": type(tok).__name__,
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))
     print("wrote", a.json)

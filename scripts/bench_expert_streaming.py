@@ -70,11 +70,20 @@ def child(conf: dict) -> dict:
     from swiftlm.registry import resolve
 
     spec = resolve(conf["ckpt"])
-    cfg = SimpleNamespace(stream_experts=conf["stream"], expert_read_mode=conf.get("mode", "pread"),
-                          expert_read_threads=conf.get("threads", 16), expert_prefetch=conf.get("prefetch", False),
-                          expert_top_k=conf.get("k", 0), mem_limit=conf.get("mem_limit"), ctx_size=512,
-                          parallel=1, turbo_kv=None, turbo_kv_window=128, turbo_kv_threshold=0,
-                          turbo_kv_keep_layers=0)
+    cfg = SimpleNamespace(
+        stream_experts=conf["stream"],
+        expert_read_mode=conf.get("mode", "pread"),
+        expert_read_threads=conf.get("threads", 16),
+        expert_prefetch=conf.get("prefetch", False),
+        expert_top_k=conf.get("k", 0),
+        mem_limit=conf.get("mem_limit"),
+        ctx_size=512,
+        parallel=1,
+        turbo_kv=None,
+        turbo_kv_window=128,
+        turbo_kv_threshold=0,
+        turbo_kv_keep_layers=0,
+    )
     mem_start = proc_memory()
     t0 = time.perf_counter()
     if conf["backend"] == "mlx":
@@ -104,6 +113,7 @@ def child(conf: dict) -> dict:
                 out = model.module(torch.tensor(tokens, device=model.device), cache, pos[0])
             pos[0] += len(tokens)
             return int(out[-1].argmax().item())
+
     load_s = time.perf_counter() - t0
     mem_loaded = proc_memory()
     reader = model.expert_stream
@@ -124,29 +134,43 @@ def child(conf: dict) -> dict:
         tok = step([tok])
         dt = time.perf_counter() - t
         io1 = proc_io()
-        per_tok.append({"s": dt, "bytes": (reader.stats.bytes_read - b0) if reader else 0,
-                        "wait_s": (reader.stats.read_seconds - w0) if reader else 0.0,
-                        "disk": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-                        "h2d": getattr(getattr(reader, "h2d", None), "bytes", 0) - h0,
-                        "rchar": io1.get("rchar", 0) - io0.get("rchar", 0)})
+        per_tok.append(
+            {
+                "s": dt,
+                "bytes": (reader.stats.bytes_read - b0) if reader else 0,
+                "wait_s": (reader.stats.read_seconds - w0) if reader else 0.0,
+                "disk": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+                "h2d": getattr(getattr(reader, "h2d", None), "bytes", 0) - h0,
+                "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+            }
+        )
     n = len(per_tok)
     total_s = sum(p["s"] for p in per_tok)
     mem_end = proc_memory()
     lay = reader.layout if reader else None
     k = model.info.experts_per_token
-    out = {**conf, "load_s": round(load_s, 2), "tok_per_s": n / total_s, "s_per_token": total_s / n,
-           "bytes_per_token": sum(p["bytes"] for p in per_tok) / n,
-           "expected_bytes_per_token": lay.bytes_per_token(k) if lay else 0,
-           "disk_bytes_per_token": sum(p["disk"] for p in per_tok) / n,
-           "rchar_per_token": sum(p["rchar"] for p in per_tok) / n,
-           "read_wait_fraction": sum(p["wait_s"] for p in per_tok) / total_s,
-           "h2d_bytes_per_token": sum(p["h2d"] for p in per_tok) / n,
-           "experts_per_token": k, "resident_weight_bytes": model.info.weight_bytes,
-           "buffer_bytes": reader.buffer_bytes() if reader else 0,
-           "rss_start": mem_start.get("rss", 0), "rss_loaded": mem_loaded.get("rss", 0),
-           "peak_rss_loaded": mem_loaded.get("peak_rss", 0),
-           "peak_rss": mem_end.get("peak_rss", 0), "rss_anon": mem_end.get("rss_anon", 0),
-           "rss_file": mem_end.get("rss_file", 0), "page_cache": page_cache_bytes()}
+    out = {
+        **conf,
+        "load_s": round(load_s, 2),
+        "tok_per_s": n / total_s,
+        "s_per_token": total_s / n,
+        "bytes_per_token": sum(p["bytes"] for p in per_tok) / n,
+        "expected_bytes_per_token": lay.bytes_per_token(k) if lay else 0,
+        "disk_bytes_per_token": sum(p["disk"] for p in per_tok) / n,
+        "rchar_per_token": sum(p["rchar"] for p in per_tok) / n,
+        "read_wait_fraction": sum(p["wait_s"] for p in per_tok) / total_s,
+        "h2d_bytes_per_token": sum(p["h2d"] for p in per_tok) / n,
+        "experts_per_token": k,
+        "resident_weight_bytes": model.info.weight_bytes,
+        "buffer_bytes": reader.buffer_bytes() if reader else 0,
+        "rss_start": mem_start.get("rss", 0),
+        "rss_loaded": mem_loaded.get("rss", 0),
+        "peak_rss_loaded": mem_loaded.get("peak_rss", 0),
+        "peak_rss": mem_end.get("peak_rss", 0),
+        "rss_anon": mem_end.get("rss_anon", 0),
+        "rss_file": mem_end.get("rss_file", 0),
+        "page_cache": page_cache_bytes(),
+    }
     if reader is not None:
         out["prefetch_hit_rate"] = reader.stats.snapshot()["prefetch_hit_rate"]
         h2d = getattr(reader, "h2d", None)
@@ -160,8 +184,13 @@ def child(conf: dict) -> dict:
 
 
 def run_child(conf: dict, timeout: float = 1800) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(conf)], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(conf)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     if r.returncode != 0 or not lines:
         return {**conf, "error": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]}
@@ -178,8 +207,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only resident, pread warm/cold")
     ap.add_argument("--no-resident", action="store_true", help="skip the in-memory run (model larger than RAM)")
     ap.add_argument("--mem-limit", default=None, help="cap device memory (torch on CUDA)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run every configuration N times, interleaved; the table shows the median tok/s run")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every configuration N times, interleaved; the table shows the median tok/s run",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "expert_streaming.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -206,21 +239,26 @@ def main() -> None:
             confs.append({**base, "name": "resident", "stream": False, "mem_limit": None})
         else:
             confs.append({**base, "name": "resident", "stream": False})
-    confs += [{**base, "name": "pread warm", "stream": True, "mode": "pread"},
-              {**base, "name": "pread cold", "stream": True, "mode": "pread", "cold": True}]
+    confs += [
+        {**base, "name": "pread warm", "stream": True, "mode": "pread"},
+        {**base, "name": "pread cold", "stream": True, "mode": "pread", "cold": True},
+    ]
     if not a.quick:
-        confs += [{**base, "name": "mmap warm", "stream": True, "mode": "mmap"},
-                  {**base, "name": "mmap cold", "stream": True, "mode": "mmap", "cold": True},
-                  {**base, "name": "pread cold +prefetch", "stream": True, "mode": "pread", "cold": True,
-                   "prefetch": True},
-                  {**base, "name": "pread warm +prefetch", "stream": True, "mode": "pread", "prefetch": True}]
+        confs += [
+            {**base, "name": "mmap warm", "stream": True, "mode": "mmap"},
+            {**base, "name": "mmap cold", "stream": True, "mode": "mmap", "cold": True},
+            {**base, "name": "pread cold +prefetch", "stream": True, "mode": "pread", "cold": True, "prefetch": True},
+            {**base, "name": "pread warm +prefetch", "stream": True, "mode": "pread", "prefetch": True},
+        ]
         for k in (int(x) for x in a.topk.split(",")):
             if k >= k_model:
                 continue
             if not a.no_resident:
                 confs.append({**base, "name": f"resident k={k}", "stream": False, "k": k})
-            confs += [{**base, "name": f"pread warm k={k}", "stream": True, "mode": "pread", "k": k},
-                      {**base, "name": f"pread cold k={k}", "stream": True, "mode": "pread", "cold": True, "k": k}]
+            confs += [
+                {**base, "name": f"pread warm k={k}", "stream": True, "mode": "pread", "k": k},
+                {**base, "name": f"pread cold k={k}", "stream": True, "mode": "pread", "cold": True, "k": k},
+            ]
     runs: dict[str, list[dict]] = {}
     for _ in range(max(1, a.repeat)):  # interleaved, so slow phases of the disk hit every configuration
         for c in confs:
@@ -228,8 +266,10 @@ def main() -> None:
                 seq_bandwidth(files, cold=False)  # warm: the whole checkpoint in the page cache
             r = run_child(c)
             runs.setdefault(c["name"], []).append(r)
-            print(json.dumps({k: r.get(k) for k in ("name", "tok_per_s", "bytes_per_token", "peak_rss", "error")}),
-                  flush=True)
+            print(
+                json.dumps({k: r.get(k) for k in ("name", "tok_per_s", "bytes_per_token", "peak_rss", "error")}),
+                flush=True,
+            )
     results = []
     for c in confs:
         ok = sorted((r for r in runs[c["name"]] if "error" not in r), key=lambda r: r["tok_per_s"])
@@ -238,8 +278,11 @@ def main() -> None:
             r["tok_per_s_runs"] = [round(x["tok_per_s"], 4) for x in runs[c["name"]] if "error" not in x]
         results.append(r)
     by = {r["name"]: r for r in results}
-    resident = {r.get("experts_per_token") or k_model: r for r in results if r["name"].startswith("resident")
-                and "error" not in r and "cap" not in r["name"]}
+    resident = {
+        r.get("experts_per_token") or k_model: r
+        for r in results
+        if r["name"].startswith("resident") and "error" not in r and "cap" not in r["name"]
+    }
     for r in results:
         if "error" in r or not r.get("stream"):
             continue
@@ -253,18 +296,33 @@ def main() -> None:
                 r["ratio_vs_resident"] = r["tok_per_s"] / ref["tok_per_s"]
         r["memory_bound"] = r["resident_weight_bytes"] + r["buffer_bytes"] + SLACK
         r["memory_ok"] = r["peak_rss"] < r["memory_bound"]
-    summary = {"checkpoint": str(spec.path), "backend": a.backend, "expert_bytes": lay.expert_bytes_total,
-               "resident_bytes_on_disk": lay.resident_bytes, "bytes_per_expert": lay.bytes_per_expert(),
-               "moe_layers": len(lay.layers), "experts": lay.num_experts, "experts_per_token": k_model,
-               "seq_read_cold_bytes_per_s": seq_cold, "seq_read_cold_samples": colds, "seq_read_warm_bytes_per_s": seq_warm,
-               "cpu_count": os.cpu_count(), "repeat": a.repeat, "results": results}
+    summary = {
+        "checkpoint": str(spec.path),
+        "backend": a.backend,
+        "expert_bytes": lay.expert_bytes_total,
+        "resident_bytes_on_disk": lay.resident_bytes,
+        "bytes_per_expert": lay.bytes_per_expert(),
+        "moe_layers": len(lay.layers),
+        "experts": lay.num_experts,
+        "experts_per_token": k_model,
+        "seq_read_cold_bytes_per_s": seq_cold,
+        "seq_read_cold_samples": colds,
+        "seq_read_warm_bytes_per_s": seq_warm,
+        "cpu_count": os.cpu_count(),
+        "repeat": a.repeat,
+        "results": results,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(summary, indent=2))
-    print(f"\n{spec.path.name}: experts {lay.expert_bytes_total / 1e9:.2f} GB on disk, "
-          f"{lay.bytes_per_expert() / MB:.2f} MB per expert, {len(lay.layers)} MoE layers x {lay.num_experts} "
-          f"experts, k={k_model}; sequential read {seq_cold / 1e9:.2f} GB/s cold, {seq_warm / 1e9:.2f} GB/s warm")
-    hdr = (f"{'run':24} {'tok/s':>7} {'vs':>14} {'MB/tok':>8} {'expect':>8} {'disk MB/tok':>11} {'wait':>5} "
-           f"{'peak RSS':>9} {'anon':>7} {'file':>7} {'bound':>7} {'hit':>5}")
+    print(
+        f"\n{spec.path.name}: experts {lay.expert_bytes_total / 1e9:.2f} GB on disk, "
+        f"{lay.bytes_per_expert() / MB:.2f} MB per expert, {len(lay.layers)} MoE layers x {lay.num_experts} "
+        f"experts, k={k_model}; sequential read {seq_cold / 1e9:.2f} GB/s cold, {seq_warm / 1e9:.2f} GB/s warm"
+    )
+    hdr = (
+        f"{'run':24} {'tok/s':>7} {'vs':>14} {'MB/tok':>8} {'expect':>8} {'disk MB/tok':>11} {'wait':>5} "
+        f"{'peak RSS':>9} {'anon':>7} {'file':>7} {'bound':>7} {'hit':>5}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -274,18 +332,27 @@ def main() -> None:
         spread = r.get("tok_per_s_runs") or []
         if len(spread) > 1:
             print(f"{'':24} tok/s over {len(spread)} runs: " + ", ".join(f"{x:.2f}" for x in spread))
-        vs = (f"{r['ratio_vs_bound']:.2f}x bound" if "ratio_vs_bound" in r else
-              f"{r['ratio_vs_resident']:.2f}x resid" if "ratio_vs_resident" in r else "")
+        vs = (
+            f"{r['ratio_vs_bound']:.2f}x bound"
+            if "ratio_vs_bound" in r
+            else f"{r['ratio_vs_resident']:.2f}x resid"
+            if "ratio_vs_resident" in r
+            else ""
+        )
         hit = r.get("prefetch_hit_rate")
         if r.get("h2d_bandwidth_bytes_per_s"):
-            print(f"{'':24} host-to-device {r['h2d_bytes_per_token'] / MB:.0f} MB/token at "
-                  f"{r['h2d_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy-stream time), CUDA peak "
-                  f"{r.get('cuda_peak_bytes', 0) / 1e9:.2f} GB")
-        print(f"{r['name']:24} {r['tok_per_s']:7.2f} {vs:>14} {r['bytes_per_token'] / MB:8.1f} "
-              f"{r['expected_bytes_per_token'] / MB:8.1f} {r['disk_bytes_per_token'] / MB:11.1f} "
-              f"{r['read_wait_fraction']:5.2f} {r['peak_rss'] / MB:9.0f} {r['rss_anon'] / MB:7.0f} "
-              f"{r['rss_file'] / MB:7.0f} {r.get('memory_bound', 0) / MB:7.0f} "
-              f"{'' if hit is None else f'{hit:.2f}':>5}")
+            print(
+                f"{'':24} host-to-device {r['h2d_bytes_per_token'] / MB:.0f} MB/token at "
+                f"{r['h2d_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy-stream time), CUDA peak "
+                f"{r.get('cuda_peak_bytes', 0) / 1e9:.2f} GB"
+            )
+        print(
+            f"{r['name']:24} {r['tok_per_s']:7.2f} {vs:>14} {r['bytes_per_token'] / MB:8.1f} "
+            f"{r['expected_bytes_per_token'] / MB:8.1f} {r['disk_bytes_per_token'] / MB:11.1f} "
+            f"{r['read_wait_fraction']:5.2f} {r['peak_rss'] / MB:9.0f} {r['rss_anon'] / MB:7.0f} "
+            f"{r['rss_file'] / MB:7.0f} {r.get('memory_bound', 0) / MB:7.0f} "
+            f"{'' if hit is None else f'{hit:.2f}':>5}"
+        )
     print(f"\nwrote {a.out}")
     del by
 

@@ -32,8 +32,14 @@ def main() -> None:
     a = ap.parse_args()
     from swiftlm import LLM, SamplingParams
 
-    llm = LLM(a.model, backend=a.backend, parallel=a.streams + 1, prefill_size=a.prefill_size,
-              prompt_cache_bytes=0, ctx_size=a.long + 256)
+    llm = LLM(
+        a.model,
+        backend=a.backend,
+        parallel=a.streams + 1,
+        prefill_size=a.prefill_size,
+        prompt_cache_bytes=0,
+        ctx_size=a.long + 256,
+    )
     long_prompt = llm.tokenizer.encode("lorem ipsum dolor sit amet " * (a.long // 5))[: a.long]
     # the long prompt alone: the slowest of its prefill chunks (later chunks attend to more keys)
     from swiftlm.engine import SyncSink
@@ -71,15 +77,26 @@ def main() -> None:
 
     before = max(worst(s, 0, t_long) for s in stamps)
     during = max(worst(s, t_long, t_done) for s in stamps)
-    res = {"streams": a.streams, "long_prompt_tokens": len(out.prompt_token_ids), "prefill_size": a.prefill_size,
-           "one_chunk_alone_s": chunk_s, "worst_gap_before_s": before, "worst_gap_during_s": during,
-           "increase_s": during - before, "long_prompt_ttft_s": t_done - t_long,
-           "within_one_chunk": during - before <= chunk_s}
-    print(f"{a.streams} streams decoding; a {res['long_prompt_tokens']}-token prompt arrives "
-          f"(prefill {res['long_prompt_ttft_s']:.2f} s in chunks of {a.prefill_size})")
-    print(f"worst inter-token gap before: {before * 1000:.0f} ms, during: {during * 1000:.0f} ms, "
-          f"increase {res['increase_s'] * 1000:.0f} ms; slowest {a.prefill_size}-token chunk alone: {chunk_s * 1000:.0f} ms "
-          f"-> {'within' if res['within_one_chunk'] else 'OVER'} one chunk")
+    res = {
+        "streams": a.streams,
+        "long_prompt_tokens": len(out.prompt_token_ids),
+        "prefill_size": a.prefill_size,
+        "one_chunk_alone_s": chunk_s,
+        "worst_gap_before_s": before,
+        "worst_gap_during_s": during,
+        "increase_s": during - before,
+        "long_prompt_ttft_s": t_done - t_long,
+        "within_one_chunk": during - before <= chunk_s,
+    }
+    print(
+        f"{a.streams} streams decoding; a {res['long_prompt_tokens']}-token prompt arrives "
+        f"(prefill {res['long_prompt_ttft_s']:.2f} s in chunks of {a.prefill_size})"
+    )
+    print(
+        f"worst inter-token gap before: {before * 1000:.0f} ms, during: {during * 1000:.0f} ms, "
+        f"increase {res['increase_s'] * 1000:.0f} ms; slowest {a.prefill_size}-token chunk alone: {chunk_s * 1000:.0f} ms "
+        f"-> {'within' if res['within_one_chunk'] else 'OVER'} one chunk"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=2))
     llm.close()

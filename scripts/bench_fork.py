@@ -32,9 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TEXT = ("The lighthouse keeper counted the ships that passed each night, writing their names in a "
-        "leather book. Some were fishing boats returning with silver catches, others were tall cargo "
-        "vessels bound for distant ports. ")
+TEXT = (
+    "The lighthouse keeper counted the ships that passed each night, writing their names in a "
+    "leather book. Some were fishing boats returning with silver catches, others were tall cargo "
+    "vessels bound for distant ports. "
+)
 
 
 def main() -> None:
@@ -74,9 +76,13 @@ def main() -> None:
             kv = max(kv, eng.kv_stats()["bytes"])
             if ev.finished:
                 left.discard(ev.seq_id)
-        return {"wall_s": time.perf_counter() - t0, "prefill_tokens": eng.fork_stats.prefill_tokens - pre,
-                "tokens_generated": sum(len(t) for t in toks.values()), "kv_peak_bytes": kv,
-                "outputs": [toks[i] for i in ids]}
+        return {
+            "wall_s": time.perf_counter() - t0,
+            "prefill_tokens": eng.fork_stats.prefill_tokens - pre,
+            "tokens_generated": sum(len(t) for t in toks.values()),
+            "kv_peak_bytes": kv,
+            "outputs": [toks[i] for i in ids],
+        }
 
     modes = {
         "one chain": lambda sink: [eng.submit(prompt, params, sink)],
@@ -96,25 +102,47 @@ def main() -> None:
     for name, r in results.items():
         r["wall_s_median"] = statistics.median(r["wall_s"])
         r["identical_to_single"] = all(o == single for o in r.pop("outputs"))
-        rows.append((name, f"{r['wall_s_median']:.2f}", str(r["prefill_tokens"]), str(r["tokens_generated"]),
-                     f"{r['kv_peak_bytes'] / 2**20:.1f}", str(r["identical_to_single"])))
+        rows.append(
+            (
+                name,
+                f"{r['wall_s_median']:.2f}",
+                str(r["prefill_tokens"]),
+                str(r["tokens_generated"]),
+                f"{r['kv_peak_bytes'] / 2**20:.1f}",
+                str(r["identical_to_single"]),
+            )
+        )
     forked, separate = results[f"n={a.n} forked"], results[f"n={a.n} separate"]
     bpt = eng.info.kv_bytes_per_token
     head = ("mode", "wall s (median)", "prefill tokens", "tokens generated", "KV peak MiB", "greedy == single")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    print(f"\nfork: {llm.spec.name}, {a.backend} {a.device}, {len(prompt)} prompt tokens, {a.tokens} new per choice, "
-          f"n={a.n}, {platform.machine()}")
+    print(
+        f"\nfork: {llm.spec.name}, {a.backend} {a.device}, {len(prompt)} prompt tokens, {a.tokens} new per choice, "
+        f"n={a.n}, {platform.machine()}"
+    )
     for line in [head, tuple("-" * w for w in widths)] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
     speed = separate["wall_s_median"] / forked["wall_s_median"]
     kv_ratio = separate["kv_peak_bytes"] / forked["kv_peak_bytes"]
-    print(f"forked vs separate: {speed:.2f}x faster, {kv_ratio:.2f}x less KV at peak "
-          f"({(separate['kv_peak_bytes'] - forked['kv_peak_bytes']) / bpt:.0f} token rows; "
-          f"{a.n - 1} prompts = {(a.n - 1) * len(prompt)})")
-    out = {"model": llm.spec.name, "backend": a.backend, "device": a.device, "machine": platform.machine(),
-           "prompt_tokens": len(prompt), "new_tokens": a.tokens, "n": a.n, "repeats": a.repeats,
-           "kv_bytes_per_token": bpt, "modes": results, "speedup_forked_vs_separate": speed,
-           "kv_ratio_separate_over_forked": kv_ratio}
+    print(
+        f"forked vs separate: {speed:.2f}x faster, {kv_ratio:.2f}x less KV at peak "
+        f"({(separate['kv_peak_bytes'] - forked['kv_peak_bytes']) / bpt:.0f} token rows; "
+        f"{a.n - 1} prompts = {(a.n - 1) * len(prompt)})"
+    )
+    out = {
+        "model": llm.spec.name,
+        "backend": a.backend,
+        "device": a.device,
+        "machine": platform.machine(),
+        "prompt_tokens": len(prompt),
+        "new_tokens": a.tokens,
+        "n": a.n,
+        "repeats": a.repeats,
+        "kv_bytes_per_token": bpt,
+        "modes": results,
+        "speedup_forked_vs_separate": speed,
+        "kv_ratio_separate_over_forked": kv_ratio,
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.json}")

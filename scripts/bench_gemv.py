@@ -16,9 +16,15 @@ import json
 import platform
 
 SHAPES = {  # name: (N, K) of w
-    "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048), "1b.down": (2048, 8192),
+    "1b.qkv": (3072, 2048),
+    "1b.o": (2048, 2048),
+    "1b.gate_up": (16384, 2048),
+    "1b.down": (2048, 8192),
     "1b.lm_head": (49152, 2048),
-    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    "8b.qkv": (6144, 4096),
+    "8b.o": (4096, 4096),
+    "8b.gate_up": (28672, 4096),
+    "8b.down": (4096, 14336),
     "8b.lm_head": (49152, 4096),
 }
 
@@ -55,7 +61,7 @@ def main() -> None:
 
     name_gpu = torch.cuda.get_device_name()
     sheet_bw = 4.8e12 if "H200" in name_gpu else 3.35e12  # the data sheet's HBM bandwidth (H100 SXM / H200)
-    big = torch.ones(2 ** 29, dtype=torch.bfloat16, device=dev)
+    big = torch.ones(2**29, dtype=torch.bfloat16, device=dev)
     read_bw = big.numel() * 2 / graph_time(lambda: big.sum(), reps=5, iters=10)  # what a streaming read reaches
     del big
     print(f"{name_gpu}: data sheet {sheet_bw / 1e12:.2f} TB/s, a 1 GB sum() reads at {read_bw / 1e12:.2f} TB/s")
@@ -65,8 +71,10 @@ def main() -> None:
             # several copies of the weight, used in turn, more bytes than the L2 cache (50 MB): each call
             # reads its weight from HBM, as in a decode step (one layer's matrix, then the next layer's)
             byts = N * K * 2
-            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-                  for _ in range(max(2, -(-300_000_000 // byts)))]
+            ws = [
+                torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+                for _ in range(max(2, -(-300_000_000 // byts)))
+            ]
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             w = ws[0]
             ref = x.float() @ w.float().T
@@ -93,18 +101,40 @@ def main() -> None:
                     best = (t, cfg, err)
             dflt = _config(M, K)
             t_def = graph_time(lambda: linear_small_m(x, nxt()))
-            r = {"shape": name, "M": M, "N": N, "K": K, "mb": round(byts / 1e6, 1),
-                 "cublas_us": round(t_cub * 1e6, 2), "cublas_frac_datasheet": round(byts / t_cub / sheet_bw, 3),
-                 "triton_best_us": round(best[0] * 1e6, 2), "triton_best_cfg": best[1],
-                 "triton_best_frac": round(byts / best[0] / sheet_bw, 3), "triton_best_max_err": best[2],
-                 "triton_default_cfg": dflt, "triton_default_us": round(t_def * 1e6, 2)}
+            r = {
+                "shape": name,
+                "M": M,
+                "N": N,
+                "K": K,
+                "mb": round(byts / 1e6, 1),
+                "cublas_us": round(t_cub * 1e6, 2),
+                "cublas_frac_datasheet": round(byts / t_cub / sheet_bw, 3),
+                "triton_best_us": round(best[0] * 1e6, 2),
+                "triton_best_cfg": best[1],
+                "triton_best_frac": round(byts / best[0] / sheet_bw, 3),
+                "triton_best_max_err": best[2],
+                "triton_default_cfg": dflt,
+                "triton_default_us": round(t_def * 1e6, 2),
+            }
             rows.append(r)
-            print(f"M={M} {name:12s} {r['mb']:7.1f} MB  cuBLAS {r['cublas_us']:7.2f} us ({r['cublas_frac_datasheet']:.0%})"
-                  f"  triton best {r['triton_best_us']:7.2f} us ({r['triton_best_frac']:.0%}) {best[1]}"
-                  f"  default {r['triton_default_us']:7.2f} us  err {best[2]:.3g}", flush=True)
+            print(
+                f"M={M} {name:12s} {r['mb']:7.1f} MB  cuBLAS {r['cublas_us']:7.2f} us ({r['cublas_frac_datasheet']:.0%})"
+                f"  triton best {r['triton_best_us']:7.2f} us ({r['triton_best_frac']:.0%}) {best[1]}"
+                f"  default {r['triton_default_us']:7.2f} us  err {best[2]:.3g}",
+                flush=True,
+            )
     if a.json:
-        json.dump({"gpu": torch.cuda.get_device_name(), "host": platform.node(), "datasheet_Bps": sheet_bw, "sum_read_Bps": read_bw,
-                   "rows": rows}, open(a.json, "w"), indent=1)
+        json.dump(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "host": platform.node(),
+                "datasheet_Bps": sheet_bw,
+                "sum_read_Bps": read_bw,
+                "rows": rows,
+            },
+            open(a.json, "w"),
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

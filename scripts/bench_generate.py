@@ -89,8 +89,10 @@ def main() -> None:
             res[name]["tokens"] = toks
     same = res["mlx_lm"].pop("tokens") == res["swiftlm"].pop("tokens")
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in res.items()}
-    table = Table(title=f"generate: {llm.spec.name}, {len(ids)} prompt tokens, {a.tokens} new, "
-                        f"{mx.default_device()} ({platform.machine()})")
+    table = Table(
+        title=f"generate: {llm.spec.name}, {len(ids)} prompt tokens, {a.tokens} new, "
+        f"{mx.default_device()} ({platform.machine()})"
+    )
     for col in ("runner", "TTFT s (median)", "decode tok/s (median)"):
         table.add_column(col)
     for k in ("mlx_lm", "swiftlm"):
@@ -100,9 +102,19 @@ def main() -> None:
     table.add_row("ratio swiftlm/mlx-lm", f"{ratio_ttft:.3f} (lower is better)", f"{ratio_tps:.3f}")
     Console().print(table)
     print(f"identical greedy tokens: {same}")
-    out = {"model": llm.spec.name, "device": str(mx.default_device()), "machine": platform.machine(),
-           "prompt_tokens": len(ids), "new_tokens": a.tokens, "repeats": a.repeats, "runs": res, "median": med,
-           "decode_ratio": ratio_tps, "ttft_ratio": ratio_ttft, "identical_tokens": same}
+    out = {
+        "model": llm.spec.name,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "prompt_tokens": len(ids),
+        "new_tokens": a.tokens,
+        "repeats": a.repeats,
+        "runs": res,
+        "median": med,
+        "decode_ratio": ratio_tps,
+        "ttft_ratio": ratio_ttft,
+        "identical_tokens": same,
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=2))
     llm.close()

@@ -20,34 +20,54 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS = ["List three European capitals with their countries as JSON.",
-           "Describe a cat as a JSON object with name, age and colors.",
-           "Give a JSON object of a book: title, author, year, tags.",
-           "Return JSON with a list of five prime numbers and their squares."]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "items": {"type": "array", "items": {
-    "type": "object", "properties": {"label": {"type": "string"}, "value": {"type": "number"}},
-    "required": ["label", "value"]}}}, "required": ["name", "items"]}
+PROMPTS = [
+    "List three European capitals with their countries as JSON.",
+    "Describe a cat as a JSON object with name, age and colors.",
+    "Give a JSON object of a book: title, author, year, tags.",
+    "Return JSON with a list of five prime numbers and their squares.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"label": {"type": "string"}, "value": {"type": "number"}},
+                "required": ["label", "value"],
+            },
+        },
+    },
+    "required": ["name", "items"],
+}
 
 
 def run(model: str | None, backend: str, close: bool, runs: int, max_tokens: list[int]) -> list[dict]:
     from swiftlm import LLM, SamplingParams
     from swiftlm.chat.structured import grammar_for
 
-    llm = LLM(model, backend=backend, parallel=16, json_close=close, json_repeat_guard=6 if close else 0,
-              prompt_cache_bytes=0)
+    llm = LLM(
+        model, backend=backend, parallel=16, json_close=close, json_repeat_guard=6 if close else 0, prompt_cache_bytes=0
+    )
     rows = []
     try:
-        for kind, rf in (("json_object", {"type": "json_object"}),
-                         ("json_schema", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})):
+        for kind, rf in (
+            ("json_object", {"type": "json_object"}),
+            ("json_schema", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+        ):
             grammar = grammar_for(rf)
             for mt in max_tokens:
-                prompts = [llm.engine.chat_prompt([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-                           for i in range(runs)]
+                prompts = [
+                    llm.engine.chat_prompt([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+                    for i in range(runs)
+                ]
                 outs: dict[int, Any] = {}
 
                 def one(i: int) -> None:
-                    outs[i] = llm.generate(prompts[i], SamplingParams(max_tokens=mt, temperature=0.8,
-                                                                      seed=1000 + i, grammar=grammar))
+                    outs[i] = llm.generate(
+                        prompts[i], SamplingParams(max_tokens=mt, temperature=0.8, seed=1000 + i, grammar=grammar)
+                    )
 
                 t0 = time.perf_counter()
                 ts = [threading.Thread(target=one, args=(i,)) for i in range(runs)]
@@ -61,9 +81,18 @@ def run(model: str | None, backend: str, close: bool, runs: int, max_tokens: lis
                     except ValueError:
                         pass
                     lengths += o.finish_reason == "length"
-                rows.append({"format": kind, "max_tokens": mt, "json_close": close, "runs": runs,
-                             "valid": valid, "valid_fraction": round(valid / runs, 3), "cut_by_length": lengths,
-                             "seconds": round(time.perf_counter() - t0, 2)})
+                rows.append(
+                    {
+                        "format": kind,
+                        "max_tokens": mt,
+                        "json_close": close,
+                        "runs": runs,
+                        "valid": valid,
+                        "valid_fraction": round(valid / runs, 3),
+                        "cut_by_length": lengths,
+                        "seconds": round(time.perf_counter() - t0, 2),
+                    }
+                )
                 print(rows[-1], flush=True)
     finally:
         llm.close()
@@ -82,11 +111,22 @@ def main() -> None:
     rows = run(a.model, a.backend, False, a.runs, mts) + run(a.model, a.backend, True, a.runs, mts)
     print(f"\n{'format':<12} {'max_tokens':>10} {'before':>8} {'after':>8}")
     for r in rows[: len(rows) // 2]:
-        after = next(x for x in rows if x["json_close"] and x["format"] == r["format"] and x["max_tokens"] == r["max_tokens"])
+        after = next(
+            x for x in rows if x["json_close"] and x["format"] == r["format"] and x["max_tokens"] == r["max_tokens"]
+        )
         print(f"{r['format']:<12} {r['max_tokens']:>10} {r['valid_fraction']:>8.0%} {after['valid_fraction']:>8.0%}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"model": a.model or "bundled SmolLM2-135M-Instruct (Q4_1 GGUF)",
-                                        "backend": a.backend, "machine": platform.machine(), "rows": rows}, indent=1))
+    Path(a.json).write_text(
+        json.dumps(
+            {
+                "model": a.model or "bundled SmolLM2-135M-Instruct (Q4_1 GGUF)",
+                "backend": a.backend,
+                "machine": platform.machine(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print("wrote", a.json)
 
 

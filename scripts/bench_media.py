@@ -32,13 +32,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def _media():
-    from PIL import Image
     import soundfile as sf
+    from PIL import Image
 
     rng = np.random.default_rng(0)
     b = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (768, 1024, 3), dtype=np.uint8)).save(b, format="JPEG", quality=90)
-    img = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(b.getvalue()).decode()}}
+    img = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(b.getvalue()).decode()},
+    }
     t = np.arange(441000) / 44100
     st = np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)], 1).astype(np.float32) * 0.3
     a = io.BytesIO()
@@ -63,7 +66,7 @@ def bench_backend(model: str, backend: str, repeat: int, gen: int) -> dict:
             pre.append(time.perf_counter() - t0)
         n = len(ids)
         # a text prompt of the same length (ordinary tokens)
-        filler = eng.tokenizer.encode(" the" * (n + 8))[: n]
+        filler = eng.tokenizer.encode(" the" * (n + 8))[:n]
         p = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
 
         def run(prompt):
@@ -80,10 +83,14 @@ def bench_backend(model: str, backend: str, repeat: int, gen: int) -> dict:
         media = [run(msgs) for _ in range(repeat)]
         text = [run(list(filler)) for _ in range(repeat)]
         med = lambda xs: statistics.median(xs)  # noqa: E731
-        out[name] = {"prompt_tokens": n, "preprocess_ms": med(pre) * 1e3,
-                     "prefill_media_ms": med([m[0] for m in media]) * 1e3,
-                     "prefill_text_ms": med([t[0] for t in text]) * 1e3,
-                     "decode_media_tok_s": med([m[1] for m in media]), "decode_text_tok_s": med([t[1] for t in text])}
+        out[name] = {
+            "prompt_tokens": n,
+            "preprocess_ms": med(pre) * 1e3,
+            "prefill_media_ms": med([m[0] for m in media]) * 1e3,
+            "prefill_text_ms": med([t[0] for t in text]) * 1e3,
+            "decode_media_tok_s": med([m[1] for m in media]),
+            "decode_text_tok_s": med([t[1] for t in text]),
+        }
     llm.close()
     return out
 
@@ -103,25 +110,35 @@ def main() -> None:
     model = a.model
     if model is None:
         model = str(Path(tempfile.mkdtemp(prefix="swiftlm-mm-")) / "gemma4")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), model, "--arch", "gemma4"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), model, "--arch", "gemma4"],
+            check=True,
+            capture_output=True,
+        )
     rows = []
     for b in a.backends.split(","):
-        r = subprocess.run([sys.executable, __file__, "--model", model, "--child", b, "--repeat", str(a.repeat),
-                            "--gen", str(a.gen)], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, __file__, "--model", model, "--child", b, "--repeat", str(a.repeat), "--gen", str(a.gen)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             print(f"{b}: failed\n{r.stderr[-2000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"{'backend':8} {'media':6} {'tokens':>6} {'preproc ms':>10} {'prefill media ms':>16} {'prefill text ms':>15} "
-          f"{'ratio':>6} {'decode media tok/s':>18} {'decode text tok/s':>17}")
+    print(
+        f"{'backend':8} {'media':6} {'tokens':>6} {'preproc ms':>10} {'prefill media ms':>16} {'prefill text ms':>15} "
+        f"{'ratio':>6} {'decode media tok/s':>18} {'decode text tok/s':>17}"
+    )
     for r in rows:
         for k in ("image", "audio"):
             x = r[k]
-            print(f"{r['backend']:8} {k:6} {x['prompt_tokens']:>6} {x['preprocess_ms']:>10.1f} "
-                  f"{x['prefill_media_ms']:>16.1f} {x['prefill_text_ms']:>15.1f} "
-                  f"{x['prefill_media_ms'] / x['prefill_text_ms']:>6.2f} {x['decode_media_tok_s']:>18.1f} "
-                  f"{x['decode_text_tok_s']:>17.1f}")
+            print(
+                f"{r['backend']:8} {k:6} {x['prompt_tokens']:>6} {x['preprocess_ms']:>10.1f} "
+                f"{x['prefill_media_ms']:>16.1f} {x['prefill_text_ms']:>15.1f} "
+                f"{x['prefill_media_ms'] / x['prefill_text_ms']:>6.2f} {x['decode_media_tok_s']:>18.1f} "
+                f"{x['decode_text_tok_s']:>17.1f}"
+            )
     if a.json:
         Path(a.json).write_text(json.dumps({"model": model, "results": rows}, indent=2))
 

@@ -53,8 +53,7 @@ def main() -> None:
 
     def run(model, rows: int) -> tuple[float, list]:
         cache = make_prompt_cache(model.module)
-        mx.eval(model.module(mx.array([[1 + (i * 7 + r) % 500 for i in range(40)] for r in range(rows)]),
-                             cache=cache))
+        mx.eval(model.module(mx.array([[1 + (i * 7 + r) % 500 for i in range(40)] for r in range(rows)]), cache=cache))
         outs, t0 = [], time.perf_counter()
         for s in range(args.steps):
             o = model.module(mx.array([[5 + s + r] for r in range(rows)]), cache=cache)
@@ -73,18 +72,38 @@ def main() -> None:
             ts.append(b)
             equal = equal and all(mx.array_equal(x, y).item() for x, y in zip(oa, ob))
         p, s = statistics.median(tp), statistics.median(ts)
-        results.append({"rows": rows, "plain_ms": round(p * 1e3, 2), "split_ms": round(s * 1e3, 2),
-                        "plain_tok_s": round(rows / p, 2), "split_tok_s": round(rows / s, 2),
-                        "speedup": round(p / s, 3), "logits_equal": equal})
-    print(f"MLX {mx.__version__}, {args.model}, {n} slices, {os.cpu_count()} CPUs, median of {args.rounds} rounds "
-          f"of {args.steps} steps")
+        results.append(
+            {
+                "rows": rows,
+                "plain_ms": round(p * 1e3, 2),
+                "split_ms": round(s * 1e3, 2),
+                "plain_tok_s": round(rows / p, 2),
+                "split_tok_s": round(rows / s, 2),
+                "speedup": round(p / s, 3),
+                "logits_equal": equal,
+            }
+        )
+    print(
+        f"MLX {mx.__version__}, {args.model}, {n} slices, {os.cpu_count()} CPUs, median of {args.rounds} rounds "
+        f"of {args.steps} steps"
+    )
     print(f"{'rows':>4} {'plain ms':>9} {'split ms':>9} {'plain tok/s':>11} {'split tok/s':>11} {'ratio':>6} equal")
     for r in results:
-        print(f"{r['rows']:>4} {r['plain_ms']:>9} {r['split_ms']:>9} {r['plain_tok_s']:>11} {r['split_tok_s']:>11} "
-              f"{r['speedup']:>5}x {r['logits_equal']}")
-    out = {"model": args.model, "mlx": mx.__version__, "slices": n, "cpus": os.cpu_count(),
-           "machine": platform.machine(), "steps": args.steps, "rounds": args.rounds,
-           "date": time.strftime("%Y-%m-%d"), "results": results}
+        print(
+            f"{r['rows']:>4} {r['plain_ms']:>9} {r['split_ms']:>9} {r['plain_tok_s']:>11} {r['split_tok_s']:>11} "
+            f"{r['speedup']:>5}x {r['logits_equal']}"
+        )
+    out = {
+        "model": args.model,
+        "mlx": mx.__version__,
+        "slices": n,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", args.out)

@@ -53,7 +53,7 @@ PEAK = 3.35e12
 BATCHES = [1, 8, 32, 64, 128]
 CONTEXTS = [256, 1024, 4096, 32768]
 LIMIT = 40e9
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def ms(fn, graph=False, rep=100):
@@ -110,8 +110,9 @@ def bench_shape(B, ctx, sm, args):
 
     def f_base():
         valid = (arange.view(1, ctx) <= pos.view(B, 1)).view(B, 1, 1, ctx)
-        return F.scaled_dot_product_attention(q.unsqueeze(2), K[slots, :, :ctx], V[slots, :, :ctx], attn_mask=valid,
-                                              enable_gqa=True).squeeze(2)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), K[slots, :, :ctx], V[slots, :, :ctx], attn_mask=valid, enable_gqa=True
+        ).squeeze(2)
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -176,8 +177,12 @@ def tune(sm, args):
     """block_n x num_warps x num_stages for the tl.dot path and a few broadcast-sum configs (GQA rep 4);
     then, for MHA (rep 1, H = KVH = 32), tl.dot on the 16-row padded query vs broadcast-sum."""
     res = []
-    dot_cfgs = [dict(use_dot=True, block_n=bn, num_warps=w, num_stages=st)
-                for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)]
+    dot_cfgs = [
+        dict(use_dot=True, block_n=bn, num_warps=w, num_stages=st)
+        for bn in (32, 64, 128)
+        for w in (2, 4, 8)
+        for st in (2, 3)
+    ]
     bc_cfgs = [dict(use_dot=False, block_n=bn, num_warps=w) for bn in (16, 32) for w in (4, 8)]
     mha_cfgs = [dict(use_dot=d_, block_n=bn, num_warps=w) for d_ in (True, False) for bn in (32, 64) for w in (4, 8)]
     plan = [(B, ctx, H, KVH, dot_cfgs + bc_cfgs) for B, ctx in [(1, 32768), (8, 4096), (64, 4096), (128, 1024)]]
@@ -222,8 +227,11 @@ def main():
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     props = torch.cuda.get_device_properties(0)
     sm = props.multi_processor_count
-    print(f"{props.name}, {sm} SMs, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
-          f"triton {triton.__version__}; H={H} KVH={KVH} D={D} bf16; peak {PEAK / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"{props.name}, {sm} SMs, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
+        f"triton {triton.__version__}; H={H} KVH={KVH} D={D} bf16; peak {PEAK / 1e12:.2f} TB/s",
+        flush=True,
+    )
     rows, t0 = [], time.time()
     for B in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
@@ -234,22 +242,35 @@ def main():
             row = bench_shape(B, ctx, sm, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    hdr = (f"{'B':>4} {'ctx':>6} {'KV GB':>6} {'ns':>3} | {'paged us':>9} {'%peak':>5} | {'slot us':>9} {'%peak':>5} | "
-           f"{'mixed % e/g':>11} | {'base us':>9} {'%peak':>5} {'x base':>6} | {'best ns':>7} {'us':>8} | {'bcast us':>9} | "
-           f"{'graph p/s/b us':>20} {'g %pk':>5} | {'max err p/s/b':>20}")
+    hdr = (
+        f"{'B':>4} {'ctx':>6} {'KV GB':>6} {'ns':>3} | {'paged us':>9} {'%peak':>5} | {'slot us':>9} {'%peak':>5} | "
+        f"{'mixed % e/g':>11} | {'base us':>9} {'%peak':>5} {'x base':>6} | {'best ns':>7} {'us':>8} | {'bcast us':>9} | "
+        f"{'graph p/s/b us':>20} {'g %pk':>5} | {'max err p/s/b':>20}"
+    )
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        g = "/".join(fmt(r.get(k) and r[k] * 1e3, "{:.0f}") for k in ("paged_graph_ms", "slot_graph_ms", "base_graph_ms"))
+        g = "/".join(
+            fmt(r.get(k) and r[k] * 1e3, "{:.0f}") for k in ("paged_graph_ms", "slot_graph_ms", "base_graph_ms")
+        )
         e = "/".join(fmt(r.get(k), "{:.0e}") for k in ("err_paged", "err_slot", "err_base"))
-        print(f"{r['B']:>4} {r['ctx']:>6} {r['kv_gb']:>6.2f} {r['splits']:>3} | "
-              f"{r['paged_ms'] * 1e3:>9.1f} {100 * r['paged_frac']:>5.1f} | {r['slot_ms'] * 1e3:>9.1f} "
-              f"{100 * r['slot_frac']:>5.1f} | {100 * r['mixed_frac']:>5.1f}/{100 * r['mixed_graph_frac']:<5.1f} | "
-              f"{fmt(r.get('base_ms') and r['base_ms'] * 1e3):>9} {fmt(r.get('base_frac') and 100 * r['base_frac']):>5} "
-              f"{fmt(r.get('speedup_paged_vs_base'), '{:.2f}'):>6} | {fmt(r.get('best_splits'), '{:d}'):>7} "
-              f"{fmt(r.get('best_ms') and r['best_ms'] * 1e3):>8} | {fmt(r.get('bcast_ms') and r['bcast_ms'] * 1e3):>9} | "
-              f"{g:>20} {fmt(r.get('paged_graph_frac') and 100 * r['paged_graph_frac']):>5} | {e:>20}")
-    result = dict(device=props.name, sm_count=sm, torch=torch.__version__, triton=triton.__version__,
-                  shape=dict(H=H, KVH=KVH, D=D, dtype="bfloat16"), peak_bytes_per_s=PEAK, rows=rows)
+        print(
+            f"{r['B']:>4} {r['ctx']:>6} {r['kv_gb']:>6.2f} {r['splits']:>3} | "
+            f"{r['paged_ms'] * 1e3:>9.1f} {100 * r['paged_frac']:>5.1f} | {r['slot_ms'] * 1e3:>9.1f} "
+            f"{100 * r['slot_frac']:>5.1f} | {100 * r['mixed_frac']:>5.1f}/{100 * r['mixed_graph_frac']:<5.1f} | "
+            f"{fmt(r.get('base_ms') and r['base_ms'] * 1e3):>9} {fmt(r.get('base_frac') and 100 * r['base_frac']):>5} "
+            f"{fmt(r.get('speedup_paged_vs_base'), '{:.2f}'):>6} | {fmt(r.get('best_splits'), '{:d}'):>7} "
+            f"{fmt(r.get('best_ms') and r['best_ms'] * 1e3):>8} | {fmt(r.get('bcast_ms') and r['bcast_ms'] * 1e3):>9} | "
+            f"{g:>20} {fmt(r.get('paged_graph_frac') and 100 * r['paged_graph_frac']):>5} | {e:>20}"
+        )
+    result = dict(
+        device=props.name,
+        sm_count=sm,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shape=dict(H=H, KVH=KVH, D=D, dtype="bfloat16"),
+        peak_bytes_per_s=PEAK,
+        rows=rows,
+    )
     if args.tune:
         result["tune"] = tune(sm, args)
         best = {}
@@ -259,11 +280,17 @@ def main():
                 best[key] = e
         print("\nbest config per tuning shape and inner-product path (CUDA-graph replay times):")
         for (B, ctx, h, kvh, dot), e in best.items():
-            print(f"  B={B} ctx={ctx} H={h} KVH={kvh} use_dot={dot}: {e['graph_ms'] * 1e3:.1f} us "
-                  f"({100 * e['frac']:.1f}% of peak) block_n={e['block_n']} num_warps={e['num_warps']} "
-                  f"num_stages={e.get('num_stages')}")
-    bad = [(r["B"], r["ctx"], k, r[k]) for r in rows for k in ("err_paged", "err_slot", "err_mixed", "err_bcast")
-           if r.get(k) is not None and not r[k] <= 0.05]
+            print(
+                f"  B={B} ctx={ctx} H={h} KVH={kvh} use_dot={dot}: {e['graph_ms'] * 1e3:.1f} us "
+                f"({100 * e['frac']:.1f}% of peak) block_n={e['block_n']} num_warps={e['num_warps']} "
+                f"num_stages={e.get('num_stages')}"
+            )
+    bad = [
+        (r["B"], r["ctx"], k, r[k])
+        for r in rows
+        for k in ("err_paged", "err_slot", "err_mixed", "err_bcast")
+        if r.get(k) is not None and not r[k] <= 0.05
+    ]
     result["errors_over_0.05"] = bad
     print(f"\nkernel vs fp32 reference: {'all max abs errors <= 0.05 (bf16 output)' if not bad else bad}")
     print(f"total {time.time() - t0:.0f} s")

@@ -63,10 +63,19 @@ def main() -> None:
             row[name] = round(statistics.median(times), 2)
         row["speed-up"] = round(row["torch graph"] / row["triton kernels"], 2)
         rows.append(row)
-        print(f"B={B:4d} V={V:6d}  torch graph {row['torch graph']:7.2f} us  triton kernels {row['triton kernels']:7.2f} us"
-              f"  x{row['speed-up']:.2f}  tokens equal {row['tokens_equal']}/{B}", flush=True)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls, "reps": args.reps,
-           "unit": "us of device time per sampling call (median)", "rows": rows}
+        print(
+            f"B={B:4d} V={V:6d}  torch graph {row['torch graph']:7.2f} us  triton kernels {row['triton kernels']:7.2f} us"
+            f"  x{row['speed-up']:.2f}  tokens equal {row['tokens_equal']}/{B}",
+            flush=True,
+        )
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "calls": args.calls,
+        "reps": args.reps,
+        "unit": "us of device time per sampling call (median)",
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPTS = {
     "copy": "Repeat the following paragraph, correcting the two spelling mistakes and changing nothing else:\n\n"
-            "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its "
-            "keeper climbed the narow stairs, cleaned the great lens and lit the lamp, so that ships passing in "
-            "the dark would know where the rocks were. When the keeper retired, the town decided to keep the "
-            "light burning with an electric lamp, and the lighthouse became a musuem about the sea.",
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its "
+    "keeper climbed the narow stairs, cleaned the great lens and lit the lamp, so that ships passing in "
+    "the dark would know where the rocks were. When the keeper retired, the town decided to keep the "
+    "light burning with an electric lamp, and the lighthouse became a musuem about the sea.",
     "free": "Write a short story about a robot who learns to bake bread.",
 }
 
@@ -45,11 +45,16 @@ def run(llm, prompt: str, tokens: int):
     dt = time.perf_counter() - t0
     row = {"tokens": len(out.token_ids), "seconds": dt, "tok_s": len(out.token_ids) / dt, "ids": out.token_ids}
     if st:
-        steps, drafted, accepted, emitted = (a - b for a, b in zip((st.steps, st.drafted, st.accepted, st.emitted),
-                                                                   before))
-        row.update(verify_steps=steps, drafted=drafted, accepted=accepted,
-                   acceptance=accepted / drafted if drafted else 0.0,
-                   tokens_per_step=emitted / steps if steps else 0.0)
+        steps, drafted, accepted, emitted = (
+            a - b for a, b in zip((st.steps, st.drafted, st.accepted, st.emitted), before)
+        )
+        row.update(
+            verify_steps=steps,
+            drafted=drafted,
+            accepted=accepted,
+            acceptance=accepted / drafted if drafted else 0.0,
+            tokens_per_step=emitted / steps if steps else 0.0,
+        )
     return row
 
 
@@ -87,8 +92,9 @@ def main() -> None:
         results[mode] = {k: run(llm, p, a.tokens) for k, p in PROMPTS.items()}
         llm.close()
     base = results["plain"]
-    t = Table(title=f"speculative decoding, {name} on {device}, greedy, {a.tokens} tokens, k={a.k}, "
-                    f"{platform.machine()}")
+    t = Table(
+        title=f"speculative decoding, {name} on {device}, greedy, {a.tokens} tokens, k={a.k}, {platform.machine()}"
+    )
     for col in ("prompt", "mode", "tok/s", "speed-up", "acceptance", "tokens/verify", "same tokens"):
         t.add_column(col)
     for k in PROMPTS:
@@ -96,17 +102,33 @@ def main() -> None:
             r = results[mode][k]
             r["speedup"] = r["tok_s"] / base[k]["tok_s"]
             r["same_as_plain"] = r["ids"] == base[k]["ids"]
-            t.add_row(k, mode, f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['acceptance']:.0%}" if "acceptance" in r else "-",
-                      f"{r['tokens_per_step']:.2f}" if "tokens_per_step" in r else "-",
-                      "yes" if r["same_as_plain"] else "NO")
+            t.add_row(
+                k,
+                mode,
+                f"{r['tok_s']:.1f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['acceptance']:.0%}" if "acceptance" in r else "-",
+                f"{r['tokens_per_step']:.2f}" if "tokens_per_step" in r else "-",
+                "yes" if r["same_as_plain"] else "NO",
+            )
     Console().print(t)
     for m in results.values():
         for r in m.values():
             r.pop("ids")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"model": name, "device": device, "tokens": a.tokens, "k": a.k,
-                                        "machine": platform.machine(), "results": results}, indent=2))
+    Path(a.json).write_text(
+        json.dumps(
+            {
+                "model": name,
+                "device": device,
+                "tokens": a.tokens,
+                "k": a.k,
+                "machine": platform.machine(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     if not all(r["same_as_plain"] for m in results.values() for r in m.values()):
         sys.exit("speculative output differs from plain greedy output")
 

@@ -20,10 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "city": {"type": "string", "maxLength": 40}},
-          "required": ["name", "age", "city"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
 
 
 def main() -> None:
@@ -75,15 +81,25 @@ def main() -> None:
         t0 = time.perf_counter()
         out = llm.generate(chat, SamplingParams(max_tokens=32, temperature=0.8, seed=seed, ignore_eos=True))
         tps_u.append(len(out.token_ids) / (time.perf_counter() - t0))
-    res = {"backend": a.backend, "runs": a.runs, "valid": valid, "tokens": n_tok,
-           "mask_ms_per_token_median": 1000 * statistics.median(timings),
-           "mask_ms_per_token_p95": 1000 * sorted(timings)[int(0.95 * (len(timings) - 1))],
-           "constrained_tok_s_median": statistics.median(tps_c), "unconstrained_tok_s_median": statistics.median(tps_u)}
+    res = {
+        "backend": a.backend,
+        "runs": a.runs,
+        "valid": valid,
+        "tokens": n_tok,
+        "mask_ms_per_token_median": 1000 * statistics.median(timings),
+        "mask_ms_per_token_p95": 1000 * sorted(timings)[int(0.95 * (len(timings) - 1))],
+        "constrained_tok_s_median": statistics.median(tps_c),
+        "unconstrained_tok_s_median": statistics.median(tps_u),
+    }
     print(f"{valid}/{a.runs} outputs valid against the schema ({n_tok} tokens)")
-    print(f"mask + consume per token: median {res['mask_ms_per_token_median']:.3f} ms, "
-          f"p95 {res['mask_ms_per_token_p95']:.3f} ms")
-    print(f"end to end (incl. prefill): constrained {res['constrained_tok_s_median']:.2f} tok/s, "
-          f"unconstrained {res['unconstrained_tok_s_median']:.2f} tok/s")
+    print(
+        f"mask + consume per token: median {res['mask_ms_per_token_median']:.3f} ms, "
+        f"p95 {res['mask_ms_per_token_p95']:.3f} ms"
+    )
+    print(
+        f"end to end (incl. prefill): constrained {res['constrained_tok_s_median']:.2f} tok/s, "
+        f"unconstrained {res['unconstrained_tok_s_median']:.2f} tok/s"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=2))
     llm.close()

@@ -37,8 +37,9 @@ def main() -> None:
     from swiftlm.registry import bundled_model_path
 
     gguf = bundled_model_path()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                            dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     llm = LLM(backend="torch")
     ids = llm.engine.chat_prompt([{"role": "user", "content": "Write a short story about a robot who paints."}])
     params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
@@ -70,10 +71,17 @@ def main() -> None:
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.tokens,
-                               min_new_tokens=a.tokens, do_sample=False, streamer=timer, pad_token_id=0)
+            out = ref.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=a.tokens,
+                min_new_tokens=a.tokens,
+                do_sample=False,
+                streamer=timer,
+                pad_token_id=0,
+            )
         ts = timer.times[1:]  # the first put() is the prompt
-        return ts[0] - t0, (len(ts) - 1) / (ts[-1] - ts[0]), out[0, len(ids):].tolist()
+        return ts[0] - t0, (len(ts) - 1) / (ts[-1] - ts[0]), out[0, len(ids) :].tolist()
 
     run_ours(), run_ref()  # warm up
     res = {"swiftlm": {"ttft": [], "tps": []}, "transformers": {"ttft": [], "tps": []}}
@@ -84,18 +92,29 @@ def main() -> None:
             res[name]["tps"].append(tps)
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in res.items()}
     ratio = med["swiftlm"]["tps"] / med["transformers"]["tps"]
-    t = Table(title=f"torch CPU decode, SmolLM2-135M fp32, {len(ids)}-token prompt, {a.tokens} new, "
-                    f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}")
+    t = Table(
+        title=f"torch CPU decode, SmolLM2-135M fp32, {len(ids)}-token prompt, {a.tokens} new, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
     for col in ("runner", "TTFT s", "decode tok/s"):
         t.add_column(col)
     for k in ("transformers", "swiftlm"):
         t.add_row(k, f"{med[k]['ttft']:.3f}", f"{med[k]['tps']:.2f}")
-    t.add_row("ratio swiftlm/transformers", f"{med['swiftlm']['ttft'] / med['transformers']['ttft']:.2f}",
-              f"{ratio:.2f}")
+    t.add_row(
+        "ratio swiftlm/transformers", f"{med['swiftlm']['ttft'] / med['transformers']['ttft']:.2f}", f"{ratio:.2f}"
+    )
     Console().print(t)
-    out = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "prompt_tokens": len(ids), "new_tokens": a.tokens,
-           "runs": res, "median": med, "decode_ratio": ratio}
+    out = {
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "prompt_tokens": len(ids),
+        "new_tokens": a.tokens,
+        "runs": res,
+        "median": med,
+        "decode_ratio": ratio,
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=2))
     llm.close()

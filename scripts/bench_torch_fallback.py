@@ -21,8 +21,9 @@ def run(path: str, streams: int, tokens: int, fallback: bool) -> float:
     from swiftlm import LLM
     from swiftlm.sampling import SamplingParams
 
-    patch = mock.patch("swiftlm.backends.torch.fallback.path_for",
-                       return_value="transformers fallback" if fallback else "native")
+    patch = mock.patch(
+        "swiftlm.backends.torch.fallback.path_for", return_value="transformers fallback" if fallback else "native"
+    )
     with patch:
         llm = LLM(path, backend="torch", parallel=streams)
     try:

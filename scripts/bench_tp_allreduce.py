@@ -94,8 +94,16 @@ def _rank(rank: int, a: argparse.Namespace, port: int, q) -> None:
         row["peer_equals_nccl"] = bool("peer" in outs and torch.equal(outs["peer"], outs["nccl"]))
         rows_out.append(row)
     if rank == 0:
-        q.put({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": a.calls,
-               "reps": a.reps, "dtype": "bfloat16", "rows": rows_out})
+        q.put(
+            {
+                "gpu": torch.cuda.get_device_name(0),
+                "torch": torch.__version__,
+                "calls_per_graph": a.calls,
+                "reps": a.reps,
+                "dtype": "bfloat16",
+                "rows": rows_out,
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -118,8 +126,11 @@ def main() -> None:
     res = q.get()
     print(f"{'rows x hidden':>14} {'local':>7} {'nccl':>7} {'symm':>7} {'peer':>7}  us per call; peer == nccl")
     for r in res["rows"]:
-        print(f"{r['rows']:>6} x {r['hidden']:<6} " + " ".join(
-            f"{r[m + '_us']:>7}" for m in ("local", "nccl", "symm", "peer")) + f"  {r['peer_equals_nccl']}")
+        print(
+            f"{r['rows']:>6} x {r['hidden']:<6} "
+            + " ".join(f"{r[m + '_us']:>7}" for m in ("local", "nccl", "symm", "peer"))
+            + f"  {r['peer_equals_nccl']}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

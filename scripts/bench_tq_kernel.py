@@ -37,8 +37,11 @@ def random_planes(bits: int, N: int, g, dev, kvh: int = KVH, d: int = D) -> list
 
     from swiftlm.cuda_ext.tq_codes import _PLANES
 
-    return [torch.randint(0, 256, (kvh, N, d * w // 8), generator=g, device=dev, dtype=torch.uint8)
-            for w in _PLANES[bits] if w]
+    return [
+        torch.randint(0, 256, (kvh, N, d * w // 8), generator=g, device=dev, dtype=torch.uint8)
+        for w in _PLANES[bits]
+        if w
+    ]
 
 
 def timed(fn, reps: int = 20, inner: int = 10) -> float:
@@ -87,35 +90,70 @@ def affine_row(q, N: int, B: int, bits: int, group: int, t16: float, bw: float, 
     G = D // group
     seqs = []
     for _ in range(B):
-        codes = [torch.randint(0, 256, (KVH, N + 1, D * bits // 8), generator=g, device=dev, dtype=torch.uint8)
-                 for _ in range(2)]
+        codes = [
+            torch.randint(0, 256, (KVH, N + 1, D * bits // 8), generator=g, device=dev, dtype=torch.uint8)
+            for _ in range(2)
+        ]
         sc = [(torch.rand(KVH, N + 1, G, generator=g, device=dev) * 0.05).half() for _ in range(2)]
         bi = [(torch.randn(KVH, N + 1, G, generator=g, device=dev)).half() for _ in range(2)]
         row = torch.randn(2, KVH, 1, D, device=dev, dtype=torch.bfloat16)
         seqs.append((codes, sc, bi, row))
     n_rows = torch.tensor([N], device=dev)
-    scale = D ** -0.5
+    scale = D**-0.5
 
     def run():
         for b, (codes, sc, bi, row) in enumerate(seqs):
-            affine_decode_attention(q[b], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, scale,
-                                    rep=H // KVH, n_rows=n_rows, dk=row[0], dv=row[1])
+            affine_decode_attention(
+                q[b],
+                codes[0],
+                sc[0],
+                bi[0],
+                codes[1],
+                sc[1],
+                bi[1],
+                bits,
+                group,
+                scale,
+                rep=H // KVH,
+                n_rows=n_rows,
+                dk=row[0],
+                dv=row[1],
+            )
 
     t = timed(run)
     codes, sc, bi, row = seqs[0]
-    parts = {"split pass (one sequence)": timed(lambda: affine_split_pass(
-        q[0], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, scale, H // KVH, n_rows)),
-        "encode the new row (one sequence)": timed(lambda: affine_encode_rows(
-            row[0], row[1], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, n_rows))}
+    parts = {
+        "split pass (one sequence)": timed(
+            lambda: affine_split_pass(
+                q[0], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, scale, H // KVH, n_rows
+            )
+        ),
+        "encode the new row (one sequence)": timed(
+            lambda: affine_encode_rows(
+                row[0], row[1], codes[0], sc[0], bi[0], codes[1], sc[1], bi[1], bits, group, n_rows
+            )
+        ),
+    }
     name = f"kv_bits={bits}/g{group}"
     for what, tv in parts.items():
         print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
     nbytes = B * (2 * KVH * N * (D * bits // 8 + 4 * G) + 2 * KVH * D * 2)
-    print(f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
-          f"{t16 / t:5.2f}x bf16", flush=True)
-    return {"context": N, "batch": B, "format": name, "us": t * 1e6, "bytes": nbytes,
-            "parts_us": {k: v * 1e6 for k, v in parts.items()},
-            "GB_s": nbytes / t / 1e9, "of_copy_bw": nbytes / t / bw, "vs_16bit": t16 / t}
+    print(
+        f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
+        f"{t16 / t:5.2f}x bf16",
+        flush=True,
+    )
+    return {
+        "context": N,
+        "batch": B,
+        "format": name,
+        "us": t * 1e6,
+        "bytes": nbytes,
+        "parts_us": {k: v * 1e6 for k, v in parts.items()},
+        "GB_s": nbytes / t / 1e9,
+        "of_copy_bw": nbytes / t / bw,
+        "vs_16bit": t16 / t,
+    }
 
 
 def main() -> None:
@@ -136,8 +174,8 @@ def main() -> None:
     import torch
 
     from swiftlm.backends.torch.kv_quant import TurboCodec
-    from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
     from swiftlm.cuda_ext import turboquant_kernels as tk
+    from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
     from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
     from swiftlm.turboquant.presets import parse_turbo
 
@@ -154,10 +192,20 @@ def main() -> None:
         bt = torch.arange(B, device=dev, dtype=torch.int32)[:, None]
         lens = torch.full((B,), N, device=dev, dtype=torch.int32)
         ns = default_splits(N, B, KVH)
-        t16 = timed(lambda: paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=ns))
+        t16 = timed(lambda: paged_decode_attention(q, kc, vc, bt, lens, D**-0.5, num_splits=ns))
         b16 = 2 * B * KVH * N * D * 2
-        rows.append({"context": N, "batch": B, "format": "bf16 (paged kernel)", "us": t16 * 1e6,
-                     "bytes": b16, "GB_s": b16 / t16 / 1e9, "of_copy_bw": b16 / t16 / bw, "vs_16bit": 1.0})
+        rows.append(
+            {
+                "context": N,
+                "batch": B,
+                "format": "bf16 (paged kernel)",
+                "us": t16 * 1e6,
+                "bytes": b16,
+                "GB_s": b16 / t16 / 1e9,
+                "of_copy_bw": b16 / t16 / bw,
+                "vs_16bit": 1.0,
+            }
+        )
         print(f"{N:>7} bf16        {t16 * 1e6:8.1f} us  {b16 / t16 / 1e9:7.0f} GB/s  {b16 / t16 / bw:5.1%}", flush=True)
         del kc, vc
         for bits in [int(x) for x in filter(None, a.kv_bits.split(","))]:
@@ -178,23 +226,56 @@ def main() -> None:
                 dv = torch.randn_like(dk)
                 seqs.append((kp, vp, kn, vn, ks, kr, dk, dv))
             qf = q.float()
-            scale = D ** -0.5
+            scale = D**-0.5
             rt = (kcod.R.T * scale).float().contiguous()  # what the cache's rows pass to rotate_rows
             st = (kcod.S.T * scale).float().contiguous() if fmt.key_qjl else None
 
             def run(bn=None):
                 for b, (kp, vp, kn, vn, ks, kr, dk, dv) in enumerate(seqs):
                     qjl = (rotate_rows(q[b], st), ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
-                    tq_decode_attention_full(q[b], rotate_rows(q[b], rt), kp, kn, kcod.centroids, kb, vp, vn,
-                                             vcod.centroids, vb, vcod.R, dk, dv, scale, rep=H // KVH, qjl=qjl,
-                                             block_n=bn)
+                    tq_decode_attention_full(
+                        q[b],
+                        rotate_rows(q[b], rt),
+                        kp,
+                        kn,
+                        kcod.centroids,
+                        kb,
+                        vp,
+                        vn,
+                        vcod.centroids,
+                        vb,
+                        vcod.R,
+                        dk,
+                        dv,
+                        scale,
+                        rep=H // KVH,
+                        qjl=qjl,
+                        block_n=bn,
+                    )
+
             t = timed(run)
             kp, vp, kn, vn, ks, kr, dk, dv = seqs[0]
             qjl0 = ((qf[0] @ kcod.S.T) * scale, ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
-            split = lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,  # noqa: E731
-                                           vcod.centroids, vb, None, H // KVH, qjl0, None, True, None)
+            split = lambda: tk._split_pass(
+                (qf[0] @ kcod.R.T) * scale,
+                kp,
+                kn,
+                kcod.centroids,
+                kb,
+                vp,
+                vn,  # noqa: E731
+                vcod.centroids,
+                vb,
+                None,
+                H // KVH,
+                qjl0,
+                None,
+                True,
+                None,
+            )
             parts = {"split pass (one sequence)": timed(split)}
             import os
+
             os.environ["SWIFTLM_TQ_PRMT"] = "0"
             parts["split pass, select trees, no prmt"] = timed(split)
             os.environ.pop("SWIFTLM_TQ_PRMT")
@@ -212,9 +293,16 @@ def main() -> None:
             tk._TUNE.clear()
             split()
             regs = {k: (getattr(v, "n_regs", None), getattr(v, "n_spills", None)) for k, v in tk._LAST.items()}
-            for cfg in ({"SB": 0}, {"BLOCK_R": 32}, {"BLOCK_R": 64}, {"BLOCK_R": 64, "num_warps": 8},
-                        {"BLOCK_R": 32, "DS": 64}, {"BLOCK_R": 64, "DS": 64, "num_warps": 8},
-                        {"BLOCK_R": 32, "DS": 128, "num_warps": 8}, {"BLOCK_R": 32, "DS": 16}):
+            for cfg in (
+                {"SB": 0},
+                {"BLOCK_R": 32},
+                {"BLOCK_R": 64},
+                {"BLOCK_R": 64, "num_warps": 8},
+                {"BLOCK_R": 32, "DS": 64},
+                {"BLOCK_R": 64, "DS": 64, "num_warps": 8},
+                {"BLOCK_R": 32, "DS": 128, "num_warps": 8},
+                {"BLOCK_R": 32, "DS": 16},
+            ):
                 tk._COMBINE.clear()
                 tk._COMBINE.update(cfg)
                 try:
@@ -223,14 +311,34 @@ def main() -> None:
                     print(f"        combine {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             tk._COMBINE.clear()
             run()
-            regs.update({f"{k} (after run)": (getattr(v, "n_regs", None), getattr(v, "n_spills", None))
-                         for k, v in tk._LAST.items()})
+            regs.update(
+                {
+                    f"{k} (after run)": (getattr(v, "n_regs", None), getattr(v, "n_spills", None))
+                    for k, v in tk._LAST.items()
+                }
+            )
             print(f"        {name}: registers / spills per thread: {regs}", flush=True)
             for sp in filter(None, a.splits.split(",")):
                 sp = int(sp)
                 parts[f"split pass, {sp} splits per KV head"] = timed(
-                    lambda: tk._split_pass((qf[0] @ kcod.R.T) * scale, kp, kn, kcod.centroids, kb, vp, vn,
-                                           vcod.centroids, vb, None, H // KVH, qjl0, None, True, sp))
+                    lambda: tk._split_pass(
+                        (qf[0] @ kcod.R.T) * scale,
+                        kp,
+                        kn,
+                        kcod.centroids,
+                        kb,
+                        vp,
+                        vn,
+                        vcod.centroids,
+                        vb,
+                        None,
+                        H // KVH,
+                        qjl0,
+                        None,
+                        True,
+                        sp,
+                    )
+                )
             for what, tv in parts.items():
                 print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
             for mr in filter(None, a.maxnreg.split(",")):  # register caps: more programs resident per SM
@@ -239,8 +347,11 @@ def main() -> None:
                 try:
                     parts[f"split pass, maxnreg={mr}"] = timed(split)
                     split()
-                    print(f"        {name}: maxnreg={mr}: registers / spills {getattr(tk._LAST['split'], 'n_regs', None)}"
-                          f" / {getattr(tk._LAST['split'], 'n_spills', None)}", flush=True)
+                    print(
+                        f"        {name}: maxnreg={mr}: registers / spills {getattr(tk._LAST['split'], 'n_regs', None)}"
+                        f" / {getattr(tk._LAST['split'], 'n_spills', None)}",
+                        flush=True,
+                    )
                 except Exception as exc:
                     print(f"        {name}: maxnreg={mr}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 tk._TUNE.clear()
@@ -254,23 +365,48 @@ def main() -> None:
                 except Exception as exc:  # a variant that does not compile (registers, shared memory)
                     print(f"        sweep {name} {v}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 tk._TUNE.clear()
-            nbytes = B * (KVH * N * (D * (kb + vb + (1 if fmt.key_qjl else 0)) // 8 + 4 + (2 if fmt.key_qjl else 0))
-                          + 2 * KVH * WINDOW * D * 2)
-            rows.append({"context": N, "batch": B, "format": name, "us": t * 1e6, "bytes": nbytes,
-                         "parts_us": {k: v * 1e6 for k, v in parts.items()},
-                         "GB_s": nbytes / t / 1e9, "of_copy_bw": nbytes / t / bw, "vs_16bit": t16 / t})
-            print(f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
-                  f"{t16 / t:5.2f}x bf16", flush=True)
+            nbytes = B * (
+                KVH * N * (D * (kb + vb + (1 if fmt.key_qjl else 0)) // 8 + 4 + (2 if fmt.key_qjl else 0))
+                + 2 * KVH * WINDOW * D * 2
+            )
+            rows.append(
+                {
+                    "context": N,
+                    "batch": B,
+                    "format": name,
+                    "us": t * 1e6,
+                    "bytes": nbytes,
+                    "parts_us": {k: v * 1e6 for k, v in parts.items()},
+                    "GB_s": nbytes / t / 1e9,
+                    "of_copy_bw": nbytes / t / bw,
+                    "vs_16bit": t16 / t,
+                }
+            )
+            print(
+                f"{N:>7} {name:<10} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {nbytes / t / bw:5.1%}  "
+                f"{t16 / t:5.2f}x bf16",
+                flush=True,
+            )
             del seqs
         torch.cuda.empty_cache()
     print(f"\n{'context':>8} | {'format':<22} | {'us':>8} | {'GB/s':>6} | {'of copy':>7} | vs bf16")
     for r in rows:
-        print(f"{r['context']:>8} | {r['format']:<22} | {r['us']:8.1f} | {r['GB_s']:6.0f} | {r['of_copy_bw']:7.1%} | "
-              f"{r['vs_16bit']:.2f}x")
+        print(
+            f"{r['context']:>8} | {r['format']:<22} | {r['us']:8.1f} | {r['GB_s']:6.0f} | {r['of_copy_bw']:7.1%} | "
+            f"{r['vs_16bit']:.2f}x"
+        )
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "copy_GB_s": bw / 1e9,
-                                            "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "window": WINDOW},
-                                            "rows": rows}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "copy_GB_s": bw / 1e9,
+                    "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "window": WINDOW},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -31,18 +31,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {
-    "tiny": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                 intermediate_size=1024, vocab_size=4096),
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, intermediate_size=1536, vocab_size=49152),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               intermediate_size=14336, vocab_size=128256),
+    "tiny": dict(
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        vocab_size=4096,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
 }
 
 
 def config(shape: str, ctx: int) -> dict:
-    c = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
-             rope_theta=500000.0, max_position_embeddings=ctx, tie_word_embeddings=False)
+    c = dict(
+        SHAPES[shape],
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=ctx,
+        tie_word_embeddings=False,
+    )
     return c
 
 
@@ -126,8 +154,11 @@ def torch_bench(a, presets, contexts):
             fmt = fmt_of(name)
             paged = name.endswith("@paged")  # codes in pages of a shared pool: the graphed variant only
             variants = [] if paged else [("eager", False)]
-            if dev.type == "cuda" and (not fmt.compressed or (fmt.kind == "turbo" and use_triton)
-                                       or (fmt.kind == "affine" and use_triton and affine_static_ok(ma, fmt))):
+            if dev.type == "cuda" and (
+                not fmt.compressed
+                or (fmt.kind == "turbo" and use_triton)
+                or (fmt.kind == "affine" and use_triton and affine_static_ok(ma, fmt))
+            ):
                 variants.append(("cuda-graph", True))  # kv_bits: the affine kernel's graph step
             for mode, graphed in variants:
                 with torch.inference_mode():
@@ -135,8 +166,9 @@ def torch_bench(a, presets, contexts):
                     if fmt.compressed:
                         dense = dtype if dtype != torch.float32 else torch.float16
                         pool = code_pool(ma, fmt, cap, 1, dev) if paged else None
-                        cache = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if graphed else None,
-                                                pages=pool)
+                        cache = CompressedCache(
+                            ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if graphed else None, pages=pool
+                        )
                         cache.use_triton = use_triton
                         if fmt.kind == "turbo":
                             cache.kc.use_triton = cache.vc.use_triton = use_triton
@@ -153,8 +185,7 @@ def torch_bench(a, presets, contexts):
                             else:
                                 cache.update(i, s, k, v)
                     cache.length = L
-                    nbytes = (cache.nbytes() if fmt.compressed and not graphed else
-                              _held_bytes(cache, fmt, ma, L, dtype))
+                    nbytes = cache.nbytes() if fmt.compressed and not graphed else _held_bytes(cache, fmt, ma, L, dtype)
                     gd = GraphDecoder(model, dev) if graphed else None
                     tok = torch.tensor([1], device=dev)
 
@@ -182,11 +213,19 @@ def torch_bench(a, presets, contexts):
                     times.setdefault((name, mode), []).append((time.perf_counter() - t0) / a.steps)
         if a.profile and dev.type == "cuda":
             _profile_runners(runners, L, a.steps)
-        for name, mode, step, nbytes in runners:
+        for name, mode, _step, nbytes in runners:
             dt = statistics.median(times[(name, mode)])
-            r = {"backend": "torch", "device": str(dev), "context": L, "format": name, "mode": mode,
-                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes,
-                 "round_ms": [t * 1000 for t in times[(name, mode)]]}
+            r = {
+                "backend": "torch",
+                "device": str(dev),
+                "context": L,
+                "format": name,
+                "mode": mode,
+                "tok_s": 1 / dt,
+                "ms_per_token": dt * 1000,
+                "kv_bytes": nbytes,
+                "round_ms": [t * 1000 for t in times[(name, mode)]],
+            }
             base.setdefault(mode, r)
             r["speed_vs_plain"] = r["tok_s"] / base[mode]["tok_s"]
             r["speed_vs_plain_eager"] = r["tok_s"] / base["eager"]["tok_s"]
@@ -214,8 +253,7 @@ def _profile_runners(runners: list, L: int, steps: int) -> None:
             for i in range(steps):
                 step(L + i)
             torch.cuda.synchronize()
-        rows = [(e.device_time_total, e.count, e.key) for e in prof.key_averages()
-                if e.device_time_total > 0]
+        rows = [(e.device_time_total, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0]
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
         print(f"# profile {name} {mode} at {L}: {total / steps / 1e3:.3f} ms of kernels per step", flush=True)
@@ -251,8 +289,9 @@ def batch_bench(a, presets, contexts):
                     gd = GraphDecoder(model, dev) if use_triton else None
                     pool = code_pool(ma, fmt, cap, B, dev) if name.endswith("@paged") and gd else None
                     for _ in range(B):
-                        c = CompressedCache(ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if gd else None,
-                                            pages=pool)
+                        c = CompressedCache(
+                            ma, fmt, dtype, dev, dense_dtype=dense, capacity=cap if gd else None, pages=pool
+                        )
                         c.use_triton = use_triton
                         if fmt.kind == "turbo":
                             c.kc.use_triton = c.vc.use_triton = use_triton
@@ -276,10 +315,13 @@ def batch_bench(a, presets, contexts):
                         t.normal_(generator=g)
                     gd = GraphDecoder(model, dev)
                     slots = list(range(B))
-                    nbytes = B * ma.layers * 2 * ma.kv_heads * L * ma.head_dim * torch.tensor([], dtype=dtype).element_size()
+                    nbytes = (
+                        B * ma.layers * 2 * ma.kv_heads * L * ma.head_dim * torch.tensor([], dtype=dtype).element_size()
+                    )
 
                     def step(pos, pool=pool, gd=gd, slots=slots):
                         return gd.run_batch(pool, slots, [1] * B, [pos] * B)
+
                 for w in range(a.warmup):
                     step(L + w)
             runners.append((name, step, nbytes))
@@ -294,12 +336,22 @@ def batch_bench(a, presets, contexts):
                     sync()
                     times.setdefault(name, []).append((time.perf_counter() - t0) / a.steps)
         base = None
-        for name, step, nbytes in runners:
+        for name, _step, nbytes in runners:
             dt = statistics.median(times[name])
-            r = {"backend": "torch", "device": str(dev), "context": L, "batch": B, "format": name,
-                 "mode": ("batched graph" if dev.type == "cuda" else "batched eager") if name == "fp16" or use_triton
-                 else "decode_batch", "tok_s": B / dt,
-                 "ms_per_step": dt * 1000, "kv_bytes": nbytes, "round_ms": [t * 1000 for t in times[name]]}
+            r = {
+                "backend": "torch",
+                "device": str(dev),
+                "context": L,
+                "batch": B,
+                "format": name,
+                "mode": ("batched graph" if dev.type == "cuda" else "batched eager")
+                if name == "fp16" or use_triton
+                else "decode_batch",
+                "tok_s": B / dt,
+                "ms_per_step": dt * 1000,
+                "kv_bytes": nbytes,
+                "round_ms": [t * 1000 for t in times[name]],
+            }
             base = base or r
             r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
             r["kv_vs_plain"] = nbytes / base["kv_bytes"]
@@ -337,7 +389,7 @@ def prefill_bench(a, presets):
                 else:
                     cache = SeqCache(model.a, dtype, dev, capacity=n + 8)
                 for s in range(0, n, 2048):
-                    model(ids[s:s + 2048], cache, s)
+                    model(ids[s : s + 2048], cache, s)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 times.setdefault(name, []).append(time.perf_counter() - t0)
@@ -345,8 +397,15 @@ def prefill_bench(a, presets):
     rows = []
     for name in presets:
         sec = statistics.median(times[name])
-        r = {"backend": "torch", "device": str(dev), "prefill_tokens": n, "format": name, "seconds": sec,
-             "tok_s": n / sec, "rounds_s": times[name]}
+        r = {
+            "backend": "torch",
+            "device": str(dev),
+            "prefill_tokens": n,
+            "format": name,
+            "seconds": sec,
+            "tok_s": n / sec,
+            "rounds_s": times[name],
+        }
         r["speed_vs_plain"] = r["tok_s"] / (n / statistics.median(times[presets[0]]))
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -364,11 +423,21 @@ def _held_bytes(cache, fmt, ma, L, dtype) -> int:
         return 2 * ma.layers * ma.kv_heads * ma.head_dim * L * torch.finfo(dtype).bits // 8
     n_code, n_dense = cache.counts()
     if fmt.kind == "affine":  # codes + fp16 scale and bias per group, keys and values, per position
-        per_pos = sum(t[:, :1].numel() * t.element_size() for L_ in cache.layers
-                      for t in (*L_.kp, L_.kn, L_.ks, *L_.vp, L_.vn, L_.vb))
+        per_pos = sum(
+            t[:, :1].numel() * t.element_size()
+            for L_ in cache.layers
+            for t in (*L_.kp, L_.kn, L_.ks, *L_.vp, L_.vn, L_.vb)
+        )
         return n_code * per_pos + n_dense * 2 * ma.layers * ma.kv_heads * ma.head_dim * cache.dense_dtype.itemsize
-    f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads,
-                           head_dim=ma.head_dim, dense_bytes=torch.finfo(cache.dense_dtype).bits // 8)
+    f = turbo_layout_bytes(
+        fmt,
+        n_code=n_code,
+        n_dense=n_dense,
+        layers=ma.layers,
+        kv_heads=ma.kv_heads,
+        head_dim=ma.head_dim,
+        dense_bytes=torch.finfo(cache.dense_dtype).bits // 8,
+    )
     return f["codes_used"] + f["dense_used"] + f["uncompressed_layers"]
 
 
@@ -427,11 +496,19 @@ def mlx_bench(a, presets, contexts):
                     mx.eval(model(tok, cache=cache))
                 times.setdefault(name, []).append((time.perf_counter() - t0) / a.steps)
         base = None
-        for name, cache, nbytes in runners:
+        for name, _cache, nbytes in runners:
             dt = statistics.median(times[name])
-            r = {"backend": "mlx", "device": str(mx.default_device()), "context": L, "format": name, "mode": "eager",
-                 "tok_s": 1 / dt, "ms_per_token": dt * 1000, "kv_bytes": nbytes,
-                 "round_ms": [t * 1000 for t in times[name]]}
+            r = {
+                "backend": "mlx",
+                "device": str(mx.default_device()),
+                "context": L,
+                "format": name,
+                "mode": "eager",
+                "tok_s": 1 / dt,
+                "ms_per_token": dt * 1000,
+                "kv_bytes": nbytes,
+                "round_ms": [t * 1000 for t in times[name]],
+            }
             if base is None:
                 base = r
             r["speed_vs_plain"] = r["tok_s"] / base["tok_s"]
@@ -453,8 +530,12 @@ def memory_table(a, presets):
     rows = []
     for shape in ("smollm2", "8b"):
         c = SHAPES[shape]
-        ma = argparse.Namespace(layers=c["num_hidden_layers"], kv_heads=c["num_key_value_heads"],
-                                heads=c["num_attention_heads"], head_dim=c["head_dim"])
+        ma = argparse.Namespace(
+            layers=c["num_hidden_layers"],
+            kv_heads=c["num_key_value_heads"],
+            heads=c["num_attention_heads"],
+            head_dim=c["head_dim"],
+        )
         L = a.memory_context
         fp16 = 2 * ma.layers * ma.kv_heads * ma.head_dim * 2 * L
         for name in presets:
@@ -467,12 +548,22 @@ def memory_table(a, presets):
                 for i in range(ma.layers):
                     cache.append(i, s, kv, kv)
             n_code, n_dense = cache.counts()
-            f = turbo_layout_bytes(fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads,
-                                   head_dim=ma.head_dim)
+            f = turbo_layout_bytes(
+                fmt, n_code=n_code, n_dense=n_dense, layers=ma.layers, kv_heads=ma.kv_heads, head_dim=ma.head_dim
+            )
             formula = f["codes_allocated"] + f["dense_allocated"] + f["uncompressed_layers"]
-            r = {"shape": shape, "context": L, "format": name, "measured_bytes": cache.nbytes(),
-                 "formula_bytes": formula, "fp16_bytes": fp16, "ratio": cache.nbytes() / fp16,
-                 "compressed_rows": n_code, "window_rows": n_dense, "bits_per_dim": fmt.bits_per_dim(ma.head_dim)}
+            r = {
+                "shape": shape,
+                "context": L,
+                "format": name,
+                "measured_bytes": cache.nbytes(),
+                "formula_bytes": formula,
+                "fp16_bytes": fp16,
+                "ratio": cache.nbytes() / fp16,
+                "compressed_rows": n_code,
+                "window_rows": n_dense,
+                "bits_per_dim": fmt.bits_per_dim(ma.head_dim),
+            }
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -486,8 +577,10 @@ def _print_split_registers() -> None:
         return
     for key, (regs, spills) in sorted(tk._REGS.items(), key=str):
         if regs is not None:
-            print(f"# split kernel (key bits, value bits, TRANS, N_PTR, BATCH)={key}: {regs} registers, "
-                  f"{spills} spills", flush=True)
+            print(
+                f"# split kernel (key bits, value bits, TRANS, N_PTR, BATCH)={key}: {regs} registers, {spills} spills",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -501,9 +594,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of each graphed format's step")
-    ap.add_argument("--batch", type=int, default=1,
-                    help="B sequences of the context each, decoding together (torch on CUDA: the 16-bit cache as "
-                         "a slot pool through the batched graph, compressed caches through decode_batch)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="B sequences of the context each, decoding together (torch on CUDA: the 16-bit cache as "
+        "a slot pool through the batched graph, compressed caches through decode_batch)",
+    )
     ap.add_argument("--memory", action="store_true", help="only the KV-bytes table (8K positions, no model)")
     ap.add_argument("--memory-context", type=int, default=8192)
     ap.add_argument("--prefill", type=int, default=0, help="time prefilling this many tokens instead of decode")
@@ -529,18 +626,38 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()}, "
-                    f"{_threads(a.backend)} (random weights; ratios against the plain cache in the same run)")
+    t = Table(
+        title=f"decode with compressed KV caches, {a.backend}, shape {a.shape}, {platform.machine()}, "
+        f"{_threads(a.backend)} (random weights; ratios against the plain cache in the same run)"
+    )
     for col in ("context", "format", "mode", "tok/s", "vs plain (same mode)", "KV bytes", "KV vs plain"):
         t.add_column(col)
     for r in rows:
-        t.add_row(str(r["context"]), r["format"], r["mode"], f"{r['tok_s']:.1f}", f"{r['speed_vs_plain']:.2f}x",
-                  f"{r['kv_bytes'] / 2**20:.1f} MiB", f"{r['kv_vs_plain']:.3f}x")
+        t.add_row(
+            str(r["context"]),
+            r["format"],
+            r["mode"],
+            f"{r['tok_s']:.1f}",
+            f"{r['speed_vs_plain']:.2f}x",
+            f"{r['kv_bytes'] / 2**20:.1f} MiB",
+            f"{r['kv_vs_plain']:.3f}x",
+        )
     Console().print(t)
     out = Path(a.json or f"bench_results/bench_turboquant_{a.backend}_{a.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": a.backend, "shape": a.shape, "steps": a.steps, "rounds": a.rounds,
-                               "threads": _threads(a.backend), "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "backend": a.backend,
+                "shape": a.shape,
+                "steps": a.steps,
+                "rounds": a.rounds,
+                "threads": _threads(a.backend),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 def _threads(backend: str) -> str:

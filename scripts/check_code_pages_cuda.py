@@ -44,12 +44,18 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, pages: bool = Tru
         dt = time.perf_counter() - t1
         stats = eng.scheduler.block_stats() or {}
         mem = eng.model.memory()
-        return {"tokens": [o.token_ids for o in outs], "preemptions": eng.scheduler.preemptions - pre,
-                "code_pages": stats.get("code_pages"), "generate_s": round(dt, 2),
-                "out_tok_s": round(len(prompts) * max_tokens / dt, 1), "kv_allocated_gib": round(mem["kv_allocated"] / 2**30, 3),
-                "pool": None if eng.model.code_pages is None else
-                [eng.model.code_pages.pages, eng.model.code_pages.page_rows, eng.model.code_pages.page_bytes],
-                "kw": dict(kw, pages=pages)}
+        return {
+            "tokens": [o.token_ids for o in outs],
+            "preemptions": eng.scheduler.preemptions - pre,
+            "code_pages": stats.get("code_pages"),
+            "generate_s": round(dt, 2),
+            "out_tok_s": round(len(prompts) * max_tokens / dt, 1),
+            "kv_allocated_gib": round(mem["kv_allocated"] / 2**30, 3),
+            "pool": None
+            if eng.model.code_pages is None
+            else [eng.model.code_pages.pages, eng.model.code_pages.page_rows, eng.model.code_pages.page_bytes],
+            "kw": dict(kw, pages=pages),
+        }
 
 
 def main() -> None:
@@ -84,13 +90,15 @@ def main() -> None:
     for name in ("pages", "whole_again", "pages_again", "tight"):
         res[name]["vs_whole"] = compare(ref, res[name]["tokens"])
     for name in ("pages", "pages_again"):
-        res[name]["speed_vs_whole"] = [round(res[name]["out_tok_s"] / res[w]["out_tok_s"], 4)
-                                       for w in ("whole", "whole_again")]
+        res[name]["speed_vs_whole"] = [
+            round(res[name]["out_tok_s"] / res[w]["out_tok_s"], 4) for w in ("whole", "whole_again")
+        ]
     for name, r in res.items():
         print(name, json.dumps({k: v for k, v in r.items() if k != "tokens"}))
     if a.json:
-        json.dump({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in res.items()},
-                  open(a.json, "w"), indent=1)
+        json.dump(
+            {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in res.items()}, open(a.json, "w"), indent=1
+        )
 
 
 if __name__ == "__main__":

@@ -52,11 +52,16 @@ def main() -> None:
         out["failed"] = sum(1 for _, e in res if e)
         eng = llm.engine
         mem = eng.model.memory()
-        out.update(served=served, errors=errors, generate_s=round(dt, 2),
-                   out_tok_s=round(served * a.max_tokens / dt, 1),
-                   kv_allocated_gib=round(mem["kv_allocated"] / 2**30, 2),
-                   peak_gib=round(mem.get("peak", 0) / 2**30, 2), preemptions=eng.scheduler.preemptions,
-                   code_pages=(eng.scheduler.block_stats() or {}).get("code_pages"))
+        out.update(
+            served=served,
+            errors=errors,
+            generate_s=round(dt, 2),
+            out_tok_s=round(served * a.max_tokens / dt, 1),
+            kv_allocated_gib=round(mem["kv_allocated"] / 2**30, 2),
+            peak_gib=round(mem.get("peak", 0) / 2**30, 2),
+            preemptions=eng.scheduler.preemptions,
+            code_pages=(eng.scheduler.block_stats() or {}).get("code_pages"),
+        )
     print(json.dumps(out))
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)

@@ -22,9 +22,13 @@ def main() -> None:
     ap.add_argument("--lengths", default="2000,7900")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--label", default="")
-    ap.add_argument("--prefix", type=int, default=0,
-                    help="instead: a shared first part of this many tokens with distinct 30-token endings, prompt "
-                         "cache on: the first request's time and the next ones' (served from the cache)")
+    ap.add_argument(
+        "--prefix",
+        type=int,
+        default=0,
+        help="instead: a shared first part of this many tokens with distinct 30-token endings, prompt "
+        "cache on: the first request's time and the next ones' (served from the cache)",
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.prefix:
@@ -43,9 +47,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 llm.generate(ids, p)
                 ts.append(time.perf_counter() - t0)
-            out["runs"][n] = {"seconds": [round(t, 4) for t in ts], "best_s": round(min(ts), 4),
-                              "median_s": round(statistics.median(ts), 4),
-                              "prefill_tok_per_s": round(n / min(ts), 1)}
+            out["runs"][n] = {
+                "seconds": [round(t, 4) for t in ts],
+                "best_s": round(min(ts), 4),
+                "median_s": round(statistics.median(ts), 4),
+                "prefill_tok_per_s": round(n / min(ts), 1),
+            }
             print(a.label, n, out["runs"][n], flush=True)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
@@ -59,13 +66,14 @@ def prefix_run(a: argparse.Namespace) -> None:
     with LLM(a.model, backend="torch", ctx_size=8192, parallel=4) as llm:
         base = llm.engine.text_prompt("the quick brown fox jumps over the lazy dog " * 1000)
         llm.generate(base[:600], p)  # warm-up
-        shared = [(t * 7 + 3) % 1000 + 100 for t in base[:a.prefix]]
+        shared = [(t * 7 + 3) % 1000 + 100 for t in base[: a.prefix]]
         for i in range(1 + 2 * a.reps):
             ids = shared + [(t + 11 * i) % 1000 + 100 for t in base[:30]]
             t0 = time.perf_counter()
             o = llm.generate(ids, p)
-            out["requests"].append({"seconds": round(time.perf_counter() - t0, 4),
-                                    "cached_tokens": o.usage["cached_tokens"]})
+            out["requests"].append(
+                {"seconds": round(time.perf_counter() - t0, 4), "cached_tokens": o.usage["cached_tokens"]}
+            )
             print(a.label, a.prefix, out["requests"][-1], flush=True)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)

@@ -13,7 +13,6 @@ so within rounding, not equal).
 from __future__ import annotations
 
 import torch
-
 from _gpu_check_common import Check, parse_args, run
 
 
@@ -33,13 +32,20 @@ def main() -> None:
         toks, sl, pos, seg, last = pack(prompts, slots)
         cu = cu_seqlens([len(p) for p in prompts]).to(dev)
         with prefill_attention(dev, len(toks)):
-            return prefill_packed_static(m, pool, *(torch.tensor(x, device=dev) for x in (toks, sl, pos, seg, last)),
-                                         cu, max(len(p) for p in prompts))
+            return prefill_packed_static(
+                m,
+                pool,
+                *(torch.tensor(x, device=dev) for x in (toks, sl, pos, seg, last)),
+                cu,
+                max(len(p) for p in prompts),
+            )
 
     with torch.inference_mode():
         for B in (1, 5, 16):
-            old = [torch.randint(0, m.a.vocab, (int(n),), generator=g).tolist()
-                   for n in torch.randint(20, 90, (B,), generator=g)]
+            old = [
+                torch.randint(0, m.a.vocab, (int(n),), generator=g).tolist()
+                for n in torch.randint(20, 90, (B,), generator=g)
+            ]
             new = [torch.randint(0, m.a.vocab, (int(n),), generator=g).tolist() for n in (70, 33, 51)]
             old_slots, new_slots = list(range(B)), list(range(B, B + 3))
             nxt = torch.randint(0, m.a.vocab, (B,), generator=g).tolist()
@@ -48,19 +54,30 @@ def main() -> None:
                 prefill(pool, old, old_slots)
             want_p = prefill(pools[0], new, new_slots).float()
             L = pools[0].capacity
-            want_d = dec.batch_fn(m, pools[0], torch.tensor(nxt, device=dev), torch.tensor(old_slots, device=dev),
-                                  torch.tensor([len(p) for p in old], device=dev), L, dec.arange,
-                                  dec.splits_for(L, B)).float()
+            want_d = dec.batch_fn(
+                m,
+                pools[0],
+                torch.tensor(nxt, device=dev),
+                torch.tensor(old_slots, device=dev),
+                torch.tensor([len(p) for p in old], device=dev),
+                L,
+                dec.arange,
+                dec.splits_for(L, B),
+            ).float()
             mg = PackedGraphs(dec, pools[1], rows=pools[1].n)
             got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])
             torch.cuda.synchronize()
             row = {"decode_rows": B, "prompts": len(new), "graphed": dec.use_graph}
             for name, got, want in (("prompts", got_p, want_p), ("decode", got_d, want_d)):
                 span = float(want.max() - want.min())
-                row[name] = {"max_diff_rel": round(float((got - want).abs().max()) / span, 5),
-                             "argmax_agree": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
-            kv = max(float((pools[1].k[i][:B + 3, :, :100] - pools[0].k[i][:B + 3, :, :100]).abs().max())
-                     for i in range(m.a.layers))
+                row[name] = {
+                    "max_diff_rel": round(float((got - want).abs().max()) / span, 5),
+                    "argmax_agree": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
+                }
+            kv = max(
+                float((pools[1].k[i][: B + 3, :, :100] - pools[0].k[i][: B + 3, :, :100]).abs().max())
+                for i in range(m.a.layers)
+            )
             row["kv_max_diff"] = kv
             check.row(row)
     check.finish(a.json)

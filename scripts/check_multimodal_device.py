@@ -18,16 +18,24 @@ import numpy as np
 
 
 def parts():
-    from PIL import Image
     import soundfile as sf
+    from PIL import Image
 
     rng = np.random.default_rng(0)
     b = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)).save(b, format="PNG")
-    img = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b.getvalue()).decode()}}
+    img = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(b.getvalue()).decode()},
+    }
     a = io.BytesIO()
-    sf.write(a, (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32), 16000,
-             format="WAV", subtype="FLOAT")
+    sf.write(
+        a,
+        (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32),
+        16000,
+        format="WAV",
+        subtype="FLOAT",
+    )
     aud = {"type": "input_audio", "input_audio": {"data": base64.b64encode(a.getvalue()).decode(), "format": "wav"}}
     return img, aud
 
@@ -62,17 +70,32 @@ def main() -> None:
         prefill = time.perf_counter() - t0
         scale = float(np.abs(lc).max())
         out = gpu.chat(msgs, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-        rows.append({"media": name, "prompt_tokens": len(ids_g), "max_abs_diff": float(np.abs(lc - lg).max()),
-                     "max_abs_logit": scale, "rel": float(np.abs(lc - lg).max()) / scale,
-                     "argmax_equal": bool(lc.argmax() == lg.argmax()), "gpu_prefill_ms": prefill * 1e3,
-                     "gpu_tokens": len(out.outputs[0].token_ids)})
-    print(f"{'media':12} {'tokens':>6} {'max|diff|':>10} {'max|logit|':>10} {'rel':>8} {'argmax=':>7} {'prefill ms':>10}")
+        rows.append(
+            {
+                "media": name,
+                "prompt_tokens": len(ids_g),
+                "max_abs_diff": float(np.abs(lc - lg).max()),
+                "max_abs_logit": scale,
+                "rel": float(np.abs(lc - lg).max()) / scale,
+                "argmax_equal": bool(lc.argmax() == lg.argmax()),
+                "gpu_prefill_ms": prefill * 1e3,
+                "gpu_tokens": len(out.outputs[0].token_ids),
+            }
+        )
+    print(
+        f"{'media':12} {'tokens':>6} {'max|diff|':>10} {'max|logit|':>10} {'rel':>8} {'argmax=':>7} {'prefill ms':>10}"
+    )
     for r in rows:
-        print(f"{r['media']:12} {r['prompt_tokens']:>6} {r['max_abs_diff']:>10.4f} {r['max_abs_logit']:>10.3f} "
-              f"{r['rel']:>8.4f} {str(r['argmax_equal']):>7} {r['gpu_prefill_ms']:>10.1f}")
+        print(
+            f"{r['media']:12} {r['prompt_tokens']:>6} {r['max_abs_diff']:>10.4f} {r['max_abs_logit']:>10.3f} "
+            f"{r['rel']:>8.4f} {str(r['argmax_equal']):>7} {r['gpu_prefill_ms']:>10.1f}"
+        )
     if a.json:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows},
-                  open(a.json, "w"), indent=2)
+        json.dump(
+            {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows},
+            open(a.json, "w"),
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -16,13 +16,15 @@ from __future__ import annotations
 import statistics
 
 import torch
-
 from _gpu_check_common import Check, parse_args, run
 
 
 def main() -> None:
-    a = parse_args(__doc__, ("--prompt-tokens", {"type": int, "default": 40}),
-                   ("--totals", {"default": "40,80,320,480,640,1280,2560"}))
+    a = parse_args(
+        __doc__,
+        ("--prompt-tokens", {"type": int, "default": 40}),
+        ("--totals", {"default": "40,80,320,480,640,1280,2560"}),
+    )
     from swiftlm.backends.torch.graphs import prefill_packed_static
     from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.backends.torch.packed_attention import cu_seqlens, pack
@@ -76,11 +78,13 @@ def main() -> None:
                 variants["graph"] = lambda: pg.run(toks, sl, pos, seg, last)[0]
             row = {"prompts": n, "tokens": len(toks)}
             for name, fn in variants.items():
-                got = fn()[:len(ref)].float()
+                got = fn()[: len(ref)].float()
                 span = float(ref_t.max() - ref_t.min())
-                row[name] = {"max_diff_rel": round(float((got - ref_t).abs().max()) / span, 5),
-                             "argmax_agree": float((got.argmax(-1) == ref_t.argmax(-1)).float().mean()),
-                             "ms": timed(fn)}
+                row[name] = {
+                    "max_diff_rel": round(float((got - ref_t).abs().max()) / span, 5),
+                    "argmax_agree": float((got.argmax(-1) == ref_t.argmax(-1)).float().mean()),
+                    "ms": timed(fn),
+                }
             check.row(row)
     check.finish(a.json)
 

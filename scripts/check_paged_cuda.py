@@ -35,9 +35,15 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, **kw) -> dict:
         t2 = time.perf_counter()
         eng = llm.engine
         blocks = eng.kv_blocks.stats() if eng.kv_blocks is not None else None
-        return {"tokens": [o.token_ids for o in outs], "cached": [o.usage["cached_tokens"] for o in outs],
-                "preemptions": eng.scheduler.preemptions, "blocks": blocks, "load_s": round(t1 - t0, 2),
-                "generate_s": round(t2 - t1, 2), "kw": {k: v for k, v in kw.items()}}
+        return {
+            "tokens": [o.token_ids for o in outs],
+            "cached": [o.usage["cached_tokens"] for o in outs],
+            "preemptions": eng.scheduler.preemptions,
+            "blocks": blocks,
+            "load_s": round(t1 - t0, 2),
+            "generate_s": round(t2 - t1, 2),
+            "kw": {k: v for k, v in kw.items()},
+        }
 
 
 def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
@@ -90,9 +96,12 @@ def main() -> None:
         for q in prefixed:
             o = llm.generate(q, p)
             seq.append((o.token_ids, o.usage["cached_tokens"]))
-        res["prefix"] = {"cached": [c for _, c in seq], "prompt_tokens": [len(q) for q in prefixed],
-                         "vs_uncached": compare(want, [t for t, _ in seq]),
-                         "blocks": llm.engine.kv_blocks.stats()}
+        res["prefix"] = {
+            "cached": [c for _, c in seq],
+            "prompt_tokens": [len(q) for q in prefixed],
+            "vs_uncached": compare(want, [t for t, _ in seq]),
+            "blocks": llm.engine.kv_blocks.stats(),
+        }
     # n-gram speculation over the paged pool (verification writes through the table): a copy-heavy prompt, one
     # stream, against plain decoding of the same prompt
     rep = enc("one two three four five six seven eight nine ten " * 6)
@@ -103,8 +112,9 @@ def main() -> None:
         show = {k: v for k, v in r.items() if k not in ("tokens",)}
         print(name, json.dumps(show))
     if a.json:
-        json.dump({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in res.items()},
-                  open(a.json, "w"), indent=1)
+        json.dump(
+            {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in res.items()}, open(a.json, "w"), indent=1
+        )
 
 
 if __name__ == "__main__":

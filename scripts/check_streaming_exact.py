@@ -28,8 +28,16 @@ def main() -> int:
     from swiftlm.registry import resolve
 
     spec = resolve(a.ckpt)
-    base = dict(expert_read_mode="pread", expert_read_threads=8, expert_prefetch=False, expert_top_k=0,
-                mem_limit=None, ctx_size=512, parallel=1, turbo_kv=None)
+    base = dict(
+        expert_read_mode="pread",
+        expert_read_threads=8,
+        expert_prefetch=False,
+        expert_top_k=0,
+        mem_limit=None,
+        ctx_size=512,
+        parallel=1,
+        turbo_kv=None,
+    )
     res = load_model(spec, SimpleNamespace(stream_experts=False, **base))
     out = {"device": str(res.device), "dtype": str(res.dtype)}
     for mode in ("pread", "mmap"):

@@ -43,8 +43,10 @@ def problems(k: int, seed: int) -> list[tuple[str, int]]:
             q, ans = f"What is {c} * {b}?", c * b
         else:
             c = rng.randint(1, min(a, 9))
-            q, ans = (f"{who} has {a} {what}, buys {b} more and gives away {c}. How many {what} does {who} have now?",
-                      a + b - c)
+            q, ans = (
+                f"{who} has {a} {what}, buys {b} more and gives away {c}. How many {what} does {who} have now?",
+                a + b - c,
+            )
         out.append((q + " Answer with just the number.", ans))
     return out
 
@@ -66,8 +68,13 @@ def main() -> None:
     llm = LLM(a.model, backend=a.backend, parallel=max(8, a.n), prompt_cache_bytes=0)
     probs = problems(a.problems, a.seed)
     tk = {"enable_thinking": False}
-    right = {"greedy": 0, f"self_consistency@{a.n}": 0, f"best_of_{a.n}_logprob": 0, f"best_of_{a.n}_verifier": 0,
-             f"oracle@{a.n}": 0}
+    right = {
+        "greedy": 0,
+        f"self_consistency@{a.n}": 0,
+        f"best_of_{a.n}_logprob": 0,
+        f"best_of_{a.n}_verifier": 0,
+        f"oracle@{a.n}": 0,
+    }
     cost = {"greedy": [0.0, 0], "chains": [0.0, 0], "verifier": [0.0, 0]}
     for j, (q, ans) in enumerate(probs):
         msgs = [{"role": "user", "content": q}]
@@ -92,26 +99,46 @@ def main() -> None:
         cost["verifier"][0] += time.perf_counter() - t0
         cost["verifier"][1] += a.n
         right[f"best_of_{a.n}_verifier"] += tt.extract_answer(bv.text) == str(ans)
-        print(f"[{j + 1}/{len(probs)}] {q[:60]!r} answer {ans}: greedy {tt.extract_answer(g.text)}, "
-              f"votes {sc.votes[:3]}", file=sys.stderr)
+        print(
+            f"[{j + 1}/{len(probs)}] {q[:60]!r} answer {ans}: greedy {tt.extract_answer(g.text)}, votes {sc.votes[:3]}",
+            file=sys.stderr,
+        )
     llm.close()
     k = len(probs)
     acc = {m: round(v / k, 3) for m, v in right.items()}
-    per = {m: {"seconds_per_problem": round(s / k, 3), "tokens_per_problem": round(t / k, 1)} for m, (s, t) in cost.items()}
-    ratio = {"chains_vs_greedy_seconds": round(cost["chains"][0] / max(cost["greedy"][0], 1e-9), 2),
-             "chains_vs_greedy_tokens": round(cost["chains"][1] / max(cost["greedy"][1], 1), 2)}
+    per = {
+        m: {"seconds_per_problem": round(s / k, 3), "tokens_per_problem": round(t / k, 1)} for m, (s, t) in cost.items()
+    }
+    ratio = {
+        "chains_vs_greedy_seconds": round(cost["chains"][0] / max(cost["greedy"][0], 1e-9), 2),
+        "chains_vs_greedy_tokens": round(cost["chains"][1] / max(cost["greedy"][1], 1), 2),
+    }
     print(f"\n{'method':<28} {'accuracy':>9}")
     for m, v in acc.items():
         print(f"{m:<28} {v:>9.1%}")
     print(f"cost per problem: {per}\n{a.n} chains in one batch vs one greedy chain: {ratio}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({
-            "model": a.model or "bundled SmolLM2-135M-Instruct (Q4_1 GGUF)", "backend": a.backend,
-            "host": platform.node(), "machine": platform.machine(), "problems": k, "n": a.n,
-            "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed, "accuracy": acc,
-            "cost": per, "ratios": ratio,
-            "note": "oracle@N: some chain has the right answer (the ceiling of any selection rule)"}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "model": a.model or "bundled SmolLM2-135M-Instruct (Q4_1 GGUF)",
+                    "backend": a.backend,
+                    "host": platform.node(),
+                    "machine": platform.machine(),
+                    "problems": k,
+                    "n": a.n,
+                    "max_tokens": a.max_tokens,
+                    "temperature": a.temperature,
+                    "seed": a.seed,
+                    "accuracy": acc,
+                    "cost": per,
+                    "ratios": ratio,
+                    "note": "oracle@N: some chain has the right answer (the ceiling of any selection rule)",
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -73,13 +71,16 @@ def main() -> None:
     cpu = torch.device("cpu")
 
     def run(fmt) -> tuple[list[torch.Tensor], float, int]:
-        cache = (SeqCache(m.a, torch.float32, cpu) if fmt is None
-                 else CompressedCache(m.a, fmt, torch.float32, cpu, dense_dtype=torch.float16))
+        cache = (
+            SeqCache(m.a, torch.float32, cpu)
+            if fmt is None
+            else CompressedCache(m.a, fmt, torch.float32, cpu, dense_dtype=torch.float16)
+        )
         out = []
         t0 = time.perf_counter()
         with torch.inference_mode():
             for s in range(0, len(x), a.chunk):
-                logits = m(x[s:s + a.chunk], cache, s, last_only=False)
+                logits = m(x[s : s + a.chunk], cache, s, last_only=False)
                 out.append(torch.log_softmax(logits.float(), dim=-1))
         held = cache.nbytes() if fmt is not None else 0
         return out, time.perf_counter() - t0, held
@@ -88,8 +89,18 @@ def main() -> None:
     base_lp = torch.cat(base)
     nll0 = -base_lp[torch.arange(len(y)), y].mean().item()
     fp16_bytes = 2 * m.a.layers * m.a.kv_heads * m.a.head_dim * 2 * len(x)
-    rows = [{"preset": "uncompressed", "ppl": math.exp(nll0), "ppl_delta": 0.0, "kl": 0.0, "top1": 1.0,
-             "seconds": base_s, "kv_bytes": fp16_bytes, "vs_16bit": 1.0}]
+    rows = [
+        {
+            "preset": "uncompressed",
+            "ppl": math.exp(nll0),
+            "ppl_delta": 0.0,
+            "kl": 0.0,
+            "top1": 1.0,
+            "seconds": base_s,
+            "kv_bytes": fp16_bytes,
+            "vs_16bit": 1.0,
+        }
+    ]
     for preset in a.presets.split(","):
         fmt = make_format(preset, a.window)
         lp, secs, held = run(fmt)
@@ -97,21 +108,42 @@ def main() -> None:
         nll = -lp[torch.arange(len(y)), y].mean().item()
         kl = (base_lp.exp() * (base_lp - lp)).sum(-1).mean().item()
         top1 = (base_lp.argmax(-1) == lp.argmax(-1)).float().mean().item()
-        rows.append({"preset": preset, "ppl": math.exp(nll), "ppl_delta": math.exp(nll) / math.exp(nll0) - 1,
-                     "kl": kl, "top1": top1, "seconds": secs, "kv_bytes": held, "vs_16bit": held / fp16_bytes,
-                     "bits_per_dim": fmt.bits_per_dim(m.a.head_dim) if fmt.kind == "turbo" else None})
+        rows.append(
+            {
+                "preset": preset,
+                "ppl": math.exp(nll),
+                "ppl_delta": math.exp(nll) / math.exp(nll0) - 1,
+                "kl": kl,
+                "top1": top1,
+                "seconds": secs,
+                "kv_bytes": held,
+                "vs_16bit": held / fp16_bytes,
+                "bits_per_dim": fmt.bits_per_dim(m.a.head_dim) if fmt.kind == "turbo" else None,
+            }
+        )
         print(rows[-1], flush=True)
-    t = Table(title=f"compressed KV quality, SmolLM2-135M (head_dim {m.a.head_dim}), {a.tokens} tokens of "
-                    f"pydoc text, TurboQuant window {a.window}, chunks of {a.chunk}, {platform.machine()}")
+    t = Table(
+        title=f"compressed KV quality, SmolLM2-135M (head_dim {m.a.head_dim}), {a.tokens} tokens of "
+        f"pydoc text, TurboQuant window {a.window}, chunks of {a.chunk}, {platform.machine()}"
+    )
     for col in ("format", "perplexity", "vs uncompressed", "mean KL", "top-1 agreement", "KV bytes vs 16-bit"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["preset"], f"{r['ppl']:.3f}", f"{r['ppl_delta']:+.2%}", f"{r['kl']:.4f}", f"{r['top1']:.2%}",
-                  f"{r['vs_16bit']:.3f}x")
+        t.add_row(
+            r["preset"],
+            f"{r['ppl']:.3f}",
+            f"{r['ppl_delta']:+.2%}",
+            f"{r['kl']:.4f}",
+            f"{r['top1']:.2%}",
+            f"{r['vs_16bit']:.3f}x",
+        )
     Console().print(t)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"tokens": a.tokens, "window": a.window, "chunk": a.chunk,
-                                        "head_dim": m.a.head_dim, "rows": rows}, indent=2))
+    Path(a.json).write_text(
+        json.dumps(
+            {"tokens": a.tokens, "window": a.window, "chunk": a.chunk, "head_dim": m.a.head_dim, "rows": rows}, indent=2
+        )
+    )
     llm.close()
 
 

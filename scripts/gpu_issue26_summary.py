@@ -25,16 +25,26 @@ def main() -> int:
             res = json.loads(f.read_text())["results"]
         except (OSError, ValueError, KeyError):
             continue
-        rows.append({"config": m.group(1), "n": int(m.group(2)), "tok_s": round(res["output_throughput"], 1),
-                     "ttft_p50_ms": round(res["ttft_ms"]["p50"], 1), "itl_p50_ms": round(res["itl_ms"]["p50"], 2),
-                     "itl_p99_ms": round(res["itl_ms"]["p99"], 2), "ok": res["requests_ok"],
-                     "failed": res["requests_failed"]})
+        rows.append(
+            {
+                "config": m.group(1),
+                "n": int(m.group(2)),
+                "tok_s": round(res["output_throughput"], 1),
+                "ttft_p50_ms": round(res["ttft_ms"]["p50"], 1),
+                "itl_p50_ms": round(res["itl_ms"]["p50"], 2),
+                "itl_p99_ms": round(res["itl_ms"]["p99"], 2),
+                "ok": res["requests_ok"],
+                "failed": res["requests_failed"],
+            }
+        )
     rows.sort(key=lambda x: (x["config"].split("_")[-1], x["config"], x["n"]))
     print("| config | N | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | ok | failed |")
     print("|---|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['config']} | {x['n']} | {x['tok_s']} | {x['ttft_p50_ms']} | {x['itl_p50_ms']} | "
-              f"{x['itl_p99_ms']} | {x['ok']} | {x['failed']} |")
+        print(
+            f"| {x['config']} | {x['n']} | {x['tok_s']} | {x['ttft_p50_ms']} | {x['itl_p50_ms']} | "
+            f"{x['itl_p99_ms']} | {x['ok']} | {x['failed']} |"
+        )
     by = {(x["config"], x["n"]): x["tok_s"] for x in rows}
     ratios = {}
     for (cfg, n), v in sorted(by.items()):
@@ -48,8 +58,10 @@ def main() -> int:
         d = json.loads(f.read_text())
         out[f.stem] = {k: d[k] for k in ("prompts", "equal", "fraction_equal")}
         out[f.stem]["differs"] = [(x["first_diff"], x["ref_margin_at_diff"]) for x in d["rows"] if not x["equal"]]
-        print(f"{f.stem}: {d['equal']}/{d['prompts']} equal; (first differing token, reference margin): "
-              f"{out[f.stem]['differs']}")
+        print(
+            f"{f.stem}: {d['equal']}/{d['prompts']} equal; (first differing token, reference margin): "
+            f"{out[f.stem]['differs']}"
+        )
     for f in sorted(r.glob("rank_kill_*.json")):
         d = json.loads(f.read_text())
         ex = r / f"{f.stem}_exit.txt"

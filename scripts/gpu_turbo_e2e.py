@@ -20,9 +20,11 @@ def main() -> None:
     from swiftlm import LLM, SamplingParams
 
     llm = LLM(a.model, backend="torch", parallel=4, turbo_kv="k4v3", turbo_kv_window=16)
-    prompts = ["Write a long story about a cat who learns to fly. Once upon a time",
-               "The capital of France is Paris. Tell me more about Paris and its long history",
-               "List the planets of the solar system in order from the sun, with one fact each:"]
+    prompts = [
+        "Write a long story about a cat who learns to fly. Once upon a time",
+        "The capital of France is Paris. Tell me more about Paris and its long history",
+        "List the planets of the solar system in order from the sun, with one fact each:",
+    ]
     p = SamplingParams(max_tokens=96, temperature=0)
     t0 = time.perf_counter()
     together = [o.token_ids for o in llm.generate(prompts, p)]
@@ -35,12 +37,19 @@ def main() -> None:
     model = llm.engine.model
     same = sum(x == y for x, y in zip(again.token_ids, off.token_ids))
     first_diff = next((i for i, (x, y) in enumerate(zip(again.token_ids, off.token_ids)) if x != y), None)
-    out = {"batched_equals_solo": together == alone, "solo_repeat_equal": again.token_ids == alone[0],
-           "k4v3_vs_16bit_equal_tokens": same, "first_difference_at": first_diff, "tokens": len(off.token_ids),
-           "graph_captures": model.graphs.captures if model.graphs else None,
-           "pooled_caches": {f.name: len(v) for f, v in model.turbo_free.items()},
-           "solo_tok_s": len(again.token_ids) / t_solo, "batched_seconds": t_together,
-           "k4v3_text": again.text[:200], "fp16_text": off.text[:200]}
+    out = {
+        "batched_equals_solo": together == alone,
+        "solo_repeat_equal": again.token_ids == alone[0],
+        "k4v3_vs_16bit_equal_tokens": same,
+        "first_difference_at": first_diff,
+        "tokens": len(off.token_ids),
+        "graph_captures": model.graphs.captures if model.graphs else None,
+        "pooled_caches": {f.name: len(v) for f, v in model.turbo_free.items()},
+        "solo_tok_s": len(again.token_ids) / t_solo,
+        "batched_seconds": t_together,
+        "k4v3_text": again.text[:200],
+        "fp16_text": off.text[:200],
+    }
     print(json.dumps(out, indent=2))
     llm.close()
 

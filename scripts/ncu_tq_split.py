@@ -33,10 +33,11 @@ def main() -> None:
     kp, vp = random_planes(kb, N, g, dev, KVH, D), random_planes(vb, N, g, dev, KVH, D)
     kn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
     vn = (torch.rand(KVH, N, generator=g, device=dev) * 4 + 1).half()
-    q = (torch.randn(H, D, device=dev) @ kcod.R.T) * D ** -0.5
+    q = (torch.randn(H, D, device=dev) @ kcod.R.T) * D**-0.5
     for _ in range(4):
-        tk._split_pass(q, kp, kn, kcod.centroids, kb, vp, vn, vcod.centroids, vb, None, H // KVH, None, None, True,
-                       None)
+        tk._split_pass(
+            q, kp, kn, kcod.centroids, kb, vp, vn, vcod.centroids, vb, None, H // KVH, None, None, True, None
+        )
     torch.cuda.synchronize()
     k = tk._LAST["split"]
     print(f"{preset} N={N}: registers {getattr(k, 'n_regs', None)}, spills {getattr(k, 'n_spills', None)}")

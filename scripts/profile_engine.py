@@ -21,8 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
-         "and many curious people watch").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+    "and many curious people watch"
+).split()
 
 
 def run(llm, n: int, tokens: int, temperature: float) -> dict:
@@ -42,10 +44,16 @@ def run(llm, n: int, tokens: int, temperature: float) -> dict:
     wall = time.perf_counter() - t0
     snap = llm.engine.timers.snapshot()
     steps = llm.engine.stats.steps - steps0
-    return {"streams": n, "tokens": sum(done), "seconds": round(wall, 3), "tok_per_s": round(sum(done) / wall, 2),
-            "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 3),
-            "phases_ms_per_step": {k: round(1e3 * v["seconds"] / max(steps, 1), 4) for k, v in snap.items()},
-            "overlapped_steps": llm.engine.stats.overlapped_steps}
+    return {
+        "streams": n,
+        "tokens": sum(done),
+        "seconds": round(wall, 3),
+        "tok_per_s": round(sum(done) / wall, 2),
+        "steps": steps,
+        "ms_per_step": round(1e3 * wall / max(steps, 1), 3),
+        "phases_ms_per_step": {k: round(1e3 * v["seconds"] / max(steps, 1), 4) for k, v in snap.items()},
+        "overlapped_steps": llm.engine.stats.overlapped_steps,
+    }
 
 
 def profiled(llm, n: int, a, path: str) -> dict:
@@ -87,7 +95,10 @@ class SyncLog:
 
         def show(message, category, filename, lineno, file=None, line=None):
             frames = [f for f in traceback.extract_stack() if "swiftlm" in f.filename or "backends" in f.filename]
-            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
+            where = (
+                " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:]))
+                or f"{filename}:{lineno}"
+            )
             key = f"{str(message)[:60]} @ {where}"
             self.counts[key] = self.counts.get(key, 0) + 1
 
@@ -115,12 +126,20 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ctx-size", type=int, default=None)
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (this process is rank 0; its profile)")
-    ap.add_argument("--trace", default=None, metavar="JSON",
-                    help="with --torch-profile: also write the chrome trace here")
-    ap.add_argument("--sync-debug", action="store_true",
-                    help="CUDA: after warm-up, report every host-blocking CUDA call of the runs (file:line, count)")
-    ap.add_argument("--torch-profile", default=None, metavar="TXT",
-                    help="CUDA: run the last N under torch.profiler and write its op tables (CPU and device) here")
+    ap.add_argument(
+        "--trace", default=None, metavar="JSON", help="with --torch-profile: also write the chrome trace here"
+    )
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: after warm-up, report every host-blocking CUDA call of the runs (file:line, count)",
+    )
+    ap.add_argument(
+        "--torch-profile",
+        default=None,
+        metavar="TXT",
+        help="CUDA: run the last N under torch.profiler and write its op tables (CPU and device) here",
+    )
     a = ap.parse_args()
     from swiftlm import LLM
 
@@ -151,13 +170,25 @@ def main() -> None:
 
     print(f"{'N':>4} {'tok/s':>9} {'ms/step':>8} " + " ".join(f"{p:>9}" for p in PHASES))
     for r in rows:
-        print(f"{r['streams']:>4} {r['tok_per_s']:>9.1f} {r['ms_per_step']:>8.2f} "
-              + " ".join(f"{r['phases_ms_per_step'][p]:>9.3f}" for p in PHASES))
+        print(
+            f"{r['streams']:>4} {r['tok_per_s']:>9.1f} {r['ms_per_step']:>8.2f} "
+            + " ".join(f"{r['phases_ms_per_step'][p]:>9.3f}" for p in PHASES)
+        )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"backend": a.backend, "model": a.model or "bundled SmolLM2",
-                                            "host": platform.node(), "machine": platform.machine(),
-                                            "temperature": a.temperature, "rows": rows}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "backend": a.backend,
+                    "model": a.model or "bundled SmolLM2",
+                    "host": platform.node(),
+                    "machine": platform.machine(),
+                    "temperature": a.temperature,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = spec.generate(msgs, sp)
         sync()
-    print(f"self-draft: {len(out.token_ids)} tokens in {time.perf_counter() - t0:.3f} s, "
-          f"{spec.engine.speculator.stats}")
+    print(
+        f"self-draft: {len(out.token_ids)} tokens in {time.perf_counter() - t0:.3f} s, {spec.engine.speculator.stats}"
+    )
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     spec.close()
 

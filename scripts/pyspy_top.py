@@ -59,8 +59,11 @@ def main() -> None:
         print("  inclusive:")
         for nm, c in incl_t[thread].most_common(a.top):
             print(f"    {100 * c / n:5.1f}%  {nm}")
-        out["threads"][thread] = {"samples": n, "self": self_t[thread].most_common(a.top),
-                                  "inclusive": incl_t[thread].most_common(a.top)}
+        out["threads"][thread] = {
+            "samples": n,
+            "self": self_t[thread].most_common(a.top),
+            "inclusive": incl_t[thread].most_common(a.top),
+        }
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -41,14 +41,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
-         "word but not what all were we when your can said there use an each which she do how their if will up "
-         "other about out many then them these so some her would make like him into time has look two more write "
-         "go see number no way could people my than first water been call who oil its now find long down day did "
-         "get come made may part river mountain engine memory stream token garden window history music").split()
-SYSTEMS = ["You are a helpful assistant.", "Answer briefly and precisely.",
-           "You are a poet who writes about the sea. " * 8,
-           "You are a careful engineer. Explain your reasoning step by step and keep answers short. " * 6]
+WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part river mountain engine memory stream token garden window history music"
+).split()
+SYSTEMS = [
+    "You are a helpful assistant.",
+    "Answer briefly and precisely.",
+    "You are a poet who writes about the sea. " * 8,
+    "You are a careful engineer. Explain your reasoning step by step and keep answers short. " * 6,
+]
 
 
 def free_port() -> int:
@@ -75,10 +80,14 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stderr: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swiftlm.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})),
+        )
         ready = threading.Event()
         self.ready: dict | None = None
 
@@ -132,17 +141,25 @@ def good_request(rng: random.Random, max_tokens: int) -> tuple[str, dict]:
         msgs.append({"role": "user", "content": _prompt(rng)})
         if rng.random() < 0.2:  # a multi-turn chat
             msgs += [{"role": "assistant", "content": _prompt(rng)}, {"role": "user", "content": _prompt(rng)}]
-        return "/v1/chat/completions", {"messages": msgs, "max_tokens": mt, "temperature": temp,
-                                        "seed": rng.randrange(1 << 31)}
-    return "/v1/completions", {"prompt": _prompt(rng), "max_tokens": mt, "temperature": temp,
-                               "seed": rng.randrange(1 << 31)}
+        return "/v1/chat/completions", {
+            "messages": msgs,
+            "max_tokens": mt,
+            "temperature": temp,
+            "seed": rng.randrange(1 << 31),
+        }
+    return "/v1/completions", {
+        "prompt": _prompt(rng),
+        "max_tokens": mt,
+        "temperature": temp,
+        "seed": rng.randrange(1 << 31),
+    }
 
 
 MSG = [{"role": "user", "content": "hi"}]
 BAD: list[tuple[str, Any]] = [
-    ("/v1/chat/completions", b'{"messages": ['),                               # malformed JSON
-    ("/v1/chat/completions", b'[1, 2, 3]'),                                    # not an object
-    ("/v1/chat/completions", b'{"messages": "\xff\xfe"}'),                     # bad UTF-8
+    ("/v1/chat/completions", b'{"messages": ['),  # malformed JSON
+    ("/v1/chat/completions", b"[1, 2, 3]"),  # not an object
+    ("/v1/chat/completions", b'{"messages": "\xff\xfe"}'),  # bad UTF-8
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}),
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": -1}),
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10_000_000}),
@@ -173,8 +190,15 @@ class Tally:
             self.failures.append({"kind": kind, **info})
 
 
-async def stream_one(client: httpx.AsyncClient, rng: random.Random, t: Tally, path: str, body: dict,
-                     disconnect_prob: float, ending: asyncio.Event) -> None:
+async def stream_one(
+    client: httpx.AsyncClient,
+    rng: random.Random,
+    t: Tally,
+    path: str,
+    body: dict,
+    disconnect_prob: float,
+    ending: asyncio.Event,
+) -> None:
     body = {**body, "stream": True}
     cut_after = rng.choice([0, 1, 2, 4, 8, 16, 32]) if rng.random() < disconnect_prob else None
     give_up = rng.uniform(0.5, 20.0) if cut_after == 0 else None  # while waiting for its first token
@@ -272,8 +296,15 @@ async def bad_one(client: httpx.AsyncClient, rng: random.Random, t: Tally) -> No
         t.c["5xx"] += 1
         t.c["bad_5xx"] += 1
         if len(t.failures) < 50:
-            t.failures.append({"kind": "bad request -> 5xx", "path": path, "body": repr(body)[:200],
-                               "status": r.status_code, "answer": r.text[:300]})
+            t.failures.append(
+                {
+                    "kind": "bad request -> 5xx",
+                    "path": path,
+                    "body": repr(body)[:200],
+                    "status": r.status_code,
+                    "answer": r.text[:300],
+                }
+            )
     else:
         t.c["bad_accepted"] += 1  # the server took it (e.g. a value it can clamp): not a failure
 
@@ -296,8 +327,9 @@ async def worker(i: int, client: httpx.AsyncClient, a: argparse.Namespace, endin
         t.c["sent"] += 1
 
 
-async def sampler(url: str, pid: int | None, every: float, t0: float, stop: asyncio.Event, t: Tally,
-                  series: list[dict], tag: dict) -> None:
+async def sampler(
+    url: str, pid: int | None, every: float, t0: float, stop: asyncio.Event, t: Tally, series: list[dict], tag: dict
+) -> None:
     """Samples every ``every`` seconds, tagged with the current round and phase."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as hc:
         while True:
@@ -320,7 +352,7 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
     row["peak_rss"] = int(mem.get("process_peak_rss_bytes") or 0)
     row["allocator_free"] = int(mem.get("allocator_free_bytes") or 0)
     row["allocator_in_use"] = int(mem.get("allocator_in_use_bytes") or 0)  # malloc'd and live (C/C++/Rust heap)
-    row["python_blocks"] = int(mem.get("python_allocated_blocks") or 0)     # live pymalloc blocks
+    row["python_blocks"] = int(mem.get("python_allocated_blocks") or 0)  # live pymalloc blocks
     row["prompt_cache_bytes"] = int(mem.get("prompt_cache_bytes") or (st.get("prompt_cache") or {}).get("bytes") or 0)
     row["kv_bytes"] = int(mem.get("kv_bytes") or st.get("kv_bytes_in_use") or 0)
     row["kv_allocated"] = int(mem.get("kv_allocated_bytes") or row["kv_bytes"])
@@ -330,8 +362,7 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
     return row
 
 
-def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after: int | None,
-              elapsed: float) -> dict:
+def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after: int | None, elapsed: float) -> dict:
     """One round: the RSS peak after the warm-up against the RSS peak during the warm-up (peak
     against peak: under a steady load RSS swings with the KV of whichever sequences are running --
     +-5% here -- so a peak compared with one instant of the warm-up measures that swing, not growth;
@@ -349,19 +380,29 @@ def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after:
         after = [r for r in load if r["t"] > a.warmup]
     idle = [r for r in series if r.get("phase") == "idle"]
     s: dict[str, Any] = {
-        "elapsed_s": round(elapsed, 1), "rounds": a.rounds, "requests_sent": t.c["sent"], "ok": t.c["ok"],
-        "cancelled": t.c["cancelled"], "cancelled_at_end": t.c["cancelled_at_end"],
-        "abandoned_at_end": t.c["abandoned_at_end"], "drain_s": t.drain_seconds,
-        "failed": t.c["failed"], "5xx": t.c["5xx"], "bad_rejected_4xx": t.c["bad_rejected"],
-        "bad_accepted": t.c["bad_accepted"], "bad_5xx": t.c["bad_5xx"], "content_chunks": t.tokens,
+        "elapsed_s": round(elapsed, 1),
+        "rounds": a.rounds,
+        "requests_sent": t.c["sent"],
+        "ok": t.c["ok"],
+        "cancelled": t.c["cancelled"],
+        "cancelled_at_end": t.c["cancelled_at_end"],
+        "abandoned_at_end": t.c["abandoned_at_end"],
+        "drain_s": t.drain_seconds,
+        "failed": t.c["failed"],
+        "5xx": t.c["5xx"],
+        "bad_rejected_4xx": t.c["bad_rejected"],
+        "bad_accepted": t.c["bad_accepted"],
+        "bad_5xx": t.c["bad_5xx"],
+        "content_chunks": t.tokens,
         "status_counts": {str(k): v for k, v in sorted(t.status.items())},
         "requests_active_after": active_after,
         "rss_start_bytes": load[0]["rss"] if load else None,
         "rss_max_bytes": max((r["rss"] for r in load), default=None),
         "rss_final_bytes": series[-1]["rss"] if series else None,
         "rss_idle_after_each_round_bytes": [r["rss"] for r in idle],
-        "rss_peak_each_round_bytes": [max((r["rss"] for r in load if r["round"] == k), default=0)
-                                      for k in range(a.rounds)],
+        "rss_peak_each_round_bytes": [
+            max((r["rss"] for r in load if r["round"] == k), default=0) for k in range(a.rounds)
+        ],
     }
 
     def rest(r: dict) -> int:  # RSS less what live sequences' KV and the prompt cache hold (diagnostic)
@@ -378,13 +419,20 @@ def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after:
             s["rss_windows"] = [
                 {"from_s": round(k * width), "peak_bytes": max(w), "median_bytes": sorted(w)[len(w) // 2]}
                 for k in range(int(max(r["t"] for r in load) // width) + 1)
-                if (w := [r["rss"] for r in load if k * width <= r["t"] < (k + 1) * width])]
+                if (w := [r["rss"] for r in load if k * width <= r["t"] < (k + 1) * width])
+            ]
         peak = max(r["rss"] for r in after)
-        s.update({"rss_warmup_bytes": int(base), "rss_max_after_warmup_bytes": peak,
-                  "rss_last_under_load_bytes": after[-1]["rss"],
-                  "rss_growth_after_warmup": round(peak / base - 1, 4),
-                  "rss_less_kv_and_prompt_cache_growth_after_warmup":
-                      round(max(rest(r) for r in after) / base_rest - 1, 4)})
+        s.update(
+            {
+                "rss_warmup_bytes": int(base),
+                "rss_max_after_warmup_bytes": peak,
+                "rss_last_under_load_bytes": after[-1]["rss"],
+                "rss_growth_after_warmup": round(peak / base - 1, 4),
+                "rss_less_kv_and_prompt_cache_growth_after_warmup": round(
+                    max(rest(r) for r in after) / base_rest - 1, 4
+                ),
+            }
+        )
         for key in ("allocator_in_use", "python_blocks"):  # where growth lives: C/C++/Rust heap or Python objects
             w = [r.get(key, 0) for r in warm[-3:]]
             if all(w):
@@ -393,8 +441,11 @@ def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after:
                 s[f"{key}_growth_after_warmup"] = round(s[f"{key}_max_after_warmup"] / s[f"{key}_warmup"] - 1, 4)
     if len(idle) > 1:
         s["rss_idle_growth"] = round(max(r["rss"] for r in idle[1:]) / idle[0]["rss"] - 1, 4)
-    checks = {"no_failed_well_formed": t.c["failed"] == 0 and t.c["abandoned_at_end"] == 0,
-              "no_5xx": t.c["5xx"] == 0, "requests_active_back_to_0": active_after == 0}
+    checks = {
+        "no_failed_well_formed": t.c["failed"] == 0 and t.c["abandoned_at_end"] == 0,
+        "no_5xx": t.c["5xx"] == 0,
+        "requests_active_back_to_0": active_after == 0,
+    }
     if "rss_growth_after_warmup" in s:
         checks["rss_growth_within_limit"] = s["rss_growth_after_warmup"] <= a.max_rss_growth
     if "rss_idle_growth" in s:
@@ -415,33 +466,51 @@ def plot(series: list[dict], summary: dict, a: argparse.Namespace, path: Path, t
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.plot(ts, [r["rss"] / 2**20 for r in series], label="process RSS", color="tab:blue", lw=2)
     if any(r.get("prompt_cache_bytes") for r in series):
-        ax.plot(ts, [r["prompt_cache_bytes"] / 2**20 for r in series], label="prompt cache (counted)",
-                color="tab:green")
+        ax.plot(
+            ts, [r["prompt_cache_bytes"] / 2**20 for r in series], label="prompt cache (counted)", color="tab:green"
+        )
     if any(r.get("kv_allocated") for r in series):
-        ax.plot(ts, [r.get("kv_allocated", 0) / 2**20 for r in series], label="KV allocated (running and queued sequences)",
-                color="tab:purple", lw=1)
+        ax.plot(
+            ts,
+            [r.get("kv_allocated", 0) / 2**20 for r in series],
+            label="KV allocated (running and queued sequences)",
+            color="tab:purple",
+            lw=1,
+        )
     if any(r.get("allocator_in_use") for r in series):
-        ax.plot(ts, [r.get("allocator_in_use", 0) / 2**20 for r in series], label="malloc in use", color="tab:brown",
-                lw=1)
+        ax.plot(
+            ts, [r.get("allocator_in_use", 0) / 2**20 for r in series], label="malloc in use", color="tab:brown", lw=1
+        )
     if any(r.get("allocator_free") for r in series):
-        ax.plot(ts, [r["allocator_free"] / 2**20 for r in series], label="malloc free (held)", color="tab:gray",
-                lw=1)
+        ax.plot(ts, [r["allocator_free"] / 2**20 for r in series], label="malloc free (held)", color="tab:gray", lw=1)
     if "rss_warmup_bytes" in summary:
         lim = summary["rss_warmup_bytes"] * (1 + a.max_rss_growth) / 2**20
         what = "first round's peak" if a.rounds > 1 else "warm-up peak"
         ax.axhline(lim, color="tab:red", ls=":", lw=1, label=f"{what} +{a.max_rss_growth:.0%}")
     idle = [r for r in series if r.get("phase") == "idle"]
     if idle:
-        ax.plot([r["t"] / 60 for r in idle], [r["rss"] / 2**20 for r in idle], "o", color="tab:blue", ms=6,
-                label="RSS idle after a round")
+        ax.plot(
+            [r["t"] / 60 for r in idle],
+            [r["rss"] / 2**20 for r in idle],
+            "o",
+            color="tab:blue",
+            ms=6,
+            label="RSS idle after a round",
+        )
     warm_end = idle[0]["t"] if a.rounds > 1 and idle else a.warmup
     ax.axvline(warm_end / 60, color="k", ls="--", lw=1, label="end of warm-up")
     ax.set_xlabel("minutes")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
-    ax2.plot(ts, [r.get("requests_active") or 0 for r in series], color="tab:orange", lw=0.8, alpha=0.7,
-             label="requests_active")
+    ax2.plot(
+        ts,
+        [r.get("requests_active") or 0 for r in series],
+        color="tab:orange",
+        lw=0.8,
+        alpha=0.7,
+        label="requests_active",
+    )
     ax2.set_ylabel("requests active")
     ax2.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
@@ -464,8 +533,10 @@ async def run(a: argparse.Namespace, url: str, pid: int | None) -> tuple[list[di
     active, load_s = None, 0.0
     # no read timeout: a client waits for its turn in the queue however long it takes
     timeout = httpx.Timeout(None, connect=30, pool=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client, \
-            httpx.AsyncClient(base_url=url, timeout=30) as hc:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client,
+        httpx.AsyncClient(base_url=url, timeout=30) as hc,
+    ):
         for k in range(a.rounds):
             tag.update(round=k, phase="load")
             ending = asyncio.Event()
@@ -506,13 +577,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--parallel", type=int, default=16, help="--parallel of the server this script starts")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for that server (repeat)")
-    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                   help="environment variable for that server (repeat), e.g. MALLOC_ARENA_MAX=2")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable for that server (repeat), e.g. MALLOC_ARENA_MAX=2",
+    )
     p.add_argument("--streams", type=int, default=200, help="concurrent clients")
     p.add_argument("--duration", type=float, default=1800, help="seconds of load (all rounds together)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="split the load into rounds, each followed by every client leaving and the server\n"
-                        "going idle; with more than one, the warm-up is the first round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="split the load into rounds, each followed by every client leaving and the server\n"
+        "going idle; with more than one, the warm-up is the first round",
+    )
     p.add_argument("--warmup", type=float, default=300, help="seconds before RSS growth is measured (one round)")
     p.add_argument("--sample-every", type=float, default=5.0)
     p.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens drawn")
@@ -520,8 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-share", type=float, default=0.05, help="requests that are malformed")
     p.add_argument("--plain-share", type=float, default=0.1, help="well-formed requests that are not streamed")
     p.add_argument("--plain-max-tokens", type=int, default=32, help="largest max_tokens of a non-streamed request")
-    p.add_argument("--drain-timeout", type=float, default=300,
-                   help="seconds to wait after the load for requests_active to reach 0")
+    p.add_argument(
+        "--drain-timeout", type=float, default=300, help="seconds to wait after the load for requests_active to reach 0"
+    )
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="JSON path (default docs/results/soak_<backend>_<streams>x<min>m.json)")
@@ -534,8 +615,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         url, pid, ready = a.url.rstrip("/"), None, None
     else:
-        args = ["--model", a.model, "--backend", a.backend, "--parallel", str(a.parallel),
-                "--max-queue", str(max(64, 2 * a.streams)), *a.server_arg]
+        args = [
+            "--model",
+            a.model,
+            "--backend",
+            a.backend,
+            "--parallel",
+            str(a.parallel),
+            "--max-queue",
+            str(max(64, 2 * a.streams)),
+            *a.server_arg,
+        ]
         server = Server(args, env=dict(kv.split("=", 1) for kv in a.server_env))
         url, pid, ready = server.url, server.pid, server.ready
         print(json.dumps({"event": "server", "url": url, "pid": pid, "args": args}), flush=True)
@@ -556,16 +646,26 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = a.plot or out.with_suffix(".png")
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    doc = {"kind": "soak", "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-           "settings": settings, "server": ready or {"url": url}, "model": health.get("model"),
-           "backend": health.get("backend"),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-           "note": a.note, "summary": summary, "final_health": health, "series": series}
+    doc = {
+        "kind": "soak",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "settings": settings,
+        "server": ready or {"url": url},
+        "model": health.get("model"),
+        "backend": health.get("backend"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "note": a.note,
+        "summary": summary,
+        "final_health": health,
+        "series": series,
+    }
     out.write_text(json.dumps(doc, indent=1))
     try:
-        title = (f"soak: {a.streams} streams, {a.duration / 60:.0f} min, {doc['backend']} {doc['model']} -- "
-                 f"ok {summary['ok']}, cancelled {summary['cancelled']}, failed {summary['failed']}, "
-                 f"RSS growth after warm-up {summary.get('rss_growth_after_warmup', float('nan')):+.1%}")
+        title = (
+            f"soak: {a.streams} streams, {a.duration / 60:.0f} min, {doc['backend']} {doc['model']} -- "
+            f"ok {summary['ok']}, cancelled {summary['cancelled']}, failed {summary['failed']}, "
+            f"RSS growth after warm-up {summary.get('rss_growth_after_warmup', float('nan')):+.1%}"
+        )
         plot(series, summary, a, png, title)
     except ImportError as exc:  # matplotlib is in the dev extra
         print(f"no plot: {exc}", file=sys.stderr)

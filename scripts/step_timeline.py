@@ -57,8 +57,18 @@ def summarise(rows: list[dict], idle_ms: float) -> dict:
         g = group(r)
         if dt * 1e3 > idle_ms and not r["prefill_seqs"]:
             g = "idle (waiting for requests)"
-        e = out.setdefault(g, {"steps": 0, "seconds": 0.0, "decode_rows": 0, "prompt_tokens": 0, "forward_ms": 0.0,
-                               "sync_ms": 0.0, "overlapped": 0})
+        e = out.setdefault(
+            g,
+            {
+                "steps": 0,
+                "seconds": 0.0,
+                "decode_rows": 0,
+                "prompt_tokens": 0,
+                "forward_ms": 0.0,
+                "sync_ms": 0.0,
+                "overlapped": 0,
+            },
+        )
         e["steps"] += 1
         e["seconds"] += dt
         e["decode_rows"] += r["decode"]
@@ -76,15 +86,25 @@ def summarise(rows: list[dict], idle_ms: float) -> dict:
         e["sync_ms"] = round(e["sync_ms"] / n, 3)
         e["share"] = round(e["seconds"] / span, 4) if span else 0.0
         e["seconds"] = round(e["seconds"], 4)
-    return {"span_s": round(span, 4), "steps": len(rows), "decode_tokens": tokens,
-            "decode_tok_per_s": round(tokens / span, 1) if span else 0.0, "groups": out}
+    return {
+        "span_s": round(span, 4),
+        "steps": len(rows),
+        "decode_tokens": tokens,
+        "decode_tok_per_s": round(tokens / span, 1) if span else 0.0,
+        "groups": out,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log")
-    ap.add_argument("--since-gap", type=float, default=0.0, metavar="S",
-                    help="only the steps after the last pause longer than S seconds (0: all)")
+    ap.add_argument(
+        "--since-gap",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="only the steps after the last pause longer than S seconds (0: all)",
+    )
     ap.add_argument("--idle-ms", type=float, default=50.0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -92,13 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.since_gap:
         rows = last_run(rows, a.since_gap)
     s = summarise(rows, a.idle_ms)
-    print(f"{s['steps']} steps over {s['span_s']:.3f} s, {s['decode_tokens']} decode rows "
-          f"({s['decode_tok_per_s']:.0f} rows/s)")
-    print(f"{'group':34s} {'steps':>6s} {'share':>7s} {'ms/step':>8s} {'rows/step':>9s} {'fwd ms':>7s} "
-          f"{'sync ms':>8s} {'overlap':>7s}")
+    print(
+        f"{s['steps']} steps over {s['span_s']:.3f} s, {s['decode_tokens']} decode rows "
+        f"({s['decode_tok_per_s']:.0f} rows/s)"
+    )
+    print(
+        f"{'group':34s} {'steps':>6s} {'share':>7s} {'ms/step':>8s} {'rows/step':>9s} {'fwd ms':>7s} "
+        f"{'sync ms':>8s} {'overlap':>7s}"
+    )
     for g, e in sorted(s["groups"].items(), key=lambda kv: -kv[1]["seconds"]):
-        print(f"{g:34s} {e['steps']:6d} {100 * e['share']:6.1f}% {e['ms_per_step']:8.2f} {e['rows_per_step']:9.1f} "
-              f"{e['forward_ms']:7.2f} {e['sync_ms']:8.2f} {e['overlapped']:7d}")
+        print(
+            f"{g:34s} {e['steps']:6d} {100 * e['share']:6.1f}% {e['ms_per_step']:8.2f} {e['rows_per_step']:9.1f} "
+            f"{e['forward_ms']:7.2f} {e['sync_ms']:8.2f} {e['overlapped']:7d}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1)

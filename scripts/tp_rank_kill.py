@@ -54,8 +54,14 @@ def alive(pid: int) -> bool:
 
 
 def stream(base: str, i: int, rec: dict, kill_at: list[float], max_tokens: int) -> None:
-    body = {"model": "x", "messages": [{"role": "user", "content": f"Stream {i}: count to a million."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"Stream {i}: count to a million."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     rec.update(chunks_before_kill=0, chunks_after_kill=0, error=None, finish_reason=None, done=False, ended=None)
     t0 = time.time()
     try:
@@ -102,8 +108,10 @@ def main() -> int:
         return 2
     recs: list[dict] = [{"stream": i} for i in range(a.streams)]
     kill_at: list[float] = []
-    threads = [threading.Thread(target=stream, args=(a.base_url, i, recs[i], kill_at, a.max_tokens), daemon=True)
-               for i in range(a.streams)]
+    threads = [
+        threading.Thread(target=stream, args=(a.base_url, i, recs[i], kill_at, a.max_tokens), daemon=True)
+        for i in range(a.streams)
+    ]
     for t in threads:
         t.start()
     time.sleep(a.kill_after)
@@ -123,11 +131,17 @@ def main() -> int:
         code = os.waitstatus_to_exitcode(status) if status else None
     except ChildProcessError:
         code = None
-    out = {"followers": ranks, "killed": victim, "streams": recs, "server_exit_s_after_kill": exit_s,
-           "server_exit_code": code, "server_still_running": alive(a.server_pid),
-           "streams_with_error_event": sum(1 for r in recs if r.get("error")),
-           "streams_with_done": sum(1 for r in recs if r.get("done")),
-           "streams_hung": sum(1 for t in threads if t.is_alive())}
+    out = {
+        "followers": ranks,
+        "killed": victim,
+        "streams": recs,
+        "server_exit_s_after_kill": exit_s,
+        "server_exit_code": code,
+        "server_still_running": alive(a.server_pid),
+        "streams_with_error_event": sum(1 for r in recs if r.get("error")),
+        "streams_with_done": sum(1 for r in recs if r.get("done")),
+        "streams_hung": sum(1 for t in threads if t.is_alive()),
+    }
     if a.json:  # first: a reader of stdout that goes away early must not lose the record
         Path(a.json).write_text(json.dumps(out, indent=1))
     try:

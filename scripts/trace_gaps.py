@@ -22,8 +22,11 @@ def analyse(path: str, min_us: float = 5.0) -> dict:
     ev = json.load(open(path))
     ev = ev["traceEvents"] if isinstance(ev, dict) else ev
     dev = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    runtime = {e["args"]["correlation"]: e for e in ev if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
-               and "correlation" in e.get("args", {})}
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in ev
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     cpu_ops = defaultdict(list)  # tid -> [(ts, end, name)] top-level-ish host ops
     for e in ev:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation"):
@@ -61,11 +64,17 @@ def analyse(path: str, min_us: float = 5.0) -> dict:
             gaps.append((gap, kind, rt["name"] if rt else "?", e["name"][:60]))
         end = max(end, e["ts"] + e["dur"])
     gaps.sort(reverse=True)
-    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "host_late_us": late_total,
-            "device_wait_us": wait_total, "host_late_by_launch_call": dict(late_by_call),
-            "host_ops_during_late_gaps_us": dict(sorted(late_ops.items(), key=lambda kv: -kv[1])[:25]),
-            "largest_gaps": [dict(us=round(g, 1), kind=k, launch=c, next=n) for g, k, c, n in gaps[:25]],
-            "gaps": len(gaps)}
+    return {
+        "span_us": span,
+        "busy_us": busy,
+        "idle_us": span - busy,
+        "host_late_us": late_total,
+        "device_wait_us": wait_total,
+        "host_late_by_launch_call": dict(late_by_call),
+        "host_ops_during_late_gaps_us": dict(sorted(late_ops.items(), key=lambda kv: -kv[1])[:25]),
+        "largest_gaps": [dict(us=round(g, 1), kind=k, launch=c, next=n) for g, k, c, n in gaps[:25]],
+        "gaps": len(gaps),
+    }
 
 
 def main() -> None:
@@ -75,9 +84,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     r = analyse(a.trace, a.min_us)
-    print(f"device span {r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle {r['idle_us'] / 1e3:.1f} ms; "
-          f"gaps >= {a.min_us} us: {r['gaps']}, host-late {r['host_late_us'] / 1e3:.1f} ms, "
-          f"device-wait {r['device_wait_us'] / 1e3:.1f} ms")
+    print(
+        f"device span {r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle {r['idle_us'] / 1e3:.1f} ms; "
+        f"gaps >= {a.min_us} us: {r['gaps']}, host-late {r['host_late_us'] / 1e3:.1f} ms, "
+        f"device-wait {r['device_wait_us'] / 1e3:.1f} ms"
+    )
     print("host-late by launch call (ms):", {k: round(v / 1e3, 2) for k, v in r["host_late_by_launch_call"].items()})
     print("host ops during host-late gaps (ms):")
     for k, v in list(r["host_ops_during_late_gaps_us"].items())[:15]:

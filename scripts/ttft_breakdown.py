@@ -24,13 +24,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPT = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches and many "
-          "curious people watch from the old stone bridge near the river on a cold bright morning in late autumn")
+PROMPT = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches and many "
+    "curious people watch from the old stone bridge near the river on a cold bright morning in late autumn"
+)
 
 
 def ms(xs: list[float]) -> dict:
-    return {"p50": round(1e3 * statistics.median(xs), 3), "min": round(1e3 * min(xs), 3),
-            "max": round(1e3 * max(xs), 3)}
+    return {
+        "p50": round(1e3 * statistics.median(xs), 3),
+        "min": round(1e3 * min(xs), 3),
+        "max": round(1e3 * max(xs), 3),
+    }
 
 
 def main() -> None:
@@ -76,7 +81,7 @@ def main() -> None:
         except ImportError:
             sync = sync or (lambda: None)
         tp = []
-        sid = 10 ** 9
+        sid = 10**9
         for r in range(a.reps):
             sync()
             t = time.perf_counter()
@@ -98,10 +103,12 @@ def main() -> None:
                 m.free([sid - 1])
                 ka = prof.key_averages()
                 kernels = [e for e in ka if e.device_type.name == "CUDA"]
-                out["profile"] = {"wall_ms": round(1e3 * wall, 3),
-                                  "device_busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 3),
-                                  "kernel_launches": int(sum(e.count for e in kernels)),
-                                  "top_host_ops": ka.table(sort_by="self_cpu_time_total", row_limit=12)}
+                out["profile"] = {
+                    "wall_ms": round(1e3 * wall, 3),
+                    "device_busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 3),
+                    "kernel_launches": int(sum(e.count for e in kernels)),
+                    "top_host_ops": ka.table(sort_by="self_cpu_time_total", row_limit=12),
+                }
         except ImportError:
             pass
     finally:
@@ -110,8 +117,10 @@ def main() -> None:
     print(json.dumps(show, indent=1))
     if "profile" in out:
         p = out["profile"]
-        print(f"prefill under the profiler: wall {p['wall_ms']} ms, device busy {p['device_busy_ms']} ms, "
-              f"{p['kernel_launches']} kernels\n{p['top_host_ops']}")
+        print(
+            f"prefill under the profiler: wall {p['wall_ms']} ms, device busy {p['device_busy_ms']} ms, "
+            f"{p['kernel_launches']} kernels\n{p['top_host_ops']}"
+        )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -31,8 +31,17 @@ def _asm(bits: int) -> str:
     return tq_codes.prmt_asm4s(c) if bits == 4 else tq_codes.prmt_asm16(c, bits - 2)
 
 
-def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4, stages: int = 3, n_ptr: int = 0,
-                  gdc: int = 0, maxnreg: int | None = None, page: int = 0):
+def compile_split(
+    preset: str,
+    trans: int = 1,
+    block_n: int = 64,
+    warps: int = 4,
+    stages: int = 3,
+    n_ptr: int = 0,
+    gdc: int = 0,
+    maxnreg: int | None = None,
+    page: int = 0,
+):
     """The split kernel for ``preset`` (no QJL) compiled for sm_90: Triton's CompiledKernel (asm: ttgir, ptx,
     cubin -- ptxas runs here, so the inline PTX of the lookups is assembled too)."""
     fmt = parse_turbo(preset)
@@ -41,11 +50,43 @@ def compile_split(preset: str, trans: int = 1, block_n: int = 64, warps: int = 4
     kb, vb = fmt.key_bits, fmt.value_bits
     (kw0, kw1), (vw0, vw1) = tq_codes._PLANES[kb], tq_codes._PLANES[vb]
     fn = tk._tq_attn_kernel
-    consts = dict(D=128, BLOCK_N=block_n, REP=4, RP=16, KW0=kw0, KW1=kw1, VW0=vw0, VW1=vw1, QJL=False,
-                  N_PTR=bool(n_ptr), F16=True, KNAT=True, VNAT=True, KASM=_asm(kb), KPRMT=1, VASM=_asm(vb), VPRMT=1,
-                  KSWAR=1, VSWAR=1, TRANS=trans, GDC=gdc, BATCH=0, DIAG=0, PAGE=page)
-    ptrs = {"kp0": "*u8", "kp1": "*u8", "vp0": "*u8", "vp1": "*u8", "ks_ptr": "*u8", "kn_ptr": "*fp16",
-            "vn_ptr": "*fp16", "kr_ptr": "*fp16", "pt_ptr": "*i32"}
+    consts = dict(
+        D=128,
+        BLOCK_N=block_n,
+        REP=4,
+        RP=16,
+        KW0=kw0,
+        KW1=kw1,
+        VW0=vw0,
+        VW1=vw1,
+        QJL=False,
+        N_PTR=bool(n_ptr),
+        F16=True,
+        KNAT=True,
+        VNAT=True,
+        KASM=_asm(kb),
+        KPRMT=1,
+        VASM=_asm(vb),
+        VPRMT=1,
+        KSWAR=1,
+        VSWAR=1,
+        TRANS=trans,
+        GDC=gdc,
+        BATCH=0,
+        DIAG=0,
+        PAGE=page,
+    )
+    ptrs = {
+        "kp0": "*u8",
+        "kp1": "*u8",
+        "vp0": "*u8",
+        "vp1": "*u8",
+        "ks_ptr": "*u8",
+        "kn_ptr": "*fp16",
+        "vn_ptr": "*fp16",
+        "kr_ptr": "*fp16",
+        "pt_ptr": "*i32",
+    }
     sig = {}
     for n in fn.arg_names:
         if n in consts:
@@ -76,9 +117,12 @@ def registers(k) -> str:
     with tempfile.TemporaryDirectory() as d:
         f = os.path.join(d, "k.ptx")
         open(f, "w").write(k.asm["ptx"])
-        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    return " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
+        r = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")], capture_output=True, text=True
+        )
+    return " ".join(
+        line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line
+    )
 
 
 def main() -> None:
@@ -98,12 +142,24 @@ def main() -> None:
     if a.dump:
         open(a.dump + ".ttgir", "w").write(ttgir)
         open(a.dump + ".ptx", "w").write(ptx)
-    print(f"{a.preset} trans={a.trans} block_n={a.block_n} warps={a.warps} stages={a.stages}: "
-          f"shared memory {k.metadata.shared} bytes per program; ptxas: {registers(k)}")
+    print(
+        f"{a.preset} trans={a.trans} block_n={a.block_n} warps={a.warps} stages={a.stages}: "
+        f"shared memory {k.metadata.shared} bytes per program; ptxas: {registers(k)}"
+    )
     for pat in ["ttg.local_alloc", "ttg.local_load", "ttg.convert_layout", "ttg.async_copy_global_to_local"]:
         print(f"  TTGIR {pat:<34} {ttgir.count(pat)}")
-    for pat in ["st.shared", "ld.shared", "ldmatrix", "stmatrix", "cp.async", "wgmma.mma_async", "mma.sync", "shfl",
-                "prmt", "lop3"]:
+    for pat in [
+        "st.shared",
+        "ld.shared",
+        "ldmatrix",
+        "stmatrix",
+        "cp.async",
+        "wgmma.mma_async",
+        "mma.sync",
+        "shfl",
+        "prmt",
+        "lop3",
+    ]:
         print(f"  PTX   {pat:<34} {len(re.findall(re.escape(pat), ptx))}")
 
 

@@ -119,8 +119,15 @@ def _add_tokenizer(w: Any, hf_dir: Path, config: dict, pre: str | None) -> None:
         w.add_chat_template(tc["chat_template"])
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "f32", *, arch: str | None = None,
-               extra: dict[str, Any] | None = None, pre: str | None = None) -> Path:
+def write_gguf(
+    hf_dir: str | Path,
+    out: str | Path,
+    qtype: str = "f32",
+    *,
+    arch: str | None = None,
+    extra: dict[str, Any] | None = None,
+    pre: str | None = None,
+) -> Path:
     """``arch``: write this ``general.architecture`` instead of the checkpoint's (its keys under that
     name); ``extra``: more metadata, ``{key: value}`` (int -> uint32, float -> float32, str, bool)."""
     import gguf
@@ -135,8 +142,11 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "f32", *, arch:
     n_layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     tmap = gguf.get_tensor_name_map(march, n_layers)
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    ftype = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[qtype]
 
     w = gguf.GGUFWriter(str(out), name)
     w.add_name(hf_dir.name)

@@ -28,7 +28,8 @@ def parse_spec(text: str) -> tuple[str, str]:
 @dataclass
 class AdapterFiles:
     """An adapter directory's format, weights file, rank and scale."""
-    kind: str      # "peft" (A [r, in], B [out, r]) or "mlx" (lora_a [in, r], lora_b [r, out])
+
+    kind: str  # "peft" (A [r, in], B [out, r]) or "mlx" (lora_a [in, r], lora_b [r, out])
     weights: Path
     rank: int
     scale: float
@@ -52,10 +53,15 @@ def adapter_files(name: str, path: str | Path) -> AdapterFiles:
         for field in ("use_dora", "fan_in_fan_out"):
             if cfg.get(field):
                 raise AdapterError(f"adapter {name!r}: {field}=true is not supported")
-        if cfg.get("bias", "none") != "none" or cfg.get("alpha_pattern") or cfg.get("rank_pattern") \
-                or cfg.get("modules_to_save"):
-            raise AdapterError(f"adapter {name!r}: LoRA bias, alpha_pattern, rank_pattern and modules_to_save "
-                               "are not supported")
+        if (
+            cfg.get("bias", "none") != "none"
+            or cfg.get("alpha_pattern")
+            or cfg.get("rank_pattern")
+            or cfg.get("modules_to_save")
+        ):
+            raise AdapterError(
+                f"adapter {name!r}: LoRA bias, alpha_pattern, rank_pattern and modules_to_save are not supported"
+            )
         r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         return AdapterFiles("peft", d / "adapter_model.safetensors", r, scale)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import platform
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import BackendUnavailable, SwiftLMError
 from .registry import ModelSpec
@@ -46,10 +47,10 @@ class ModelInfo:
     modalities: tuple[str, ...] = ("text",)
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
-    streamed_expert_bytes: int = 0   # expert bytes left on disk (--stream-experts); 0 when all resident
-    experts_per_token: int = 0       # in use (after --expert-top-k)
-    embedding_only: bool = False     # no LM head (e.g. Qwen3Model): /v1/embeddings only, no generation
-    pooling: str = "mean"            # embeddings' pooling (swiftlm.embeddings.pooling_for)
+    streamed_expert_bytes: int = 0  # expert bytes left on disk (--stream-experts); 0 when all resident
+    experts_per_token: int = 0  # in use (after --expert-top-k)
+    embedding_only: bool = False  # no LM head (e.g. Qwen3Model): /v1/embeddings only, no generation
+    pooling: str = "mean"  # embeddings' pooling (swiftlm.embeddings.pooling_for)
 
 
 @dataclass
@@ -163,7 +164,9 @@ def discover_backends(names: Iterable[str] | None = None) -> dict[str, BackendEn
         except Exception as exc:  # a broken plugin must not take the server down
             log.warning("backend plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
             found[ep.name] = BackendEntry(
-                ep.name, ep.value, None,
+                ep.name,
+                ep.value,
+                None,
                 Availability(False, reason=f"plugin failed to load: {type(exc).__name__}: {exc}"),
             )
             continue
@@ -183,8 +186,7 @@ def _auto_why(name: str, order: list[str] | None = None) -> str:
     return f"{name} (auto: first available of {', '.join(order)} on {platform.system()} {platform.machine()})"
 
 
-def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | None = None
-                   ) -> tuple[Backend, str]:
+def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | None = None) -> tuple[Backend, str]:
     """Return (backend, explanation)."""
     if backends is None:
         if requested and requested != "auto":
@@ -216,6 +218,16 @@ def choose_backend(requested: str | None, backends: dict[str, BackendEntry] | No
 
 
 __all__ = [
-    "Availability", "Backend", "BackendEntry", "Forward", "Model", "ModelInfo", "SampledToken", "SeqWork",
-    "StepBatch", "SwiftLMError", "choose_backend", "discover_backends",
+    "Availability",
+    "Backend",
+    "BackendEntry",
+    "Forward",
+    "Model",
+    "ModelInfo",
+    "SampledToken",
+    "SeqWork",
+    "StepBatch",
+    "SwiftLMError",
+    "choose_backend",
+    "discover_backends",
 ]

@@ -42,13 +42,19 @@ def _with_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="swiftlm", description="Local LLM inference with an OpenAI-compatible API. "
-                "With no subcommand, serves the model (same as `swiftlm serve`); the serve options follow "
-                "the command list.")
+    p = _Parser(
+        prog="swiftlm",
+        description="Local LLM inference with an OpenAI-compatible API. "
+        "With no subcommand, serves the model (same as `swiftlm serve`); the serve options follow "
+        "the command list.",
+    )
     sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="start the OpenAI-compatible server (default)",
-                       description="Start the OpenAI-compatible server (also what `swiftlm` with no command does).")
+    s = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server (default)",
+        description="Start the OpenAI-compatible server (also what `swiftlm` with no command does).",
+    )
     add_settings_arguments(s)
     p._serve_parser = s  # type: ignore[attr-defined]
 
@@ -63,11 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--self-consistency", type=int, metavar="N", help="N sampled chains, majority vote on the answer")
     tt.add_argument("--best-of-n", type=int, metavar="N", help="N sampled chains, the best by --score")
     tt.add_argument("--refinement-rounds", type=int, metavar="N", help="answer, then N critique -> revise rounds")
-    tt.add_argument("--answer", default="last_number", choices=("last_number", "final_line", "regex", "json"),
-                    help="how self-consistency reads a chain's answer (default last_number)")
+    tt.add_argument(
+        "--answer",
+        default="last_number",
+        choices=("last_number", "final_line", "regex", "json"),
+        help="how self-consistency reads a chain's answer (default last_number)",
+    )
     tt.add_argument("--answer-pattern", default=None, help="the regular expression of --answer regex")
-    tt.add_argument("--score", default="mean_logprob", choices=("mean_logprob", "logprob", "verifier"),
-                    help="how best-of-N ranks chains (default mean_logprob)")
+    tt.add_argument(
+        "--score",
+        default="mean_logprob",
+        choices=("mean_logprob", "logprob", "verifier"),
+        help="how best-of-N ranks chains (default mean_logprob)",
+    )
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     add_settings_arguments(c, groups=("model", "engine", "experts", "sampling", "planned", "distributed"))
@@ -75,28 +89,54 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="backends found, device and memory; with --model, the model's facts and plan")
     add_settings_arguments(i, groups=("model",))
-    for flag in ("--turbo-kv", "--turbo-kv-window", "--turbo-kv-threshold", "--turbo-kv-keep-layers",
-                 "--stream-experts", "--expert-top-k"):
+    for flag in (
+        "--turbo-kv",
+        "--turbo-kv-window",
+        "--turbo-kv-threshold",
+        "--turbo-kv-keep-layers",
+        "--stream-experts",
+        "--expert-top-k",
+    ):
         _add_one(i, flag)
     i.add_argument("--json", action="store_true", help="print JSON")
 
-    v = sub.add_parser("convert", help="convert a GGUF file to an HF-format directory (mlx-lm and transformers load it)")
+    v = sub.add_parser(
+        "convert", help="convert a GGUF file to an HF-format directory (mlx-lm and transformers load it)"
+    )
     v.add_argument("gguf", help="input .gguf file, or 'smollm2-135m-instruct' for the bundled model")
     v.add_argument("out", help="output directory")
-    v.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
-                   help="dtype of the dequantized weights (and of the scales with --keep-quantized)")
-    v.add_argument("--keep-quantized", action="store_true",
-                   help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)")
+    v.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="dtype of the dequantized weights (and of the scales with --keep-quantized)",
+    )
+    v.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep the weights 4/8-bit in MLX's quantized format instead of dequantizing (needs mlx)",
+    )
     v.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
 
-    ft = sub.add_parser("finetune", help="train a LoRA adapter on a JSONL chat dataset (PEFT format on torch, mlx-lm "
-                        "format on mlx; serve it with --adapter NAME=PATH)")
+    ft = sub.add_parser(
+        "finetune",
+        help="train a LoRA adapter on a JSONL chat dataset (PEFT format on torch, mlx-lm "
+        "format on mlx; serve it with --adapter NAME=PATH)",
+    )
     ft.add_argument("--model", required=True, help="base model (local HF directory, HF cache id or .gguf)")
-    ft.add_argument("--data", required=True, help="JSONL: {\"messages\": [...]} (last message: the assistant's "
-                    "target), {\"prompt\", \"completion\"} or {\"text\"} per line")
+    ft.add_argument(
+        "--data",
+        required=True,
+        help='JSONL: {"messages": [...]} (last message: the assistant\'s '
+        'target), {"prompt", "completion"} or {"text"} per line',
+    )
     ft.add_argument("--out", required=True, help="output directory of the adapter")
-    ft.add_argument("--backend", choices=("torch", "mlx"), default="torch",
-                    help="torch: swiftlm's autograd trainer, PEFT output; mlx: mlx-lm's trainer, mlx-lm output")
+    ft.add_argument(
+        "--backend",
+        choices=("torch", "mlx"),
+        default="torch",
+        help="torch: swiftlm's autograd trainer, PEFT output; mlx: mlx-lm's trainer, mlx-lm output",
+    )
     ft.add_argument("--rank", type=int, default=8)
     ft.add_argument("--alpha", type=float, default=16.0)
     ft.add_argument("--steps", type=int, default=100)
@@ -107,39 +147,61 @@ def _parser() -> argparse.ArgumentParser:
     ft.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     ft.add_argument("--fuse", action="store_true", help="also write OUT/fused: the base with the adapter merged in")
 
-    b = sub.add_parser("bench", help="the speed and memory matrix of a model (vanilla / TurboQuant presets / "
-                       "expert streaming x context lengths); `bench serve` loads any OpenAI-compatible server",
-                       description="Measure a model across configurations (vanilla, --turbo-kv presets, "
-                       "--stream-experts, both) and context lengths: prefill and decode tok/s, TTFT, peak process and "
-                       "device memory, KV bytes, and throughput at batch sizes. Writes JSON, a Markdown table and "
-                       "PNG plots. `swiftlm bench serve --help` is the HTTP load generator.")
+    b = sub.add_parser(
+        "bench",
+        help="the speed and memory matrix of a model (vanilla / TurboQuant presets / "
+        "expert streaming x context lengths); `bench serve` loads any OpenAI-compatible server",
+        description="Measure a model across configurations (vanilla, --turbo-kv presets, "
+        "--stream-experts, both) and context lengths: prefill and decode tok/s, TTFT, peak process and "
+        "device memory, KV bytes, and throughput at batch sizes. Writes JSON, a Markdown table and "
+        "PNG plots. `swiftlm bench serve --help` is the HTTP load generator.",
+    )
     from .bench.matrix import add_arguments as add_bench_matrix_arguments
 
     add_bench_matrix_arguments(b)
     bsub = b.add_subparsers(dest="bench_command", metavar="{serve}")
     from .bench.serve import add_arguments as add_bench_serve_arguments
 
-    add_bench_serve_arguments(bsub.add_parser(
-        "serve", help="stream requests at a concurrency or a Poisson rate to an OpenAI-compatible server; "
-        "TTFT, inter-token latency, throughput",
-        description="Load any OpenAI-compatible server with streamed requests (a fixed concurrency or Poisson "
-        "arrivals) and report TTFT, inter-token latency, end-to-end latency and throughput."))
+    add_bench_serve_arguments(
+        bsub.add_parser(
+            "serve",
+            help="stream requests at a concurrency or a Poisson rate to an OpenAI-compatible server; "
+            "TTFT, inter-token latency, throughput",
+            description="Load any OpenAI-compatible server with streamed requests (a fixed concurrency or Poisson "
+            "arrivals) and report TTFT, inter-token latency, end-to-end latency and throughput.",
+        )
+    )
 
-    d = sub.add_parser("download", help="download a model from the Hugging Face hub into the local cache, "
-                       "with a progress bar", description="Download a model repo (or the files matching --include) "
-                       "into the Hugging Face cache (HF_HOME / HF_HUB_CACHE), resuming partial files. HF_TOKEN is "
-                       "sent when set; HF_HUB_OFFLINE=1 forbids the network; HF_ENDPOINT names another hub.")
+    d = sub.add_parser(
+        "download",
+        help="download a model from the Hugging Face hub into the local cache, with a progress bar",
+        description="Download a model repo (or the files matching --include) "
+        "into the Hugging Face cache (HF_HOME / HF_HUB_CACHE), resuming partial files. HF_TOKEN is "
+        "sent when set; HF_HUB_OFFLINE=1 forbids the network; HF_ENDPOINT names another hub.",
+    )
     d.add_argument("repo_id", help="hub id, owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
     d.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    d.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="download only files matching this pattern (repeatable), e.g. '*.safetensors'")
-    d.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip files matching this pattern (repeatable)")
-    d.add_argument("--local-dir", default=None, metavar="DIR",
-                   help="put the files in DIR instead of the cache (then serve them with --model DIR)")
+    d.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="download only files matching this pattern (repeatable), e.g. '*.safetensors'",
+    )
+    d.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="skip files matching this pattern (repeatable)"
+    )
+    d.add_argument(
+        "--local-dir",
+        default=None,
+        metavar="DIR",
+        help="put the files in DIR instead of the cache (then serve them with --model DIR)",
+    )
 
-    m = sub.add_parser("models", help="list the models in the local Hugging Face cache: size, architecture, "
-                       "which installed backends run each")
+    m = sub.add_parser(
+        "models",
+        help="list the models in the local Hugging Face cache: size, architecture, which installed backends run each",
+    )
     m.add_argument("--json", action="store_true", help="print JSON")
 
     r = sub.add_parser("rm", help="delete a model from the local Hugging Face cache")
@@ -164,12 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:
         argv.insert(0, "serve")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("SWIFTLM_LOG_LEVEL", "WARNING").upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("SWIFTLM_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
-        return {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-                "convert": cmd_convert, "bench": cmd_bench, "download": cmd_download, "models": cmd_models,
-                "rm": cmd_rm, "finetune": cmd_finetune}[args.command](args)
+        return {
+            "serve": cmd_serve,
+            "generate": cmd_generate,
+            "chat": cmd_chat,
+            "info": cmd_info,
+            "convert": cmd_convert,
+            "bench": cmd_bench,
+            "download": cmd_download,
+            "models": cmd_models,
+            "rm": cmd_rm,
+            "finetune": cmd_finetune,
+        }[args.command](args)
     except SwiftLMError as exc:
         print(f"swiftlm: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -207,9 +279,17 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _sampling(settings: Settings, args: argparse.Namespace, **extra: Any):
     from .sampling import SamplingParams
 
-    return SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temp, top_p=settings.top_p,
-                          top_k=settings.top_k, min_p=settings.min_p, repetition_penalty=settings.repeat_penalty,
-                          repetition_context_size=settings.repeat_last_n, seed=settings.seed, **extra)
+    return SamplingParams(
+        max_tokens=settings.max_tokens,
+        temperature=settings.temp,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repeat_penalty,
+        repetition_context_size=settings.repeat_last_n,
+        seed=settings.seed,
+        **extra,
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -224,7 +304,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request: Any = prompt
     else:
         request = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}]
+            {"role": "user", "content": prompt}
+        ]
     params = _sampling(settings, args, stop=args.stop)
     if args.self_consistency or args.best_of_n or args.refinement_rounds is not None:
         return _generate_test_time(llm, request, params, args)
@@ -241,8 +322,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     end = time.perf_counter()
     if args.verbose and first is not None:
         dec = (n - 1) / (end - first) if n > 1 and end > first else 0.0
-        print(f"[load {load_s:.2f}s, backend {llm.backend_choice}; ttft {first - t1:.3f}s; "
-              f"{n} tokens, decode {dec:.2f} tok/s]", file=sys.stderr)
+        print(
+            f"[load {load_s:.2f}s, backend {llm.backend_choice}; ttft {first - t1:.3f}s; "
+            f"{n} tokens, decode {dec:.2f} tok/s]",
+            file=sys.stderr,
+        )
     llm.close()
     return 0
 
@@ -250,13 +334,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_test_time(llm: Any, request: Any, params: Any, args: argparse.Namespace) -> int:
     from . import test_time
 
-    if sum(x is not None and x is not False for x in (args.self_consistency, args.best_of_n,
-                                                        args.refinement_rounds)) > 1:
+    if (
+        sum(x is not None and x is not False for x in (args.self_consistency, args.best_of_n, args.refinement_rounds))
+        > 1
+    ):
         print("swiftlm generate: choose one of --self-consistency, --best-of-n, --refinement-rounds", file=sys.stderr)
         return 2
     if args.self_consistency:
-        spec = {"strategy": "self_consistency", "n": args.self_consistency, "answer": args.answer,
-                "pattern": args.answer_pattern}
+        spec = {
+            "strategy": "self_consistency",
+            "n": args.self_consistency,
+            "answer": args.answer,
+            "pattern": args.answer_pattern,
+        }
     elif args.best_of_n:
         spec = {"strategy": "best_of_n", "n": args.best_of_n, "score": args.score}
     else:
@@ -273,8 +363,10 @@ def _generate_test_time(llm: Any, request: Any, params: Any, args: argparse.Name
         print("votes: " + ", ".join(f"{a} x{n}" for a, n in r.votes), file=sys.stderr)
     if spec["strategy"] == "best_of_n":
         print("scores: " + ", ".join(f"#{c.index} {c.score:.3f}" for c in r.candidates), file=sys.stderr)
-    print(f"[{spec['strategy']}: {len(r.candidates)} chain(s), {len(r.rounds)} round(s), "
-          f"{r.completion_tokens} tokens]", file=sys.stderr)
+    print(
+        f"[{spec['strategy']}: {len(r.candidates)} chain(s), {len(r.rounds)} round(s), {r.completion_tokens} tokens]",
+        file=sys.stderr,
+    )
     llm.close()
     return 0
 
@@ -288,8 +380,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     console = Console()
     with console.status(f"loading {settings.model or 'the bundled model'}..."):
         llm = LLM(**settings.model_dump())
-    console.print(f"[bold]swiftlm chat[/] — {llm.spec.name} on {llm.backend_choice}. "
-                  "Empty line or Ctrl-D quits; /reset clears the conversation.")
+    console.print(
+        f"[bold]swiftlm chat[/] — {llm.spec.name} on {llm.backend_choice}. "
+        "Empty line or Ctrl-D quits; /reset clears the conversation."
+    )
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     params = _sampling(settings, args)
     while True:
@@ -333,10 +427,18 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     backends = discover_backends()
-    out: dict[str, Any] = {"backends": {n: {"available": e.availability.ok, "device": e.availability.device,
-                                            "reason": e.availability.reason, "entry_point": e.target}
-                                        for n, e in backends.items()},
-                           "system_memory_bytes": system_memory()}
+    out: dict[str, Any] = {
+        "backends": {
+            n: {
+                "available": e.availability.ok,
+                "device": e.availability.device,
+                "reason": e.availability.reason,
+                "entry_point": e.target,
+            }
+            for n, e in backends.items()
+        },
+        "system_memory_bytes": system_memory(),
+    }
     try:
         _, why = choose_backend(settings.backend, backends)
         out["chosen_backend"] = why
@@ -349,8 +451,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         out["model"] = spec.facts()
         out["memory_plan"] = plan_for(spec, settings, backends)
         try:  # how each available backend would run it: e.g. torch "native" or "transformers fallback"
-            paths = {n: e.backend.model_path(spec) for n, e in backends.items()
-                     if e.availability.ok and hasattr(e.backend, "model_path")}
+            paths = {
+                n: e.backend.model_path(spec)
+                for n, e in backends.items()
+                if e.availability.ok and hasattr(e.backend, "model_path")
+            }
         except Exception as exc:  # pragma: no cover - info must still print what it has
             paths = {"error": f"{type(exc).__name__}: {exc}"}
         if paths:
@@ -427,8 +532,9 @@ def _check_before_serving(settings: Settings) -> None:
     try:
         infos = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise SwiftLMError(f"--host {settings.host!r} is not an address this machine can bind ({exc.strerror})") \
-            from None
+        raise SwiftLMError(
+            f"--host {settings.host!r} is not an address this machine can bind ({exc.strerror})"
+        ) from None
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
@@ -436,11 +542,15 @@ def _check_before_serving(settings: Settings) -> None:
             sock.bind(addr)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise SwiftLMError(f"port {settings.port} on {settings.host} is already in use; stop what is "
-                                   "listening there or pick another with --port") from None
+                raise SwiftLMError(
+                    f"port {settings.port} on {settings.host} is already in use; stop what is "
+                    "listening there or pick another with --port"
+                ) from None
             if exc.errno == errno.EACCES:
-                raise SwiftLMError(f"not allowed to listen on port {settings.port} (ports below 1024 need "
-                                   "privileges); pick another with --port") from None
+                raise SwiftLMError(
+                    f"not allowed to listen on port {settings.port} (ports below 1024 need "
+                    "privileges); pick another with --port"
+                ) from None
             raise SwiftLMError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
 
 
@@ -459,9 +569,17 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         if step == 1 or step % 10 == 0 or step == args.steps:
             print(f"step {step}: loss {loss:.4f}", flush=True)
 
-    kw = dict(rank=args.rank, alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
-              targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()), fuse=args.fuse,
-              seed=args.seed, progress=progress)
+    kw = dict(
+        rank=args.rank,
+        alpha=args.alpha,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
+        fuse=args.fuse,
+        seed=args.seed,
+        progress=progress,
+    )
     if args.backend == "mlx":  # mlx-lm's trainer; writes an mlx-lm adapter (adapters.safetensors)
         from .backend import discover_backends
 
@@ -476,9 +594,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         res = finetune_mlx(args.model, args.data, args.out, **kw)
     else:
         res = finetune_torch(args.model, args.data, args.out, device=args.device, **kw)
-    print(json.dumps({"adapter": res.adapter_dir, "fused": res.fused_dir, "steps": len(res.losses),
-                      "first_loss": round(res.losses[0], 4), "last_loss": round(res.losses[-1], 4),
-                      "target_tokens": res.tokens, "seconds": res.seconds}))
+    print(
+        json.dumps(
+            {
+                "adapter": res.adapter_dir,
+                "fused": res.fused_dir,
+                "steps": len(res.losses),
+                "first_loss": round(res.losses[0], 4),
+                "last_loss": round(res.losses[-1], 4),
+                "target_tokens": res.tokens,
+                "seconds": res.seconds,
+            }
+        )
+    )
     return 0
 
 
@@ -499,8 +627,9 @@ def cmd_download(args: argparse.Namespace) -> int:
     if args.repo_id.lower() in _BUNDLED or args.repo_id.lower() in _BUNDLED_ALIASES:
         print(f"{args.repo_id} is the bundled model (installed with swiftlm); nothing to download")
         return 0
-    path = download(args.repo_id, revision=args.revision, include=args.include, exclude=args.exclude,
-                    local_dir=args.local_dir)
+    path = download(
+        args.repo_id, revision=args.revision, include=args.include, exclude=args.exclude, local_dir=args.local_dir
+    )
     n = sum(1 for f in path.rglob("*") if f.is_file() and ".cache" not in f.parts)
     use = f"--model {path}" if args.local_dir else f"--model {args.repo_id}"
     print(f"downloaded {args.repo_id} ({n} files) to {path}; serve it with: swiftlm {use}")
@@ -514,16 +643,48 @@ def cmd_models(args: argparse.Namespace) -> int:
     rows = []
     try:
         spec = resolve(None)
-        rows.append({"id": spec.name, "source": "bundled", "size_bytes": spec.size_bytes, "files": 1,
-                     "architecture": spec.arch, "backends": runnable_by(spec, backend_architectures()),
-                     "revisions": [], "path": str(spec.path), "note": ""})
+        rows.append(
+            {
+                "id": spec.name,
+                "source": "bundled",
+                "size_bytes": spec.size_bytes,
+                "files": 1,
+                "architecture": spec.arch,
+                "backends": runnable_by(spec, backend_architectures()),
+                "revisions": [],
+                "path": str(spec.path),
+                "note": "",
+            }
+        )
     except SwiftLMError as exc:
-        rows.append({"id": "smollm2-135m-instruct", "source": "bundled", "size_bytes": 0, "files": 0,
-                     "architecture": "?", "backends": [], "revisions": [], "path": "", "note": str(exc)})
+        rows.append(
+            {
+                "id": "smollm2-135m-instruct",
+                "source": "bundled",
+                "size_bytes": 0,
+                "files": 0,
+                "architecture": "?",
+                "backends": [],
+                "revisions": [],
+                "path": "",
+                "note": str(exc),
+            }
+        )
     for m in cached_models():
-        rows.append({"id": m.repo_id, "source": "hf-cache", "size_bytes": m.size_bytes, "files": m.nb_files,
-                     "architecture": m.arch, "backends": m.backends, "revisions": m.revisions, "refs": m.refs,
-                     "path": str(m.path or ""), "note": m.note})
+        rows.append(
+            {
+                "id": m.repo_id,
+                "source": "hf-cache",
+                "size_bytes": m.size_bytes,
+                "files": m.nb_files,
+                "architecture": m.arch,
+                "backends": m.backends,
+                "revisions": m.revisions,
+                "refs": m.refs,
+                "path": str(m.path or ""),
+                "note": m.note,
+            }
+        )
     if args.json:
         print(json.dumps({"cache_dir": str(_hf_cache_dir()), "models": rows}, indent=2))
         return 0
@@ -534,8 +695,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     for col in ("model", "size", "files", "architecture", "runs on", "revision"):
         t.add_column(col)
     for r in rows:
-        rev = "bundled" if r["source"] == "bundled" else ", ".join(
-            (r.get("refs") or []) + [h[:12] for h in r["revisions"][:1]])
+        rev = (
+            "bundled"
+            if r["source"] == "bundled"
+            else ", ".join((r.get("refs") or []) + [h[:12] for h in r["revisions"][:1]])
+        )
         runs = ", ".join(r["backends"]) or ("-" if not r["note"] else r["note"][:60])
         t.add_row(r["id"], _human(r["size_bytes"]), str(r["files"]), r["architecture"], runs, rev)
     Console().print(t)
@@ -547,8 +711,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     from .registry import _BUNDLED, _BUNDLED_ALIASES
 
     if args.repo_id.lower() in _BUNDLED or args.repo_id.lower() in _BUNDLED_ALIASES:
-        raise SwiftLMError(f"{args.repo_id} is the bundled model, part of the installation; it is not in the "
-                           "cache (scripts/uninstall.sh removes swiftlm)")
+        raise SwiftLMError(
+            f"{args.repo_id} is the bundled model, part of the installation; it is not in the "
+            "cache (scripts/uninstall.sh removes swiftlm)"
+        )
     freed = remove(args.repo_id, revision=args.revision)
     what = f"{args.repo_id} revision {args.revision}" if args.revision else args.repo_id
     print(f"removed {what} from the Hugging Face cache ({_human(freed)} freed)")

@@ -18,9 +18,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from .errors import NotSupportedYet
 
 
-def _f(default: Any, help: str, *, flag: str | None = None, group: str = "model", not_built: str | None = None,
-       nargs: str | None = None, const: Any = None, append: bool = False, no_flag: bool = False,
-       aliases: tuple[str, ...] = ()) -> Any:
+def _f(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    group: str = "model",
+    not_built: str | None = None,
+    nargs: str | None = None,
+    const: Any = None,
+    append: bool = False,
+    no_flag: bool = False,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     extra: dict[str, Any] = {"group": group}
     if aliases:
         extra["aliases"] = list(aliases)
@@ -42,56 +52,98 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWIFTLM_", extra="ignore", protected_namespaces=())
 
     # model and backend
-    model: str | None = _f(None, "Model: HF repo id (from the local HF cache), a local HF-format directory, a .gguf "
-                                 "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted). "
-                                 "Repeat --model to serve several (the first loads at start-up, the others on "
-                                 "demand; see --models-file).", append=True)
-    adapter: list[str] = _f([], "LoRA adapter NAME=PATH (a PEFT or mlx-lm adapter directory) served on the first "
-                               "--model; a request selects it with model=NAME or BASE:NAME. Repeatable (torch "
-                               "backend).", append=True)
-    backend: str = _f("auto", "Backend plugin: 'auto' (macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch when "
-                              "installed, else mlx), or a name listed by `swiftlm info`.")
+    model: str | None = _f(
+        None,
+        "Model: HF repo id (from the local HF cache), a local HF-format directory, a .gguf "
+        "file, or 'smollm2-135m-instruct' (the bundled default, used when omitted). "
+        "Repeat --model to serve several (the first loads at start-up, the others on "
+        "demand; see --models-file).",
+        append=True,
+    )
+    adapter: list[str] = _f(
+        [],
+        "LoRA adapter NAME=PATH (a PEFT or mlx-lm adapter directory) served on the first "
+        "--model; a request selects it with model=NAME or BASE:NAME. Repeatable (torch "
+        "backend).",
+        append=True,
+    )
+    backend: str = _f(
+        "auto",
+        "Backend plugin: 'auto' (macOS arm64 -> mlx; CUDA -> torch; Linux CPU -> torch when "
+        "installed, else mlx), or a name listed by `swiftlm info`.",
+    )
     offline: bool = _f(False, "Never download from the Hugging Face hub (HF_HUB_OFFLINE=1 does the same).")
-    ctx_size: int | None = _f(None, "Context length in tokens (prompt + output); default: the model's own.",
-                              flag="--ctx-size")
-    prefill_size: int = _f(512, "Prompt tokens processed per sequence per engine step (chunked prefill).",
-                           group="engine")
-    parallel: int = _f(1, "Sequences decoded concurrently (vLLM's --max-num-seqs); more requests wait in the queue.",
-                       group="engine", aliases=("--max-num-seqs",))
+    ctx_size: int | None = _f(
+        None, "Context length in tokens (prompt + output); default: the model's own.", flag="--ctx-size"
+    )
+    prefill_size: int = _f(
+        512, "Prompt tokens processed per sequence per engine step (chunked prefill).", group="engine"
+    )
+    parallel: int = _f(
+        1,
+        "Sequences decoded concurrently (vLLM's --max-num-seqs); more requests wait in the queue.",
+        group="engine",
+        aliases=("--max-num-seqs",),
+    )
     kv_block_size: int = _f(64, "Positions per block of the paged KV cache (torch backend on CUDA).", group="engine")
-    kv_cache_memory: str | None = _f(None, "Device memory for the paged KV cache (torch backend on CUDA), e.g. 20GB; "
-                                           "its blocks bound how many tokens the running sequences hold together. "
-                                           "Default: room for every --parallel sequence at full context, capped at "
-                                           "90 percent of the device memory free after loading. With --turbo-kv "
-                                           "it sizes the pages of TurboQuant codes instead.", group="engine")
-    max_batched_tokens: int = _f(0, "Tokens one engine step may process (decode rows plus prompt chunks; 0: "
-                                    "max(prefill-size, parallel) + parallel; at least parallel + 1).  Larger lets a wave of new prompts prefill in fewer "
-                                    "steps at the cost of longer steps for the streams already decoding.",
-                                 group="engine")
-    engine_process: str = _f("auto", "Run the model and the engine's step loop in a child process (on), or on a "
-                                     "thread of the server's process (off); auto: on when `swiftlm serve` runs the "
-                                     "torch backend on CUDA, off otherwise (the Python API's LLM: off unless set). The child keeps the step loop clear of the HTTP "
-                                     "server's Python work (the GIL).", group="engine")
-    data_parallel: int = _f(1, "Data-parallel replicas: N engines (torch backend), one per GPU (cuda:0..N-1; on a "
-                               "CPU-only machine N engines on the CPU) behind one server; each request goes to the "
-                               "least-loaded replica, with prefix affinity (see README 'Data-parallel replicas').",
-                            group="engine")
-    prompt_cache_bytes: int = _f(1 << 30, "Bytes of KV state kept for prompt (prefix) reuse across requests, LRU "
-                                          "(0 disables the prompt cache).", group="engine")
-    kv_budget_bytes: int = _f(0, "KV-cache bytes that running sequences may use together (0: no limit beyond "
-                                 "--parallel). Admission waits for room; when running sequences outgrow it, the "
-                                 "newest is preempted and later recomputed.", group="engine")
-    turbo_kv: str | None = _f(None, "TurboQuant KV-cache compression for every request: --turbo-kv alone uses the "
-                                    "default preset k4v3; presets k4v3, k3qjl-v3, k3v2 or kXvY / kXqjl-vY (X, Y in "
-                                    "1..4). A request's 'turbo_kv' or 'kv_bits' field overrides it.",
-                              group="engine", nargs="?", const="default")
+    kv_cache_memory: str | None = _f(
+        None,
+        "Device memory for the paged KV cache (torch backend on CUDA), e.g. 20GB; "
+        "its blocks bound how many tokens the running sequences hold together. "
+        "Default: room for every --parallel sequence at full context, capped at "
+        "90 percent of the device memory free after loading. With --turbo-kv "
+        "it sizes the pages of TurboQuant codes instead.",
+        group="engine",
+    )
+    max_batched_tokens: int = _f(
+        0,
+        "Tokens one engine step may process (decode rows plus prompt chunks; 0: "
+        "max(prefill-size, parallel) + parallel; at least parallel + 1).  Larger lets a wave of new prompts prefill in fewer "
+        "steps at the cost of longer steps for the streams already decoding.",
+        group="engine",
+    )
+    engine_process: str = _f(
+        "auto",
+        "Run the model and the engine's step loop in a child process (on), or on a "
+        "thread of the server's process (off); auto: on when `swiftlm serve` runs the "
+        "torch backend on CUDA, off otherwise (the Python API's LLM: off unless set). The child keeps the step loop clear of the HTTP "
+        "server's Python work (the GIL).",
+        group="engine",
+    )
+    data_parallel: int = _f(
+        1,
+        "Data-parallel replicas: N engines (torch backend), one per GPU (cuda:0..N-1; on a "
+        "CPU-only machine N engines on the CPU) behind one server; each request goes to the "
+        "least-loaded replica, with prefix affinity (see README 'Data-parallel replicas').",
+        group="engine",
+    )
+    prompt_cache_bytes: int = _f(
+        1 << 30,
+        "Bytes of KV state kept for prompt (prefix) reuse across requests, LRU (0 disables the prompt cache).",
+        group="engine",
+    )
+    kv_budget_bytes: int = _f(
+        0,
+        "KV-cache bytes that running sequences may use together (0: no limit beyond "
+        "--parallel). Admission waits for room; when running sequences outgrow it, the "
+        "newest is preempted and later recomputed.",
+        group="engine",
+    )
+    turbo_kv: str | None = _f(
+        None,
+        "TurboQuant KV-cache compression for every request: --turbo-kv alone uses the "
+        "default preset k4v3; presets k4v3, k3qjl-v3, k3v2 or kXvY / kXqjl-vY (X, Y in "
+        "1..4). A request's 'turbo_kv' or 'kv_bits' field overrides it.",
+        group="engine",
+        nargs="?",
+        const="default",
+    )
     turbo_kv_window: int = _f(128, "Most recent positions kept in 16-bit by a TurboQuant cache.", group="engine")
-    turbo_kv_threshold: int = _f(0, "Positions a sequence holds before its TurboQuant cache starts compressing.",
-                                 group="engine")
-    turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.",
-                                   group="engine")
-    max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.",
-                        group="engine")
+    turbo_kv_threshold: int = _f(
+        0, "Positions a sequence holds before its TurboQuant cache starts compressing.", group="engine"
+    )
+    turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.", group="engine")
+    max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.", group="engine")
 
     # sampling defaults (a request's own fields override them)
     max_tokens: int = _f(2048, "Default maximum tokens to generate per request.", group="sampling")
@@ -101,134 +153,250 @@ class Settings(BaseSettings):
     min_p: float = _f(0.0, "Default min-p (0 = disabled).", group="sampling")
     repeat_penalty: float = _f(1.0, "Default repetition penalty (1.0 = off).", group="sampling")
     repeat_last_n: int = _f(64, "Tokens of context the repetition penalty looks back over.", group="sampling")
-    seed: int | None = _f(None, "Default seed for requests that give none (none: a fresh random seed each).",
-                          group="sampling")
-    thinking: bool = _f(False, "Enable thinking/reasoning in chat templates that support it; the reasoning comes "
-                               "back as reasoning_content.", group="sampling")
-    tool_parser: str = _f("auto", "Tool-call format to parse: auto (from the chat template), hermes, llama3, "
-                                  "mistral, gemma, or none.", group="sampling")
+    seed: int | None = _f(
+        None, "Default seed for requests that give none (none: a fresh random seed each).", group="sampling"
+    )
+    thinking: bool = _f(
+        False,
+        "Enable thinking/reasoning in chat templates that support it; the reasoning comes back as reasoning_content.",
+        group="sampling",
+    )
+    tool_parser: str = _f(
+        "auto",
+        "Tool-call format to parse: auto (from the chat template), hermes, llama3, mistral, gemma, or none.",
+        group="sampling",
+    )
 
     # server
     host: str = _f("127.0.0.1", "Address to bind.", group="server")
     port: int = _f(5413, "Port to listen on.", group="server")
     api_key: str | None = _f(None, "Require 'Authorization: Bearer <key>' on /v1 routes.", group="server")
-    api_keys_file: str | None = _f(None, "File of API keys, one per line ('name: key' or just the key; # "
-                                         "comments); any of them (or --api-key) is accepted on /v1 routes.",
-                                   group="server")
-    rate_limit: float = _f(0.0, "Requests per minute allowed per API key (per client address without keys); "
-                                "beyond it 429 with Retry-After (0: no limit).", group="server")
-    rate_burst: int = _f(0, "Requests a key may make at once before --rate-limit applies (0: a tenth of a "
-                            "minute's allowance, at least 1).", group="server")
+    api_keys_file: str | None = _f(
+        None,
+        "File of API keys, one per line ('name: key' or just the key; # "
+        "comments); any of them (or --api-key) is accepted on /v1 routes.",
+        group="server",
+    )
+    rate_limit: float = _f(
+        0.0,
+        "Requests per minute allowed per API key (per client address without keys); "
+        "beyond it 429 with Retry-After (0: no limit).",
+        group="server",
+    )
+    rate_burst: int = _f(
+        0,
+        "Requests a key may make at once before --rate-limit applies (0: a tenth of a minute's allowance, at least 1).",
+        group="server",
+    )
     ssl_certfile: str | None = _f(None, "TLS certificate (PEM): serve HTTPS.", group="server")
     ssl_keyfile: str | None = _f(None, "TLS private key (PEM) for --ssl-certfile.", group="server")
-    metrics_need_key: bool = _f(False, "Also require the API key on /metrics (default: open, like /health, so "
-                                       "a local Prometheus can scrape it).", group="server")
+    metrics_need_key: bool = _f(
+        False,
+        "Also require the API key on /metrics (default: open, like /health, so a local Prometheus can scrape it).",
+        group="server",
+    )
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
-    max_json_depth: int = _f(64, "Deepest nesting of lists and objects accepted in a request body (400 beyond).",
-                             group="server")
-    max_json_items: int = _f(8192, "Most items in any one list or object of a request body (400 beyond).",
-                             group="server")
-    json_close: bool = _f(True, "Structured output (response_format json_object / json_schema) near max_tokens "
-                                "ends with the shortest text that completes its JSON, so the content always "
-                                "parses (finish_reason still 'length'); --no-json-close turns it off.",
-                          group="sampling")
-    json_repeat_guard: int = _f(6, "Structured output that repeats one block of 3-64 tokens this many times in a "
-                                   "row is completed and ended (finish_reason 'stop'); 0 turns the guard off.",
-                                group="sampling")
-    request_timeout: float = _f(0.0, "Seconds a request may run from its arrival; past it, it ends with what it "
-                                      "has (finish_reason 'length'; 0: no limit).", group="server")
-    shutdown_timeout: float = _f(10.0, "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
-                                       "before they are ended (finish_reason 'length', then [DONE] on streams); "
-                                       "new connections are refused meanwhile.", group="server")
+    max_json_depth: int = _f(
+        64, "Deepest nesting of lists and objects accepted in a request body (400 beyond).", group="server"
+    )
+    max_json_items: int = _f(
+        8192, "Most items in any one list or object of a request body (400 beyond).", group="server"
+    )
+    json_close: bool = _f(
+        True,
+        "Structured output (response_format json_object / json_schema) near max_tokens "
+        "ends with the shortest text that completes its JSON, so the content always "
+        "parses (finish_reason still 'length'); --no-json-close turns it off.",
+        group="sampling",
+    )
+    json_repeat_guard: int = _f(
+        6,
+        "Structured output that repeats one block of 3-64 tokens this many times in a "
+        "row is completed and ended (finish_reason 'stop'); 0 turns the guard off.",
+        group="sampling",
+    )
+    request_timeout: float = _f(
+        0.0,
+        "Seconds a request may run from its arrival; past it, it ends with what it "
+        "has (finish_reason 'length'; 0: no limit).",
+        group="server",
+    )
+    shutdown_timeout: float = _f(
+        10.0,
+        "On SIGTERM / Ctrl-C: seconds in-flight requests may keep generating "
+        "before they are ended (finish_reason 'length', then [DONE] on streams); "
+        "new connections are refused meanwhile.",
+        group="server",
+    )
     info: bool = _f(False, "Print the model facts and memory plan, then exit.", group="server")
 
     # many models in one server (server/models.py)
-    models_file: str | None = _f(None, "TOML file of [[models]] entries (name, model, aliases, pin, and per-model "
-                                       "settings such as turbo_kv or ctx_size) served side by side and chosen by "
-                                       "the request's 'model' field; replaces --model.", group="models")
-    max_loaded_models: int = _f(0, "Models kept loaded at once (0: no limit); the least recently used idle, "
-                                   "unpinned one is unloaded to make room.", group="models")
-    models_memory_bytes: int = _f(0, "Bytes of checkpoints (size on disk) kept loaded at once (0: no limit); "
-                                     "least recently used idle models are unloaded to fit.", group="models")
-    model_ttl: float = _f(0.0, "Seconds a model may stay idle before it is unloaded and its memory returned "
-                               "(0: never).", group="models")
-    extra_models: list[str] = _f([], "Models after the first --model (set by repeating --model).", group="models",
-                                 no_flag=True)
-    pin: str | None = _f(None, "Comma-separated model names kept loaded: never evicted, never unloaded by "
-                               "--model-ttl.", group="models")
-    strict_model_names: bool = _f(False, "With one model, answer an unknown 'model' with 404 model_not_found "
-                                         "instead of serving the one model.", group="models")
+    models_file: str | None = _f(
+        None,
+        "TOML file of [[models]] entries (name, model, aliases, pin, and per-model "
+        "settings such as turbo_kv or ctx_size) served side by side and chosen by "
+        "the request's 'model' field; replaces --model.",
+        group="models",
+    )
+    max_loaded_models: int = _f(
+        0,
+        "Models kept loaded at once (0: no limit); the least recently used idle, "
+        "unpinned one is unloaded to make room.",
+        group="models",
+    )
+    models_memory_bytes: int = _f(
+        0,
+        "Bytes of checkpoints (size on disk) kept loaded at once (0: no limit); "
+        "least recently used idle models are unloaded to fit.",
+        group="models",
+    )
+    model_ttl: float = _f(
+        0.0, "Seconds a model may stay idle before it is unloaded and its memory returned (0: never).", group="models"
+    )
+    extra_models: list[str] = _f(
+        [], "Models after the first --model (set by repeating --model).", group="models", no_flag=True
+    )
+    pin: str | None = _f(
+        None, "Comma-separated model names kept loaded: never evicted, never unloaded by --model-ttl.", group="models"
+    )
+    strict_model_names: bool = _f(
+        False,
+        "With one model, answer an unknown 'model' with 404 model_not_found instead of serving the one model.",
+        group="models",
+    )
     log_level: str = _f("info", "Log level: debug, info, warning, error.", group="server")
 
     # planned features: accepted by the parser so that they fail loudly
-    mem_limit: str | None = _f(None, "Cap on the backend's device memory, e.g. 8GB or 512MiB (torch on CUDA: "
-                                     "torch.cuda.set_per_process_memory_fraction; MLX: mx.set_memory_limit).",
-                               group="engine")
-    stream_experts: bool = _f(False, "SSD expert streaming: keep an MoE model's expert weights on disk and read "
-                                     "only the routed experts' slabs per token and layer.", group="experts")
-    expert_read_mode: str = _f("pread", "How streamed experts are read: pread (concurrent vectored reads into "
-                                        "reusable buffers) or mmap (copies out of a mapping).", group="experts")
+    mem_limit: str | None = _f(
+        None,
+        "Cap on the backend's device memory, e.g. 8GB or 512MiB (torch on CUDA: "
+        "torch.cuda.set_per_process_memory_fraction; MLX: mx.set_memory_limit).",
+        group="engine",
+    )
+    stream_experts: bool = _f(
+        False,
+        "SSD expert streaming: keep an MoE model's expert weights on disk and read "
+        "only the routed experts' slabs per token and layer.",
+        group="experts",
+    )
+    expert_read_mode: str = _f(
+        "pread",
+        "How streamed experts are read: pread (concurrent vectored reads into "
+        "reusable buffers) or mmap (copies out of a mapping).",
+        group="experts",
+    )
     expert_read_threads: int = _f(16, "Expert reads in flight at once (thread pool size).", group="experts")
-    expert_prefetch: bool = _f(False, "While a MoE layer computes, guess the next layer's experts with its "
-                                      "router and ask the kernel to start reading them.", group="experts")
-    expert_top_k: int = _f(0, "Experts per token at run time (0: the model's value; larger values are clamped "
-                              "to it). Lowers quality and the bytes read per token.", group="experts")
-    gpu_layers: int | None = _f(None, "Partial offload (torch backend): the first N transformer layers on the GPU, "
-                                      "the rest on the CPU in --offload-dtype (embedding, final norm and LM head stay "
-                                      "on the GPU; CUDA graphs off). Default: every layer on the GPU.")
+    expert_prefetch: bool = _f(
+        False,
+        "While a MoE layer computes, guess the next layer's experts with its "
+        "router and ask the kernel to start reading them.",
+        group="experts",
+    )
+    expert_top_k: int = _f(
+        0,
+        "Experts per token at run time (0: the model's value; larger values are clamped "
+        "to it). Lowers quality and the bytes read per token.",
+        group="experts",
+    )
+    gpu_layers: int | None = _f(
+        None,
+        "Partial offload (torch backend): the first N transformer layers on the GPU, "
+        "the rest on the CPU in --offload-dtype (embedding, final norm and LM head stay "
+        "on the GPU; CUDA graphs off). Default: every layer on the GPU.",
+    )
     offload_dtype: str = _f("float32", "dtype of the CPU layers under --gpu-layers: float32 or bfloat16.")
-    torch_dtype: str = _f("auto", "Weights and activations of the torch backend on a GPU: auto (bfloat16), "
-                                  "bfloat16, float16 or float32 (on the CPU the backend computes in float32).")
-    device: str | None = _f(None, "Device of the torch backend: cpu, cuda or cuda:N (default: cuda when available, "
-                                  "else cpu). --data-parallel gives each replica its own.")
-    vision: bool = _f(False, "Accept image inputs (OpenAI image_url parts) on a vision-language model.",
-                      group="media")
-    audio: bool = _f(False, "Accept audio inputs (OpenAI input_audio parts) on an audio-language model.",
-                     group="media")
-    allow_remote_media: bool = _f(False, "Let image_url parts name http(s) URLs, which the server then fetches "
-                                         "(off: only inline data: URIs).", group="media")
-    media_dir: str | None = _f(None, "Let image_url parts name local files (paths or file:// URLs) under this "
-                                     "directory only (off: no file is ever read for a request).", group="media")
+    torch_dtype: str = _f(
+        "auto",
+        "Weights and activations of the torch backend on a GPU: auto (bfloat16), "
+        "bfloat16, float16 or float32 (on the CPU the backend computes in float32).",
+    )
+    device: str | None = _f(
+        None,
+        "Device of the torch backend: cpu, cuda or cuda:N (default: cuda when available, "
+        "else cpu). --data-parallel gives each replica its own.",
+    )
+    vision: bool = _f(False, "Accept image inputs (OpenAI image_url parts) on a vision-language model.", group="media")
+    audio: bool = _f(False, "Accept audio inputs (OpenAI input_audio parts) on an audio-language model.", group="media")
+    allow_remote_media: bool = _f(
+        False,
+        "Let image_url parts name http(s) URLs, which the server then fetches (off: only inline data: URIs).",
+        group="media",
+    )
+    media_dir: str | None = _f(
+        None,
+        "Let image_url parts name local files (paths or file:// URLs) under this "
+        "directory only (off: no file is ever read for a request).",
+        group="media",
+    )
     max_images: int = _f(8, "Images per request.", group="media")
     max_audio_clips: int = _f(4, "Audio clips per request.", group="media")
     max_image_pixels: int = _f(4096 * 4096, "Largest decoded image (width x height); larger -> 413.", group="media")
     max_audio_seconds: float = _f(60.0, "Longest audio clip in seconds; longer -> 413.", group="media")
-    max_media_bytes: int = _f(20 * 1024 * 1024, "Largest encoded media part in bytes; larger -> 413.",
-                              group="media")
-    speculative: str | None = _f(None, "Speculative decoding: 'ngram' (prompt lookup: drafts copied from the prompt "
-                                       "and output, no second model) or 'draft' (a draft model; implied by "
-                                       "--draft-model).", group="engine")
-    draft_model: str | None = _f(None, "Draft model for speculative decoding (any source --model takes; it must "
-                                       "share the target's tokenizer).", group="engine")
+    max_media_bytes: int = _f(20 * 1024 * 1024, "Largest encoded media part in bytes; larger -> 413.", group="media")
+    speculative: str | None = _f(
+        None,
+        "Speculative decoding: 'ngram' (prompt lookup: drafts copied from the prompt "
+        "and output, no second model) or 'draft' (a draft model; implied by "
+        "--draft-model).",
+        group="engine",
+    )
+    draft_model: str | None = _f(
+        None,
+        "Draft model for speculative decoding (any source --model takes; it must share the target's tokenizer).",
+        group="engine",
+    )
     num_draft_tokens: int = _f(4, "Tokens drafted per speculative step.", group="engine")
 
     # distribution (swiftlm/distributed): one model over several processes
-    tensor_parallel: int = _f(1, "Tensor parallelism (torch backend): N ranks, one process per GPU (NCCL; gloo on "
-                                 "a CPU), each holding 1/N of every layer (attention heads, MLP columns, vocabulary); "
-                                 "rank 0 serves and schedules, the others execute its steps.",
-                              group="distributed")
-    pipeline_parallel: int | None = _f(None, "Pipeline parallelism (torch backend): the layers split into N "
-                                             "contiguous stages, one rank each (send/recv between stages: gloo on "
-                                             "a CPU, NCCL on GPUs); rank 0 holds the last stage, serves and "
-                                             "samples; decode batches run as N micro-batches.", group="distributed")
-    nnodes: int = _f(1, "Hosts taking part in --tensor-parallel / --pipeline-parallel; start the same command on "
-                        "each with its --node-rank (or run under torchrun).", group="distributed")
-    node_rank: int = _f(0, "This host's index among --nnodes hosts (0: rank 0's host, which serves HTTP).",
-                        group="distributed")
-    master_addr: str = _f("127.0.0.1", "Address of rank 0 for the ranks' rendezvous and its step broadcast.",
-                          group="distributed")
-    master_port: int = _f(0, "Port of the ranks' rendezvous on --master-addr (0: a free port on one host, 29500 "
-                             "with --nnodes > 1; the control socket takes this port, the process group the next).",
-                          group="distributed")
-    distributed: bool = _f(False, "MLX distributed: run every rank under `mlx.launch` (ring, JACCL or MPI; "
-                                  "mx.distributed gives the rank and size) with the same command; rank 0 serves "
-                                  "HTTP and schedules, the other ranks run its steps on their shard (see README "
-                                  "'MLX distributed').", group="distributed")
-    distributed_sharding: str = _f("auto", "How --distributed splits the model (mlx-lm's sharding): 'tensor' (every "
-                                           "layer split over the ranks), 'pipeline' (contiguous layers per rank), "
-                                           "or 'auto' (tensor where the architecture has it, else pipeline).",
-                                   group="distributed")
+    tensor_parallel: int = _f(
+        1,
+        "Tensor parallelism (torch backend): N ranks, one process per GPU (NCCL; gloo on "
+        "a CPU), each holding 1/N of every layer (attention heads, MLP columns, vocabulary); "
+        "rank 0 serves and schedules, the others execute its steps.",
+        group="distributed",
+    )
+    pipeline_parallel: int | None = _f(
+        None,
+        "Pipeline parallelism (torch backend): the layers split into N "
+        "contiguous stages, one rank each (send/recv between stages: gloo on "
+        "a CPU, NCCL on GPUs); rank 0 holds the last stage, serves and "
+        "samples; decode batches run as N micro-batches.",
+        group="distributed",
+    )
+    nnodes: int = _f(
+        1,
+        "Hosts taking part in --tensor-parallel / --pipeline-parallel; start the same command on "
+        "each with its --node-rank (or run under torchrun).",
+        group="distributed",
+    )
+    node_rank: int = _f(
+        0, "This host's index among --nnodes hosts (0: rank 0's host, which serves HTTP).", group="distributed"
+    )
+    master_addr: str = _f(
+        "127.0.0.1", "Address of rank 0 for the ranks' rendezvous and its step broadcast.", group="distributed"
+    )
+    master_port: int = _f(
+        0,
+        "Port of the ranks' rendezvous on --master-addr (0: a free port on one host, 29500 "
+        "with --nnodes > 1; the control socket takes this port, the process group the next).",
+        group="distributed",
+    )
+    distributed: bool = _f(
+        False,
+        "MLX distributed: run every rank under `mlx.launch` (ring, JACCL or MPI; "
+        "mx.distributed gives the rank and size) with the same command; rank 0 serves "
+        "HTTP and schedules, the other ranks run its steps on their shard (see README "
+        "'MLX distributed').",
+        group="distributed",
+    )
+    distributed_sharding: str = _f(
+        "auto",
+        "How --distributed splits the model (mlx-lm's sharding): 'tensor' (every "
+        "layer split over the ranks), 'pipeline' (contiguous layers per rank), "
+        "or 'auto' (tensor where the architecture has it, else pipeline).",
+        group="distributed",
+    )
 
     @field_validator("max_loaded_models", "models_memory_bytes", "model_ttl")
     @classmethod
@@ -385,8 +553,9 @@ class Settings(BaseSettings):
             raise ValueError("must be in [0.01, 10]")
         return v
 
-    @field_validator("max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes", "data_parallel",
-                     "kv_block_size")
+    @field_validator(
+        "max_tokens", "repeat_last_n", "parallel", "prefill_size", "max_body_bytes", "data_parallel", "kv_block_size"
+    )
     @classmethod
     def _at_least_one(cls, v: int) -> int:
         if v < 1:
@@ -453,12 +622,27 @@ class Settings(BaseSettings):
             extra = field.json_schema_extra or {}
             what = extra.get("not_built") if isinstance(extra, dict) else None
             if what and getattr(self, name) not in (None, False):
-                raise NotSupportedYet(f"--{name.replace('_', '-')}: {what} is not supported yet in this version "
-                                      "of swiftlm")
+                raise NotSupportedYet(
+                    f"--{name.replace('_', '-')}: {what} is not supported yet in this version of swiftlm"
+                )
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -485,14 +669,18 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
         extra = field.json_schema_extra or {}
         if (groups is not None and extra.get("group") not in groups) or extra.get("no_flag"):
             continue
-        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
-                              "help": f"{field.description} [env SWIFTLM_{name.upper()}]"}
+        kw: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": f"{field.description} [env SWIFTLM_{name.upper()}]",
+        }
         ann = field.annotation
         if ann is bool:  # on-by-default switches also get --no-NAME
             kw["action"] = argparse.BooleanOptionalAction if field.default is True else "store_true"
         else:
             base = {int: int, float: float}.get(ann) or (
-                int if ann == (int | None) else float if ann == (float | None) else str)
+                int if ann == (int | None) else float if ann == (float | None) else str
+            )
             kw["type"] = base
             kw["metavar"] = name.upper()
             if extra.get("nargs"):

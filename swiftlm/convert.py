@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -25,12 +26,20 @@ from .registry import ModelSpec, resolve
 from .tokenizer import load_gguf_tokenizer
 
 HF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3's per-head q/k RMSNorms
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",  # qwen3's per-head q/k RMSNorms
 }
 
 # The GGUF architectures read here (general.architecture -> HF model_type, HF class, whether
@@ -49,8 +58,10 @@ def hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     key = parts[2] if parts[0] == "blk" and len(parts) > 3 else parts[0]
     if key not in HF_NAMES or (parts[0] == "blk" and len(parts) <= 3):
-        raise UnsupportedArchitecture(f"GGUF tensor {gguf_name!r} has no HF-format counterpart in this reader "
-                                      f"(it reads the tensors of the {', '.join(GGUF_ARCHS)} architectures)")
+        raise UnsupportedArchitecture(
+            f"GGUF tensor {gguf_name!r} has no HF-format counterpart in this reader "
+            f"(it reads the tensors of the {', '.join(GGUF_ARCHS)} architectures)"
+        )
     if parts[0] == "blk":
         return f"model.layers.{parts[1]}.{HF_NAMES[key]}.{'.'.join(parts[3:])}"
     return f"{HF_NAMES[key]}.{'.'.join(parts[1:])}"
@@ -71,15 +82,24 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     arch = spec.arch if spec.arch in GGUF_ARCHS else "llama"
     model_type, cls, _ = GGUF_ARCHS[arch]
     cfg = dict(spec.config)
-    cfg.update({"architectures": [cls], "model_type": model_type, "torch_dtype": dtype,
-                "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True})
+    cfg.update(
+        {
+            "architectures": [cls],
+            "model_type": model_type,
+            "torch_dtype": dtype,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "use_cache": True,
+        }
+    )
     if cfg.get("rms_norm_eps"):  # stored as float32: 1e-06 reads back as 9.99999997e-07
         cfg["rms_norm_eps"] = float(f"{float(cfg['rms_norm_eps']):.7g}")
     if model_type == "llama":
         cfg["pretraining_tp"] = 1
     else:  # llama.cpp's qwen2 / qwen3 GGUFs carry no sliding window (refused if one is there)
-        cfg.update({"use_sliding_window": False, "sliding_window": None,
-                    "max_window_layers": cfg.get("num_hidden_layers", 0)})
+        cfg.update(
+            {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.get("num_hidden_layers", 0)}
+        )
     return cfg
 
 
@@ -91,8 +111,9 @@ def _prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantized: bool = False,
-                 force: bool = False) -> Path:
+def convert_gguf(
+    source: str, out_dir: str, dtype: str = "float16", keep_quantized: bool = False, force: bool = False
+) -> Path:
     spec = resolve(source)
     if spec.format != "gguf":
         raise SwiftLMError(f"{source} is not a GGUF model; convert takes a .gguf file")
@@ -107,14 +128,16 @@ def convert_gguf(source: str, out_dir: str, dtype: str = "float16", keep_quantiz
 
         entry = discover_backends().get("mlx")
         if entry is None or entry.backend is None or not entry.availability.ok:
-            raise SwiftLMError("--keep-quantized writes MLX's quantized format and needs the mlx backend "
-                               "(pip install 'swiftlm[mlx]')")
+            raise SwiftLMError(
+                "--keep-quantized writes MLX's quantized format and needs the mlx backend (pip install 'swiftlm[mlx]')"
+            )
         config["quantization"] = entry.backend.export_quantized_gguf(spec, out, dtype)  # type: ignore[attr-defined]
     else:
         _write_dequantized(spec, out, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2)
+    )
     load_gguf_tokenizer(spec.gguf_meta or {}).save_pretrained(out)
     return out
 
@@ -135,7 +158,7 @@ def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
     names = [hf_name(t.name) for t in tensors]  # refuses an unknown tensor before any is dequantized
     for t, name in zip(tensors, names):
         shape = tuple(reversed(t.shape))  # numpy order: rows first
-        data = np.asarray(raw[t.offset:t.offset + t.n_bytes])
+        data = np.asarray(raw[t.offset : t.offset + t.n_bytes])
         arr = dequantize(data, GGMLQuantizationType(t.type_id)).reshape(shape).astype(np.float32)
         if permuted and ".self_attn.q_proj." in name:  # weights and (if any) biases: the same row order
             arr = unpermute_rows(arr, heads)

@@ -30,20 +30,20 @@ class IncrementalDetokenizer:
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        before = self._decode(self.tokens[self.prefix:self.read])
-        now = self._decode(self.tokens[self.prefix:])
+        before = self._decode(self.tokens[self.prefix : self.read])
+        now = self._decode(self.tokens[self.prefix :])
         if len(now) > len(before) and not now.endswith(REPLACEMENT):
-            delta = now[len(before):]
+            delta = now[len(before) :]
             self.prefix, self.read = self.read, len(self.tokens)
             return delta
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an unfinished byte sequence at the very end)."""
-        before = self._decode(self.tokens[self.prefix:self.read])
-        now = self._decode(self.tokens[self.prefix:])
+        before = self._decode(self.tokens[self.prefix : self.read])
+        now = self._decode(self.tokens[self.prefix :])
         self.prefix = self.read = len(self.tokens)
-        return now[len(before):] if len(now) > len(before) else ""
+        return now[len(before) :] if len(now) > len(before) else ""
 
 
 class StopMatcher:
@@ -75,7 +75,7 @@ class StopMatcher:
                 if buf.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        self.pending = buf[len(buf) - hold:] if hold else ""
+        self.pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:

@@ -22,14 +22,14 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .backend import Model, StepBatch
 from .engine_requests import EngineRequests, _Live
 from .engine_step import EngineStep
 from .fork import ForkGroups
-from .outputs import (LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink,  # noqa: F401
-                      TokenLogprob)
+from .outputs import LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink, TokenLogprob  # noqa: F401
 from .prefix_cache import PrefixCache
 from .prompt_side import PromptSide, QueueFull, pooled  # noqa: F401 (QueueFull, pooled: re-exported)
 from .scheduler import Scheduler
@@ -40,10 +40,22 @@ log = logging.getLogger(__name__)
 
 
 class Engine(PromptSide, EngineRequests, EngineStep):
-    def __init__(self, model: Model, *, max_running: int = 1, prefill_size: int = 512, max_queue: int = 64,
-                 ctx_size: int | None = None, default_max_tokens: int = 2048, prompt_cache_bytes: int = 0,
-                 speculator: Any = None, kv_budget_bytes: int = 0, request_timeout: float = 0.0,
-                 publish: Callable[[list[Out], list[int]], None] | None = None, max_batched_tokens: int = 0):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_running: int = 1,
+        prefill_size: int = 512,
+        max_queue: int = 64,
+        ctx_size: int | None = None,
+        default_max_tokens: int = 2048,
+        prompt_cache_bytes: int = 0,
+        speculator: Any = None,
+        kv_budget_bytes: int = 0,
+        request_timeout: float = 0.0,
+        publish: Callable[[list[Out], list[int]], None] | None = None,
+        max_batched_tokens: int = 0,
+    ):
         """``publish``: where each step's outputs go instead of an output worker of this process,
         called on the engine thread with (outputs, ids of the sequences ended since the last
         call), also when both are empty (the engine process, ``engine_process.py``)."""
@@ -61,11 +73,16 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         if kv_budget_bytes and model.info.kv_bytes_per_token:
             kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
             if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
-                log.warning("--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
-                            kv_budget_bytes, kv_tokens, self.ctx_size)
+                log.warning(
+                    "--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
+                    kv_budget_bytes,
+                    kv_tokens,
+                    self.ctx_size,
+                )
                 kv_tokens = self.ctx_size + 1
-        self.scheduler = Scheduler(max_running, prefill_size, token_budget=max_batched_tokens or None,
-                                   kv_budget_tokens=kv_tokens)
+        self.scheduler = Scheduler(
+            max_running, prefill_size, token_budget=max_batched_tokens or None, kv_budget_tokens=kv_tokens
+        )
         self.stats = EngineStats()
         # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
         can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
@@ -74,7 +91,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         from .media import MediaPolicy
 
         self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
-        self.media_processor: Any = None   # media.MediaProcessor for multimodal models
+        self.media_processor: Any = None  # media.MediaProcessor for multimodal models
         # a paged KV pool (torch on CUDA): the core hands out its blocks, and full blocks are the prompt cache
         self.code_format: Any = None  # the KV format whose codes are paged (code_pages), if any
         self.kv_blocks = self._paged_kv(prompt_cache_bytes > 0)
@@ -87,8 +104,11 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self.step_log = StepLog.from_env()  # SWIFTLM_STEP_LOG: a line per step (timelines)
         self._publish = publish
         self._ended: list[int] = []  # with ``publish``: sequences dropped since the last publish
-        self.outputs = None if publish is not None else OutputWorker(
-            self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)), timers=self.timers)
+        self.outputs = (
+            None
+            if publish is not None
+            else OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)), timers=self.timers)
+        )
         self._outs: list[Out] = []  # this step's messages for the output worker
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count(1)
@@ -312,15 +332,19 @@ class Engine(PromptSide, EngineRequests, EngineStep):
 
     def _prefix_eligible(self, live: _Live) -> bool:
         enabled = self.prefix_cache.enabled or (self.kv_blocks is not None and self.kv_blocks.prefix_caching)
-        return (enabled and not self._compressed_kv(live.seq.params)
-                and live.seq.media is None and not live.seq.params.adapter)  # LoRA: own KV
+        return (
+            enabled
+            and not self._compressed_kv(live.seq.params)
+            and live.seq.media is None
+            and not live.seq.params.adapter
+        )  # LoRA: own KV
 
     def _restore_prefixes(self) -> None:
         """Prompt-cache hits of the sequences the scheduler can admit now (the first free-slot
         count of the queue, FCFS): their KV is restored just before they run.  Fork group members
         get their prompt's KV from its fork source here (fork.py)."""
         sch = self.scheduler
-        for seq in list(sch.waiting)[:max(0, sch.max_running - len(sch.running))]:
+        for seq in list(sch.waiting)[: max(0, sch.max_running - len(sch.running))]:
             live = self._live.get(seq.seq_id)
             if live is not None and live.fork is not None:
                 self.forks.admit(live)
@@ -352,9 +376,12 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             live = self._live.get(sch.starved.pop())
             if live is not None:
                 m = sch.manager(live.seq)
-                log.warning("request %d: the %s (%d tokens) cannot hold its next position; ending it at length",
-                            live.seq.seq_id, "TurboQuant code pages" if live.seq.codes else "KV pool",
-                            m.num_blocks * m.block_size if m is not None else 0)
+                log.warning(
+                    "request %d: the %s (%d tokens) cannot hold its next position; ending it at length",
+                    live.seq.seq_id,
+                    "TurboQuant code pages" if live.seq.codes else "KV pool",
+                    m.num_blocks * m.block_size if m is not None else 0,
+                )
                 self._finish(live, "length")
 
     def _adopt_blocks(self, live: _Live) -> None:
@@ -404,9 +431,14 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         if reader is None:
             return None
         out = reader.stats.snapshot()
-        out.update({"mode": reader.mode, "buffer_bytes": reader.buffer_bytes(),
-                    "expert_bytes_on_disk": reader.layout.expert_bytes_total,
-                    "experts_per_token": self.info.experts_per_token})
+        out.update(
+            {
+                "mode": reader.mode,
+                "buffer_bytes": reader.buffer_bytes(),
+                "expert_bytes_on_disk": reader.layout.expert_bytes_total,
+                "experts_per_token": self.info.experts_per_token,
+            }
+        )
         return out
 
     def gc_stats(self) -> dict[str, Any]:
@@ -428,8 +460,12 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             n = self.scheduler.kv_in_use() * self.info.kv_bytes_per_token
             s = {"bytes": n, "fp16_bytes": n}
         ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
-        return {"default_format": fmt.name, "bytes": s["bytes"], "fp16_bytes": s["fp16_bytes"],
-                "compression_ratio": round(ratio, 4)}
+        return {
+            "default_format": fmt.name,
+            "bytes": s["bytes"],
+            "fp16_bytes": s["fp16_bytes"],
+            "compression_ratio": round(ratio, 4),
+        }
 
     def _mark_paged(self, live: _Live) -> None:
         """A request whose KV is compressed (TurboQuant / kv_bits) takes no pool blocks: code pages when its

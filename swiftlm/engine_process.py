@@ -43,8 +43,8 @@ from multiprocessing.connection import Pipe
 from typing import Any
 
 from .engine import PromptSide, QueueFull, pooled
-from .fork import ForkStats
 from .errors import ConfigError, InvalidRequest
+from .fork import ForkStats
 from .outputs import Out, OutputWorker, Sink
 from .sampling import SamplingParams
 from .stats import EngineStats, LatencyHistogram
@@ -63,8 +63,10 @@ def wanted(settings: Any, backend: Any) -> bool:
         return False
     if (getattr(settings, "tensor_parallel", 1) or 1) > 1 or (getattr(settings, "pipeline_parallel", 1) or 1) > 1:
         if mode == "on":
-            raise ConfigError("--engine-process on does not combine with --tensor-parallel / --pipeline-parallel "
-                              "(rank 0 already drives the other ranks' processes); use --engine-process off")
+            raise ConfigError(
+                "--engine-process on does not combine with --tensor-parallel / --pipeline-parallel "
+                "(rank 0 already drives the other ranks' processes); use --engine-process off"
+            )
         return False
     if mode == "on":
         return True
@@ -123,14 +125,27 @@ def _snapshot(eng: Any) -> dict:
     mem["engine_process_rss"] = process_memory()["rss"]
     reader = getattr(model, "expert_stream", None)
     spec = eng.speculator
-    return {"stats": _stats_state(eng.stats), "timers": timers, "kv": eng.kv_stats(), "memory": mem,
-            "sched": (len(sch.waiting), len(sch.running), sch.kv_in_use(), sch.kv_budget, sch.preemptions,
-                      sch.block_stats()),
-            "prefix": (len(pc), pc.bytes, pc.hits, pc.misses, pc.tokens_reused),
-            "experts": eng.expert_stream_stats(), "expert_reader": copy.copy(reader.stats) if reader else None,
-            "spec": copy.copy(spec.stats) if spec is not None else None,
-            "graph_capture": getattr(model, "graph_capture", None), "fork": eng.fork_stats.snapshot(),
-            "gc": eng.gc_stats()}
+    return {
+        "stats": _stats_state(eng.stats),
+        "timers": timers,
+        "kv": eng.kv_stats(),
+        "memory": mem,
+        "sched": (
+            len(sch.waiting),
+            len(sch.running),
+            sch.kv_in_use(),
+            sch.kv_budget,
+            sch.preemptions,
+            sch.block_stats(),
+        ),
+        "prefix": (len(pc), pc.bytes, pc.hits, pc.misses, pc.tokens_reused),
+        "experts": eng.expert_stream_stats(),
+        "expert_reader": copy.copy(reader.stats) if reader else None,
+        "spec": copy.copy(spec.stats) if spec is not None else None,
+        "graph_capture": getattr(model, "graph_capture", None),
+        "fork": eng.fork_stats.snapshot(),
+        "gc": eng.gc_stats(),
+    }
 
 
 # ---------------------------------------------------------------------------------------- child
@@ -153,8 +168,10 @@ def main(fd: int) -> None:
     conn = Connection(fd)
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="swiftlm-orphan-watch", daemon=True).start()
     settings, backend_name, spec = pickle.loads(conn.recv_bytes())
-    logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO),
-                        format="%(levelname)s [engine process] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, str(settings.log_level).upper(), logging.INFO),
+        format="%(levelname)s [engine process] %(name)s: %(message)s",
+    )
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -191,12 +208,24 @@ def main(fd: int) -> None:
         engine = load_engine(settings, backend, spec, publish=publish)
         engine.on_fatal = lambda msg: send(("fatal", msg))
         m = engine.model
-        send(("ready", {"info": engine.info, "ctx_size": engine.ctx_size, "max_running": engine.scheduler.max_running,
-                        "can_embed": hasattr(m, "hidden_states"), "kv_default": getattr(m, "kv_default", None),
-                        "speculator": (engine.speculator.drafter.name, engine.speculator.k)
-                        if engine.speculator is not None else None,
-                        "expert_reader": (m.expert_stream.mode,) if getattr(m, "expert_stream", None) else None,
-                        "pid": os.getpid(), "snapshot": _snapshot(engine)}))
+        send(
+            (
+                "ready",
+                {
+                    "info": engine.info,
+                    "ctx_size": engine.ctx_size,
+                    "max_running": engine.scheduler.max_running,
+                    "can_embed": hasattr(m, "hidden_states"),
+                    "kv_default": getattr(m, "kv_default", None),
+                    "speculator": (engine.speculator.drafter.name, engine.speculator.k)
+                    if engine.speculator is not None
+                    else None,
+                    "expert_reader": (m.expert_stream.mode,) if getattr(m, "expert_stream", None) else None,
+                    "pid": os.getpid(),
+                    "snapshot": _snapshot(engine),
+                },
+            )
+        )
         live.set()
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why
         try:
@@ -356,14 +385,20 @@ class EngineClient(PromptSide):
         fd = child_conn.fileno()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from swiftlm.engine_process import main; main({fd})"],
-            pass_fds=(fd,), stdin=subprocess.DEVNULL, close_fds=True)
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
         child_conn.close()  # the child's end lives in the child only: its death closes the pipe here
         self._conn.send_bytes(pickle.dumps((settings, backend.name, spec), protocol=_P))
         # while the child loads the model, this process loads the tokenizer (the same files, the same rule
         # as the backends: the GGUF's own vocabulary, else the checkpoint's tokenizer files)
         try:
-            self.tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
-                              else load_hf_tokenizer(spec.path, spec.config))
+            self.tokenizer = (
+                load_gguf_tokenizer(spec.gguf_meta or {})
+                if spec.format == "gguf"
+                else load_hf_tokenizer(spec.path, spec.config)
+            )
             ready = self._wait_ready(start_timeout)
         except BaseException:
             self._kill()
@@ -384,8 +419,9 @@ class EngineClient(PromptSide):
         processor = processor_for(spec, self.tokenizer)
         self.media_processor = processor
         self.media_policy = MediaPolicy.from_settings(settings, processor.modalities if processor else (), spec.arch)
-        self.outputs = OutputWorker(self.tokenizer, on_stop=lambda sid: self._send(("stopped", sid)),
-                                    timers=self.timers, thread=False)
+        self.outputs = OutputWorker(
+            self.tokenizer, on_stop=lambda sid: self._send(("stopped", sid)), timers=self.timers, thread=False
+        )
         self._bye = threading.Event()
         self._reader = threading.Thread(target=self._read, name="swiftlm-engine-client", daemon=True)
         self._reader.start()
@@ -459,7 +495,7 @@ class EngineClient(PromptSide):
     def end_all(self, reason: str = "length") -> None:
         self._send_quiet(("end_all", reason))
 
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
         if not self._can_embed:
             raise InvalidRequest(f"the {self.backend_name} backend does not compute embeddings")
         if self.fatal:

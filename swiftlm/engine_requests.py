@@ -33,7 +33,7 @@ class EngineRequests:
     ``outputs``, ``fatal``, ``_inbox`` and ``_lock``/``_pending``, and provides ``_end_orphans`` (and,
     through ``PromptSide``, ``_check``, ``_check_embed``, ``_take_slot`` and ``_take_slots``)."""
 
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> "Future[list[Any]]":
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
         """Embeddings of token lists (one job for the batch, run by the engine thread between
         steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
         if not hasattr(self.model, "hidden_states"):
@@ -47,8 +47,9 @@ class EngineRequests:
         self._check(prompt_tokens, params)
         seq_id = self._take_slot(params)
         try:
-            live = self._make_live(seq_id, prompt_tokens, params, getattr(prompt_tokens, "media", None),
-                                   time.perf_counter())
+            live = self._make_live(
+                seq_id, prompt_tokens, params, getattr(prompt_tokens, "media", None), time.perf_counter()
+            )
         except BaseException:
             with self._lock:
                 self._pending -= 1
@@ -97,8 +98,9 @@ class EngineRequests:
         if self.fatal is not None:
             self._end_orphans()
 
-    def add_checked(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
-                    submitted: float) -> None:
+    def add_checked(
+        self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any, submitted: float
+    ) -> None:
         """A request another process checked and counted already (``engine_process``): the engine
         process's side of ``submit``.  A grammar that fails to compile ends it with an error."""
         try:
@@ -112,8 +114,9 @@ class EngineRequests:
         if self.fatal is not None:
             self._end_orphans()
 
-    def _make_live(self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any,
-                   submitted: float) -> _Live:
+    def _make_live(
+        self, seq_id: int, prompt_tokens: list[int], params: SamplingParams, media: Any, submitted: float
+    ) -> _Live:
         state = SamplerState(seed=params.seed)
         if params.grammar is not None:
             from .chat.structured import Constraint

@@ -22,7 +22,7 @@ log = logging.getLogger("swiftlm.engine")  # the engine's logger: these records 
 
 
 JSON_CLOSE_WINDOW = 48  # tokens left at which structured output starts checking what closing it takes
-JSON_CLOSE_MARGIN = 2   # closing tokens can grow by a token or two per step: close with this much to spare
+JSON_CLOSE_MARGIN = 2  # closing tokens can grow by a token or two per step: close with this much to spare
 
 
 def _repeats(tokens: list[int], times: int) -> bool:
@@ -30,10 +30,10 @@ def _repeats(tokens: list[int], times: int) -> bool:
     themselves a 1- or 2-token period (a run of zeros, "0, 0, ...") do not count: that is data."""
     n = len(tokens)
     for p in range(3, min(64, n // times) + 1):
-        block = tokens[n - p:]
+        block = tokens[n - p :]
         if any(all(block[k] == block[k - d] for k in range(d, p)) for d in (1, 2)):
             continue
-        if all(tokens[n - (k + 1) * p:n - k * p] == block for k in range(1, times)):
+        if all(tokens[n - (k + 1) * p : n - k * p] == block for k in range(1, times)):
             return True
     return False
 
@@ -74,11 +74,17 @@ class EngineStep:
                 rows = [rows[i] for i in ok]
         t3 = time.perf_counter()
         nxt = None
-        if pending is not None and pending.tokens is not None and not failed and not forked and \
-                self._can_overlap(batch, fwd):
-            nb = StepBatch([SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state)
-                            for w in batch.seqs],
-                           input_ids=pending.tokens)
+        if (
+            pending is not None
+            and pending.tokens is not None
+            and not failed
+            and not forked
+            and self._can_overlap(batch, fwd)
+        ):
+            nb = StepBatch(
+                [SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state) for w in batch.seqs],
+                input_ids=pending.tokens,
+            )
             tn = time.perf_counter()
             nfwd = self.model.forward(nb)
             nxt = (nb, nfwd, time.perf_counter() - tn)  # its forward was launched (and timed) now
@@ -95,9 +101,14 @@ class EngineStep:
         self.stats.steps += 1
         if self.step_log is not None:
             pre = [len(w.tokens) for w in batch.seqs if len(w.tokens) > 1]
-            self.step_log.write(t1, len(batch.seqs) - len(pre), len(pre),
-                                sum(pre), fwd_given, {"forward": forward_s, "sample": t3 - t2, "overlap_launch": t4 - t3,
-                                                      "sync": t5 - t4})
+            self.step_log.write(
+                t1,
+                len(batch.seqs) - len(pre),
+                len(pre),
+                sum(pre),
+                fwd_given,
+                {"forward": forward_s, "sample": t3 - t2, "overlap_launch": t4 - t3, "sync": t5 - t4},
+            )
         if any(len(w.tokens) == 1 for w in batch.seqs):
             self.stats.decode_seconds += t5 - t2 + forward_s
         for sid, err in failed.items():  # one sequence's failure (its media, its sampling) is its own
@@ -201,8 +212,10 @@ class EngineStep:
         self._outs.append(out)
         if (not params.ignore_eos and s.token in self._eos) or s.token in params.stop_token_ids:
             out.reason = "stop"
-        elif len(seq.output_tokens) >= (params.max_tokens or 0) or \
-                len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size:
+        elif (
+            len(seq.output_tokens) >= (params.max_tokens or 0)
+            or len(seq.prompt_tokens) + len(seq.output_tokens) >= self.ctx_size
+        ):
             out.reason = "length"
         if out.reason is None and seq.state.constraint is not None and (self.json_close or self.json_repeat_guard):
             self._close_json(live, out)
@@ -217,8 +230,10 @@ class EngineStep:
         from .chat.json_close import closing_suffix
 
         seq, params = live.seq, live.seq.params
-        room = min((params.max_tokens or 0) - len(seq.output_tokens),
-                   self.ctx_size - len(seq.prompt_tokens) - len(seq.output_tokens))
+        room = min(
+            (params.max_tokens or 0) - len(seq.output_tokens),
+            self.ctx_size - len(seq.prompt_tokens) - len(seq.output_tokens),
+        )
         looping = bool(self.json_repeat_guard) and _repeats(seq.output_tokens, self.json_repeat_guard)
         if not looping and (not self.json_close or room > JSON_CLOSE_WINDOW):
             return

@@ -69,12 +69,18 @@ def read_dataset(path: str | Path, tokenizer: Any, max_tokens: int = 2048) -> li
         if isinstance(row.get("messages"), list) and row["messages"]:
             msgs = row["messages"]
             last = msgs[-1]
-            if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
-                raise ConfigError(f"--data {path} line {n}: the last message must be the assistant's (string "
-                                  "content): it is the training target")
+            if (
+                not isinstance(last, dict)
+                or last.get("role") != "assistant"
+                or not isinstance(last.get("content"), str)
+            ):
+                raise ConfigError(
+                    f"--data {path} line {n}: the last message must be the assistant's (string "
+                    "content): it is the training target"
+                )
             prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True)
             full = tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
-            answer = full[len(prompt):] if full.startswith(prompt) else last["content"]
+            answer = full[len(prompt) :] if full.startswith(prompt) else last["content"]
             ids_p = tokenizer.encode(prompt, add_special_tokens=True)
             ids = ids_p + tokenizer.encode(answer)
             first = len(ids_p)
@@ -94,10 +100,22 @@ def read_dataset(path: str | Path, tokenizer: Any, max_tokens: int = 2048) -> li
     return out
 
 
-def finetune_torch(model: str, data: str, out: str, *, rank: int = 8, alpha: float = 16.0, steps: int = 100,
-                   lr: float = 1e-3, batch_size: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj"),
-                   fuse: bool = False, seed: int = 0, device: str | None = None,
-                   progress: Any = None) -> FinetuneResult:
+def finetune_torch(
+    model: str,
+    data: str,
+    out: str,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    steps: int = 100,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    fuse: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    progress: Any = None,
+) -> FinetuneResult:
     """Train a LoRA adapter on ``data`` over ``model`` and write it to ``out`` (PEFT format)."""
     import torch
     import torch.nn.functional as F
@@ -121,8 +139,10 @@ def finetune_torch(model: str, data: str, out: str, *, rank: int = 8, alpha: flo
         p.requires_grad_(False)
     examples = read_dataset(data, tm.tokenizer, max_tokens=tm.info.context_length)
     ad = new_adapter(module, "train", rank, alpha, list(targets), seed=seed)
-    ad.mods = {k: (A.detach().to(dev).requires_grad_(True), B.detach().to(dev).requires_grad_(True))
-               for k, (A, B) in ad.mods.items()}
+    ad.mods = {
+        k: (A.detach().to(dev).requires_grad_(True), B.detach().to(dev).requires_grad_(True))
+        for k, (A, B) in ad.mods.items()
+    }
     lset = LoraSet(module)
     lset.adapters.append(ad)
     lset.names[ad.name] = 1
@@ -147,7 +167,7 @@ def finetune_torch(model: str, data: str, out: str, *, rank: int = 8, alpha: flo
         for e in batch:
             n = len(e.tokens)
             # position i predicts token i + 1: the targets are tokens[first_target:]
-            labels[off + e.first_target - 1: off + n - 1] = ids[off + e.first_target: off + n]
+            labels[off + e.first_target - 1 : off + n - 1] = ids[off + e.first_target : off + n]
             off += n
         with lset.rows(single=1):
             h = module.hidden(ids, PackedAttend([len(e.tokens) for e in batch], dev), 0)
@@ -202,9 +222,21 @@ class _MlxExamples:
         return e.tokens, e.first_target
 
 
-def finetune_mlx(model: str, data: str, out: str, *, rank: int = 8, alpha: float = 16.0, steps: int = 100,
-                 lr: float = 1e-3, batch_size: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj"),
-                 fuse: bool = False, seed: int = 0, progress: Any = None) -> FinetuneResult:
+def finetune_mlx(
+    model: str,
+    data: str,
+    out: str,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    steps: int = 100,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    fuse: bool = False,
+    seed: int = 0,
+    progress: Any = None,
+) -> FinetuneResult:
     """Train a LoRA adapter with mlx-lm's trainer and write it to ``out`` in mlx-lm's format
     (adapters.safetensors + adapter_config.json); ``fuse``: also OUT/fused through mlx-lm's fuse."""
     import contextlib
@@ -238,8 +270,10 @@ def finetune_mlx(model: str, data: str, out: str, *, rank: int = 8, alpha: float
     keys = sorted(k for k, m in layers[0].named_modules() if k.rpartition(".")[2] in targets)
     missing = sorted(set(targets) - {k.rpartition(".")[2] for k in keys})
     if missing:
-        raise ConfigError(f"--targets: {missing[0]!r} is not a projection of this model's layers "
-                          f"({', '.join(sorted({k.rpartition('.')[2] for k, _ in layers[0].named_modules() if k}))})")
+        raise ConfigError(
+            f"--targets: {missing[0]!r} is not a projection of this model's layers "
+            f"({', '.join(sorted({k.rpartition('.')[2] for k, _ in layers[0].named_modules() if k}))})"
+        )
     lora_parameters = {"rank": rank, "scale": alpha / rank, "dropout": 0.0, "keys": keys}
     module.freeze()
     linear_to_lora_layers(module, len(layers), lora_parameters)
@@ -256,19 +290,44 @@ def finetune_mlx(model: str, data: str, out: str, *, rank: int = 8, alpha: float
                     progress(int(info["iteration"]), res.losses[-1])
 
     bs = min(batch_size, len(examples))
-    args = TrainingArgs(batch_size=bs, iters=steps, steps_per_report=1, steps_per_eval=steps + 1,
-                        steps_per_save=steps + 1, max_seq_length=ctx,
-                        adapter_file=str(outp / "adapters.safetensors"))
+    args = TrainingArgs(
+        batch_size=bs,
+        iters=steps,
+        steps_per_report=1,
+        steps_per_eval=steps + 1,
+        steps_per_save=steps + 1,
+        max_seq_length=ctx,
+        adapter_file=str(outp / "adapters.safetensors"),
+    )
     t0 = time.perf_counter()
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's progress table: stdout stays ours
-        train(module, optim.Adam(learning_rate=lr), CacheDataset(_MlxExamples(examples)), None, args=args,
-              training_callback=_Losses())
+        train(
+            module,
+            optim.Adam(learning_rate=lr),
+            CacheDataset(_MlxExamples(examples)),
+            None,
+            args=args,
+            training_callback=_Losses(),
+        )
     res.seconds = round(time.perf_counter() - t0, 3)
-    (outp / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": len(layers), "lora_parameters": lora_parameters,
-        "model": str(model), "data": str(data), "iters": steps, "batch_size": bs, "learning_rate": lr,
-        "seed": seed, "trainer": "mlx_lm.tuner.trainer.train (swiftlm finetune --backend mlx)"}, indent=2))
+    (outp / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": len(layers),
+                "lora_parameters": lora_parameters,
+                "model": str(model),
+                "data": str(data),
+                "iters": steps,
+                "batch_size": bs,
+                "learning_rate": lr,
+                "seed": seed,
+                "trainer": "mlx_lm.tuner.trainer.train (swiftlm finetune --backend mlx)",
+            },
+            indent=2,
+        )
+    )
     if fuse:
         res.fused_dir = str(outp / "fused")
         fuse_mlx(spec.path, outp, Path(res.fused_dir))

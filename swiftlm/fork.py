@@ -36,11 +36,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class ForkStats:
     """Counters (monotonic) of prompt work and of forks, written by the engine thread."""
-    prefill_tokens: int = 0   # positions run through the model in prefill chunks (prompt-cache hits excluded)
-    groups: int = 0           # fork groups whose prompt was prefilled once for all their choices
-    forked: int = 0           # sequences started from another's prefilled prompt
-    forked_tokens: int = 0    # prompt positions those sequences did not prefill
-    shared: int = 0           # forks that point at shared KV rows (no copy)
+
+    prefill_tokens: int = 0  # positions run through the model in prefill chunks (prompt-cache hits excluded)
+    groups: int = 0  # fork groups whose prompt was prefilled once for all their choices
+    forked: int = 0  # sequences started from another's prefilled prompt
+    forked_tokens: int = 0  # prompt positions those sequences did not prefill
+    shared: int = 0  # forks that point at shared KV rows (no copy)
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

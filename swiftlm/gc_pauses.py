@@ -53,7 +53,7 @@ def unfreeze() -> None:
 class GcPauses:
     """Times every collection of this process, per generation (installed once per process)."""
 
-    _installed: "GcPauses | None" = None
+    _installed: GcPauses | None = None
     _lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class GcPauses:
         self._t0: float | None = None
 
     @classmethod
-    def install(cls) -> "GcPauses":
+    def install(cls) -> GcPauses:
         with cls._lock:
             if cls._installed is None:
                 cls._installed = cls()

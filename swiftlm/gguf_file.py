@@ -21,10 +21,10 @@ _STRING, _ARRAY = 8, 9
 @dataclass
 class GGUFTensor:
     name: str
-    shape: tuple[int, ...]   # GGUF order (fastest-varying first)
+    shape: tuple[int, ...]  # GGUF order (fastest-varying first)
     type_id: int
     type_name: str
-    offset: int              # absolute, in the file
+    offset: int  # absolute, in the file
     n_elements: int
     n_bytes: int
 
@@ -104,7 +104,8 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
             n *= d
         t = GGUFTensor(name, shape, type_id, qtype.name, data_start + off, n, n // block * tsize)
         if t.offset + t.n_bytes > size:
-            raise CorruptModel(f"{path} is truncated: tensor {name} ends at byte {t.offset + t.n_bytes} "
-                               f"but the file has {size}")
+            raise CorruptModel(
+                f"{path} is truncated: tensor {name} ends at byte {t.offset + t.n_bytes} but the file has {size}"
+            )
         tensors.append(t)
     return meta, tensors

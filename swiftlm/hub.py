@@ -33,8 +33,10 @@ def endpoint() -> str:
 
 def _check_id(repo_id: str) -> None:
     if not _looks_like_repo_id(repo_id):
-        raise SwiftLMError(f"{repo_id!r} is not a Hugging Face repo id; give it as owner/name, "
-                           "e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+        raise SwiftLMError(
+            f"{repo_id!r} is not a Hugging Face repo id; give it as owner/name, "
+            "e.g. HuggingFaceTB/SmolLM2-135M-Instruct"
+        )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -55,24 +57,42 @@ def _explain(exc: BaseException, repo_id: str, revision: str | None) -> HubError
     if isinstance(exc, e.RevisionNotFoundError):
         return HubError(f"{repo_id} has no revision {revision!r} on {hub}")
     if isinstance(exc, e.GatedRepoError):
-        return HubError(f"{repo_id} is gated on {hub}: accept its terms on the model page and set HF_TOKEN to a "
-                        "token of that account")
+        return HubError(
+            f"{repo_id} is gated on {hub}: accept its terms on the model page and set HF_TOKEN to a "
+            "token of that account"
+        )
     if isinstance(exc, e.RepositoryNotFoundError):
-        tok = " (HF_TOKEN is set: check that it can read it)" if os.environ.get("HF_TOKEN") else \
-            " (if it is private, set HF_TOKEN)"
+        tok = (
+            " (HF_TOKEN is set: check that it can read it)"
+            if os.environ.get("HF_TOKEN")
+            else " (if it is private, set HF_TOKEN)"
+        )
         return HubError(f"{repo_id} was not found on {hub}{tok}")
     if isinstance(exc, e.HfHubHTTPError) and getattr(getattr(exc, "response", None), "status_code", 0) in (401, 403):
-        return HubError(f"{hub} refused access to {repo_id} (HTTP {exc.response.status_code}): set HF_TOKEN to a "
-                        "token that can read it")
+        return HubError(
+            f"{hub} refused access to {repo_id} (HTTP {exc.response.status_code}): set HF_TOKEN to a "
+            "token that can read it"
+        )
     if "OfflineModeIsEnabled" in names or (isinstance(exc, e.LocalEntryNotFoundError) and _offline()):
-        return HubError(f"{repo_id}{rev} is not in the local cache {_hf_cache_dir()} and downloads are off "
-                        "(HF_HUB_OFFLINE=1 or SWIFTLM_OFFLINE=1): unset it to download")
-    if isinstance(exc, e.LocalEntryNotFoundError) or names & {"ConnectError", "ConnectTimeout", "ReadTimeout",
-                                                              "TimeoutException", "ProxyError", "RemoteProtocolError",
-                                                              "ReadError", "NetworkError"}:
-        return HubError(f"could not reach {hub} to download {repo_id}{rev}; check the network connection "
-                        "(or HF_ENDPOINT), then run the same command again: finished files are kept and a "
-                        "partial file resumes")
+        return HubError(
+            f"{repo_id}{rev} is not in the local cache {_hf_cache_dir()} and downloads are off "
+            "(HF_HUB_OFFLINE=1 or SWIFTLM_OFFLINE=1): unset it to download"
+        )
+    if isinstance(exc, e.LocalEntryNotFoundError) or names & {
+        "ConnectError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "TimeoutException",
+        "ProxyError",
+        "RemoteProtocolError",
+        "ReadError",
+        "NetworkError",
+    }:
+        return HubError(
+            f"could not reach {hub} to download {repo_id}{rev}; check the network connection "
+            "(or HF_ENDPOINT), then run the same command again: finished files are kept and a "
+            "partial file resumes"
+        )
     if isinstance(exc, e.HfHubHTTPError):
         code = getattr(getattr(exc, "response", None), "status_code", "?")
         return HubError(f"{hub} answered HTTP {code} for {repo_id}{rev}: {_first_line(exc)}")
@@ -81,17 +101,28 @@ def _explain(exc: BaseException, repo_id: str, revision: str | None) -> HubError
     return HubError(f"downloading {repo_id}{rev} failed: {type(exc).__name__}: {_first_line(exc)}")
 
 
-def download(repo_id: str, revision: str | None = None, include: list[str] | None = None,
-             exclude: list[str] | None = None, local_dir: str | None = None) -> Path:
+def download(
+    repo_id: str,
+    revision: str | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    local_dir: str | None = None,
+) -> Path:
     """Fetch a snapshot (or the files matching ``include`` less ``exclude``); return its local folder."""
     _check_id(repo_id)
     from huggingface_hub import snapshot_download
 
     try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=str(_hf_cache_dir()),
-                                 local_dir=local_dir, allow_patterns=include or None,
-                                 ignore_patterns=exclude or None, local_files_only=_offline(),
-                                 library_name="swiftlm")
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=str(_hf_cache_dir()),
+            local_dir=local_dir,
+            allow_patterns=include or None,
+            ignore_patterns=exclude or None,
+            local_files_only=_offline(),
+            library_name="swiftlm",
+        )
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -113,8 +144,9 @@ def _literal_from_source(module: str, name: str) -> Any:
     except (OSError, SyntaxError):
         return None
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
             try:
                 return ast.literal_eval(node.value)
@@ -211,11 +243,19 @@ def cached_models() -> list[CachedModel]:
                 backends = runnable_by(spec, archs)
             except SwiftLMError as exc:
                 note = str(exc)
-        out.append(CachedModel(repo_id=repo.repo_id, size_bytes=repo.size_on_disk, nb_files=repo.nb_files,
-                               revisions=[r.commit_hash for r in revs],
-                               refs=sorted({ref for r in revs for ref in r.refs}),
-                               path=Path(newest.snapshot_path) if newest else None, arch=arch, backends=backends,
-                               note=note))
+        out.append(
+            CachedModel(
+                repo_id=repo.repo_id,
+                size_bytes=repo.size_on_disk,
+                nb_files=repo.nb_files,
+                revisions=[r.commit_hash for r in revs],
+                refs=sorted({ref for r in revs for ref in r.refs}),
+                path=Path(newest.snapshot_path) if newest else None,
+                arch=arch,
+                backends=backends,
+                note=note,
+            )
+        )
     return out
 
 
@@ -229,18 +269,21 @@ def remove(repo_id: str, revision: str | None = None) -> int:
         info = scan_cache_dir(cache) if cache.exists() else None
     except Exception as exc:
         raise HubError(f"could not read the Hugging Face cache {cache}: {_first_line(exc)}") from exc
-    repo = next((r for r in (info.repos if info else []) if r.repo_type == "model"
-                 and r.repo_id.lower() == repo_id.lower()), None)
+    repo = next(
+        (r for r in (info.repos if info else []) if r.repo_type == "model" and r.repo_id.lower() == repo_id.lower()),
+        None,
+    )
     if repo is None:
         raise HubError(f"{repo_id} is not in the Hugging Face cache {cache} (see `swiftlm models`)")
     if revision is None:
         hashes = [r.commit_hash for r in repo.revisions]
     else:
-        hashes = [r.commit_hash for r in repo.revisions
-                  if r.commit_hash.startswith(revision) or revision in r.refs]
+        hashes = [r.commit_hash for r in repo.revisions if r.commit_hash.startswith(revision) or revision in r.refs]
         if not hashes:
-            raise HubError(f"{repo_id} has no cached revision {revision!r} (cached: "
-                           f"{', '.join(r.commit_hash[:12] for r in repo.revisions) or 'none'})")
+            raise HubError(
+                f"{repo_id} has no cached revision {revision!r} (cached: "
+                f"{', '.join(r.commit_hash[:12] for r in repo.revisions) or 'none'})"
+            )
     strategy = info.delete_revisions(*hashes)
     freed = strategy.expected_freed_size
     try:

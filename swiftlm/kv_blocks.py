@@ -157,7 +157,7 @@ class KVBlocks:
         bs, out = self.block_size, []
         parent: Hashable = ("root", salt)
         for i in range((len(tokens) - 1) // bs):
-            b = self._by_key.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            b = self._by_key.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
             if b is None:
                 break
             out.append(b)
@@ -191,8 +191,9 @@ class KVBlocks:
             known = all(self._key_of[b] is not None for b in blocks)
             st.parent = self._cid_of[blocks[-1]] if known else _STOPPED
 
-    def commit(self, seq_id: int, n_computed: int, tokens: Callable[[int, int], Sequence[int]],
-               salt: Hashable = None) -> None:
+    def commit(
+        self, seq_id: int, n_computed: int, tokens: Callable[[int, int], Sequence[int]], salt: Hashable = None
+    ) -> None:
         """Register the keys of the sequence's full blocks within ``[0, n_computed)`` not registered
         yet; ``tokens(start, end)`` gives the sequence's token ids for ``[start, end)``.  A key that
         is already registered (to another block) keeps its block; the chain continues through it."""
@@ -203,8 +204,10 @@ class KVBlocks:
         if n_full <= st.n_reg:
             return
         if n_full > len(st.table):
-            raise ValueError(f"commit: sequence {seq_id} computed {n_computed} positions but its table "
-                             f"covers {len(st.table) * self.block_size}")
+            raise ValueError(
+                f"commit: sequence {seq_id} computed {n_computed} positions but its table "
+                f"covers {len(st.table) * self.block_size}"
+            )
         bs, start = self.block_size, st.n_reg
         toks = tokens(start * bs, n_full * bs)
         if len(toks) != (n_full - start) * bs:
@@ -214,7 +217,7 @@ class KVBlocks:
         by_key, key_of, cid_of = self._by_key, self._key_of, self._cid_of
         for i in range(start, n_full):
             j = (i - start) * bs
-            key = (root if cid is None else cid, tuple(toks[j:j + bs]))
+            key = (root if cid is None else cid, tuple(toks[j : j + bs]))
             b = st.table[i]
             owner = by_key.get(key)
             if owner is None:
@@ -240,10 +243,16 @@ class KVBlocks:
     # ---- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Sizes and counters, for metrics."""
-        return {"block_size": self.block_size, "blocks_total": self.num_blocks, "blocks_used": self.used(),
-                "blocks_free": len(self._free), "blocks_cached": len(self._cached),
-                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                "evictions": self.evictions}
+        return {
+            "block_size": self.block_size,
+            "blocks_total": self.num_blocks,
+            "blocks_used": self.used(),
+            "blocks_free": len(self._free),
+            "blocks_cached": len(self._cached),
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
+            "evictions": self.evictions,
+        }
 
     def check(self) -> None:
         """Assert the internal invariants (O(num_blocks); for tests)."""

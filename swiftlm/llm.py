@@ -1,24 +1,25 @@
 """The Python API: ``LLM`` (blocking) and ``AsyncLLM`` (asyncio).
 
-    from swiftlm import LLM, SamplingParams
-    llm = LLM()                                   # bundled SmolLM2, auto backend
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
-    print(out.text)
-    for delta in llm.stream([{"role": "user", "content": "Hi"}]):
-        print(delta.text, end="")
+from swiftlm import LLM, SamplingParams
+llm = LLM()                                   # bundled SmolLM2, auto backend
+out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+print(out.text)
+for delta in llm.stream([{"role": "user", "content": "Hi"}]):
+    print(delta.text, end="")
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Iterator, Union
+from typing import Any, Union
 
 from .backend import choose_backend
 from .config import Settings
-from .errors import ConfigError
 from .engine import AsyncSink, Engine, Event, SyncSink, TokenLogprob
+from .errors import ConfigError
 from .outputs import submit_choices
 from .registry import ModelSpec, resolve
 from .sampling import SamplingParams
@@ -64,8 +65,12 @@ class RequestOutput:
     def usage(self) -> dict[str, int]:
         completion = sum(len(o.token_ids) for o in self.outputs)
         prompt = len(self.prompt_token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "cached_tokens": max((o.cached_tokens for o in self.outputs), default=0)}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "cached_tokens": max((o.cached_tokens for o in self.outputs), default=0),
+        }
 
 
 @dataclass
@@ -105,11 +110,15 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     if pipeline and settings.data_parallel > 1:
         raise ConfigError("--data-parallel cannot be combined with --pipeline-parallel yet")
     if pipeline and settings.engine_process == "on":
-        raise ConfigError("--engine-process on does not combine with --pipeline-parallel (rank 0 already drives "
-                          "the other ranks' processes); use --engine-process off")
+        raise ConfigError(
+            "--engine-process on does not combine with --pipeline-parallel (rank 0 already drives "
+            "the other ranks' processes); use --engine-process off"
+        )
     if settings.gpu_layers is not None and getattr(backend, "name", "") != "torch":
-        raise ConfigError(f"--gpu-layers is built for the torch backend only (this is {backend.name}): the MLX "
-                          "backend keeps every layer on the GPU of Apple's unified memory")
+        raise ConfigError(
+            f"--gpu-layers is built for the torch backend only (this is {backend.name}): the MLX "
+            "backend keeps every layer on the GPU of Apple's unified memory"
+        )
     if settings.distributed:  # one rank of an mlx.launch group: no replicas, no engine child process
         from .distributed.external import check_settings as check_distributed
 
@@ -134,8 +143,10 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     from .media.processor import check_settings
 
     if settings.adapter and (settings.speculative or settings.draft_model):
-        raise ConfigError("--adapter does not combine with speculative decoding yet (drafts would be verified on "
-                          "the base weights, not the adapter's)")
+        raise ConfigError(
+            "--adapter does not combine with speculative decoding yet (drafts would be verified on "
+            "the base weights, not the adapter's)"
+        )
     check_settings(spec, settings)
     if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1:  # ranks 1..N-1 elsewhere; this is 0
         from .distributed.launch import load_parallel
@@ -155,12 +166,20 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     model.info.pooling = pooling_for(spec)
     speculator = _speculator(settings, backend, model, draft_spec)
     processor = processor_for(spec, model.tokenizer)
-    engine = Engine(model, max_running=settings.parallel, prefill_size=settings.prefill_size,
-                    max_batched_tokens=settings.max_batched_tokens,
-                    max_queue=settings.max_queue, ctx_size=settings.ctx_size,
-                    default_max_tokens=settings.max_tokens, prompt_cache_bytes=settings.prompt_cache_bytes,
-                    speculator=speculator, kv_budget_bytes=settings.kv_budget_bytes,
-                    request_timeout=settings.request_timeout, **engine_kw)
+    engine = Engine(
+        model,
+        max_running=settings.parallel,
+        prefill_size=settings.prefill_size,
+        max_batched_tokens=settings.max_batched_tokens,
+        max_queue=settings.max_queue,
+        ctx_size=settings.ctx_size,
+        default_max_tokens=settings.max_tokens,
+        prompt_cache_bytes=settings.prompt_cache_bytes,
+        speculator=speculator,
+        kv_budget_bytes=settings.kv_budget_bytes,
+        request_timeout=settings.request_timeout,
+        **engine_kw,
+    )
     engine.json_close, engine.json_repeat_guard = settings.json_close, settings.json_repeat_guard
     engine.backend_name = backend.name  # type: ignore[attr-defined]
     engine.tool_parser = settings.tool_parser
@@ -208,8 +227,10 @@ def check_same_tokenizer(target: Any, draft: Any, name: str) -> None:
     tv, dv = target.tok.get_vocab(with_added_tokens=True), draft.tok.get_vocab(with_added_tokens=True)
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))
-        raise ConfigError(f"draft model {name} has a different tokenizer from the target ({len(dv)} vs {len(tv)} "
-                          f"tokens, {diff} entries differ); speculative decoding needs the same vocabulary")
+        raise ConfigError(
+            f"draft model {name} has a different tokenizer from the target ({len(dv)} vs {len(tv)} "
+            f"tokens, {diff} entries differ); speculative decoding needs the same vocabulary"
+        )
 
 
 class _Base:
@@ -236,8 +257,9 @@ class _Base:
     def _plan(self, messages: Chat, tools: Any, tool_choice: Any, chat_template_kwargs: dict | None) -> Any:
         kwargs = dict(chat_template_kwargs or {})
         thinking = bool(kwargs.pop("enable_thinking", self.settings.thinking))
-        return self.engine.plan_chat(messages, tools=tools, tool_choice=tool_choice, thinking=thinking,
-                                     template_kwargs=kwargs)
+        return self.engine.plan_chat(
+            messages, tools=tools, tool_choice=tool_choice, thinking=thinking, template_kwargs=kwargs
+        )
 
     @staticmethod
     def _params(params: SamplingParams | None, i: int) -> SamplingParams:
@@ -269,14 +291,19 @@ def _collect(out: CompletionOutput, ev: Event) -> None:
 
 def _split(out: CompletionOutput, plan: Any) -> None:
     out.content, out.reasoning_content, out.tool_calls, out.finish_reason = plan.parser().result(
-        out.text, out.finish_reason)
+        out.text, out.finish_reason
+    )
 
 
 class LLM(_Base):
     """Blocking API.  The model runs on the engine's own background thread."""
 
-    def generate(self, prompts: PromptLike | list[PromptLike], params: SamplingParams | None = None,
-                 chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptLike | list[PromptLike],
+        params: SamplingParams | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
         batch = prompts if _is_batch(prompts) else [prompts]
         n = params.n if params else 1
         jobs = []
@@ -295,8 +322,15 @@ class LLM(_Base):
             results.append(RequestOutput(toks, outs))
         return results if _is_batch(prompts) else results[0]
 
-    def chat(self, messages: Chat, params: SamplingParams | None = None, *, tools: list[dict] | None = None,
-             tool_choice: Any = None, chat_template_kwargs: dict | None = None) -> RequestOutput:
+    def chat(
+        self,
+        messages: Chat,
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: Any = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> RequestOutput:
         """One chat turn.  Each output's ``text`` is the raw model text; ``content``,
         ``reasoning_content`` and ``tool_calls`` (chat.tool_calls.ToolCall) are the parsed parts."""
         plan = self._plan(messages, tools, tool_choice, chat_template_kwargs)
@@ -319,30 +353,64 @@ class LLM(_Base):
         p = params or SamplingParams(temperature=0.7 if spec["strategy"] != "refinement" else 0.0, max_tokens=256)
         return test_time.run(self.engine, messages, p, spec, tk)
 
-    def generate_with_self_consistency(self, prompt: Any, n: int = 8, params: SamplingParams | None = None, *,
-                                       answer: str = "last_number", pattern: str | None = None,
-                                       json_field: str | None = None, chat_template_kwargs: dict | None = None) -> Any:
+    def generate_with_self_consistency(
+        self,
+        prompt: Any,
+        n: int = 8,
+        params: SamplingParams | None = None,
+        *,
+        answer: str = "last_number",
+        pattern: str | None = None,
+        json_field: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> Any:
         """N sampled chains in one batch, an answer extracted from each, majority vote
         (``TestTimeResult``: ``answer``, ``votes``, ``candidates``)."""
-        return self._test_time(prompt, params, {"strategy": "self_consistency", "n": n, "answer": answer,
-                                                "pattern": pattern, "field": json_field}, chat_template_kwargs)
+        return self._test_time(
+            prompt,
+            params,
+            {"strategy": "self_consistency", "n": n, "answer": answer, "pattern": pattern, "field": json_field},
+            chat_template_kwargs,
+        )
 
-    def generate_best_of_n(self, prompt: Any, n: int = 8, params: SamplingParams | None = None, *,
-                           score: str = "mean_logprob", chat_template_kwargs: dict | None = None) -> Any:
+    def generate_best_of_n(
+        self,
+        prompt: Any,
+        n: int = 8,
+        params: SamplingParams | None = None,
+        *,
+        score: str = "mean_logprob",
+        chat_template_kwargs: dict | None = None,
+    ) -> Any:
         """N sampled chains in one batch; the best by the model's log-probability (or a verifier prompt)."""
-        return self._test_time(prompt, params, {"strategy": "best_of_n", "n": n, "score": score},
-                               chat_template_kwargs)
+        return self._test_time(prompt, params, {"strategy": "best_of_n", "n": n, "score": score}, chat_template_kwargs)
 
-    def generate_with_refinement(self, prompt: Any, rounds: int = 2, params: SamplingParams | None = None, *,
-                                 critique_prompt: str | None = None, revise_prompt: str | None = None,
-                                 chat_template_kwargs: dict | None = None) -> Any:
+    def generate_with_refinement(
+        self,
+        prompt: Any,
+        rounds: int = 2,
+        params: SamplingParams | None = None,
+        *,
+        critique_prompt: str | None = None,
+        revise_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> Any:
         """Answer, then ``rounds`` x (critique -> revise) on the same model."""
-        return self._test_time(prompt, params, {"strategy": "refinement", "rounds": rounds,
-                                                "critique_prompt": critique_prompt, "revise_prompt": revise_prompt},
-                               chat_template_kwargs)
+        return self._test_time(
+            prompt,
+            params,
+            {
+                "strategy": "refinement",
+                "rounds": rounds,
+                "critique_prompt": critique_prompt,
+                "revise_prompt": revise_prompt,
+            },
+            chat_template_kwargs,
+        )
 
-    def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
-               chat_template_kwargs: dict | None = None) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt: PromptLike, params: SamplingParams | None = None, chat_template_kwargs: dict | None = None
+    ) -> Iterator[StreamDelta]:
         toks = self._tokens(prompt, chat_template_kwargs)
         sink = SyncSink()
         seq_id = self.engine.submit(toks, self._params(params, 0), sink)
@@ -363,8 +431,9 @@ class LLM(_Base):
 class AsyncLLM(_Base):
     """asyncio API: ``await llm.generate(...)`` and ``async for d in llm.stream(...)``."""
 
-    async def generate(self, prompt: PromptLike, params: SamplingParams | None = None,
-                       chat_template_kwargs: dict | None = None) -> RequestOutput:
+    async def generate(
+        self, prompt: PromptLike, params: SamplingParams | None = None, chat_template_kwargs: dict | None = None
+    ) -> RequestOutput:
         toks = self._tokens(prompt, chat_template_kwargs)
         n = params.n if params else 1
         sinks = []
@@ -380,8 +449,9 @@ class AsyncLLM(_Base):
             outs.append(out)
         return RequestOutput(toks, outs)
 
-    async def stream(self, prompt: PromptLike, params: SamplingParams | None = None,
-                     chat_template_kwargs: dict | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(
+        self, prompt: PromptLike, params: SamplingParams | None = None, chat_template_kwargs: dict | None = None
+    ) -> AsyncIterator[StreamDelta]:
         toks = self._tokens(prompt, chat_template_kwargs)
         sink = AsyncSink()
         seq_id = self.engine.submit(toks, self._params(params, 0), sink)

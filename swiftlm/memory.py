@@ -43,9 +43,15 @@ class _TimeValue(ctypes.Structure):
 
 
 class _MachTaskBasicInfo(ctypes.Structure):
-    _fields_ = [("virtual_size", ctypes.c_uint64), ("resident_size", ctypes.c_uint64),
-                ("resident_size_max", ctypes.c_uint64), ("user_time", _TimeValue),
-                ("system_time", _TimeValue), ("policy", ctypes.c_int), ("suspend_count", ctypes.c_int)]
+    _fields_ = [
+        ("virtual_size", ctypes.c_uint64),
+        ("resident_size", ctypes.c_uint64),
+        ("resident_size_max", ctypes.c_uint64),
+        ("user_time", _TimeValue),
+        ("system_time", _TimeValue),
+        ("policy", ctypes.c_int),
+        ("suspend_count", ctypes.c_int),
+    ]
 
 
 @lru_cache(maxsize=1)
@@ -81,8 +87,21 @@ def _maxrss() -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def allocator_stats() -> dict[str, int]:
@@ -94,8 +113,12 @@ def allocator_stats() -> dict[str, int]:
         return {}
     fn.restype = _MallInfo2
     m = fn()
-    return {"in_use": int(m.uordblks) + int(m.hblkhd), "free": int(m.fordblks), "mmapped": int(m.hblkhd),
-            "arena": int(m.arena)}
+    return {
+        "in_use": int(m.uordblks) + int(m.hblkhd),
+        "free": int(m.fordblks),
+        "mmapped": int(m.hblkhd),
+        "arena": int(m.arena),
+    }
 
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
@@ -137,8 +160,12 @@ def process_memory(pid: int | None = None) -> dict[str, int]:
     getrusage's ru_maxrss for the peak.  Zeros where nothing can be read."""
     st = _proc_status(pid if pid is not None else "self")
     if st:
-        return {"rss": st.get("VmRSS", 0), "peak_rss": st.get("VmHWM", 0), "rss_anon": st.get("RssAnon", 0),
-                "rss_file": st.get("RssFile", 0)}
+        return {
+            "rss": st.get("VmRSS", 0),
+            "peak_rss": st.get("VmHWM", 0),
+            "rss_anon": st.get("RssAnon", 0),
+            "rss_file": st.get("RssFile", 0),
+        }
     if pid is None or pid == os.getpid():
         mach = _mach_rss() if sys.platform == "darwin" else None
         if mach is not None:
@@ -152,8 +179,15 @@ def host_memory() -> dict[str, Any]:
     """The CPU as a 'device' for /health: this process's resident memory is what it uses."""
     p = process_memory()
     cache = allocator_stats().get("free", 0)
-    return {"device": "cpu", "architecture": "cpu", "device_name": cpu_name(), "active": p["rss"],
-            "peak": p["peak_rss"], "cache": cache, "device_total": system_memory()}
+    return {
+        "device": "cpu",
+        "architecture": "cpu",
+        "device_name": cpu_name(),
+        "active": p["rss"],
+        "peak": p["peak_rss"],
+        "cache": cache,
+        "device_total": system_memory(),
+    }
 
 
 @lru_cache(maxsize=1)
@@ -184,8 +218,10 @@ def streamable_layout(spec: ModelSpec) -> Any:
     from .experts import scan_experts
 
     if spec.format == "gguf" or not spec.is_moe:
-        raise UnsupportedArchitecture(f"--stream-experts needs an MoE model in safetensors; {spec.path} is "
-                                      + ("a GGUF file" if spec.format == "gguf" else "not a mixture-of-experts model"))
+        raise UnsupportedArchitecture(
+            f"--stream-experts needs an MoE model in safetensors; {spec.path} is "
+            + ("a GGUF file" if spec.format == "gguf" else "not a mixture-of-experts model")
+        )
     layout = scan_experts(spec.weight_files)
     if layout is None:
         raise UnsupportedArchitecture(f"--stream-experts: found no expert tensors in {spec.path}")
@@ -200,11 +236,18 @@ def expert_plan(spec: ModelSpec, expert_top_k: int = 0) -> dict[str, Any]:
     k = spec.experts_per_token or 1
     used = clamp_top_k(expert_top_k, k)
     per_expert = layout.bytes_per_expert()
-    return {"expert_layout": layout.style, "experts": layout.num_experts, "moe_layers": len(layout.layers),
-            "experts_per_token": used, "model_experts_per_token": k,
-            "resident_bytes": layout.resident_bytes, "expert_bytes": layout.expert_bytes_total,
-            "bytes_per_expert": per_expert, "expert_bytes_per_token": layout.bytes_per_token(used),
-            "read_buffer_bytes": used * per_expert}
+    return {
+        "expert_layout": layout.style,
+        "experts": layout.num_experts,
+        "moe_layers": len(layout.layers),
+        "experts_per_token": used,
+        "model_experts_per_token": k,
+        "resident_bytes": layout.resident_bytes,
+        "expert_bytes": layout.expert_bytes_total,
+        "bytes_per_expert": per_expert,
+        "expert_bytes_per_token": layout.bytes_per_token(used),
+        "read_buffer_bytes": used * per_expert,
+    }
 
 
 def device_kind(device: str) -> str:
@@ -263,10 +306,20 @@ def held_weights(spec: ModelSpec, backend: str | None, device: str = "cpu") -> t
     return spec.size_bytes, "as stored on disk"
 
 
-def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int | None = None, kv_format: Any = None,
-                stream_experts: bool = False, expert_top_k: int = 0, backend: str | None = None,
-                device: str = "cpu", parallel: int = 1, prompt_cache_bytes: int = 0, gpu_layers: int | None = None,
-                offload_dtype: str = "float32") -> dict[str, Any]:
+def memory_plan(
+    spec: ModelSpec,
+    ctx_size: int | None = None,
+    dtype_bytes: int | None = None,
+    kv_format: Any = None,
+    stream_experts: bool = False,
+    expert_top_k: int = 0,
+    backend: str | None = None,
+    device: str = "cpu",
+    parallel: int = 1,
+    prompt_cache_bytes: int = 0,
+    gpu_layers: int | None = None,
+    offload_dtype: str = "float32",
+) -> dict[str, Any]:
     """Weights as the backend will hold them (``held_weights``; the file size is given too), plus
     the KV cache of ``parallel`` sequences at full context in the backend's KV dtype: fp32 on the
     CPU (torch and MLX), 16-bit on CUDA and Metal (``dtype_bytes`` overrides).  On CUDA the torch
@@ -288,7 +341,8 @@ def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int |
     per_tok = kv_bytes_per_token(spec.config, dtype_bytes)
     weights, how = held_weights(spec, backend, device)
     plan: dict[str, Any] = {
-        "backend": backend, "device": device,
+        "backend": backend,
+        "device": device,
         "weights_bytes": weights,
         "weights_held_as": how,
         "weights_file_bytes": spec.size_bytes,
@@ -306,10 +360,14 @@ def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int |
         cfg = spec.config.get("text_config") or spec.config
         heads = int(cfg.get("num_attention_heads") or 1)
         n_dense = min(ctx, kv_format.window + COMPRESS_BLOCK - 1)
-        f = turbo_layout_bytes(kv_format, n_code=ctx - n_dense, n_dense=n_dense,
-                               layers=int(cfg.get("num_hidden_layers") or 0),
-                               kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                               head_dim=int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads)))
+        f = turbo_layout_bytes(
+            kv_format,
+            n_code=ctx - n_dense,
+            n_dense=n_dense,
+            layers=int(cfg.get("num_hidden_layers") or 0),
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads)),
+        )
         plan["kv_format"] = kv_format.name
         plan["kv_cache_16bit_bytes"] = plan["kv_cache_bytes"]
         plan["kv_cache_bytes_per_sequence"] = f["codes_allocated"] + f["dense_allocated"] + f["uncompressed_layers"]
@@ -320,8 +378,17 @@ def memory_plan(spec: ModelSpec, ctx_size: int | None = None, dtype_bytes: int |
         plan["weights_bytes"] = ex["resident_bytes"] + ex["read_buffer_bytes"]
     layers = int((spec.config.get("text_config") or spec.config).get("num_hidden_layers") or 0)
     if backend == "torch" and gpu_layers is not None and gpu_layers < layers:
-        plan.update(offload_plan(spec, gpu_layers, layers, plan, 2 if device == "cuda" else 4,
-                                 4 if offload_dtype == "float32" else 2, parallel))
+        plan.update(
+            offload_plan(
+                spec,
+                gpu_layers,
+                layers,
+                plan,
+                2 if device == "cuda" else 4,
+                4 if offload_dtype == "float32" else 2,
+                parallel,
+            )
+        )
     plan["prompt_cache_bytes"] = int(prompt_cache_bytes or 0)  # the prompt cache's cap (--prompt-cache-bytes)
     plan["total_bytes"] = plan["weights_bytes"] + plan["kv_cache_bytes"] + plan["prompt_cache_bytes"]
     plan["system_memory_bytes"] = system_memory()
@@ -365,8 +432,9 @@ def layer_elements(spec: ModelSpec) -> tuple[int, list[int]]:
     return outside, per
 
 
-def offload_plan(spec: ModelSpec, gpu_layers: int, layers: int, plan: dict[str, Any], main_bytes: int,
-                 off_bytes: int, parallel: int) -> dict[str, Any]:
+def offload_plan(
+    spec: ModelSpec, gpu_layers: int, layers: int, plan: dict[str, Any], main_bytes: int, off_bytes: int, parallel: int
+) -> dict[str, Any]:
     """The split of ``--gpu-layers``: layers [0, N), the embedding, the final norm and the head on
     the device in its dtype; layers [N, L) and their KV rows on the CPU in --offload-dtype.  KV is
     counted for ``parallel`` sequences at full context (no preallocated slot pool when offloaded)."""
@@ -377,15 +445,22 @@ def offload_plan(spec: ModelSpec, gpu_layers: int, layers: int, plan: dict[str, 
     cpu_w = sum(per[gpu_layers:]) * off_bytes
     dev_kv = kv_layer * gpu_layers * main_bytes * ctx * seqs
     cpu_kv = kv_layer * (layers - gpu_layers) * off_bytes * ctx * seqs
-    return {"gpu_layers": gpu_layers, "cpu_layers": layers - gpu_layers,
-            "offload_dtype": "float32" if off_bytes == 4 else "bfloat16",
-            "device_weights_bytes": dev_w, "cpu_weights_bytes": cpu_w,
-            "device_kv_cache_bytes": dev_kv, "cpu_kv_cache_bytes": cpu_kv,
-            "device_bytes": dev_w + dev_kv, "cpu_bytes": cpu_w + cpu_kv,
-            "weights_bytes": dev_w + cpu_w, "kv_cache_bytes": dev_kv + cpu_kv,
-            "kv_cache_bytes_per_sequence": (dev_kv + cpu_kv) // seqs,
-            "kv_bytes_per_token": kv_layer * (gpu_layers * main_bytes + (layers - gpu_layers) * off_bytes),
-            "kv_preallocated": False}
+    return {
+        "gpu_layers": gpu_layers,
+        "cpu_layers": layers - gpu_layers,
+        "offload_dtype": "float32" if off_bytes == 4 else "bfloat16",
+        "device_weights_bytes": dev_w,
+        "cpu_weights_bytes": cpu_w,
+        "device_kv_cache_bytes": dev_kv,
+        "cpu_kv_cache_bytes": cpu_kv,
+        "device_bytes": dev_w + dev_kv,
+        "cpu_bytes": cpu_w + cpu_kv,
+        "weights_bytes": dev_w + cpu_w,
+        "kv_cache_bytes": dev_kv + cpu_kv,
+        "kv_cache_bytes_per_sequence": (dev_kv + cpu_kv) // seqs,
+        "kv_bytes_per_token": kv_layer * (gpu_layers * main_bytes + (layers - gpu_layers) * off_bytes),
+        "kv_preallocated": False,
+    }
 
 
 def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, Any]:
@@ -404,9 +479,16 @@ def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, 
         device = device_kind(entry.availability.device if entry is not None else "")
     except SwiftLMError:
         pass
-    return memory_plan(spec, settings.ctx_size, kv_format=settings_format(settings),
-                       stream_experts=settings.stream_experts, expert_top_k=settings.expert_top_k,
-                       backend=name, device=device, parallel=getattr(settings, "parallel", 1),
-                       prompt_cache_bytes=getattr(settings, "prompt_cache_bytes", 0),
-                       gpu_layers=getattr(settings, "gpu_layers", None),
-                       offload_dtype=getattr(settings, "offload_dtype", "float32"))
+    return memory_plan(
+        spec,
+        settings.ctx_size,
+        kv_format=settings_format(settings),
+        stream_experts=settings.stream_experts,
+        expert_top_k=settings.expert_top_k,
+        backend=name,
+        device=device,
+        parallel=getattr(settings, "parallel", 1),
+        prompt_cache_bytes=getattr(settings, "prompt_cache_bytes", 0),
+        gpu_layers=getattr(settings, "gpu_layers", None),
+        offload_dtype=getattr(settings, "offload_dtype", "float32"),
+    )

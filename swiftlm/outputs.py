@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 
@@ -184,7 +185,7 @@ class Out:
     token: int | None = None
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
-    reason: str | None = None   # set when the engine finished the sequence
+    reason: str | None = None  # set when the engine finished the sequence
     error: str | None = None
     progress: tuple[int, int] | None = None
     cached_tokens: int | None = None
@@ -204,8 +205,7 @@ class OutputWorker:
             self._thread.start()
 
     def open(self, seq_id: int, sink: Sink, stops: list[str], prompt_tokens: int) -> None:
-        self.streams[seq_id] = Stream(seq_id, sink, IncrementalDetokenizer(self.tok), StopMatcher(stops),
-                                      prompt_tokens)
+        self.streams[seq_id] = Stream(seq_id, sink, IncrementalDetokenizer(self.tok), StopMatcher(stops), prompt_tokens)
 
     def put(self, outs: list[Out]) -> None:
         if outs:
@@ -241,8 +241,12 @@ class OutputWorker:
                 st = self.streams.pop(o.seq_id, None)
                 if st is not None and not st.done:
                     st.done = True
-                    pairs.append((st.sink, Event(o.seq_id, finished=True, finish_reason="error",
-                                                 error=f"{type(exc).__name__}: {exc}")))
+                    pairs.append(
+                        (
+                            st.sink,
+                            Event(o.seq_id, finished=True, finish_reason="error", error=f"{type(exc).__name__}: {exc}"),
+                        )
+                    )
                     self.on_stop(o.seq_id)
         deliver(pairs)
         if self.timers is not None:
@@ -266,8 +270,11 @@ class OutputWorker:
             ids = [o.token]
             if o.logprob is not None:
                 d = self.tok.decode
-                lps.append(TokenLogprob(o.token, d([o.token]), _finite(o.logprob),
-                                        [(i, d([i]), _finite(lp)) for i, lp in (o.top or [])]))
+                lps.append(
+                    TokenLogprob(
+                        o.token, d([o.token]), _finite(o.logprob), [(i, d([i]), _finite(lp)) for i, lp in (o.top or [])]
+                    )
+                )
             if reason == "stop":  # EOS / stop token: not part of the text
                 text = st.stop.feed(st.detok.flush())[0] + st.stop.flush()
             else:
@@ -280,8 +287,15 @@ class OutputWorker:
                 text += st.stop.feed(st.detok.flush())[0] + st.stop.flush()
             st.done = True
             self.streams.pop(o.seq_id, None)
-        ev = Event(o.seq_id, text, ids, lps, prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens,
-                   cached_tokens=st.cached_tokens)
+        ev = Event(
+            o.seq_id,
+            text,
+            ids,
+            lps,
+            prompt_tokens=st.prompt_tokens,
+            completion_tokens=st.completion_tokens,
+            cached_tokens=st.cached_tokens,
+        )
         if reason is not None:
             ev.finished, ev.finish_reason, ev.error = True, reason, o.error
         pairs.append((st.sink, ev))

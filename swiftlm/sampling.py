@@ -52,7 +52,7 @@ class SamplingParams:
     n: int = 1
     grammar: str | None = None  # llguidance grammar (from response_format): constrained decoding
     turbo_kv: str | None = None  # KV-cache format for this request: a TurboQuant preset or "off"
-    kv_bits: int | None = None   # or affine-quantized KV (4 or 8 bits, kv_group_size coordinates per group)
+    kv_bits: int | None = None  # or affine-quantized KV (4 or 8 bits, kv_group_size coordinates per group)
     kv_group_size: int = 64
     adapter: str | None = None  # a LoRA adapter served on the model (--adapter NAME=PATH); None: the base
 
@@ -82,7 +82,7 @@ class SamplingParams:
             except ValueError as e:
                 raise bad("turbo_kv", str(e)) from None
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequest:
             return InvalidRequest(f"'{name}' {msg}", param=name)
 
@@ -93,8 +93,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             num(name, getattr(self, name))
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
@@ -130,10 +129,11 @@ class SamplingParams:
                 raise bad("logit_bias", "values must be in [-100, 100]")
         return self
 
-    def for_choice(self, i: int) -> "SamplingParams":
+    def for_choice(self, i: int) -> SamplingParams:
         """An independent copy for choice ``i`` of an n>1 request: seed + i (when seeded), n = 1."""
-        q = replace(self, logit_bias=dict(self.logit_bias), stop=list(self.stop),
-                    stop_token_ids=list(self.stop_token_ids), n=1)
+        q = replace(
+            self, logit_bias=dict(self.logit_bias), stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), n=1
+        )
         if self.seed is not None:
             q.seed = self.seed + i
         return q
@@ -187,7 +187,7 @@ def apply_penalties(ops: ArrayOps, x: Any, params: SamplingParams, state: Sample
         bias = ops.asarray(list(params.logit_bias.values()), "float32")
         x = ops.put(x, ids, ops.take(x, ids) + bias)
     if params.repetition_penalty != 1.0:
-        ctx = (state.prompt_tokens + state.output_tokens)[-params.repetition_context_size:]
+        ctx = (state.prompt_tokens + state.output_tokens)[-params.repetition_context_size :]
         if ctx:
             ids = ops.asarray(sorted(set(ctx)), "int32")
             vals = ops.take(x, ids)
@@ -230,8 +230,9 @@ def masked_logits(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sam
     return x
 
 
-def sample_row(ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
-               ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+def sample_row(
+    ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
+) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs).
     The batched sampler (``sampler.py``) on a batch of one: the same draw as in any batch."""
     from .sampler import sample_one

@@ -57,10 +57,10 @@ class Sequence:
         P = len(self.prompt_tokens)
         end = P + len(self.output_tokens) if end is None else end
         if start >= P:  # pragma: no mutate (start == P: both branches give output_tokens[:end - P])
-            return self.output_tokens[start - P:end - P]
+            return self.output_tokens[start - P : end - P]
         if end <= P:  # pragma: no mutate (end == P: both branches give prompt_tokens[start:])
             return self.prompt_tokens[start:end]
-        return self.prompt_tokens[start:] + self.output_tokens[:end - P]
+        return self.prompt_tokens[start:] + self.output_tokens[: end - P]
 
     @property
     def prefill_target(self) -> int:
@@ -79,8 +79,15 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, max_running: int = 1, prefill_size: int = 512, token_budget: int | None = None,
-                 kv_budget_tokens: int | None = None, blocks: Any = None, max_positions: int = 0):
+    def __init__(
+        self,
+        max_running: int = 1,
+        prefill_size: int = 512,
+        token_budget: int | None = None,
+        kv_budget_tokens: int | None = None,
+        blocks: Any = None,
+        max_positions: int = 0,
+    ):
         self.max_running = max(1, max_running)
         self.blocks = blocks  # kv_blocks.KVBlocks of a paged pool, or None
         self.code_blocks: Any = None  # kv_blocks.KVBlocks of the code pages of compressed sequences, or None
@@ -90,8 +97,9 @@ class Scheduler:
         self.preemptions = 0
         self.prefill_size = max(1, prefill_size)
         # at least one prompt token beside a full set of decode rows, or a prompt could wait forever
-        self.token_budget = max(token_budget or max(self.prefill_size, self.max_running) + self.max_running,
-                                self.max_running + 1)
+        self.token_budget = max(
+            token_budget or max(self.prefill_size, self.max_running) + self.max_running, self.max_running + 1
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -116,8 +124,12 @@ class Scheduler:
         c = self.code_blocks
         if c is not None:
             out = dict(out or {})
-            out["code_pages"] = {"page_size": c.block_size, "pages_total": c.num_blocks, "pages_used": c.used(),
-                                 "pages_free": c.available()}
+            out["code_pages"] = {
+                "page_size": c.block_size,
+                "pages_total": c.num_blocks,
+                "pages_used": c.used(),
+                "pages_free": c.available(),
+            }
         return out
 
     def _positions(self, seq: Sequence) -> int:
@@ -184,8 +196,11 @@ class Scheduler:
             if m is not None:
                 need[id(m)] += self.blocks_needed(s)
         while self.waiting and len(self.running) < self.max_running:
-            if self.kv_budget and self.running and \
-                    sum(s.kv_demand for s in self.running) + self.waiting[0].kv_demand > self.kv_budget:
+            if (
+                self.kv_budget
+                and self.running
+                and sum(s.kv_demand for s in self.running) + self.waiting[0].kv_demand > self.kv_budget
+            ):
                 break  # FCFS: nobody overtakes the head of the queue
             head = self.waiting[0]
             m = self.manager(head)
@@ -219,8 +234,9 @@ class Scheduler:
         work: list[SeqWork] = []
         for seq in self.running:  # decode rows first
             if not seq.in_prefill and seq.seq_id not in starved:
-                work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed,
-                                    True, seq.params, seq.state))
+                work.append(
+                    SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed, True, seq.params, seq.state)
+                )
                 budget -= 1
         chunks = 0
         for seq in self.running:  # then prefill chunks, oldest first
@@ -238,8 +254,17 @@ class Scheduler:
                     n, media = target, seq.media  # media prompts: alone in one chunk (running rows still step)
                 end = seq.num_computed + n
                 resumed = bool(seq.output_tokens)  # a preempted sequence samples from its decode row
-                work.append(SeqWork(seq.seq_id, seq.tokens(seq.num_computed, end), seq.num_computed,
-                                    end == target and not resumed, seq.params, seq.state, media))
+                work.append(
+                    SeqWork(
+                        seq.seq_id,
+                        seq.tokens(seq.num_computed, end),
+                        seq.num_computed,
+                        end == target and not resumed,
+                        seq.params,
+                        seq.state,
+                        media,
+                    )
+                )
                 budget -= n
                 chunks += 1
         return StepBatch(work, preempted)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .backend import SampledToken, SeqWork
-from .sampling import SamplingParams, SamplerState, masked_logits, sample_row, truncate
+from .sampling import SamplerState, SamplingParams, masked_logits, sample_row, truncate
 
 
 def probs(ops: Any, logits: Any, params: SamplingParams, state: SamplerState) -> np.ndarray:
@@ -51,17 +51,18 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams, state: SamplerState
-                ) -> tuple[list[int], list[np.ndarray] | None]:
+    def propose(
+        self, seq_id: int, tokens: list[int], k: int, params: SamplingParams, state: SamplerState
+    ) -> tuple[list[int], list[np.ndarray] | None]:
         n_tok = len(tokens)
         arr = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            tail = arr[n_tok - n:]
+            tail = arr[n_tok - n :]
             # windows that end before the tail itself, most recent first
             win = np.lib.stride_tricks.sliding_window_view(arr[: n_tok - 1], n)
             hits = np.flatnonzero((win == tail).all(axis=1))
             for start in hits[::-1]:
-                follow = tokens[start + n: start + n + k]
+                follow = tokens[start + n : start + n + k]
                 if follow:
                     return follow, None
         return [], None
@@ -80,8 +81,9 @@ class ModelDrafter:
         self.model = model
         self.fed: dict[int, list[int]] = {}  # tokens whose KV the draft holds, per sequence
 
-    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams, state: SamplerState
-                ) -> tuple[list[int], list[np.ndarray] | None]:
+    def propose(
+        self, seq_id: int, tokens: list[int], k: int, params: SamplingParams, state: SamplerState
+    ) -> tuple[list[int], list[np.ndarray] | None]:
         fed = self.fed.get(seq_id, [])
         n = 0
         limit = min(len(fed), len(tokens) - 1)  # feed at least the last token to get logits
@@ -132,10 +134,10 @@ def _rng(state: SamplerState, which: str) -> np.random.Generator:
 
 @dataclass
 class SpecStats:
-    steps: int = 0       # target verify passes
+    steps: int = 0  # target verify passes
     drafted: int = 0
     accepted: int = 0
-    emitted: int = 0     # tokens produced by verify passes (accepted + one per pass)
+    emitted: int = 0  # tokens produced by verify passes (accepted + one per pass)
 
     @property
     def acceptance_rate(self) -> float:
@@ -202,8 +204,15 @@ class Speculator:
         return [SampledToken(w.seq_id, t) for t in out]
 
     @staticmethod
-    def _sample(ops: Any, row: Any, params: SamplingParams, state: SamplerState, drafts: list[int],
-                qs: list[np.ndarray] | None, i: int) -> tuple[int, bool]:
+    def _sample(
+        ops: Any,
+        row: Any,
+        params: SamplingParams,
+        state: SamplerState,
+        drafts: list[int],
+        qs: list[np.ndarray] | None,
+        i: int,
+    ) -> tuple[int, bool]:
         """-> (token, whether it is the kept draft); a resampled or bonus token ends the step."""
         p = probs(ops, row, params, state)
         rng = _rng(state, "verify")

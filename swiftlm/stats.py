@@ -7,7 +7,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -61,15 +60,21 @@ class LatencyHistogram:
         return top
 
     def snapshot(self) -> dict[str, float]:
-        return {"count": self.count, "mean_s": round(self.sum / self.count, 6) if self.count else 0.0,
-                "p50_s": round(self.quantile(0.5), 6), "p90_s": round(self.quantile(0.9), 6),
-                "p99_s": round(self.quantile(0.99), 6), "max_s": round(self.max, 6)}
+        return {
+            "count": self.count,
+            "mean_s": round(self.sum / self.count, 6) if self.count else 0.0,
+            "p50_s": round(self.quantile(0.5), 6),
+            "p90_s": round(self.quantile(0.9), 6),
+            "p99_s": round(self.quantile(0.99), 6),
+            "max_s": round(self.max, 6),
+        }
 
 
 @dataclass
 class EngineStats:
     """Counts since start (monotonic), the requests live now, and bounded latency histograms.
     Written by the engine thread only."""
+
     requests_total: int = 0
     requests_active: int = 0
     tokens_generated: int = 0
@@ -93,8 +98,9 @@ class EngineStats:
             self.busy_since = time.perf_counter() if now is None else now
         self.requests_active += 1
 
-    def request_finished(self, reason: str, submitted: float, first_token_at: float | None, n_out: int,
-                         now: float | None = None) -> None:
+    def request_finished(
+        self, reason: str, submitted: float, first_token_at: float | None, n_out: int, now: float | None = None
+    ) -> None:
         now = time.perf_counter() if now is None else now
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.duration.observe(now - submitted)

@@ -24,8 +24,9 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .errors import InvalidRequest
 
@@ -33,12 +34,14 @@ STRATEGIES = ("self_consistency", "best_of_n", "refinement")
 ANSWER_MODES = ("last_number", "final_line", "regex", "json")
 SCORES = ("mean_logprob", "logprob", "verifier")
 
-CRITIQUE_PROMPT = ("Review the answer above for mistakes in reasoning, arithmetic or facts. "
-                   "List the problems you find briefly; if it is correct, say so.")
-REVISE_PROMPT = ("Using the review above, write an improved final answer to the original question. "
-                 "Give only the answer.")
-VERIFY_PROMPT = ("Question:\n{question}\n\nProposed answer:\n{answer}\n\n"
-                 "Is the proposed answer correct? Reply with Yes or No.")
+CRITIQUE_PROMPT = (
+    "Review the answer above for mistakes in reasoning, arithmetic or facts. "
+    "List the problems you find briefly; if it is correct, say so."
+)
+REVISE_PROMPT = "Using the review above, write an improved final answer to the original question. Give only the answer."
+VERIFY_PROMPT = (
+    "Question:\n{question}\n\nProposed answer:\n{answer}\n\nIs the proposed answer correct? Reply with Yes or No."
+)
 MAX_N = 64
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -49,7 +52,7 @@ class Candidate:
     index: int
     text: str
     tokens: int = 0
-    logprob: float = 0.0          # sum over the completion's tokens
+    logprob: float = 0.0  # sum over the completion's tokens
     answer: str | None = None
     score: float | None = None
 
@@ -61,11 +64,11 @@ class Candidate:
 @dataclass
 class TestTimeResult:
     strategy: str
-    text: str                     # the chosen completion (refinement: the last revision)
+    text: str  # the chosen completion (refinement: the last revision)
     answer: str | None = None
     candidates: list[Candidate] = field(default_factory=list)
-    votes: list[tuple[str, int]] = field(default_factory=list)   # self-consistency: (answer, chains), most first
-    rounds: list[dict] = field(default_factory=list)             # refinement: {"critique", "revision"} per round
+    votes: list[tuple[str, int]] = field(default_factory=list)  # self-consistency: (answer, chains), most first
+    rounds: list[dict] = field(default_factory=list)  # refinement: {"critique", "revision"} per round
     completion_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,8 +79,9 @@ class TestTimeResult:
         return d
 
 
-def extract_answer(text: str, mode: str = "last_number", pattern: str | None = None,
-                   json_field: str | None = None) -> str | None:
+def extract_answer(
+    text: str, mode: str = "last_number", pattern: str | None = None, json_field: str | None = None
+) -> str | None:
     """The answer a chain gives, normalised for voting (None when it gives none)."""
     if mode == "last_number":
         nums = _NUMBER.findall(text)
@@ -100,7 +104,7 @@ def extract_answer(text: str, mode: str = "last_number", pattern: str | None = N
     if mode == "json":
         start, end = text.find("{"), text.rfind("}")
         try:
-            obj = json.loads(text[start:end + 1]) if start >= 0 else None
+            obj = json.loads(text[start : end + 1]) if start >= 0 else None
         except ValueError:
             return None
         if not isinstance(obj, dict) or (json_field or "answer") not in obj:
@@ -125,19 +129,29 @@ def vote(cands: Sequence[Candidate]) -> tuple[str | None, list[tuple[str, int]]]
     return table[0][0], table
 
 
-def self_consistency(sample: Callable[[int], list[Candidate]], n: int, answer: str = "last_number",
-                     pattern: str | None = None, json_field: str | None = None) -> TestTimeResult:
+def self_consistency(
+    sample: Callable[[int], list[Candidate]],
+    n: int,
+    answer: str = "last_number",
+    pattern: str | None = None,
+    json_field: str | None = None,
+) -> TestTimeResult:
     cands = sample(n)
     for c in cands:
         c.answer = extract_answer(c.text, answer, pattern, json_field)
     winner, table = vote(cands)
     chosen = next((c for c in cands if winner is not None and c.answer == winner), cands[0])
-    return TestTimeResult("self_consistency", chosen.text, winner, cands, table,
-                          completion_tokens=sum(c.tokens for c in cands))
+    return TestTimeResult(
+        "self_consistency", chosen.text, winner, cands, table, completion_tokens=sum(c.tokens for c in cands)
+    )
 
 
-def best_of_n(sample: Callable[[int], list[Candidate]], n: int, score: str = "mean_logprob",
-              verify: Callable[[str], float] | None = None) -> TestTimeResult:
+def best_of_n(
+    sample: Callable[[int], list[Candidate]],
+    n: int,
+    score: str = "mean_logprob",
+    verify: Callable[[str], float] | None = None,
+) -> TestTimeResult:
     if score not in SCORES:
         raise InvalidRequest(f"unknown score {score!r}; one of {', '.join(SCORES)}", param="test_time.score")
     cands = sample(n)
@@ -152,16 +166,26 @@ def best_of_n(sample: Callable[[int], list[Candidate]], n: int, score: str = "me
     return TestTimeResult("best_of_n", best.text, None, cands, completion_tokens=sum(c.tokens for c in cands))
 
 
-def refinement(ask: Callable[[list[dict]], tuple[str, int]], messages: list[dict], rounds: int,
-               critique_prompt: str | None = None, revise_prompt: str | None = None) -> TestTimeResult:
+def refinement(
+    ask: Callable[[list[dict]], tuple[str, int]],
+    messages: list[dict],
+    rounds: int,
+    critique_prompt: str | None = None,
+    revise_prompt: str | None = None,
+) -> TestTimeResult:
     text, used = ask(messages)
     convo = list(messages) + [{"role": "assistant", "content": text}]
     out = TestTimeResult("refinement", text, candidates=[Candidate(0, text, used)], completion_tokens=used)
     for _ in range(rounds):
         critique, u1 = ask(convo + [{"role": "user", "content": critique_prompt or CRITIQUE_PROMPT}])
-        revised, u2 = ask(convo + [{"role": "user", "content": critique_prompt or CRITIQUE_PROMPT},
-                                   {"role": "assistant", "content": critique},
-                                   {"role": "user", "content": revise_prompt or REVISE_PROMPT}])
+        revised, u2 = ask(
+            convo
+            + [
+                {"role": "user", "content": critique_prompt or CRITIQUE_PROMPT},
+                {"role": "assistant", "content": critique},
+                {"role": "user", "content": revise_prompt or REVISE_PROMPT},
+            ]
+        )
         out.rounds.append({"critique": critique, "revision": revised})
         out.completion_tokens += u1 + u2
         convo = list(messages) + [{"role": "assistant", "content": revised}]
@@ -199,8 +223,9 @@ def check_request(spec: dict) -> dict:
         try:
             re.compile(s.get("pattern") or "")
         except (re.error, TypeError) as exc:
-            raise InvalidRequest(f"test_time.pattern is not a valid regular expression: {exc}",
-                                 param="test_time.pattern") from None
+            raise InvalidRequest(
+                f"test_time.pattern is not a valid regular expression: {exc}", param="test_time.pattern"
+            ) from None
         if not s.get("pattern"):
             raise InvalidRequest("test_time.answer 'regex' needs test_time.pattern", param="test_time.pattern")
     if s.setdefault("score", "mean_logprob") not in SCORES:
@@ -240,7 +265,9 @@ def engine_sample(engine: Any, prompt: list[int], params: Any) -> Callable[[int]
     return sample
 
 
-def engine_ask(engine: Any, params: Any, template_kwargs: dict | None = None) -> Callable[[list[dict]], tuple[str, int]]:
+def engine_ask(
+    engine: Any, params: Any, template_kwargs: dict | None = None
+) -> Callable[[list[dict]], tuple[str, int]]:
     """``ask`` over an Engine: one completion of a chat, the text and its token count."""
     from dataclasses import replace
 
@@ -268,8 +295,11 @@ def engine_verify(engine: Any, question: str, template_kwargs: dict | None = Non
     def verify(answer: str) -> float:
         msgs = [{"role": "user", "content": VERIFY_PROMPT.format(question=question, answer=answer)}]
         sink = SyncSink()
-        engine.submit(engine.chat_prompt(msgs, **(template_kwargs or {})),
-                      SamplingParams(temperature=0.0, max_tokens=1, logprobs=True, top_logprobs=20), sink)
+        engine.submit(
+            engine.chat_prompt(msgs, **(template_kwargs or {})),
+            SamplingParams(temperature=0.0, max_tokens=1, logprobs=True, top_logprobs=20),
+            sink,
+        )
         top: list = []
         for ev in sink:
             if ev.error:
@@ -281,20 +311,34 @@ def engine_verify(engine: Any, question: str, template_kwargs: dict | None = Non
     return verify
 
 
-def run(engine: Any, messages: list[dict], params: Any, spec: dict, template_kwargs: dict | None = None,
-        prompt: list[int] | None = None) -> TestTimeResult:
+def run(
+    engine: Any,
+    messages: list[dict],
+    params: Any,
+    spec: dict,
+    template_kwargs: dict | None = None,
+    prompt: list[int] | None = None,
+) -> TestTimeResult:
     """One request's strategy (``spec`` as ``check_request`` returns it) on ``engine``; ``prompt``:
     the messages already rendered (the server's, with its tools and media), else rendered here."""
     s = check_request(spec)
     if s["strategy"] == "refinement":
-        return refinement(engine_ask(engine, params, template_kwargs), messages, s["rounds"],
-                          s.get("critique_prompt"), s.get("revise_prompt"))
+        return refinement(
+            engine_ask(engine, params, template_kwargs),
+            messages,
+            s["rounds"],
+            s.get("critique_prompt"),
+            s.get("revise_prompt"),
+        )
     if prompt is None:
         prompt = engine.chat_prompt(messages, **(template_kwargs or {}))
     sample = engine_sample(engine, prompt, params)
     if s["strategy"] == "self_consistency":
         return self_consistency(sample, s["n"], s["answer"], s.get("pattern"), s.get("field"))
     question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
-    verify = engine_verify(engine, question if isinstance(question, str) else json.dumps(question),
-                           template_kwargs) if s["score"] == "verifier" else None
+    verify = (
+        engine_verify(engine, question if isinstance(question, str) else json.dumps(question), template_kwargs)
+        if s["score"] == "verifier"
+        else None
+    )
     return best_of_n(sample, s["n"], s["score"], verify)

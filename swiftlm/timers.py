@@ -37,9 +37,14 @@ class StepTimers:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per phase: count, total seconds, mean milliseconds."""
         with self._lock:
-            return {p: {"count": self.n[p], "seconds": round(self.sums[p], 6),
-                        "mean_ms": round(1e3 * self.sums[p] / self.n[p], 4) if self.n[p] else 0.0}
-                    for p in PHASES}
+            return {
+                p: {
+                    "count": self.n[p],
+                    "seconds": round(self.sums[p], 6),
+                    "mean_ms": round(1e3 * self.sums[p] / self.n[p], 4) if self.n[p] else 0.0,
+                }
+                for p in PHASES
+            }
 
     def histogram(self, phase: str) -> tuple[list[tuple[str, int]], float]:
         """Cumulative Prometheus buckets and the sum, for one phase."""
@@ -64,17 +69,20 @@ class StepLog:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> "StepLog | None":
+    def from_env(cls) -> StepLog | None:
         import os
 
         path = os.environ.get("SWIFTLM_STEP_LOG")  # "{pid}" in it: one file per engine process
         return cls(path.replace("{pid}", str(os.getpid()))) if path else None
 
-    def write(self, t0: float, decode: int, prefill_seqs: int, prefill_tokens: int, overlapped: bool,
-              phases: dict[str, float]) -> None:
+    def write(
+        self, t0: float, decode: int, prefill_seqs: int, prefill_tokens: int, overlapped: bool, phases: dict[str, float]
+    ) -> None:
         ms = ",".join(f'"{k}":{1e3 * v:.4f}' for k, v in phases.items())
-        line = (f'{{"t":{t0:.6f},"decode":{decode},"prefill_seqs":{prefill_seqs},'
-                f'"prefill_tokens":{prefill_tokens},"overlapped":{str(overlapped).lower()},{ms}}}\n')
+        line = (
+            f'{{"t":{t0:.6f},"decode":{decode},"prefill_seqs":{prefill_seqs},'
+            f'"prefill_tokens":{prefill_tokens},"overlapped":{str(overlapped).lower()},{ms}}}\n'
+        )
         with self._lock:
             self._f.write(line)
 

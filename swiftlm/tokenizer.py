@@ -23,9 +23,9 @@ _INDIVIDUAL_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshel
 # ByteLevel without the GPT-2 regex): Qwen2 / Qwen2.5 / Qwen3 ("qwen2") and Llama 3 ("llama-bpe").
 _SPLIT_PRE = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 
 GGUF_TOKEN_CONTROL = 3
@@ -39,11 +39,24 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
 
-KEPT_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<think>", "</think>",
-                "[THINK]", "[/THINK]", "◁think▷", "◁/think▷", "<seed:think>", "</seed:think>")
+
+KEPT_MARKERS = (
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    "<think>",
+    "</think>",
+    "[THINK]",
+    "[/THINK]",
+    "◁think▷",
+    "◁/think▷",
+    "<seed:think>",
+    "</seed:think>",
+)
 
 
 @dataclass
@@ -97,13 +110,16 @@ class HFTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self.chat_template is None:
             raise UnsupportedArchitecture("this model has no chat template; use a plain completion prompt")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                         **kwargs)
+        return self.chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     # --- serialisation (used by `swiftlm convert`) -------------------------------------
     def save_pretrained(self, out: Path) -> None:
@@ -162,8 +178,15 @@ def load_hf_tokenizer(path: Path, config: dict | None = None) -> HFTokenizer:
     if eos and tok.token_to_id(eos) is not None:
         eos_ids.add(tok.token_to_id(eos))
     special = _special_ids(tok)
-    return HFTokenizer(tok, eos_ids, bos, eos, bool(tcfg.get("add_bos_token", False)),
-                       ChatTemplate(template) if template else None, special)
+    return HFTokenizer(
+        tok,
+        eos_ids,
+        bos,
+        eos,
+        bool(tcfg.get("add_bos_token", False)),
+        ChatTemplate(template) if template else None,
+        special,
+    )
 
 
 def _special_ids(tok: Any) -> set[int]:
@@ -195,17 +218,22 @@ def load_gguf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     if pre in _SPLIT_PRE:
         from tokenizers import Regex
 
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-    elif pre in _INDIVIDUAL_DIGIT_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+    elif pre in _INDIVIDUAL_DIGIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)]
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)
+    ]
     tok.add_special_tokens(special)
 
     def tok_at(key: str) -> str | None:
@@ -217,7 +245,8 @@ def load_gguf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
         eos_ids.add(int(meta["tokenizer.ggml.eot_token_id"]))
     template = meta.get("tokenizer.chat_template")
     return HFTokenizer(
-        tok, eos_ids,
+        tok,
+        eos_ids,
         bos_token=tok_at("tokenizer.ggml.bos_token_id"),
         eos_token=tok_at("tokenizer.ggml.eos_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),

@@ -37,8 +37,9 @@ CHAT_PROMPTS = [
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([PY, "-m", "swiftlm.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=e, cwd=ROOT)
+    return subprocess.run(
+        [PY, "-m", "swiftlm.cli", *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT
+    )
 
 
 @pytest.fixture(scope="session")
@@ -49,15 +50,20 @@ def bundled_gguf() -> Path:
 
 
 def make_ckpt(out: Path, *args: str) -> Path:
-    subprocess.run([PY, str(ROOT / "scripts" / "make_checkpoint.py"), str(out), "--force", *args],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [PY, str(ROOT / "scripts" / "make_checkpoint.py"), str(out), "--force", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "llama", "--arch", "llama", "--dtype", "float32",
-                     "--shard-mb", "4")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "llama", "--arch", "llama", "--dtype", "float32", "--shard-mb", "4"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +103,7 @@ def hf_reference(bundled_gguf):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled_gguf.parent), gguf_file=bundled_gguf.name, dtype=torch.float32)
+        str(bundled_gguf.parent), gguf_file=bundled_gguf.name, dtype=torch.float32
+    )
     model.eval()
     return model

@@ -24,9 +24,14 @@ class ServerProc:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swiftlm.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         self.ready: dict | None = None
         self.stdout_lines: list[str] = []
         self.stderr_lines: list[str] = []  # drained continuously: a full pipe would block the server

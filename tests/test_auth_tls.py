@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from server_util import ServerProc
 
 MSG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -18,8 +17,18 @@ MSG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 def keyed(tiny_llama, tmp_path_factory):
     f = tmp_path_factory.mktemp("keys") / "keys.txt"
     f.write_text("# team keys\nalice: sk-alice\nsk-bob   # a key without a name\n")
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--api-keys-file", str(f),
-                   "--rate-limit", "60", "--rate-burst", "3")
+    s = ServerProc(
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--api-keys-file",
+        str(f),
+        "--rate-limit",
+        "60",
+        "--rate-burst",
+        "3",
+    )
     yield s
     assert s.stop() == 0, s.stderr_tail()
 
@@ -30,7 +39,9 @@ def test_keys_from_file(keyed):
     assert httpx.post(url, json=MSG, headers={"Authorization": "Bearer sk-nope"}, timeout=60).status_code == 401
     assert httpx.post(url, json=MSG, headers={"Authorization": "Bearer sk-alice"}, timeout=60).status_code == 200
     assert httpx.post(url, json=MSG, headers={"x-api-key": "sk-bob"}, timeout=60).status_code == 200
-    r = httpx.post(keyed.base + "/v1/messages", json={**MSG, "model": "x"}, headers={"x-api-key": "sk-nope"}, timeout=60)
+    r = httpx.post(
+        keyed.base + "/v1/messages", json={**MSG, "model": "x"}, headers={"x-api-key": "sk-nope"}, timeout=60
+    )
     assert r.status_code == 401 and r.json()["type"] == "error"  # Anthropic's shape on its route
     assert httpx.get(keyed.base + "/health", timeout=30).status_code == 200  # open
 
@@ -52,11 +63,31 @@ def test_rate_limit_per_key(keyed):
 
 def test_https_with_a_self_signed_certificate(tiny_llama, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--ssl-certfile", str(cert),
-                   "--ssl-keyfile", str(key))
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    s = ServerProc(
+        "--model", str(tiny_llama), "--backend", "torch", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)
+    )
     try:
         assert s.ready["scheme"] == "https"
         https = s.base.replace("http://", "https://")

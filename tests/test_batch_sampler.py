@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import HAS_MLX, HAS_TORCH
+
 from swiftlm.sampler import Row, launch, sample_one, uniforms
 from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams
 
@@ -61,8 +61,9 @@ def _mixed_params(n: int, rng: np.random.Generator) -> list[SamplingParams]:
 def _states(params, rng):
     st = []
     for p in params:
-        s = SamplerState(seed=p.seed, prompt_tokens=rng.integers(0, V, 12).tolist(),
-                         output_tokens=rng.integers(0, V, 7).tolist())
+        s = SamplerState(
+            seed=p.seed, prompt_tokens=rng.integers(0, V, 12).tolist(), output_tokens=rng.integers(0, V, 7).tolist()
+        )
         st.append(s)
     return st
 
@@ -124,7 +125,9 @@ def test_uniforms_are_counter_based_and_in_range():
     # the same (seed, counter) always gives the same value; a different counter another one
     assert uniforms([7], [3])[0] == uniforms([7, 8], [3, 3])[0] != uniforms([7], [4])[0]
     # any integer seed a request may send (negative, beyond 64 bits) is taken modulo 2**64 (schemathesis found -491945)
-    assert 0 < uniforms([-491945, 1 << 70], [0, 0]).min() and uniforms([-1], [2])[0] == uniforms([(1 << 64) - 1], [2])[0]
+    assert (
+        0 < uniforms([-491945, 1 << 70], [0, 0]).min() and uniforms([-1], [2])[0] == uniforms([(1 << 64) - 1], [2])[0]
+    )
 
 
 def test_draw_counter_advances_per_token_not_per_batch():
@@ -132,8 +135,10 @@ def test_draw_counter_advances_per_token_not_per_batch():
     x = np.random.default_rng(5).normal(0, 1, (1, V)).astype(np.float32)
     a, b = SamplerState(seed=9), SamplerState(seed=9)
     seq_a = [launch(NumpyOps(), x, [Row(p, a)]).finish()[0].token for _ in range(20)]
-    seq_b = [launch(NumpyOps(), np.repeat(x, 2, 0), [Row(p, b), Row(p, SamplerState(seed=1))]).finish()[0].token
-             for _ in range(20)]
+    seq_b = [
+        launch(NumpyOps(), np.repeat(x, 2, 0), [Row(p, b), Row(p, SamplerState(seed=1))]).finish()[0].token
+        for _ in range(20)
+    ]
     assert seq_a == seq_b and a.draws == b.draws == 20 and len(set(seq_a)) > 1
 
 
@@ -146,8 +151,9 @@ def test_plain_greedy_batch_reads_back_only_ids():
             return super().to_host(x)
 
     x = np.random.default_rng(6).normal(0, 1, (16, V)).astype(np.float32)
-    mixed = [SamplingParams(temperature=0)] * 8 + [SamplingParams(temperature=0.7, top_p=0.9, logprobs=True,
-                                                                    top_logprobs=3)] * 8
+    mixed = [SamplingParams(temperature=0)] * 8 + [
+        SamplingParams(temperature=0.7, top_p=0.9, logprobs=True, top_logprobs=3)
+    ] * 8
     out = launch(Counting(), x, [Row(p, SamplerState(seed=i)) for i, p in enumerate(mixed)]).finish()
     assert Counting.transfers == 1  # ids, logprobs and top logprobs come back in one array
     assert [s.token for s in out[:8]] == np.argmax(x[:8], -1).tolist()

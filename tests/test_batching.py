@@ -4,14 +4,20 @@ request run alone."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import BACKENDS, HAS_MLX, needs_torch
+
 from swiftlm import SamplingParams
 
-TOPICS = ["cats", "the long history of ancient Rome and its emperors", "Python programming", "a long and winding road through the mountains",
-          "prime numbers and their many curious properties", "the deep blue sea", "music theory, harmony and "
-          "counterpoint in the baroque era of European music", "the sky and why it is blue during the day but red "
-          "at sunset and black at night"]
+TOPICS = [
+    "cats",
+    "the long history of ancient Rome and its emperors",
+    "Python programming",
+    "a long and winding road through the mountains",
+    "prime numbers and their many curious properties",
+    "the deep blue sea",
+    "music theory, harmony and counterpoint in the baroque era of European music",
+    "the sky and why it is blue during the day but red at sunset and black at night",
+]
 
 
 @needs_torch
@@ -52,8 +58,9 @@ def test_kv_budget_preempts_and_recomputes_exactly(tiny_llama, backend):
         per_token = solo_llm.engine.info.kv_bytes_per_token
     finally:
         solo_llm.close()
-    llm = LLM(str(tiny_llama), backend=backend, ctx_size=96, parallel=4, prompt_cache_bytes=0,
-              kv_budget_bytes=128 * per_token)
+    llm = LLM(
+        str(tiny_llama), backend=backend, ctx_size=96, parallel=4, prompt_cache_bytes=0, kv_budget_bytes=128 * per_token
+    )
     try:
         sched = llm.engine.scheduler
         seen: list[int] = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import make_ckpt, needs_torch, run_cli
+
 from swiftlm.bench.matrix import cap_contexts, expand_configs
 from swiftlm.turboquant.presets import NAMED_PRESETS
 
@@ -32,16 +32,49 @@ def test_contexts_are_capped_by_the_model():
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    return make_ckpt(tmp_path_factory.mktemp("bench") / "moe", "--arch", "qwen3_moe", *SMALL, "--experts", "4",
-                     "--experts-per-token", "2", "--moe-intermediate", "32", "--ctx", "512")
+    return make_ckpt(
+        tmp_path_factory.mktemp("bench") / "moe",
+        "--arch",
+        "qwen3_moe",
+        *SMALL,
+        "--experts",
+        "4",
+        "--experts-per-token",
+        "2",
+        "--moe-intermediate",
+        "32",
+        "--ctx",
+        "512",
+    )
 
 
 @needs_torch
 def test_bench_matrix_on_a_moe_checkpoint(moe, tmp_path):
     out = tmp_path / "res"
-    r = run_cli("bench", "--model", str(moe), "--backend", "torch", "--configs", "vanilla,turbo:k4v3,experts",
-                "--contexts", "96,200,4000", "--decode-tokens", "6", "--batch-sizes", "1,3", "--batch-context", "40",
-                "--set", "turbo_kv_window=16", "--out", str(out), "--name", "m", timeout=600)
+    r = run_cli(
+        "bench",
+        "--model",
+        str(moe),
+        "--backend",
+        "torch",
+        "--configs",
+        "vanilla,turbo:k4v3,experts",
+        "--contexts",
+        "96,200,4000",
+        "--decode-tokens",
+        "6",
+        "--batch-sizes",
+        "1,3",
+        "--batch-context",
+        "40",
+        "--set",
+        "turbo_kv_window=16",
+        "--out",
+        str(out),
+        "--name",
+        "m",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "m.json").read_text())
     meta = doc["meta"]
@@ -51,7 +84,7 @@ def test_bench_matrix_on_a_moe_checkpoint(moe, tmp_path):
     ctx = {c: {x["context"]: x for x in rows if x["kind"] == "context"} for c, rows in by.items()}
     for c in by:
         assert sorted(ctx[c]) == meta["contexts"], c
-        for n, x in ctx[c].items():
+        for x in ctx[c].values():
             assert x["tokens"] == 6 and x["prefill_tps"] > 0 and x["decode_tps"] > 0 and x["peak_rss_bytes"] > 0
         batch = [x for x in by[c] if x["kind"] == "batch"]
         assert [x["batch"] for x in batch] == [1, 3] and [x["tokens"] for x in batch] == [6, 18]
@@ -67,8 +100,9 @@ def test_bench_matrix_on_a_moe_checkpoint(moe, tmp_path):
         assert t["kv_bytes"] < (0.5 if n == max(ctx["vanilla"]) else 1.0) * t["kv_fp16_bytes"], (n, t)
         # streamed experts compute what resident experts compute: the same greedy tokens
         assert ctx["experts"][n]["output_digest"] == x["output_digest"], n
-    assert [x["output_digest"] for x in by["experts"] if x["kind"] == "batch"] == \
-        [x["output_digest"] for x in by["vanilla"] if x["kind"] == "batch"]
+    assert [x["output_digest"] for x in by["experts"] if x["kind"] == "batch"] == [
+        x["output_digest"] for x in by["vanilla"] if x["kind"] == "batch"
+    ]
     md = (out / "m.md").read_text()
     assert "| turbo:k4v3 | 96 |" in md and "| experts | 200 |" in md and "same" in md
     pytest.importorskip("matplotlib")
@@ -87,9 +121,26 @@ def test_bench_matrix_on_a_moe_checkpoint(moe, tmp_path):
 @needs_torch
 def test_bench_skips_streaming_on_a_dense_model_with_the_reason(tmp_path):
     dense = make_ckpt(tmp_path / "dense", "--arch", "llama", *SMALL, "--ctx", "256")
-    r = run_cli("bench", "--model", str(dense), "--backend", "torch", "--configs", "vanilla,experts",
-                "--contexts", "32", "--decode-tokens", "3", "--batch-sizes", "2", "--no-plots",
-                "--out", str(tmp_path / "o"), "--name", "d")
+    r = run_cli(
+        "bench",
+        "--model",
+        str(dense),
+        "--backend",
+        "torch",
+        "--configs",
+        "vanilla,experts",
+        "--contexts",
+        "32",
+        "--decode-tokens",
+        "3",
+        "--batch-sizes",
+        "2",
+        "--no-plots",
+        "--out",
+        str(tmp_path / "o"),
+        "--name",
+        "d",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((tmp_path / "o" / "d.json").read_text())
     experts = doc["results"][1]["rows"]
@@ -113,8 +164,10 @@ def test_a_configuration_is_killed_at_its_timeout_mid_measurement():
 
     from swiftlm.bench.matrix import _run_config
 
-    script = ("import json, time; print(json.dumps({'kind': 'loaded', 'load_s': 0.1, 'device': 'cpu'}), flush=True);"
-              " time.sleep(60)")
+    script = (
+        "import json, time; print(json.dumps({'kind': 'loaded', 'load_s': 0.1, 'device': 'cpu'}), flush=True);"
+        " time.sleep(60)"
+    )
     seen = []
     t0 = time.monotonic()
     rows = _run_config({}, 2.0, seen.append, cmd=[sys.executable, "-c", script])
@@ -130,6 +183,10 @@ def test_a_worker_that_crashes_reports_its_last_stderr_line():
 
     from swiftlm.bench.matrix import _run_config
 
-    rows = _run_config({}, 30.0, lambda r: None,
-                       cmd=[sys.executable, "-c", "import sys; print('boom: out of memory', file=sys.stderr); sys.exit(3)"])
+    rows = _run_config(
+        {},
+        30.0,
+        lambda r: None,
+        cmd=[sys.executable, "-c", "import sys; print('boom: out of memory', file=sys.stderr); sys.exit(3)"],
+    )
     assert rows == [{"kind": "error", "reason": "the worker failed: boom: out of memory"}]

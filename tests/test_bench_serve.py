@@ -10,18 +10,34 @@ import threading
 import time
 
 import pytest
-
 from conftest import needs_torch, run_cli
-from swiftlm.bench.serve import (ClientConfig, RequestRecord, Workload, chunk_token_counts, chunk_content, describe,
-                                 itl_samples, merge_parts, parse_sse_line, percentile, poisson_arrivals,
-                                 random_prompt, run_requests, sample_lengths, split_share, summarize, tpot)
+
+from swiftlm.bench.serve import (
+    ClientConfig,
+    RequestRecord,
+    Workload,
+    chunk_content,
+    chunk_token_counts,
+    describe,
+    itl_samples,
+    merge_parts,
+    parse_sse_line,
+    percentile,
+    poisson_arrivals,
+    random_prompt,
+    run_requests,
+    sample_lengths,
+    split_share,
+    summarize,
+    tpot,
+)
 
 pytest.importorskip("httpx")
 
 
 # =========================================================================== pure functions
 def test_percentile_linear_interpolation():
-    xs = [4.0, 1.0, 3.0, 2.0]                       # sorted 1 2 3 4; rank = (n-1) p / 100
+    xs = [4.0, 1.0, 3.0, 2.0]  # sorted 1 2 3 4; rank = (n-1) p / 100
     assert percentile(xs, 50) == pytest.approx(2.5)  # rank 1.5
     assert percentile(xs, 90) == pytest.approx(3.7)  # rank 2.7: 3 + 0.7 * (4 - 3)
     assert percentile(xs, 99) == pytest.approx(3.97)  # rank 2.97
@@ -29,7 +45,7 @@ def test_percentile_linear_interpolation():
     assert percentile([7.0], 99) == 7.0 and percentile([], 50) is None
     with pytest.raises(ValueError):
         percentile(xs, 101)
-    d = describe([0.010, 0.020, 0.030], scale=1e3)   # seconds -> ms
+    d = describe([0.010, 0.020, 0.030], scale=1e3)  # seconds -> ms
     assert d["mean"] == pytest.approx(20.0) and d["p50"] == pytest.approx(20.0)
     assert d["p90"] == pytest.approx(28.0) and d["p99"] == pytest.approx(29.8)  # ranks 1.8, 1.98
     assert (d["min"], d["max"], d["n"]) == (pytest.approx(10.0), pytest.approx(30.0), 3)
@@ -129,12 +145,29 @@ def test_workload_from_dataset_and_random(tmp_path):
     from swiftlm.bench.serve import add_arguments, build_workload, load_tokenizer
 
     ds = tmp_path / "p.jsonl"
-    ds.write_text(json.dumps({"prompt": "Hello", "max_tokens": 5}) + "\n\n"
-                  + json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}))
+    ds.write_text(
+        json.dumps({"prompt": "Hello", "max_tokens": 5})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+    )
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--base-url", "x", "--concurrency", "1", "--num-requests", "3", "--warmup", "1",
-                         "--dataset", str(ds), "--output-tokens", "9"])
+    args = p.parse_args(
+        [
+            "--base-url",
+            "x",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "3",
+            "--warmup",
+            "1",
+            "--dataset",
+            str(ds),
+            "--output-tokens",
+            "9",
+        ]
+    )
     w = build_workload(args, None)  # warmup first (index -1), then the dataset again from where it left off
     assert [x.index for x in w] == [-1, 0, 1, 2]
     assert w[0].payload == {"messages": [{"role": "user", "content": "Hello"}]} and w[0].max_tokens == 5
@@ -143,8 +176,24 @@ def test_workload_from_dataset_and_random(tmp_path):
     args.endpoint = "completions"
     with pytest.raises(Exception, match="line 3 has 'messages'"):
         build_workload(args, None)
-    args = p.parse_args(["--base-url", "x", "--concurrency", "1", "--num-requests", "4", "--prompt-tokens", "12",
-                         "--output-tokens", "20", "--output-tokens-std", "5", "--endpoint", "completions"])
+    args = p.parse_args(
+        [
+            "--base-url",
+            "x",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "4",
+            "--prompt-tokens",
+            "12",
+            "--output-tokens",
+            "20",
+            "--output-tokens-std",
+            "5",
+            "--endpoint",
+            "completions",
+        ]
+    )
     tok = load_tokenizer(None)
     w = build_workload(args, tok)
     assert all(abs(len(tok.encode(x.payload["prompt"])) - 12) <= 2 for x in w)
@@ -164,14 +213,32 @@ def test_sse_parsing_and_content():
 
 
 def test_summarize_and_merge():
-    a = RequestRecord(index=0, ok=True, send=0.0, ttft=0.1, e2e=0.4, output_tokens=4, prompt_tokens=10,
-                      usage_reported=True, chunk_times=[0.1, 0.2, 0.3, 0.4])
-    b = RequestRecord(index=1, ok=True, send=0.5, ttft=0.2, e2e=0.5, output_tokens=3, prompt_tokens=12,
-                      usage_reported=True, chunk_times=[0.2, 0.35, 0.5])
+    a = RequestRecord(
+        index=0,
+        ok=True,
+        send=0.0,
+        ttft=0.1,
+        e2e=0.4,
+        output_tokens=4,
+        prompt_tokens=10,
+        usage_reported=True,
+        chunk_times=[0.1, 0.2, 0.3, 0.4],
+    )
+    b = RequestRecord(
+        index=1,
+        ok=True,
+        send=0.5,
+        ttft=0.2,
+        e2e=0.5,
+        output_tokens=3,
+        prompt_tokens=12,
+        usage_reported=True,
+        chunk_times=[0.2, 0.35, 0.5],
+    )
     c = RequestRecord(index=2, ok=False, error="HTTP 500: boom", send=0.1, e2e=0.05)
     r = summarize([a, b, c])
     assert r["requests_ok"] == 2 and r["requests_failed"] == 1 and r["errors"] == {"HTTP 500: boom": 1}
-    assert r["duration_s"] == pytest.approx(1.0)               # first send 0.0, last finish 0.5 + 0.5
+    assert r["duration_s"] == pytest.approx(1.0)  # first send 0.0, last finish 0.5 + 0.5
     assert r["total_output_tokens"] == 7 and r["output_throughput"] == pytest.approx(7.0)
     assert r["request_throughput"] == pytest.approx(2.0) and r["total_prompt_tokens"] == 22
     assert r["ttft_ms"]["mean"] == pytest.approx(150.0)
@@ -240,21 +307,56 @@ class FakeSSE:
                 body = json.loads(await reader.readexactly(length)) if length else {}
                 if head.startswith(b"GET /v1/models"):
                     models = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(models), models))
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(models), models)
+                    )
                     continue
                 self.bodies.append(body)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 n = int(body.get("max_tokens", 16))
                 base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "fake"}
-                out = [self._chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "finish_reason": None}]})]
-                content = [self._chunk({**base, "choices": [{"index": 0, "delta": {"content": " tok" * self.per_chunk},
-                                                             "logprobs": None, "finish_reason": None}]})
-                           for _ in range(n // self.per_chunk)]
-                tail = [self._chunk({**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n,
-                                                                       "total_tokens": n + 5}})] if self.usage else []
+                out = [
+                    self._chunk(
+                        {
+                            **base,
+                            "choices": [
+                                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                            ],
+                        }
+                    )
+                ]
+                content = [
+                    self._chunk(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"content": " tok" * self.per_chunk},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                    for _ in range(n // self.per_chunk)
+                ]
+                tail = (
+                    [
+                        self._chunk(
+                            {
+                                **base,
+                                "choices": [],
+                                "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5},
+                            }
+                        )
+                    ]
+                    if self.usage
+                    else []
+                )
                 tail += [self._chunk(b"[DONE]"), b"0\r\n\r\n"]
                 if self.ttft == 0 and self.itl == 0:
                     writer.write(b"".join(out + content + tail))
@@ -309,8 +411,14 @@ def test_timing_against_known_delays():
         writes = srv.writes[f"req {r.index}"]
         ttft_err.append(r.ttft - (writes[0] - (start + r.send)))
         itl_true += [b - a for a, b in zip(writes, writes[1:])]
-    print("ttft ms", res["ttft_ms"], "itl ms", res["itl_ms"], "client ttft - server ttft ms",
-          [round(e * 1e3, 2) for e in ttft_err])
+    print(
+        "ttft ms",
+        res["ttft_ms"],
+        "itl ms",
+        res["itl_ms"],
+        "client ttft - server ttft ms",
+        [round(e * 1e3, 2) for e in ttft_err],
+    )
     assert all(-0.001 <= e for e in ttft_err) and percentile(ttft_err, 50) <= 0.020, ttft_err
     assert res["itl_ms"]["n"] == 4 * 9
     assert abs(res["itl_ms"]["p50"] - percentile(itl_true, 50) * 1e3) <= 20.0, (res["itl_ms"], itl_true)
@@ -332,10 +440,10 @@ def test_multi_token_chunks_and_missing_usage():
 
     srv = FakeSSE(ttft=0.0, itl=0.0, usage=False)
     try:
-        _, recs = asyncio.run(run_requests(ClientConfig(base_url=srv.base, model="fake", concurrency=1),
-                                           _work(2, 5)))
-        _, bad = asyncio.run(run_requests(ClientConfig(base_url=srv.base + "0", model="fake", concurrency=1,
-                                                       timeout=2), _work(1, 5)))
+        _, recs = asyncio.run(run_requests(ClientConfig(base_url=srv.base, model="fake", concurrency=1), _work(2, 5)))
+        _, bad = asyncio.run(
+            run_requests(ClientConfig(base_url=srv.base + "0", model="fake", concurrency=1, timeout=2), _work(1, 5))
+        )
     finally:
         srv.close()
     assert all(r.ok and r.output_tokens == 5 and not r.usage_reported for r in recs)  # counted chunks
@@ -401,9 +509,25 @@ def test_bench_serve_against_real_server(tmp_path, monkeypatch):
     srv = ServerProc("--backend", "torch", "--parallel", "4")
     try:
         out = tmp_path / "bench.json"
-        r = run_cli("bench", "serve", "--base-url", srv.base, "--concurrency", "4", "--num-requests", "8",
-                    "--output-tokens", "16", "--prompt-tokens", "24", "--ignore-eos", "--no-progress",
-                    "--json", str(out), timeout=300)
+        r = run_cli(
+            "bench",
+            "serve",
+            "--base-url",
+            srv.base,
+            "--concurrency",
+            "4",
+            "--num-requests",
+            "8",
+            "--output-tokens",
+            "16",
+            "--prompt-tokens",
+            "24",
+            "--ignore-eos",
+            "--no-progress",
+            "--json",
+            str(out),
+            timeout=300,
+        )
     finally:
         assert srv.stop() == 0, srv.stderr_tail()
     assert r.returncode == 0, r.stderr[-2000:]
@@ -411,12 +535,35 @@ def test_bench_serve_against_real_server(tmp_path, monkeypatch):
     d = json.loads(out.read_text())
     assert set(d) == {"config", "results", "requests"}
     c, res, reqs = d["config"], d["results"], d["requests"]
-    for k in ("base_url", "model", "concurrency", "num_requests", "prompt_tokens", "output_tokens", "date",
-              "swiftlm_version", "host", "eos_ids", "ignore_eos"):
+    for k in (
+        "base_url",
+        "model",
+        "concurrency",
+        "num_requests",
+        "prompt_tokens",
+        "output_tokens",
+        "date",
+        "swiftlm_version",
+        "host",
+        "eos_ids",
+        "ignore_eos",
+    ):
         assert k in c
     assert c["model"] == srv.ready["model"] and c["concurrency"] == 4 and c["eos_ids"]
-    for k in ("requests_ok", "requests_failed", "duration_s", "request_throughput", "output_throughput",
-              "total_output_tokens", "mean_stream_tok_s", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "errors"):
+    for k in (
+        "requests_ok",
+        "requests_failed",
+        "duration_s",
+        "request_throughput",
+        "output_throughput",
+        "total_output_tokens",
+        "mean_stream_tok_s",
+        "ttft_ms",
+        "itl_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "errors",
+    ):
         assert k in res
     for k in ("ttft_ms", "itl_ms", "e2e_ms"):
         assert set(res[k]) == {"mean", "p50", "p90", "p99", "min", "max", "n"} and res[k]["p50"] > 0

@@ -10,8 +10,12 @@ torch = pytest.importorskip("torch")
 
 from swiftlm.backends.torch.model import chunk_attention  # noqa: E402
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                  reason="no CUDA device on this machine"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+    ),
+]
 
 
 def _reference(q, k, v, start):
@@ -19,7 +23,7 @@ def _reference(q, k, v, start):
     KVH, S, _ = k.shape
     k = k.double().repeat_interleave(H // KVH, 0)
     v = v.double().repeat_interleave(H // KVH, 0)
-    scores = q.double() @ k.transpose(1, 2) / D ** 0.5  # [H, T, S]
+    scores = q.double() @ k.transpose(1, 2) / D**0.5  # [H, T, S]
     qpos = torch.arange(start, start + T).view(T, 1)
     kpos = torch.arange(S).view(1, S)
     scores = scores.masked_fill((kpos > qpos).to(scores.device), float("-inf"))
@@ -44,7 +48,7 @@ def test_chunk_attention_matches_a_float64_softmax(device, start, T):
     assert (out.double() - ref).abs().max().item() <= tol
     # the first query row sees exactly start + 1 keys: changing a later key must not change it
     k2 = k.clone()
-    k2[:, start + 1:] += 1.0
+    k2[:, start + 1 :] += 1.0
     if T > 1:
         out2 = chunk_attention(q, k2, v, start, H // KVH)
         assert torch.equal(out2[0, :, 0], out[0, :, 0])

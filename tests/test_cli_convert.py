@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import HAS_MLX, needs_mlx, run_cli
 
 
 @needs_mlx
 def test_generate_paris_on_bundled_default():
-    r = run_cli("generate", "--backend", "mlx", "-p", "What is the capital of France?", "--max-tokens", "16",
-                "--temp", "0")
+    r = run_cli(
+        "generate", "--backend", "mlx", "-p", "What is the capital of France?", "--max-tokens", "16", "--temp", "0"
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
@@ -48,8 +48,9 @@ def _greedy_mlx_lm(path, ids, n):
 
 
 @needs_mlx
-@pytest.mark.parametrize("extra", [["--keep-quantized", "--dtype", "float32"], ["--dtype", "float32"]],
-                         ids=["mlx-4bit", "dequantized-fp32"])
+@pytest.mark.parametrize(
+    "extra", [["--keep-quantized", "--dtype", "float32"], ["--dtype", "float32"]], ids=["mlx-4bit", "dequantized-fp32"]
+)
 def test_convert_round_trip_with_mlx_lm_load(tmp_path, mlx_llm, extra):
     from swiftlm.sampling import SamplingParams
 
@@ -67,7 +68,8 @@ def test_convert_round_trip_with_mlx_lm_load(tmp_path, mlx_llm, extra):
     tok = load_hf_tokenizer(out)
     assert tok.encode("Hello 123 world") == mlx_llm.tokenizer.encode("Hello 123 world")
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == mlx_llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "x"}])
+        [{"role": "user", "content": "x"}]
+    )
 
 
 @pytest.mark.slow
@@ -102,8 +104,26 @@ def test_chat_repl_multi_turn(tiny_llama):
 
     from conftest import ROOT
 
-    r = subprocess.run([sys.executable, "-m", "swiftlm.cli", "chat", "--model", str(tiny_llama), "--backend", "torch",
-                        "--max-tokens", "5", "--temp", "0"], input="hello\n/reset\nagain\n\n", capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swiftlm.cli",
+            "chat",
+            "--model",
+            str(tiny_llama),
+            "--backend",
+            "torch",
+            "--max-tokens",
+            "5",
+            "--temp",
+            "0",
+        ],
+        input="hello\n/reset\nagain\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     assert "swiftlm chat" in r.stdout and r.stdout.count("> ") >= 3

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import HAS_TORCH, ROOT, run_cli
 
 
@@ -30,26 +29,34 @@ def test_help_shows_the_commands_and_serves_flags_with_defaults():
     for cmd in ("serve", "generate", "chat", "info", "download", "models", "rm"):
         assert re.search(rf"^\s+{cmd}\s", out, re.M), cmd
     flat = " ".join(out.split())
-    for flag, default in (("--port", "5413"), ("--host", "127.0.0.1"), ("--temp", "0.6"), ("--parallel", "1"),
-                          ("--max-tokens", "2048")):
+    for flag, default in (
+        ("--port", "5413"),
+        ("--host", "127.0.0.1"),
+        ("--temp", "0.6"),
+        ("--parallel", "1"),
+        ("--max-tokens", "2048"),
+    ):
         assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", flat), flag
     assert "SWIFTLM_PORT" in flat
 
 
-@pytest.mark.parametrize("args,env,says", [
-    (["--temp", "-1"], {}, "--temp (SWIFTLM_TEMP) must be a number >= 0"),
-    (["--top-p", "2"], {}, "--top-p (SWIFTLM_TOP_P) must be in (0, 1]"),
-    (["--port", "99999"], {}, "--port (SWIFTLM_PORT) must be a TCP port"),
-    (["--parallel", "0"], {}, "--parallel (SWIFTLM_PARALLEL) must be >= 1"),
-    ([], {"SWIFTLM_PORT": "abc"}, "--port (SWIFTLM_PORT) input should be a valid integer"),
-    ([], {"SWIFTLM_TEMP": "-0.5"}, "SWIFTLM_TEMP) must be a number >= 0"),
-    (["--log-level", "loud"], {}, "--log-level (SWIFTLM_LOG_LEVEL) must be one of"),
-    (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
-    (["--port", "many"], {}, "argument --port: invalid int value: 'many'"),
-    (["generate"], {}, "the following arguments are required: -p/--prompt"),
-    (["generate", "-p", "hi", "--temp", "-1"], {}, "--temp (SWIFTLM_TEMP) must be a number >= 0"),
-    (["download"], {}, "the following arguments are required: repo_id"),
-])
+@pytest.mark.parametrize(
+    "args,env,says",
+    [
+        (["--temp", "-1"], {}, "--temp (SWIFTLM_TEMP) must be a number >= 0"),
+        (["--top-p", "2"], {}, "--top-p (SWIFTLM_TOP_P) must be in (0, 1]"),
+        (["--port", "99999"], {}, "--port (SWIFTLM_PORT) must be a TCP port"),
+        (["--parallel", "0"], {}, "--parallel (SWIFTLM_PARALLEL) must be >= 1"),
+        ([], {"SWIFTLM_PORT": "abc"}, "--port (SWIFTLM_PORT) input should be a valid integer"),
+        ([], {"SWIFTLM_TEMP": "-0.5"}, "SWIFTLM_TEMP) must be a number >= 0"),
+        (["--log-level", "loud"], {}, "--log-level (SWIFTLM_LOG_LEVEL) must be one of"),
+        (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
+        (["--port", "many"], {}, "argument --port: invalid int value: 'many'"),
+        (["generate"], {}, "the following arguments are required: -p/--prompt"),
+        (["generate", "-p", "hi", "--temp", "-1"], {}, "--temp (SWIFTLM_TEMP) must be a number >= 0"),
+        (["download"], {}, "the following arguments are required: repo_id"),
+    ],
+)
 def test_cli_mistakes_are_one_sentence_and_exit_2(args, env, says):
     t0 = time.time()
     r = run_cli(*args, env=env, timeout=60)
@@ -82,9 +89,15 @@ def test_vision_on_a_text_model_is_refused_before_the_server_starts():
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed on this machine")
 def test_chat_ctrl_c_stops_the_answer_not_the_chat_and_reset_says_so():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    p = subprocess.Popen([sys.executable, "-m", "swiftlm.cli", "chat", "--backend", "torch", "--max-tokens", "400",
-                          "--temp", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=ROOT, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "swiftlm.cli", "chat", "--backend", "torch", "--max-tokens", "400", "--temp", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     try:
         banner = p.stdout.readline()
         while "swiftlm chat" not in banner:
@@ -147,9 +160,25 @@ def test_readme_python_snippets_run_as_printed(tmp_path):
         pytest.skip("port 5413, which the README's snippets use, is taken on this machine")
     backend = "torch" if HAS_TORCH else "auto"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--backend", backend, "--max-tokens",
-                             "48", "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swiftlm.cli",
+            "serve",
+            "--backend",
+            backend,
+            "--max-tokens",
+            "48",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         while line and '"ready"' not in line:
@@ -159,8 +188,9 @@ def test_readme_python_snippets_run_as_printed(tmp_path):
         for i, code in snippets:
             f = tmp_path / f"snippet_{i}.py"
             f.write_text(code)
-            r = subprocess.run([sys.executable, str(f)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                               env=env)
+            r = subprocess.run(
+                [sys.executable, str(f)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+            )
             if r.returncode != 0:
                 failures.append(f"README python block {i} failed:\n{code}\n{r.stderr[-1500:]}")
         assert not failures, "\n\n".join(failures)

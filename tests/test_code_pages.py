@@ -14,12 +14,15 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import needs_torch
 from tiny_fused import TINY_FUSED_MODEL
 
-pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                                               reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     import json, random, sys, torch
@@ -91,15 +94,15 @@ def test_paged_codes_equal_whole_context_codes(preset):
     r = subprocess.run([sys.executable, "-c", SCRIPT, preset], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["batched_calls"] > 0, res                            # the batched kernels ran
+    assert res["batched_calls"] > 0, res  # the batched kernels ran
     for mode in ("solo", "batch"):
         assert res[mode + "_finite"], res
         assert res[mode + "_equal"], res
         assert res[mode + "_counts"][0] == res[mode + "_counts"][1], res
         for pages, n_code in res[mode + "_pages"]:
             assert n_code > 64 or pages >= 1, res
-            assert pages == -(-n_code // 64), res                       # pages as the codes need them, no more
-        assert res[mode + "_returned"], res                              # reset gives every page back
+            assert pages == -(-n_code // 64), res  # pages as the codes need them, no more
+        assert res[mode + "_returned"], res  # reset gives every page back
         assert res[mode + "_bytes"] == [p * res["page_bytes"][0] for p, _ in res[mode + "_pages"]], res
-    assert any(res[m + "_scattered"] for m in ("solo", "batch")), res      # the pages were not one run
-    assert res["page_bytes"][0] == res["page_bytes"][1], res              # the sizing formula is the pool's
+    assert any(res[m + "_scattered"] for m in ("solo", "batch")), res  # the pages were not one run
+    assert res["page_bytes"][0] == res["page_bytes"][1], res  # the sizing formula is the pool's

@@ -10,14 +10,20 @@ import threading
 import time
 
 import pytest
-
 from conftest import needs_torch
+
 from swiftlm.sampling import SamplingParams
 
 CTX = 512
 PAGE = 64
-PROMPTS = ["a b c a b c a b", "the cat sat on the mat the cat " * 3, "one two three", "x y z",
-           "Once upon a time in a land far away there lived " * 2, "count: 1 2 3 4 5 6 7 8 9 10"]
+PROMPTS = [
+    "a b c a b c a b",
+    "the cat sat on the mat the cat " * 3,
+    "one two three",
+    "x y z",
+    "Once upon a time in a land far away there lived " * 2,
+    "count: 1 2 3 4 5 6 7 8 9 10",
+]
 TURBO = dict(turbo_kv="k4v3", turbo_kv_window=8)
 
 
@@ -79,7 +85,7 @@ def test_code_pages_engine_equals_whole_context_codes(tiny_llama, whole, pages):
         t.join()
         assert [o.token_ids for o in outs] == whole
         assert 0 < max(peak) <= pages
-        assert codes.used() == 0                       # every page back once the requests end
+        assert codes.used() == 0  # every page back once the requests end
         codes.check()
         pool = llm.engine.model.code_pages
         caches = llm.engine.model.turbo_free[llm.engine.model.kv_default]
@@ -172,8 +178,9 @@ def test_a_cache_that_does_not_fit_fails_only_its_request(tiny_llama, whole):
                 errors.append(str(exc))
 
         bad = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, turbo_kv="k3v2")
-        ts = [threading.Thread(target=one, args=(i, p)) for i in range(3)] + \
-            [threading.Thread(target=one, args=(3, bad))]
+        ts = [threading.Thread(target=one, args=(i, p)) for i in range(3)] + [
+            threading.Thread(target=one, args=(3, bad))
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -207,12 +214,14 @@ def test_health_and_metrics_report_code_pages(tiny_llama):
 
             t = threading.Thread(target=scrape)
             t.start()
-            r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[4], "max_tokens": 120,
-                                                     "temperature": 0, "ignore_eos": True})
+            r = client.post(
+                "/v1/completions",
+                json={"model": "m", "prompt": PROMPTS[4], "max_tokens": 120, "temperature": 0, "ignore_eos": True},
+            )
             stop.set()
             t.join()
             assert r.status_code == 200, r.text
-            assert max(seen) > 0                       # pages held while the request ran
+            assert max(seen) > 0  # pages held while the request ran
             h = client.get("/health").json()["stats"]["kv_blocks"]["code_pages"]
             assert h == {"page_size": PAGE, "pages_total": 16, "pages_used": 0, "pages_free": 16}
             text = client.get("/metrics").text

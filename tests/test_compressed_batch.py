@@ -16,13 +16,16 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import needs_torch
 from tiny_fused import TINY_FUSED_MODEL
 from tolerances import transformer_logits_tol
 
-pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                                               reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     import json, sys, torch
@@ -89,7 +92,7 @@ def test_compressed_batch_equals_solo_steps(which):
 
     assert res["lengths"] == [s + res["steps"] for s in res["starts"]]
     assert (res["batched_calls"] > 0) == (which != "mixed"), res
-    assert res["counts"][0] == res["counts"][1], res           # the same rows compressed both ways
-    assert all(n > 0 for n in res["counts"][0]), res             # and every cache holds compressed rows
+    assert res["counts"][0] == res["counts"][1], res  # the same rows compressed both ways
+    assert all(n > 0 for n in res["counts"][0]), res  # and every cache holds compressed rows
     assert res["err"] <= transformer_logits_tol(A(), res["scale"], context=128), res
     assert res["argmax"], res

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from conftest import run_cli
+
 from swiftlm.config import Settings, add_settings_arguments, settings_from_args
 from swiftlm.errors import NotSupportedYet
 

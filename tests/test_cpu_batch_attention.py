@@ -6,7 +6,6 @@ several concurrent sequences equal to their solo runs."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import needs_torch
 
 pytest.importorskip("numba")
@@ -50,8 +49,8 @@ def test_numba_batch_attention_equals_the_torch_path(tiny_llama, monkeypatch):
     from swiftlm.backends.torch import cpu_batch_attention
     from swiftlm.backends.torch.decode_rows import decode_batch
     from swiftlm.backends.torch.kv_cache import GROW_ROWS
-    from swiftlm.registry import resolve
     from swiftlm.backends.torch.runner import load_model
+    from swiftlm.registry import resolve
 
     m = load_model(resolve(str(tiny_llama)), None).module
     # 1 row, a row at a capacity boundary (its new row needs a grown cache), odd lengths, a long one
@@ -82,7 +81,7 @@ def test_numba_batch_attention_equals_the_torch_path(tiny_llama, monkeypatch):
                         assert mine.shape[1] >= p + 1
                         exact = p + 1 if layer == 0 else n0
                         assert torch.equal(mine[:, :exact], theirs[:, :exact])
-                        torch.testing.assert_close(mine[:, :p + 1], theirs[:, :p + 1], rtol=1e-4, atol=1e-5)
+                        torch.testing.assert_close(mine[:, : p + 1], theirs[:, : p + 1], rtol=1e-4, atol=1e-5)
 
 
 @needs_torch
@@ -98,9 +97,9 @@ def test_numba_batch_attention_takes_only_plain_fp32_caches(tiny_llama, monkeypa
     plain = _filled(m, [3, 5], 1)
     assert cpu_batch_attention.usable(m, plain, SeqCache)
     half = [SeqCache(m.a, torch.bfloat16, torch.device("cpu"))]
-    assert not cpu_batch_attention.usable(m, plain + half, SeqCache)   # a bf16 cache: the torch path
+    assert not cpu_batch_attention.usable(m, plain + half, SeqCache)  # a bf16 cache: the torch path
     trimmed = _filled(m, [4], 2)
-    trimmed[0]._off = [0] * m.a.layers                                   # a sliding-window cache
+    trimmed[0]._off = [0] * m.a.layers  # a sliding-window cache
     assert not cpu_batch_attention.usable(m, plain + trimmed, SeqCache)
     monkeypatch.setenv("SWIFTLM_NUMBA", "0")
     assert not cpu_batch_attention.usable(m, plain, SeqCache)

@@ -41,9 +41,14 @@ def _reference(cache, L, q):
     """float64 attention over the cache's decoded compressed rows and its 16-bit rows."""
     n = L.n_code
     if cache.fmt.kind == "turbo":
-        keys = cache.kc.decode(Encoded([p[:, :n] for p in L.kp], L.kn[:, :n],
-                                       L.ks[:, :n] if L.ks is not None else None,
-                                       L.kr[:, :n] if L.kr is not None else None))
+        keys = cache.kc.decode(
+            Encoded(
+                [p[:, :n] for p in L.kp],
+                L.kn[:, :n],
+                L.ks[:, :n] if L.ks is not None else None,
+                L.kr[:, :n] if L.kr is not None else None,
+            )
+        )
         vals = cache.vc.decode(Encoded([p[:, :n] for p in L.vp], L.vn[:, :n]))
     else:
         keys = cache.kc.decode_planes([p[:, :n] for p in L.kp], L.kn[:, :n], L.ks[:, :n])
@@ -93,7 +98,7 @@ def test_splits_cover_the_rows_and_use_every_thread():
     import numba
 
     threads = numba.get_num_threads()
-    assert cpu_kernels.splits(100, 3) == 1                     # short: one task per KV head
+    assert cpu_kernels.splits(100, 3) == 1  # short: one task per KV head
     s = cpu_kernels.splits(100_000, 1)
     assert s * 1 >= threads and math.ceil(100_000 / s) >= cpu_kernels.MIN_SPAN
 
@@ -101,7 +106,7 @@ def test_splits_cover_the_rows_and_use_every_thread():
 def test_prefill_chunks_keep_the_torch_path():
     cache, L = _filled(parse_turbo("k4v3"), 600, 1, 64)
     assert cpu_kernels.usable(cache, L, 4)
-    assert not cpu_kernels.usable(cache, L, 64)                # a prefill chunk's queries: matmul work
+    assert not cpu_kernels.usable(cache, L, 64)  # a prefill chunk's queries: matmul work
 
 
 def test_warm_up_compiles_the_default_formats_kernel():
@@ -113,7 +118,7 @@ def test_warm_up_compiles_the_default_formats_kernel():
     t = cpu_kernels.warm_up(a, fmt)
     t.join(120)
     assert not t.is_alive()
-    assert cpu_kernels.turbo_kernel.cache_info().currsize == 1      # built by the warm-up: (64, 3, 3, 2, False)
+    assert cpu_kernels.turbo_kernel.cache_info().currsize == 1  # built by the warm-up: (64, 3, 3, 2, False)
     cpu_kernels.turbo_kernel(64, 3, 3, 2, False)
     assert cpu_kernels.turbo_kernel.cache_info().hits == 1
 

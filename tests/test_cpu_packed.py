@@ -5,7 +5,6 @@ and the memory gate hold, and gradients through the activations keep the differe
 from __future__ import annotations
 
 import pytest
-
 from conftest import needs_torch
 
 

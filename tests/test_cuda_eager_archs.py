@@ -15,19 +15,38 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from conftest import needs_torch
 
 pytestmark = [needs_torch]
 
-BASE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-6}
+BASE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+}
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
-MLA = {"n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": None,
-       "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "moe_intermediate_size": 16,
-       "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
-       "num_key_value_heads": 4}
+MLA = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "num_key_value_heads": 4,
+}
 EAGER = {  # model_type -> (config fields, what the runner names)
     "gemma2": ({"sliding_window": 8}, "architecture 'gemma2' (attn_logit_softcapping=50.0)"),
     "gemma3_text": ({"sliding_window": 8}, "architecture 'gemma3_text' (q/k norms and a rope base per layer type)"),
@@ -39,13 +58,24 @@ EAGER = {  # model_type -> (config fields, what the runner names)
     "deepseek_v3": (MLA, "architecture 'deepseek_v3' (multi-head latent attention)"),
     "mistral": ({"sliding_window": 8}, "config field sliding_window=8"),
     "mixtral": ({**MOE, "sliding_window": 8}, "config field sliding_window=8"),
-    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "sliding_window": 8,
-                   "use_sliding_window": True}, "config field sliding_window=8"),
-    "qwen2": ({"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
-              "config field sliding_window=8"),
-    "qwen3": ({"sliding_window": 8, "use_sliding_window": True, "layer_types": ["full_attention",
-                                                                                 "sliding_attention"]},
-              "config field sliding_window=8"),
+    "qwen3_moe": (
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "sliding_window": 8,
+            "use_sliding_window": True,
+        },
+        "config field sliding_window=8",
+    ),
+    "qwen2": (
+        {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
+        "config field sliding_window=8",
+    ),
+    "qwen3": (
+        {"sliding_window": 8, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+        "config field sliding_window=8",
+    ),
 }
 STATIC = {  # the llama family without a live window keeps the CUDA fast path
     "llama": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32}},

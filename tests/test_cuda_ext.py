@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, needs_torch
 from tolerances import fp32_matmul_tol
 
 pytestmark = needs_torch
 triton_missing = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine")
+    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+)
 
 CODE = """
 import torch, json
@@ -42,8 +42,14 @@ def _run(device: str, dtypes: list[str], interpret: bool, **shape) -> dict:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     args = dict(H=8, KVH=2, D=64, N=320, I=1500) | shape
-    r = subprocess.run([sys.executable, "-c", CODE.format(device=device, dtypes=dtypes, **args)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", CODE.format(device=device, dtypes=dtypes, **args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -182,8 +188,14 @@ def _run_tq(device: str, interpret: bool) -> dict:
     env = dict(os.environ)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", TQ_CODE.format(device=device)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", TQ_CODE.format(device=device)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -284,8 +296,14 @@ def _check_tq_swar(device: str, interpret: bool) -> None:
     import json
 
     env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
-    r = subprocess.run([sys.executable, "-c", TQ_SWAR_CODE.format(device=device)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", TQ_SWAR_CODE.format(device=device)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cases = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(cases) == 5
@@ -336,8 +354,14 @@ def test_gemv_matches_reference_interpreted():
     one reduction of length K in another order, so within fp32_matmul_tol(K) of the sum of |products|."""
     import json
 
-    r = subprocess.run([sys.executable, "-c", GEMV_CODE], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", GEMV_CODE],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cases = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(cases) == 5
@@ -520,8 +544,14 @@ def _run_affine(device: str, part: str, interpret: bool) -> dict:
     env = dict(os.environ)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", AFFINE_CODE, device, part], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", AFFINE_CODE, device, part],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res, part
@@ -553,8 +583,9 @@ def _check_affine(name: str, vals: list) -> None:
     elif name.startswith("graph/"):
         # fp32 logits of a 2-layer model: the attention difference above (fp32 summation orders) carried
         # through the layers; the caches hold the same rows (counts equal, rollback included)
-        a = SimpleNamespace(hidden=128, heads=4, head_dim=32, intermediate=256, moe_intermediate=0,
-                            shared_intermediate=0, layers=2)
+        a = SimpleNamespace(
+            hidden=128, heads=4, head_dim=32, intermediate=256, moe_intermediate=0, shared_intermediate=0, layers=2
+        )
         assert err <= transformer_logits_tol(a, mag, vals[2]) and vals[3] == 1 and vals[4] == 1, (name, vals)
     else:
         raise AssertionError(name)

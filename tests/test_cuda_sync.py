@@ -21,12 +21,17 @@ def test_sampler_launch_does_not_synchronise():
     ops = TorchOps(torch.device("cuda"))
     V = 4096
     logits = torch.randn(16, V, device="cuda")
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
-              SamplingParams(temperature=1.0, top_k=20, min_p=0.05), SamplingParams(temperature=0.6, logit_bias={2: -100}),
-              SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5, logprobs=True,
-                             top_logprobs=3)] * 3 + [SamplingParams(temperature=0.6)]
-    rows = [Row(p.validate(V), SamplerState(seed=i, prompt_tokens=[1, 2, 3], output_tokens=[4, 5]))
-            for i, p in enumerate(params)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05),
+        SamplingParams(temperature=0.6, logit_bias={2: -100}),
+        SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5, logprobs=True, top_logprobs=3),
+    ] * 3 + [SamplingParams(temperature=0.6)]
+    rows = [
+        Row(p.validate(V), SamplerState(seed=i, prompt_tokens=[1, 2, 3], output_tokens=[4, 5]))
+        for i, p in enumerate(params)
+    ]
     launch(ops, logits, rows).finish()  # warm-up (allocations, page-locked ring)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

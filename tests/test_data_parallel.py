@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT, needs_torch, run_cli
+
 from swiftlm.config import Settings
 from swiftlm.distributed.replicas import AFFINITY_TOKENS, ReplicaSet, check_settings
 from swiftlm.engine import QueueFull
@@ -80,7 +80,7 @@ def test_prefix_affinity_then_spill_when_much_busier():
     assert rs.affinity_spills == 1
     # the key keeps its home: once replica 0 drains it is chosen again although replica 1 is lighter
     a.stats.requests_total = 2  # the engine took both in ...
-    a.busy = 0                  # ... and finished them
+    a.busy = 0  # ... and finished them
     b.busy = 0
     b.stats.requests_total = 1
     a.busy = 1
@@ -112,11 +112,14 @@ def test_a_dead_replica_makes_the_set_fatal():
         rs.submit([1, 2], None, None)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"gpu_layers": 4}, "--gpu-layers"),
-    ({"device": "cuda:1"}, "each replica takes its own device"),
-    ({"extra_models": ["x"]}, "serves one model"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"gpu_layers": 4}, "--gpu-layers"),
+        ({"device": "cuda:1"}, "each replica takes its own device"),
+        ({"extra_models": ["x"]}, "serves one model"),
+    ],
+)
 def test_refused_combinations(kw, msg):
     torch_be = SimpleNamespace(name="torch", available=lambda: SimpleNamespace(device="cpu (2 threads)"))
     with pytest.raises(ConfigError, match=msg):
@@ -130,8 +133,20 @@ def test_refused_combinations(kw, msg):
 
 
 def test_cli_refuses_with_one_sentence_and_exit_2(tiny_llama):
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--data-parallel", "2",
-                "--gpu-layers", "1", "-p", "hi", timeout=120)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--data-parallel",
+        "2",
+        "--gpu-layers",
+        "1",
+        "-p",
+        "hi",
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert "--data-parallel and --gpu-layers do not combine" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "--model", str(tiny_llama), "--data-parallel", "0", "-p", "hi", timeout=120)
@@ -159,8 +174,14 @@ def single(tiny_llama):
     llm.close()
 
 
-PROMPTS = ["hello world this is", "the quick brown fox jumps over", "a b c d e f g", "one two three four",
-           "SwiftLM serves", "data parallel replicas"]
+PROMPTS = [
+    "hello world this is",
+    "the quick brown fox jumps over",
+    "a b c d e f g",
+    "one two three four",
+    "SwiftLM serves",
+    "data parallel replicas",
+]
 
 
 @needs_torch
@@ -214,15 +235,17 @@ def test_shared_prefix_lands_on_one_replica_and_hits_its_prompt_cache(dp):
 @needs_torch
 def test_server_with_data_parallel_answers(tiny_llama):
     import httpx
-
     from server_util import ServerProc
 
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--data-parallel", "2", "--parallel", "2",
-                   "--device", "cpu")
+    s = ServerProc(
+        "--model", str(tiny_llama), "--backend", "torch", "--data-parallel", "2", "--parallel", "2", "--device", "cpu"
+    )
     try:
+
         def one(i: int) -> dict:
-            r = httpx.post(s.base + "/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 6,
-                                                             "temperature": 0}, timeout=120)
+            r = httpx.post(
+                s.base + "/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 6, "temperature": 0}, timeout=120
+            )
             assert r.status_code == 200, r.text
             return r.json()
 

@@ -10,7 +10,6 @@ import numpy as np
 import openai
 import pytest
 import requests
-
 from conftest import BACKENDS, make_ckpt
 from server_util import ServerProc
 from tolerances import transformer_logits_tol
@@ -22,8 +21,18 @@ TEXTS = ["The capital of France is Paris.", "a b c", "Embeddings map text to vec
 
 @pytest.fixture(scope="module")
 def emb_ckpt(tmp_path_factory):
-    return make_ckpt(tmp_path_factory.mktemp("emb") / "qwen3emb", "--arch", "qwen3", "--dtype", "float32",
-                     "--embedding-only", "--hidden", "64", "--intermediate", "128")
+    return make_ckpt(
+        tmp_path_factory.mktemp("emb") / "qwen3emb",
+        "--arch",
+        "qwen3",
+        "--dtype",
+        "float32",
+        "--embedding-only",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+    )
 
 
 # ---------------------------------------------------------------- pooling math (core)
@@ -123,11 +132,13 @@ def test_openai_sdk_embeddings(emb_server):
     assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens == r.usage.total_tokens > 0
     vecs = np.array([d.embedding for d in r.data], dtype=np.float32)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
-    f = requests.post(emb_server.base + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "float"},
-                      timeout=60).json()
+    f = requests.post(
+        emb_server.base + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "float"}, timeout=60
+    ).json()
     assert np.array_equal(np.array(f["data"][1]["embedding"], dtype=np.float32), vecs[1])  # float == base64
-    b = requests.post(emb_server.base + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"},
-                      timeout=60).json()
+    b = requests.post(
+        emb_server.base + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"}, timeout=60
+    ).json()
     assert np.array_equal(np.frombuffer(base64.b64decode(b["data"][2]["embedding"]), "<f4"), vecs[2])
     d = c.embeddings.create(model="x", input=TEXTS[0], dimensions=8, encoding_format="float")
     assert len(d.data[0].embedding) == 8
@@ -149,17 +160,20 @@ def test_token_id_inputs_equal_text(emb_server):
     assert by_ids["usage"]["prompt_tokens"] == len(ids)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [[]]}, "input"),
-    ({"input": "x", "dimensions": 0}, "dimensions"),
-    ({"input": "x", "dimensions": 100000}, "dimensions"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": 12}, "input"),
-    ({"input": [10**9]}, "input"),
-    ({}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 100000}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": 12}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({}, "input"),
+    ],
+)
 def test_bad_input_is_400(emb_server, body, param):
     r = requests.post(emb_server.base + "/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -169,6 +183,9 @@ def test_bad_input_is_400(emb_server, body, param):
 
 
 def test_generation_on_embedding_model_is_400(emb_server):
-    r = requests.post(emb_server.base + "/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
+    r = requests.post(
+        emb_server.base + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=60,
+    )
     assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]

@@ -7,21 +7,25 @@ import asyncio
 import threading
 
 import pytest
-
 from conftest import BACKENDS, needs_mlx, needs_torch
+
 from swiftlm import SamplingParams
 from swiftlm.errors import InvalidRequest
 
 
-@pytest.mark.parametrize("which", [pytest.param("mlx_llm", marks=needs_mlx),
-                                   pytest.param("torch_llm", marks=needs_torch)])
+@pytest.mark.parametrize(
+    "which", [pytest.param("mlx_llm", marks=needs_mlx), pytest.param("torch_llm", marks=needs_torch)]
+)
 def test_paris(request, which):
     llm = request.getfixturevalue(which)
-    out = llm.generate([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(max_tokens=16, temperature=0))
+    out = llm.generate(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=16, temperature=0)
+    )
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # the model ends its answer with <|im_end|>
-    assert out.usage["prompt_tokens"] == len(out.prompt_token_ids) and out.usage["completion_tokens"] == len(out.token_ids)
+    assert out.usage["prompt_tokens"] == len(out.prompt_token_ids) and out.usage["completion_tokens"] == len(
+        out.token_ids
+    )
 
 
 def test_stream_equals_generate_and_length_finish(tiny_llm):
@@ -42,9 +46,10 @@ def test_stop_string_spanning_tokens_is_caught_and_stripped(tiny_llm):
     # pick a stop string made of the end of token 5 and the start of token 6
     i = next(k for k in range(4, 19) if len(pieces[k].strip()) >= 2 and len(pieces[k + 1].strip()) >= 2)
     stop = pieces[i][-2:] + pieces[i + 1][:2]
-    prefix_text = "".join(pieces[:i + 1])
-    out = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
-                                                                   stop=[stop]))
+    prefix_text = "".join(pieces[: i + 1])
+    out = tiny_llm.generate(
+        "Once upon a time", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    )
     assert out.finish_reason == "stop"
     assert out.text == base.text[: base.text.index(stop)]
     assert stop not in out.text and len(out.text) <= len(prefix_text)
@@ -58,8 +63,10 @@ def test_seeded_requests_reproduce_and_do_not_disturb_each_other(tiny_llm):
     assert solo1 == tiny_llm.generate("Hello", p1).token_ids
     # both at once from two threads: the engine interleaves them (parallel=4)
     res = {}
-    ts = [threading.Thread(target=lambda k, pr, pp: res.__setitem__(k, tiny_llm.generate(pr, pp).token_ids),
-                           args=a) for a in ((1, "Hello", p1), (2, "Goodbye now", p2))]
+    ts = [
+        threading.Thread(target=lambda k, pr, pp: res.__setitem__(k, tiny_llm.generate(pr, pp).token_ids), args=a)
+        for a in ((1, "Hello", p1), (2, "Goodbye now", p2))
+    ]
     [t.start() for t in ts]
     [t.join(120) for t in ts]
     assert res == {1: solo1, 2: solo2}

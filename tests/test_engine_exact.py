@@ -15,8 +15,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import BACKENDS
+
 from swiftlm import LLM, SamplingParams
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -65,8 +65,17 @@ def test_64_concurrent_greedy_equal_solo(tiny_llama, backend):
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama, backend):
     """Temperature 8 makes the random model's distribution broad, so a wrong draw shows."""
     prompts = _prompts(12, seed=1)
-    params = [SamplingParams(max_tokens=8, temperature=8.0, top_p=0.95 if i % 2 else 1.0, top_k=50 if i % 3 else 0,
-                             seed=1000 + i, ignore_eos=True) for i in range(12)]
+    params = [
+        SamplingParams(
+            max_tokens=8,
+            temperature=8.0,
+            top_p=0.95 if i % 2 else 1.0,
+            top_k=50 if i % 3 else 0,
+            seed=1000 + i,
+            ignore_eos=True,
+        )
+        for i in range(12)
+    ]
     llm = LLM(str(tiny_llama), backend=backend, parallel=12)
     try:
         solo = [llm.generate(t, p).token_ids for t, p in zip(prompts[:4], params[:4])]

@@ -14,14 +14,12 @@ import time
 
 import httpx
 import pytest
-
 from conftest import needs_torch
 from server_util import ServerProc
 
 pytestmark = needs_torch
 
-PROMPTS = ["The capital of France is", "Once upon a time there was", "def fibonacci(n):",
-           "List three primary colors:"]
+PROMPTS = ["The capital of France is", "Once upon a time there was", "def fibonacci(n):", "List three primary colors:"]
 
 
 def _llm(model=None, **kw):
@@ -86,8 +84,9 @@ def test_seeded_sampling_and_logprobs_equal(pair):
     for x, y in zip(a, b):  # logprobs: which rows share a forward depends on arrival timing, and fp32
         # matmuls of another batch shape round differently (~1e-6); the sampled tokens do not depend on it
         lx, ly = x.outputs[0].logprobs, y.outputs[0].logprobs
-        assert [(t.token, t.text, [i for i, _, _ in t.top]) for t in lx] == \
-            [(t.token, t.text, [i for i, _, _ in t.top]) for t in ly]
+        assert [(t.token, t.text, [i for i, _, _ in t.top]) for t in lx] == [
+            (t.token, t.text, [i for i, _, _ in t.top]) for t in ly
+        ]
         assert all(abs(s.logprob - t.logprob) < 1e-4 for s, t in zip(lx, ly))
 
 
@@ -111,8 +110,14 @@ def test_grammar_in_the_child(pair):
     from swiftlm.errors import InvalidRequest
 
     on, off = pair
-    g = grammar_for({"type": "json_schema", "json_schema": {"schema": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    g = grammar_for(
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+            },
+        }
+    )
     p = SamplingParams(max_tokens=40, temperature=0, grammar=g)
     msgs = [{"role": "user", "content": "Name a city in France as JSON."}]
     a, b = on.chat(msgs, p), off.chat(msgs, p)
@@ -182,9 +187,22 @@ def test_health_and_metrics_fields_match_thread_engine(pair):
             h = client.get("/health")
             m = client.get("/metrics").text
         assert h.status_code == 200
-        fams = {(f.name, tuple(sorted({lab for s in f.samples for lab in s.labels.values()
-                                       if f.name in ("swiftlm_step_seconds", "swiftlm_memory_bytes")})))
-                for f in text_string_to_metric_families(m)}
+        fams = {
+            (
+                f.name,
+                tuple(
+                    sorted(
+                        {
+                            lab
+                            for s in f.samples
+                            for lab in s.labels.values()
+                            if f.name in ("swiftlm_step_seconds", "swiftlm_memory_bytes")
+                        }
+                    )
+                ),
+            )
+            for f in text_string_to_metric_families(m)
+        }
         got[name] = (keys(h.json()), fams, h.json())
     on_keys, on_fams, on_h = got["on"]
     off_keys, off_fams, _ = got["off"]

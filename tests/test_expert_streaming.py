@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import HAS_MLX, HAS_TORCH, make_ckpt, needs_mlx, needs_torch, run_cli
 
 from swiftlm.experts import ExpertReader, scan_experts
@@ -27,22 +26,69 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("moe")
     out = {
         # per-expert HF tensors, sharded so experts span files
-        "qwen3_moe": make_ckpt(d / "q3", "--arch", "qwen3_moe", *SMALL, "--experts", "8",
-                               "--experts-per-token", "2", "--moe-intermediate", "32", "--shard-mb", "0.2"),
-        "mixtral_stacked": make_ckpt(d / "mx", "--arch", "mixtral", *SMALL, "--intermediate", "48", "--experts", "4",
-                                     "--experts-per-token", "2", "--stacked-experts", "--shard-mb", "0.3"),
+        "qwen3_moe": make_ckpt(
+            d / "q3",
+            "--arch",
+            "qwen3_moe",
+            *SMALL,
+            "--experts",
+            "8",
+            "--experts-per-token",
+            "2",
+            "--moe-intermediate",
+            "32",
+            "--shard-mb",
+            "0.2",
+        ),
+        "mixtral_stacked": make_ckpt(
+            d / "mx",
+            "--arch",
+            "mixtral",
+            *SMALL,
+            "--intermediate",
+            "48",
+            "--experts",
+            "4",
+            "--experts-per-token",
+            "2",
+            "--stacked-experts",
+            "--shard-mb",
+            "0.3",
+        ),
         "dense": make_ckpt(d / "dense", "--arch", "llama", *SMALL),
     }
     if HAS_MLX:
-        out["qwen3_moe_4bit"] = make_ckpt(d / "q3q", "--arch", "qwen3_moe", *SMALL, "--experts", "8",
-                                          "--experts-per-token", "2", "--moe-intermediate", "64", "--quantize", "4",
-                                          "--group-size", "32")
+        out["qwen3_moe_4bit"] = make_ckpt(
+            d / "q3q",
+            "--arch",
+            "qwen3_moe",
+            *SMALL,
+            "--experts",
+            "8",
+            "--experts-per-token",
+            "2",
+            "--moe-intermediate",
+            "64",
+            "--quantize",
+            "4",
+            "--group-size",
+            "32",
+        )
     return out
 
 
 def _cfg(**kw):
-    base = dict(stream_experts=True, expert_read_mode="pread", expert_read_threads=8, expert_prefetch=False,
-                expert_top_k=0, mem_limit=None, ctx_size=None, parallel=1, turbo_kv=None)
+    base = dict(
+        stream_experts=True,
+        expert_read_mode="pread",
+        expert_read_threads=8,
+        expert_prefetch=False,
+        expert_top_k=0,
+        mem_limit=None,
+        ctx_size=None,
+        parallel=1,
+        turbo_kv=None,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -58,7 +104,7 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
         raw = f.read_bytes()
         for k, m in header.items():
             if k != "__metadata__":
-                out[k] = raw[base + m["data_offsets"][0]: base + m["data_offsets"][1]]
+                out[k] = raw[base + m["data_offsets"][0] : base + m["data_offsets"][1]]
     return out
 
 
@@ -101,15 +147,23 @@ def test_reader_returns_the_files_bytes(ckpts, name, mode):
                     slab = lay.slabs[layer][(proj, comp)][e]
                     want_bytes += slab.nbytes
                     if lay.style == "per_expert":
-                        names = [k for k in tensors if f"layers.{layer}." in k and f"experts.{e}." in k
-                                 and k.endswith(f".{comp}") and proj in k.replace("w1", "gate")
-                                 .replace("w3", "up").replace("w2", "down")]
+                        names = [
+                            k
+                            for k in tensors
+                            if f"layers.{layer}." in k
+                            and f"experts.{e}." in k
+                            and k.endswith(f".{comp}")
+                            and proj in k.replace("w1", "gate").replace("w3", "up").replace("w2", "down")
+                        ]
                         assert len(names) == 1
                         want = tensors[names[0]]
                     else:
-                        stacked = [k for k in tensors if f"layers.{layer}." in k and "switch_mlp" in k
-                                   and f"{proj}_proj.{comp}" in k][0]
-                        want = tensors[stacked][e * slab.nbytes:(e + 1) * slab.nbytes]
+                        stacked = [
+                            k
+                            for k in tensors
+                            if f"layers.{layer}." in k and "switch_mlp" in k and f"{proj}_proj.{comp}" in k
+                        ][0]
+                        want = tensors[stacked][e * slab.nbytes : (e + 1) * slab.nbytes]
                     assert arr[j].tobytes() == want, (proj, comp, e)
             assert r.stats.bytes_read - before == want_bytes
         assert r.stats.experts_read == 3 * len(lay.layers)
@@ -192,8 +246,10 @@ def test_mlx_streamed_logits_bit_identical(ckpts, name, mode):
         a, b = _mlx_logits(resident, toks), _mlx_logits(streamed, toks)
         assert np.array_equal(a, b), f"{name} {mode} T={n}: max diff {np.abs(a - b).max()}"
     # only expert bytes were read (never at load: the weights were loaded lazily, experts dropped)
-    assert reader.stats.bytes_read <= 2 * len(reader.layout.layers) * reader.layout.num_experts * \
-        reader.layout.bytes_per_expert()
+    assert (
+        reader.stats.bytes_read
+        <= 2 * len(reader.layout.layers) * reader.layout.num_experts * reader.layout.bytes_per_expert()
+    )
     snap = reader.stats.snapshot()
     assert snap["prefetch_bytes"] > 0 and 0.0 <= snap["prefetch_hit_rate"] <= 1.0
 
@@ -219,8 +275,11 @@ def test_mlx_decode_reads_layers_x_k_experts(ckpts):
 def test_mlx_engine_greedy_tokens_identical(ckpts):
     from swiftlm import LLM, SamplingParams
 
-    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True) if "ignore_eos" in \
-        SamplingParams.__dataclass_fields__ else SamplingParams(max_tokens=16, temperature=0.0)
+    p = (
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        if "ignore_eos" in SamplingParams.__dataclass_fields__
+        else SamplingParams(max_tokens=16, temperature=0.0)
+    )
     prompts = ["Hello there", "Count: one two three"]
     with LLM(str(ckpts["qwen3_moe"]), backend="mlx") as ref:
         want = [o.token_ids for o in ref.generate(prompts, p)]
@@ -249,8 +308,10 @@ def test_mlx_expert_top_k_lowers_reads_and_clamps(ckpts, caplog):
         before = m.expert_stream.stats.bytes_read
         outs.append(np.array(m.module(mx.array([[9]]), cache=cache)))
         lay = m.expert_stream.layout
-        assert m.expert_stream.stats.bytes_read - before == len(lay.layers) * m.info.experts_per_token * \
-            lay.bytes_per_expert()
+        assert (
+            m.expert_stream.stats.bytes_read - before
+            == len(lay.layers) * m.info.experts_per_token * lay.bytes_per_expert()
+        )
     assert not np.array_equal(outs[0], outs[1])
     with caplog.at_level("WARNING"):
         big = load_model(spec, _cfg(stream_experts=False, expert_top_k=9))
@@ -274,8 +335,7 @@ def test_torch_streamed_logits_bit_identical(ckpts, name):
         toks = torch.arange(3, 3 + n)
         with torch.no_grad():
             a = resident.module(toks, SeqCache(resident.module.a, resident.dtype, resident.device), 0, last_only=False)
-            b = streamed.module(toks, SeqCache(streamed.module.a, streamed.dtype, streamed.device), 0,
-                                last_only=False)
+            b = streamed.module(toks, SeqCache(streamed.module.a, streamed.dtype, streamed.device), 0, last_only=False)
         assert torch.equal(a, b), f"{name} T={n}: max diff {(a - b).abs().max()}"
     assert streamed.expert_stream.stats.bytes_read > 0
 

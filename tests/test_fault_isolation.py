@@ -8,8 +8,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import BACKENDS
+
 from swiftlm import LLM, SamplingParams
 from swiftlm import sampler as sampler_mod
 
@@ -97,6 +97,7 @@ def test_engine_loop_death_is_reported_not_a_hang(tiny_llama, monkeypatch):
     told: list[str] = []
     m.engine.on_fatal = told.append
     try:
+
         def boom():
             raise RuntimeError("injected: the scheduler broke")
 
@@ -194,8 +195,9 @@ def test_rank_failure_ends_streams_while_the_step_is_stuck(tiny_llama, monkeypat
     try:
         [t.start() for t in ts]
         assert inside.wait(30)
-        _rank_failed(m.engine, "tensor-parallel rank 1 (pid 1) was killed by signal 9; the model needs all 2 "
-                               "ranks, so it stops")
+        _rank_failed(
+            m.engine, "tensor-parallel rank 1 (pid 1) was killed by signal 9; the model needs all 2 ranks, so it stops"
+        )
         [t.join(10) for t in ts]
         assert not any(t.is_alive() for t in ts), "a request kept waiting on a stuck step"
         assert inside.is_set() and not release.is_set()  # the step was still blocked when they ended

@@ -17,13 +17,15 @@ import queue
 import time
 
 import pytest
-
 from conftest import needs_mlx, needs_torch
+
 from swiftlm import SamplingParams
 
-TEXT = ("The lighthouse keeper counted the ships that passed each night, writing their names in a "
-        "leather book. Some were fishing boats returning with silver catches, others were tall cargo "
-        "vessels bound for distant ports. ")
+TEXT = (
+    "The lighthouse keeper counted the ships that passed each night, writing their names in a "
+    "leather book. Some were fishing boats returning with silver catches, others were tall cargo "
+    "vessels bound for distant ports. "
+)
 
 
 def _prompt(engine, tokens: int = 1000) -> list[int]:
@@ -73,8 +75,9 @@ def test_n8_prefills_once_shares_kv_and_greedy_equals_single(llm):
 
     st = eng.fork_stats
     pre, forked, shared = st.prefill_tokens, st.forked, st.shared
-    outs, reasons, kv_forked = _run(eng, lambda sink: eng.submit_group(prompt, [p.for_choice(i) for i in range(8)],
-                                                                       sink))
+    outs, reasons, kv_forked = _run(
+        eng, lambda sink: eng.submit_group(prompt, [p.for_choice(i) for i in range(8)], sink)
+    )
     assert st.prefill_tokens - pre == P  # the prompt ran through the model once
     assert st.forked - forked == 7 and st.shared - shared == 7
     assert set(reasons.values()) == {"length"}
@@ -153,8 +156,16 @@ def test_forked_cache_paths_are_exact():
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.shared_kv import ForkedCache, share
 
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 256}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 97,
+        "max_position_embeddings": 256,
+    }
     torch.manual_seed(0)
     m = Transformer(Args.from_config(cfg))
     with torch.no_grad():
@@ -202,8 +213,9 @@ def test_through_the_engine_process_with_the_prompt_cache():
         p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         single = on.generate(prompt, p).token_ids
         for _ in range(2):  # the second group's leader starts from the prompt cache (the forks' own snapshots)
-            outs, reasons, _ = _run(eng, lambda sink: eng.submit_group(prompt, [p.for_choice(i) for i in range(4)],
-                                                                       sink))
+            outs, reasons, _ = _run(
+                eng, lambda sink: eng.submit_group(prompt, [p.for_choice(i) for i in range(4)], sink)
+            )
             assert all(o == single for o in outs.values()) and set(reasons.values()) == {"length"}
         time.sleep(0.3)  # the stats snapshot rides with the last step's message
         assert eng.fork_stats.forked == 6 and eng.fork_stats.shared == 6
@@ -263,16 +275,16 @@ def client(llm):
 
 
 def _sse(text: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 @needs_torch
 def test_completions_n_is_one_prefill_and_greedy_choices_agree(client, llm):
     st = llm.engine.fork_stats
     pre = st.prefill_tokens
-    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "n": 3, "max_tokens": 8,
-                                             "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"prompt": "The capital of France is", "n": 3, "max_tokens": 8, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     d = r.json()
     assert [c["index"] for c in d["choices"]] == [0, 1, 2]
@@ -297,20 +309,36 @@ def test_best_of_returns_the_top_candidates_by_logprob(client):
         assert [c["index"] for c in d["choices"]] == [0, 1]
         assert all(c["logprobs"] is None for c in d["choices"])  # ranked on logprobs nobody asked to see
         assert d["usage"]["completion_tokens"] == 4 * 8  # every candidate was generated
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 1,
-                                                  "best_of": 3, "max_tokens": 6, "temperature": 1.0, "seed": 1})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "n": 1,
+            "best_of": 3,
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "seed": 1,
+        },
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 18
 
 
 @needs_torch
-@pytest.mark.parametrize("extra, why", [({"n": 3, "best_of": 2}, "at least 'n'"),
-                                        ({"best_of": 17}, "at most 16"),
-                                        ({"n": 1, "best_of": 2, "stream": True}, "cannot be streamed"),
-                                        ({"best_of": 2, "best_of_rank": "median"}, "best_of_rank")])
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"n": 3, "best_of": 2}, "at least 'n'"),
+        ({"best_of": 17}, "at most 16"),
+        ({"n": 1, "best_of": 2, "stream": True}, "cannot be streamed"),
+        ({"best_of": 2, "best_of_rank": "median"}, "best_of_rank"),
+    ],
+)
 def test_best_of_validation(client, extra, why):
-    for path, body in (("/v1/completions", {"prompt": "Hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         r = client.post(path, json={**body, "max_tokens": 4, **extra})
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -15,12 +15,15 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import make_ckpt, needs_torch
 from tolerances import transformer_logits_tol
 
-pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                                               reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
@@ -99,16 +102,16 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "qwen3", "--arch", "qwen3", "--dtype", "float32",
-                     "--shard-mb", "4")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "qwen3", "--arch", "qwen3", "--dtype", "float32", "--shard-mb", "4"
+    )
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen3"])
 def test_fused_decode_equals_unfused(ckpt, request):
     path = request.getfixturevalue(ckpt)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
 

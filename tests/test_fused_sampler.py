@@ -1,6 +1,7 @@
 """The fused sampler (temperature / logit bias / greedy in one call; a CUDA graph on GPU) gives the
 general batched sampler's tokens exactly, row by row, over many draws; rows that need more (top-p,
 penalties, logprobs, a bias outside the vocabulary) take the general path."""
+
 import numpy as np
 import pytest
 
@@ -22,10 +23,15 @@ def _rows(n: int, rng: np.random.Generator) -> list[sampler.Row]:
     rows = []
     for i in range(n):
         kind = i % 4
-        bias = {int(t): float(b) for t, b in zip(rng.choice(V, rng.integers(0, 9), replace=False),
-                                                rng.choice([-100.0, -2.5, 3.0, 5.0], 8))}
-        p = SamplingParams(temperature=0.0 if kind == 0 else float(rng.uniform(0.2, 1.5)),
-                           logit_bias=bias if kind != 3 else {}, seed=int(rng.integers(1 << 40)))
+        bias = {
+            int(t): float(b)
+            for t, b in zip(rng.choice(V, rng.integers(0, 9), replace=False), rng.choice([-100.0, -2.5, 3.0, 5.0], 8))
+        }
+        p = SamplingParams(
+            temperature=0.0 if kind == 0 else float(rng.uniform(0.2, 1.5)),
+            logit_bias=bias if kind != 3 else {},
+            seed=int(rng.integers(1 << 40)),
+        )
         rows.append(sampler.Row(p, SamplerState(seed=p.seed)))
     return rows
 
@@ -42,8 +48,9 @@ def test_fused_equals_general(device, dtype):
         assert any(r.params.greedy for r in rows_a) == (skip == 0)
         for step in range(6):
             logits = torch.from_numpy(rng.normal(0, 3, (n, V)).astype(np.float32)).to(dev, getattr(torch, dtype))
-            host = sampler.simple_inputs([r.params for r in rows_a], [r.state for r in rows_a],
-                                         [r.state.draws for r in rows_a], V)
+            host = sampler.simple_inputs(
+                [r.params for r in rows_a], [r.state for r in rows_a], [r.state.draws for r in rows_a], V
+            )
             assert host is not None  # these rows take the fused path
             a = sampler.launch(fused_ops, logits, rows_a).finish()
             b = sampler.launch(general_ops, logits, rows_b).finish()
@@ -55,9 +62,16 @@ def test_fused_equals_general(device, dtype):
 def test_rows_needing_more_take_the_general_path():
     s = [SamplerState(seed=1)]
     base = dict(temperature=0.7)
-    for extra in ({"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {"repetition_penalty": 1.2},
-                  {"presence_penalty": 0.5}, {"logprobs": True}, {"logit_bias": {V + 5: 1.0}},
-                  {"logit_bias": {i: 1.0 for i in range(9)}}):
+    for extra in (
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.1},
+        {"repetition_penalty": 1.2},
+        {"presence_penalty": 0.5},
+        {"logprobs": True},
+        {"logit_bias": {V + 5: 1.0}},
+        {"logit_bias": {i: 1.0 for i in range(9)}},
+    ):
         p = SamplingParams(**base, **extra)
         assert sampler.simple_inputs([p], s, [0], V) is None, extra
     assert sampler.simple_inputs([SamplingParams(temperature=0.0, top_p=0.5)], s, [0], V) is not None  # greedy

@@ -74,9 +74,12 @@ def test_metrics_expose_the_engines_gc_figures():
         timers, stats = StepTimers(), Stats()
 
         def gc_stats(self):
-            return {"frozen_objects": 5, "gen0": {"collections": 3, "seconds": 0.002, "max_ms": 1.0},
-                    "gen1": {"collections": 1, "seconds": 0.001, "max_ms": 1.0},
-                    "gen2": {"collections": 2, "seconds": 0.5, "max_ms": 300.0}}
+            return {
+                "frozen_objects": 5,
+                "gen0": {"collections": 3, "seconds": 0.002, "max_ms": 1.0},
+                "gen1": {"collections": 1, "seconds": 0.001, "max_ms": 1.0},
+                "gen2": {"collections": 2, "seconds": 0.5, "max_ms": 300.0},
+            }
 
     c = StepCollector()
     c.engine = Eng()

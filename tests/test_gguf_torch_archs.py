@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, make_ckpt, needs_torch
 from tolerances import transformer_logits_tol
 
@@ -35,8 +34,22 @@ sys.path.insert(0, str(ROOT / "scripts"))
 PROMPT = [1, 17, 300, 4021, 77, 901, 12, 5, 6000, 33, 2048, 700, 18, 19, 4000, 8, 9, 10, 11, 1200]
 N_TOKENS = 16
 REL_TOL = 1e-5
-SHAPE = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
-         "--dtype", "float32", "--ctx", "256"]
+SHAPE = [
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--intermediate",
+    "128",
+    "--dtype",
+    "float32",
+    "--ctx",
+    "256",
+]
 
 
 def _tokenizer():
@@ -52,10 +65,21 @@ def make_qwen2(out: Path, tie: bool, seed: int = 0) -> Path:
     import transformers
 
     tok = _tokenizer()
-    cfg = transformers.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, use_sliding_window=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_sliding_window=False,
+    )
     model = transformers.Qwen2ForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -112,13 +136,20 @@ def hf_run(path: Path) -> tuple[np.ndarray, list[int], object]:
     import torch
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         first = m(torch.tensor([PROMPT])).logits[0, -1].numpy()
-        out = m.generate(torch.tensor([PROMPT]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return first, out[0, len(PROMPT):].tolist(), m.config
+        out = m.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=N_TOKENS,
+            min_new_tokens=N_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return first, out[0, len(PROMPT) :].tolist(), m.config
 
 
 def assert_rel(mine: np.ndarray, ref: np.ndarray, what: str) -> None:
@@ -185,8 +216,16 @@ def _q8_roundtrip_dir(src: Path, out: Path) -> Path:
     shutil.copytree(src, out)
     for f in out.glob("*.safetensors"):
         w = load_file(str(f))
-        w = {k: (dequantize(quantize(v, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-                 .reshape(v.shape).astype(np.float32) if v.ndim == 2 else v) for k, v in w.items()}
+        w = {
+            k: (
+                dequantize(quantize(v, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+                .reshape(v.shape)
+                .astype(np.float32)
+                if v.ndim == 2
+                else v
+            )
+            for k, v in w.items()
+        }
         save_file(w, str(f), metadata={"format": "pt"})
     return out
 
@@ -231,20 +270,32 @@ def _refused(path: Path) -> str:
     return msg
 
 
-@pytest.mark.parametrize("src,kw,want", [
-    ("qwen2", {"arch": "qwen2moe", "extra": {"qwen2moe.expert_count": 4, "qwen2moe.expert_used_count": 2}},
-     "GGUF architecture 'qwen2moe' (general.architecture) is not supported by the torch backend"),
-    ("qwen3", {"arch": "qwen3moe", "extra": {"qwen3moe.expert_count": 8}},
-     "GGUF architecture 'qwen3moe' (general.architecture) is not supported by the torch backend"),
-    ("qwen3", {"arch": "phi3"}, "GGUF architecture 'phi3' (general.architecture) is not supported"),
-    ("qwen2", {"extra": {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0}},
-     "GGUF field qwen2.rope.scaling.type='yarn' is not implemented by the torch backend's GGUF reader"),
-    ("qwen3", {"extra": {"qwen3.rope.scaling.factor": 2.0}}, "GGUF field qwen3.rope.scaling.factor=2.0 is not"),
-    ("qwen3", {"extra": {"qwen3.attention.sliding_window": 16}}, "GGUF field qwen3.attention.sliding_window=16 is"),
-    ("qwen3", {"extra": {"qwen3.expert_count": 8}}, "GGUF field qwen3.expert_count=8 is not implemented"),
-    ("qwen3", {"extra": {"qwen3.rope.dimension_count": 16}}, "GGUF field qwen3.rope.dimension_count=16 is not"),
-    ("llama", {"extra": {"llama.final_logit_softcapping": 30.0}}, "GGUF field llama.final_logit_softcapping=30.0"),
-])
+@pytest.mark.parametrize(
+    "src,kw,want",
+    [
+        (
+            "qwen2",
+            {"arch": "qwen2moe", "extra": {"qwen2moe.expert_count": 4, "qwen2moe.expert_used_count": 2}},
+            "GGUF architecture 'qwen2moe' (general.architecture) is not supported by the torch backend",
+        ),
+        (
+            "qwen3",
+            {"arch": "qwen3moe", "extra": {"qwen3moe.expert_count": 8}},
+            "GGUF architecture 'qwen3moe' (general.architecture) is not supported by the torch backend",
+        ),
+        ("qwen3", {"arch": "phi3"}, "GGUF architecture 'phi3' (general.architecture) is not supported"),
+        (
+            "qwen2",
+            {"extra": {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0}},
+            "GGUF field qwen2.rope.scaling.type='yarn' is not implemented by the torch backend's GGUF reader",
+        ),
+        ("qwen3", {"extra": {"qwen3.rope.scaling.factor": 2.0}}, "GGUF field qwen3.rope.scaling.factor=2.0 is not"),
+        ("qwen3", {"extra": {"qwen3.attention.sliding_window": 16}}, "GGUF field qwen3.attention.sliding_window=16 is"),
+        ("qwen3", {"extra": {"qwen3.expert_count": 8}}, "GGUF field qwen3.expert_count=8 is not implemented"),
+        ("qwen3", {"extra": {"qwen3.rope.dimension_count": 16}}, "GGUF field qwen3.rope.dimension_count=16 is not"),
+        ("llama", {"extra": {"llama.final_logit_softcapping": 30.0}}, "GGUF field llama.final_logit_softcapping=30.0"),
+    ],
+)
 def test_refused_naming_the_key(src, kw, want, ckpts, tmp_path):
     path = gguf(ckpts[src], tmp_path / "x.gguf", **kw)
     assert want in _refused(path)
@@ -264,8 +315,8 @@ def test_unknown_tensor_refused():
 def test_qwen2_pre_tokenizer():
     """``tokenizer.ggml.pre = qwen2`` (Qwen2 / 2.5 / 3 GGUFs): Qwen's split regex (digits one by one,
     a punctuation character joined to the word after it), not GPT-2's."""
-    from swiftlm.tokenizer import _SPLIT_PRE, load_gguf_tokenizer
     from swiftlm.registry import resolve
+    from swiftlm.tokenizer import _SPLIT_PRE, load_gguf_tokenizer
 
     meta = dict(resolve(None).gguf_meta or {})
     meta["tokenizer.ggml.pre"] = "qwen2"
@@ -275,4 +326,18 @@ def test_qwen2_pre_tokenizer():
     import regex  # the same pattern through another engine: the tokenizers regex is read as written
 
     assert regex.findall(_SPLIT_PRE["qwen2"], "I'LL pay 1234 (x)ok!\n\n  hi") == [
-        "I", "'LL", " pay", " ", "1", "2", "3", "4", " (", "x", ")ok", "!\n\n", " ", " hi"]
+        "I",
+        "'LL",
+        " pay",
+        " ",
+        "1",
+        "2",
+        "3",
+        "4",
+        " (",
+        "x",
+        ")ok",
+        "!\n\n",
+        " ",
+        " hi",
+    ]

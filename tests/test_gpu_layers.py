@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import make_ckpt, needs_torch, run_cli
 
 torch = pytest.importorskip("torch")
@@ -21,8 +20,17 @@ PROMPTS = ["hello world this is", "the quick brown fox jumps over", "a b c d e f
 @pytest.fixture(scope="module")
 def ckpt4(tmp_path_factory):
     """Four layers, so that a split has layers on both sides and more than one on each."""
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "llama4", "--arch", "llama", "--layers", "4", "--dtype",
-                     "float32", "--shard-mb", "4")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "llama4",
+        "--arch",
+        "llama",
+        "--layers",
+        "4",
+        "--dtype",
+        "float32",
+        "--shard-mb",
+        "4",
+    )
 
 
 def _run(path, **kw):
@@ -31,7 +39,7 @@ def _run(path, **kw):
     with LLM(str(path), backend="torch", parallel=4, device="cpu", **kw) as llm:
         p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         out = [o.token_ids for o in llm.generate(PROMPTS, p)]  # concurrent: batched decode rows
-        solo = llm.generate(PROMPTS[1], p).token_ids             # alone: the single-sequence forward
+        solo = llm.generate(PROMPTS[1], p).token_ids  # alone: the single-sequence forward
         emb = llm.engine.model.hidden_states([[5, 6, 7, 8], [9, 10]])  # packed prompts (embeddings path)
         return out, solo, emb, llm.engine.model
 

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import needs_torch
 
 SCRIPT = textwrap.dedent("""
@@ -46,8 +45,9 @@ SCRIPT = textwrap.dedent("""
 def test_batched_decode_with_the_kernel_equals_gather_sdpa(tiny_llama):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_llama)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("max err") == 3
 
@@ -80,7 +80,7 @@ def test_packed_prefill_equals_per_prompt_forward(tiny_llama):
             tol = 1e-4 * float(want.abs().max())  # fp32 rounding of sums over a few hundred terms
             assert float((got[n] - want).abs().max()) <= tol, n
             for layer in range(a.layers):
-                kv_err = (pool.k[layer][s, :, :len(p)] - c.k[layer][:, :len(p)]).abs().max()
+                kv_err = (pool.k[layer][s, :, : len(p)] - c.k[layer][:, : len(p)]).abs().max()
                 assert float(kv_err) <= 1e-5 * float(c.k[layer].abs().max()) + 1e-6, (n, layer)
 
 
@@ -121,16 +121,18 @@ def test_padded_packed_prefill_equals_unpadded(tiny_llama):
                 assert none.shape[0] == 0  # no decode rows
             else:  # a wider bucket than the chunk's own
                 host, lh = padded_inputs(toks, sl, pos, seg, last, width, pool.scratch, pool.capacity)
-                got = pg._fn(width, *host.unbind(0), lh)[:len(last)]
+                got = pg._fn(width, *host.unbind(0), lh)[: len(last)]
             assert got.shape == want.shape
             tol = 1e-5 * float(want.abs().max())  # fp32: the same sums, row blocks of another height
             assert float((got - want).abs().max()) <= tol, width
             for layer in range(a.layers):
                 for s, p in zip(slots, prompts):
-                    assert torch.allclose(pool.k[layer][s, :, :len(p)], ref_pool.k[layer][s, :, :len(p)],
-                                          atol=1e-6, rtol=1e-5)
-                    assert torch.allclose(pool.v[layer][s, :, :len(p)], ref_pool.v[layer][s, :, :len(p)],
-                                          atol=1e-6, rtol=1e-5)
+                    assert torch.allclose(
+                        pool.k[layer][s, :, : len(p)], ref_pool.k[layer][s, :, : len(p)], atol=1e-6, rtol=1e-5
+                    )
+                    assert torch.allclose(
+                        pool.v[layer][s, :, : len(p)], ref_pool.v[layer][s, :, : len(p)], atol=1e-6, rtol=1e-5
+                    )
                 assert not pool.k[layer][1].any() and not pool.k[layer][4].any()  # untouched slots
                 assert pool.k[layer][pool.scratch].any()  # the padding went to the scratch row
 
@@ -144,8 +146,8 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
     import torch
 
     from swiftlm.backends.torch.graphs import SlotPool, decode_batch_static, prefill_packed_static
-    from swiftlm.backends.torch.prefill_graphs import PackedGraphs
     from swiftlm.backends.torch.packed_attention import pack
+    from swiftlm.backends.torch.prefill_graphs import PackedGraphs
     from swiftlm.backends.torch.runner import load_model
     from swiftlm.registry import resolve
 
@@ -160,7 +162,7 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
 
     g = torch.Generator().manual_seed(2)
     old = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (9, 4, 13)]  # decoding already
-    new = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (6, 11)]     # arriving now
+    new = [torch.randint(0, a.vocab, (n,), generator=g).tolist() for n in (6, 11)]  # arriving now
     old_slots, new_slots = [4, 0, 2], [1, 5]
     nxt = torch.randint(0, a.vocab, (3,), generator=g).tolist()  # the decode rows' tokens
     with torch.inference_mode():
@@ -168,8 +170,15 @@ def test_mixed_step_equals_prefill_then_batched_decode(tiny_llama):
         for pool in pools:  # the same history in both
             prefill_packed_static(m, pool, *(torch.tensor(x) for x in pack(old, old_slots)))
         want_p = prefill_packed_static(m, pools[0], *(torch.tensor(x) for x in pack(new, new_slots)))
-        want_d = decode_batch_static(m, pools[0], torch.tensor(nxt), torch.tensor(old_slots),
-                                     torch.tensor([len(p) for p in old]), 64, torch.arange(64))
+        want_d = decode_batch_static(
+            m,
+            pools[0],
+            torch.tensor(nxt),
+            torch.tensor(old_slots),
+            torch.tensor([len(p) for p in old]),
+            64,
+            torch.arange(64),
+        )
         mg = PackedGraphs(Eager(), pools[1], rows=pools[1].n, enabled=True)
         assert mg.fits(17, 2, 3) and not mg.fits(17, 2, 7) and not mg.fits(17, 0, 3)
         got_p, got_d = mg.run(*pack(new, new_slots), nxt, old_slots, [len(p) for p in old])

@@ -12,9 +12,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import BACKENDS, needs_torch, run_cli
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerProc
 
 MiB = 1 << 20
@@ -27,8 +26,10 @@ def scrape(base: str) -> dict[str, dict]:
     text = httpx.get(base + "/metrics", timeout=30).text
     out = {}
     for fam in text_string_to_metric_families(text):
-        out[fam.name] = {"type": fam.type,
-                         "samples": {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples}}
+        out[fam.name] = {
+            "type": fam.type,
+            "samples": {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples},
+        }
     return out
 
 
@@ -45,8 +46,11 @@ def health(base: str) -> dict:
 
 
 def chat(base: str, max_tokens: int = 8, messages=MSGS, **kw) -> dict:
-    r = httpx.post(base + "/v1/chat/completions", timeout=120,
-                   json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw})
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -89,8 +93,20 @@ def server(tiny_llama):
     """torch, 4 slots, a KV budget of one full context (--kv-budget-bytes is raised to that), so
     that concurrent long requests are preempted."""
     pytest.importorskip("torch")
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--parallel", "4", "--max-tokens", "16",
-                   "--ctx-size", "256", "--kv-budget-bytes", "1")
+    s = ServerProc(
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--parallel",
+        "4",
+        "--max-tokens",
+        "16",
+        "--ctx-size",
+        "256",
+        "--kv-budget-bytes",
+        "1",
+    )
     yield s
     assert s.stop() == 0, s.stderr_tail()
 
@@ -102,9 +118,20 @@ def test_health_memory_is_measured(any_server):
     h = wait_idle(base)
     m = h["memory"]
     # ours, in bytes, and SwiftLM's, in MiB rounded down (its meaning: the device allocator)
-    for k in ("active", "peak", "cache", "total_system", "process_rss_bytes", "process_peak_rss_bytes",
-              "weights_bytes", "kv_bytes", "kv_allocated_bytes", "prompt_cache_bytes", "device_total_bytes",
-              "packed_weights_bytes"):
+    for k in (
+        "active",
+        "peak",
+        "cache",
+        "total_system",
+        "process_rss_bytes",
+        "process_peak_rss_bytes",
+        "weights_bytes",
+        "kv_bytes",
+        "kv_allocated_bytes",
+        "prompt_cache_bytes",
+        "device_total_bytes",
+        "packed_weights_bytes",
+    ):
         assert isinstance(m[k], int) and m[k] >= 0, k
     assert m["active_mb"] == m["active"] // MiB and m["peak_mb"] == m["peak"] // MiB
     assert m["cache_mb"] == m["cache"] // MiB and m["total_system_mb"] == m["device_total_bytes"] // MiB
@@ -167,18 +194,47 @@ def test_info_sizes_the_bundled_gguf_as_torch_holds_it():
 
 
 # ------------------------------------------------------------------------------------------ counters
-COUNTERS = ["swiftlm_requests", "swiftlm_request_errors", "swiftlm_stream_errors", "swiftlm_prompt_tokens",
-            "swiftlm_generation_tokens", "swiftlm_tokens_generated", "swiftlm_engine_requests",
-            "swiftlm_requests_finished", "swiftlm_prompt_tokens_processed", "swiftlm_engine_steps",
-            "swiftlm_preemptions", "swiftlm_busy_seconds", "swiftlm_prompt_cache_hits", "swiftlm_prompt_cache_misses",
-            "swiftlm_prompt_cache_tokens_reused", "swiftlm_steps_overlapped"]
-HISTOGRAMS = ["swiftlm_time_to_first_token_seconds", "swiftlm_inter_token_latency_seconds",
-              "swiftlm_engine_time_to_first_token_seconds", "swiftlm_request_queue_seconds",
-              "swiftlm_request_duration_seconds", "swiftlm_time_per_output_token_seconds", "swiftlm_step_seconds"]
-GAUGES = ["swiftlm_requests_active", "swiftlm_queue_depth", "swiftlm_running_sequences", "swiftlm_uptime_seconds",
-          "swiftlm_avg_tokens_per_second", "swiftlm_tokens_per_second", "swiftlm_memory_bytes",
-          "swiftlm_memory_active_bytes", "swiftlm_memory_peak_bytes", "swiftlm_memory_cache_bytes",
-          "swiftlm_prompt_cache_bytes", "swiftlm_kv_cache_bytes_in_use"]
+COUNTERS = [
+    "swiftlm_requests",
+    "swiftlm_request_errors",
+    "swiftlm_stream_errors",
+    "swiftlm_prompt_tokens",
+    "swiftlm_generation_tokens",
+    "swiftlm_tokens_generated",
+    "swiftlm_engine_requests",
+    "swiftlm_requests_finished",
+    "swiftlm_prompt_tokens_processed",
+    "swiftlm_engine_steps",
+    "swiftlm_preemptions",
+    "swiftlm_busy_seconds",
+    "swiftlm_prompt_cache_hits",
+    "swiftlm_prompt_cache_misses",
+    "swiftlm_prompt_cache_tokens_reused",
+    "swiftlm_steps_overlapped",
+]
+HISTOGRAMS = [
+    "swiftlm_time_to_first_token_seconds",
+    "swiftlm_inter_token_latency_seconds",
+    "swiftlm_engine_time_to_first_token_seconds",
+    "swiftlm_request_queue_seconds",
+    "swiftlm_request_duration_seconds",
+    "swiftlm_time_per_output_token_seconds",
+    "swiftlm_step_seconds",
+]
+GAUGES = [
+    "swiftlm_requests_active",
+    "swiftlm_queue_depth",
+    "swiftlm_running_sequences",
+    "swiftlm_uptime_seconds",
+    "swiftlm_avg_tokens_per_second",
+    "swiftlm_tokens_per_second",
+    "swiftlm_memory_bytes",
+    "swiftlm_memory_active_bytes",
+    "swiftlm_memory_peak_bytes",
+    "swiftlm_memory_cache_bytes",
+    "swiftlm_prompt_cache_bytes",
+    "swiftlm_kv_cache_bytes_in_use",
+]
 
 
 def test_metric_types(server):
@@ -191,8 +247,13 @@ def test_metric_types(server):
     for name in GAUGES:
         assert m[name]["type"] == "gauge", name
     text = httpx.get(server.base + "/metrics").text
-    for name in ("swiftlm_tokens_generated_total", "swiftlm_tokens_per_second", "swiftlm_memory_active_bytes",
-                 "swiftlm_memory_peak_bytes", "swiftlm_memory_cache_bytes"):  # SwiftLM's names, as SwiftLM writes them
+    for name in (
+        "swiftlm_tokens_generated_total",
+        "swiftlm_tokens_per_second",
+        "swiftlm_memory_active_bytes",
+        "swiftlm_memory_peak_bytes",
+        "swiftlm_memory_cache_bytes",
+    ):  # SwiftLM's names, as SwiftLM writes them
         assert f"\n{name} " in text, name
 
 
@@ -216,8 +277,9 @@ def test_request_and_token_counters(server):
     assert delta("swiftlm_engine_steps_total") >= n_out
     h = health(server.base)["stats"]
     assert h["tokens_generated"] == value(after, "swiftlm_tokens_generated_total")
-    assert h["requests_finished"][r["choices"][0]["finish_reason"]] == \
-        value(after, "swiftlm_requests_finished_total", reason=r["choices"][0]["finish_reason"])
+    assert h["requests_finished"][r["choices"][0]["finish_reason"]] == value(
+        after, "swiftlm_requests_finished_total", reason=r["choices"][0]["finish_reason"]
+    )
 
 
 def test_cancelled_requests_are_counted(server):
@@ -229,33 +291,45 @@ def test_cancelled_requests_are_counted(server):
                 break  # the client goes away mid-stream
     wait_idle(server.base)
     after = scrape(server.base)
-    assert value(after, "swiftlm_requests_finished_total", reason="cancelled") - \
-        value(before, "swiftlm_requests_finished_total", reason="cancelled") == 1
+    assert (
+        value(after, "swiftlm_requests_finished_total", reason="cancelled")
+        - value(before, "swiftlm_requests_finished_total", reason="cancelled")
+        == 1
+    )
 
 
 def test_error_counter_counts_client_errors(server):
     before = scrape(server.base)
-    r = httpx.post(server.base + "/v1/chat/completions", content=b'{"messages": [',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base + "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSGS, "temperature": 7})
     assert r.status_code == 400
     after = scrape(server.base)
-    assert value(after, "swiftlm_request_errors_total", status="400") - \
-        value(before, "swiftlm_request_errors_total", status="400") == 2
+    assert (
+        value(after, "swiftlm_request_errors_total", status="400")
+        - value(before, "swiftlm_request_errors_total", status="400")
+        == 2
+    )
 
 
 def test_prompt_cache_counters(server):
     before = scrape(server.base)
-    msgs = [{"role": "system", "content": "You answer questions about rivers and their sources. " * 3},
-            {"role": "user", "content": "Which river is the longest?"}]
+    msgs = [
+        {"role": "system", "content": "You answer questions about rivers and their sources. " * 3},
+        {"role": "user", "content": "Which river is the longest?"},
+    ]
     chat(server.base, max_tokens=2, messages=msgs)
     chat(server.base, max_tokens=2, messages=msgs)
     after = scrape(server.base)
     assert value(after, "swiftlm_prompt_cache_hits_total") - value(before, "swiftlm_prompt_cache_hits_total") >= 1
     assert value(after, "swiftlm_prompt_cache_misses_total") >= 1
-    assert value(after, "swiftlm_prompt_cache_tokens_reused_total") - \
-        value(before, "swiftlm_prompt_cache_tokens_reused_total") >= 16
+    assert (
+        value(after, "swiftlm_prompt_cache_tokens_reused_total")
+        - value(before, "swiftlm_prompt_cache_tokens_reused_total")
+        >= 16
+    )
     assert value(after, "swiftlm_prompt_cache_bytes") > 0
 
 
@@ -293,9 +367,13 @@ def test_latency_histograms(server):
     def dcount(name):
         return value(after, name + "_count") - value(before, name + "_count")
 
-    for name in ("swiftlm_time_to_first_token_seconds", "swiftlm_engine_time_to_first_token_seconds",
-                 "swiftlm_request_queue_seconds", "swiftlm_request_duration_seconds",
-                 "swiftlm_time_per_output_token_seconds"):
+    for name in (
+        "swiftlm_time_to_first_token_seconds",
+        "swiftlm_engine_time_to_first_token_seconds",
+        "swiftlm_request_queue_seconds",
+        "swiftlm_request_duration_seconds",
+        "swiftlm_time_per_output_token_seconds",
+    ):
         assert dcount(name) == 1, name
         assert value(after, name + "_bucket", le="+Inf") == value(after, name + "_count")
     assert 1 <= dcount("swiftlm_inter_token_latency_seconds") <= 7
@@ -333,8 +411,9 @@ def test_throughput_is_over_busy_wall_time(server):
     assert 0.5 * wall < busy <= wall + 0.01
     tps = value(m1, "swiftlm_avg_tokens_per_second")
     assert tps == value(m1, "swiftlm_tokens_per_second")  # SwiftLM's name, same figure
-    assert tps == pytest.approx(value(m1, "swiftlm_tokens_generated_total") / value(m1, "swiftlm_busy_seconds_total"),
-                                rel=0.01)
+    assert tps == pytest.approx(
+        value(m1, "swiftlm_tokens_generated_total") / value(m1, "swiftlm_busy_seconds_total"), rel=0.01
+    )
     assert h["stats"]["avg_tokens_per_sec"] == pytest.approx(tps, rel=0.01)
     time.sleep(1.0)  # idle: the figure stays
     assert value(scrape(server.base), "swiftlm_avg_tokens_per_second") == pytest.approx(tps, rel=1e-6)
@@ -428,8 +507,9 @@ def test_error_counter_counts_errors_sent_mid_stream(inproc, monkeypatch):
     client, state, llm = inproc
     before = _errors(state, "500")
     _fail_forward(monkeypatch, llm)
-    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "logit_bias": NO_EOS,
-                                                  "stream": True})
+    r = client.post(
+        "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "logit_bias": NO_EOS, "stream": True}
+    )
     assert r.status_code == 200 and '"error"' in r.text
     assert _errors(state, "500") == before + 1
     text = state.metrics.render(state.engine).decode()

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from server_util import ServerProc
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -22,28 +21,74 @@ def raw(s: str) -> dict:
 CASES = [  # (id, path, request kwargs, status, words in the message)
     ("deep-list", CHAT, raw('{"messages": ' + "[" * 100000 + "]" * 100000 + "}"), 400, "nested"),
     ("deep-object", CHAT, raw('{"x": ' + '{"a":' * 5000 + "1" + "}" * 5000 + ', "messages": []}'), 400, "nested"),
-    ("depth-over-limit", CHAT, raw('{"x": ' + "[" * 80 + "]" * 80 + ', "messages": [{"role":"user","content":"hi"}]}'),
-     400, "deeper than 64"),
+    (
+        "depth-over-limit",
+        CHAT,
+        raw('{"x": ' + "[" * 80 + "]" * 80 + ', "messages": [{"role":"user","content":"hi"}]}'),
+        400,
+        "deeper than 64",
+    ),
     ("nan", CHAT, raw('{"messages": [{"role":"user","content":"hi"}], "temperature": NaN}'), 400, "NaN"),
     ("infinity", CHAT, raw('{"messages": [{"role":"user","content":"hi"}], "top_p": -Infinity}'), 400, "Infinity"),
-    ("huge-float", CHAT, raw('{"messages": [{"role":"user","content":"hi"}], "logit_bias": {"5": 1e400}}'),
-     400, "finite"),
-    ("duplicate-keys", CHAT, raw('{"messages": [{"role":"user","content":"hi"}], "max_tokens": 2, "max_tokens": 3}'),
-     400, "twice"),
+    (
+        "huge-float",
+        CHAT,
+        raw('{"messages": [{"role":"user","content":"hi"}], "logit_bias": {"5": 1e400}}'),
+        400,
+        "finite",
+    ),
+    (
+        "duplicate-keys",
+        CHAT,
+        raw('{"messages": [{"role":"user","content":"hi"}], "max_tokens": 2, "max_tokens": 3}'),
+        400,
+        "twice",
+    ),
     ("lone-surrogate", CHAT, raw('{"messages": [{"role":"user","content":"\\ud800"}]}'), 400, "surrogate"),
-    ("not-utf8", CHAT, {"content": b'{"messages": "\xff\xfe"}', "headers": {"content-type": "application/json"}},
-     400, "UTF-8"),
-    ("wrong-content-type", CHAT, {"content": json.dumps({"messages": MSG}), "headers": {"content-type": "text/plain"}},
-     415, "Content-Type"),
+    (
+        "not-utf8",
+        CHAT,
+        {"content": b'{"messages": "\xff\xfe"}', "headers": {"content-type": "application/json"}},
+        400,
+        "UTF-8",
+    ),
+    (
+        "wrong-content-type",
+        CHAT,
+        {"content": json.dumps({"messages": MSG}), "headers": {"content-type": "text/plain"}},
+        415,
+        "Content-Type",
+    ),
     ("too-many-messages", CHAT, {"json": {"messages": MSG * 10000}}, 400, "8192"),
-    ("template-kwargs-shadow", CHAT, {"json": {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": 1}}},
-     400, "add_generation_prompt"),
-    ("template-kwargs-messages", CHAT, {"json": {"messages": MSG, "chat_template_kwargs": {"messages": []}}},
-     400, "messages"),
-    ("too-many-tools", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}] * 200}},
-     400, "tools"),
+    (
+        "template-kwargs-shadow",
+        CHAT,
+        {"json": {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": 1}}},
+        400,
+        "add_generation_prompt",
+    ),
+    (
+        "template-kwargs-messages",
+        CHAT,
+        {"json": {"messages": MSG, "chat_template_kwargs": {"messages": []}}},
+        400,
+        "messages",
+    ),
+    (
+        "too-many-tools",
+        CHAT,
+        {"json": {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}] * 200}},
+        400,
+        "tools",
+    ),
     ("n-huge", CHAT, {"json": {"messages": MSG, "n": 10**9}}, 400, "'n'"),
-    ("top-logprobs-huge", CHAT, {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 10**6}}, 400, "top_logprobs"),
+    (
+        "top-logprobs-huge",
+        CHAT,
+        {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 10**6}},
+        400,
+        "top_logprobs",
+    ),
     ("bias-out-of-vocab", CHAT, {"json": {"messages": MSG, "logit_bias": {"999999999": 5}}}, 400, "token id"),
     ("bias-negative-id", CHAT, {"json": {"messages": MSG, "logit_bias": {"-3": 5}}}, 400, "token id"),
     ("max-tokens-huge", CHAT, {"json": {"messages": MSG, "max_tokens": 10**12}}, 400, "context"),
@@ -51,16 +96,21 @@ CASES = [  # (id, path, request kwargs, status, words in the message)
     ("stop-list-long", CHAT, {"json": {"messages": MSG, "stop": ["a"] * 1000}}, 400, "stop"),
     ("prompt-ids-out-of-vocab", "/v1/completions", {"json": {"prompt": [10**12], "max_tokens": 2}}, 400, "vocabulary"),
     ("embedding-too-long", "/v1/embeddings", {"json": {"input": [[5] * 5000]}}, 400, "context"),
-    ("responses-bad-part", "/v1/responses",
-     {"json": {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}]}},
-     400, "string"),
+    (
+        "responses-bad-part",
+        "/v1/responses",
+        {"json": {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}]}},
+        400,
+        "string",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--parallel", "2", "--max-tokens", "4",
-                   "--ctx-size", "1024")
+    s = ServerProc(
+        "--model", str(tiny_llama), "--backend", "torch", "--parallel", "2", "--max-tokens", "4", "--ctx-size", "1024"
+    )
     yield s
     assert s.stop() == 0, s.stderr_tail()
 
@@ -78,17 +128,28 @@ def test_hostile_input_is_a_clear_4xx_and_the_connection_still_serves(server, ca
 
 
 def test_anthropic_route_keeps_its_error_shape(server):
-    r = httpx.post(server.base + "/v1/messages", timeout=60, headers={"content-type": "application/json"},
-                   content='{"model": "x", "max_tokens": 5, "messages": [{"role":"user","content":"hi"}], "a": NaN}')
+    r = httpx.post(
+        server.base + "/v1/messages",
+        timeout=60,
+        headers={"content-type": "application/json"},
+        content='{"model": "x", "max_tokens": 5, "messages": [{"role":"user","content":"hi"}], "a": NaN}',
+    )
     assert r.status_code == 400
     body = r.json()
-    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and "NaN" in body["error"]["message"]
+    assert (
+        body["type"] == "error"
+        and body["error"]["type"] == "invalid_request_error"
+        and "NaN" in body["error"]["message"]
+    )
 
 
-@pytest.mark.parametrize("path, body", [
-    (CHAT, {"messages": MSG, "max_tokens": 2, "top_k": 9999999999999999999}),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "top_k": 9999999999999999999}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (CHAT, {"messages": MSG, "max_tokens": 2, "top_k": 9999999999999999999}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "top_k": 9999999999999999999}),
+    ],
+)
 def test_top_k_past_the_vocabulary_means_no_top_k(server, path, body):
     """A top_k of every token (or more than int64 holds: schemathesis found a 500) samples from
     the whole vocabulary, as top_k 0 does."""

@@ -22,24 +22,35 @@ from pathlib import Path
 
 import pytest
 
-
 COMMIT = "a" * 40
 TOKEN = "hf_test_token_123"
 
 
 def _safetensors(n: int = 64) -> bytes:
     data = struct.pack("<f", 0.5) * (n * n)
-    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [n, n],
-                                                       "data_offsets": [0, len(data)]}}).encode()
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "F32", "shape": [n, n], "data_offsets": [0, len(data)]}}
+    ).encode()
     header += b" " * (-len(header) % 8)
     return struct.pack("<Q", len(header)) + header + data
 
 
 def _repo_files(model_type: str) -> dict[str, bytes]:
-    cfg = {"model_type": model_type, "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64, "max_position_embeddings": 256}
-    return {"config.json": json.dumps(cfg).encode(), "model.safetensors": _safetensors(),
-            "tokenizer.json": b'{"version": "1.0"}', "README.md": b"# a test model\n"}
+    cfg = {
+        "model_type": model_type,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 256,
+    }
+    return {
+        "config.json": json.dumps(cfg).encode(),
+        "model.safetensors": _safetensors(),
+        "tokenizer.json": b'{"version": "1.0"}',
+        "README.md": b"# a test model\n",
+    }
 
 
 class FakeHub:
@@ -92,8 +103,13 @@ class FakeHub:
         self._send(h, 200, json.dumps(obj).encode(), {"Content-Type": "application/json"}, head)
 
     def _error(self, h, status, code, msg, head=False):
-        self._send(h, status, json.dumps({"error": msg}).encode(),
-                   {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": msg}, head)
+        self._send(
+            h,
+            status,
+            json.dumps({"error": msg}).encode(),
+            {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": msg},
+            head,
+        )
 
     @staticmethod
     def _oid(data: bytes) -> str:
@@ -153,8 +169,17 @@ class FakeHub:
                 return
             files = repo["files"]
             if kind == "revision":
-                self._json(h, {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": bool(repo.get("private")),
-                               "siblings": [{"rfilename": f} for f in files]}, head)
+                self._json(
+                    h,
+                    {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": COMMIT,
+                        "private": bool(repo.get("private")),
+                        "siblings": [{"rfilename": f} for f in files],
+                    },
+                    head,
+                )
             else:
                 entries = []
                 for f, data in files.items():
@@ -187,8 +212,19 @@ class FakeHub:
             common = {"X-Repo-Commit": COMMIT}
             if fname.endswith(self.LFS):
                 sha = hashlib.sha256(data).hexdigest()
-                self._send(h, 302, b"", {**common, "Location": f"{self.cdn}/cdn/{sha}", "X-Linked-Etag": f'"{sha}"',
-                                         "X-Linked-Size": str(len(data)), "ETag": f'"{self._oid(data)}"'}, head)
+                self._send(
+                    h,
+                    302,
+                    b"",
+                    {
+                        **common,
+                        "Location": f"{self.cdn}/cdn/{sha}",
+                        "X-Linked-Etag": f'"{sha}"',
+                        "X-Linked-Size": str(len(data)),
+                        "ETag": f'"{self._oid(data)}"',
+                    },
+                    head,
+                )
                 return
             self._body(h, data, self._oid(data), fname, head, common)
             return
@@ -202,8 +238,14 @@ def hub(tmp_path):
     h.repos["test-org/tiny-phi3"] = {"files": _repo_files("phi3")}
     h.repos["test-org/private"] = {"files": _repo_files("llama"), "private": True}
     h.repos["test-org/gated"] = {"files": _repo_files("llama"), "gated": True}
-    env = {"HF_ENDPOINT": h.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    env = {
+        "HF_ENDPOINT": h.url,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_ETAG_TIMEOUT": "5",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
+    }
     h.env = env
     yield h
     h.close()
@@ -215,11 +257,15 @@ def cli(hub, *args, **extra):
 
     from conftest import ROOT
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_TOKEN", "HF_HUB_CACHE", "SWIFTLM_OFFLINE", "HF_HUB_ENABLE_HF_TRANSFER", "HF_ENDPOINT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_TOKEN", "HF_HUB_CACHE", "SWIFTLM_OFFLINE", "HF_HUB_ENABLE_HF_TRANSFER", "HF_ENDPOINT")
+    }
     env.update(hub.env, **extra)
-    return subprocess.run([sys.executable, "-m", "swiftlm.cli", *args], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "swiftlm.cli", *args], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
 
 
 def snapshot(hub, repo_id: str) -> Path:
@@ -256,7 +302,7 @@ def test_download_models_rm_round_trip(hub):
 
     expect = {b for b, pkg in (("torch", "torch"), ("mlx", "mlx_lm")) if importlib.util.find_spec(pkg)}
     assert set(llama["backends"]) == expect
-    phi = listed["test-org/tiny-phi3"]       # no weights downloaded: listed, with the reason it cannot run
+    phi = listed["test-org/tiny-phi3"]  # no weights downloaded: listed, with the reason it cannot run
     assert phi["backends"] == [] and "no .safetensors" in phi["note"]
     assert listed["smollm2-135m-instruct"]["source"] == "bundled"
 

@@ -11,8 +11,8 @@ from swiftlm.chat.json_close import closing_suffix
 
 DOCS = [
     {"name": "Ada", "age": 36, "tags": ["math", "engines"], "ok": True, "none": None, "ratio": -1.5e-3},
-    [1, 2.5, -3e+2, {"a": [[], {}]}, "x\"y\\z", "\u00e9\u4e2d\ud83d\ude00", False],
-    {"nested": {"deep": {"deeper": [{"k": "v"}, {"k2": [1, [2, [3]]]}]}}, "esc": "line\nbreak\ttab \\ \" /"},
+    [1, 2.5, -3e2, {"a": [[], {}]}, 'x"y\\z', "\u00e9\u4e2d\ud83d\ude00", False],
+    {"nested": {"deep": {"deeper": [{"k": "v"}, {"k2": [1, [2, [3]]]}]}}, "esc": 'line\nbreak\ttab \\ " /'},
     {"empty": {}, "arr": [], "s": "", "n": 0, "u": "\\u0041"},
 ]
 
@@ -39,7 +39,7 @@ def test_not_json_or_complete():
     assert closing_suffix('{"a": tr') == "ue}"
     assert closing_suffix('{"a"') == ":null}"
     assert closing_suffix('{"a":') == "null}"
-    assert closing_suffix('[1,') == "null]"
+    assert closing_suffix("[1,") == "null]"
     assert closing_suffix('{"a":1,') == '"":null}'
 
 
@@ -89,10 +89,10 @@ def test_edges_of_the_state_machine():
     assert closing_suffix('  \n{"a"') == ":null}"  # leading whitespace is skipped
     assert closing_suffix('["\\') == 'n"]'  # an escape owed at the very first string character
     assert closing_suffix('["\\u1') == '000"]'
-    assert closing_suffix('[1E') == "0]" and closing_suffix('[1e') == "0]" and closing_suffix('[1e+') == "0]"
-    assert closing_suffix('[1.5E3') == "]" and closing_suffix('[-') == "0]"
-    assert closing_suffix('[tx') is None  # no literal starts so
-    assert closing_suffix('[1X') is None and closing_suffix('X{') is None and closing_suffix('[1 ?') is None
-    assert closing_suffix('[true') == "]" and closing_suffix('[f') == "alse]"
+    assert closing_suffix("[1E") == "0]" and closing_suffix("[1e") == "0]" and closing_suffix("[1e+") == "0]"
+    assert closing_suffix("[1.5E3") == "]" and closing_suffix("[-") == "0]"
+    assert closing_suffix("[tx") is None  # no literal starts so
+    assert closing_suffix("[1X") is None and closing_suffix("X{") is None and closing_suffix("[1 ?") is None
+    assert closing_suffix("[true") == "]" and closing_suffix("[f") == "alse]"
     assert closing_suffix('{"a": [1, {"b": "c') == '"}]}'
-    assert closing_suffix(']') is None and closing_suffix('[1]]') is None
+    assert closing_suffix("]") is None and closing_suffix("[1]]") is None

@@ -40,8 +40,16 @@ def test_accounting_grow_and_free():
     kv.free(99)  # unknown: no-op
     assert not kv.has(1) and kv.table(1) is not t
     assert (kv.used(), kv.free_count(), kv.cached_count()) == (1, 7, 0)  # nothing committed: all free
-    assert kv.stats() == {"block_size": 4, "blocks_total": 8, "blocks_used": 1, "blocks_free": 7,
-                          "blocks_cached": 0, "prefix_queries": 0, "prefix_hits": 0, "evictions": 0}
+    assert kv.stats() == {
+        "block_size": 4,
+        "blocks_total": 8,
+        "blocks_used": 1,
+        "blocks_free": 7,
+        "blocks_cached": 0,
+        "prefix_queries": 0,
+        "prefix_hits": 0,
+        "evictions": 0,
+    }
     kv.check()
 
 
@@ -245,7 +253,7 @@ def test_randomized_against_a_model(seed: int):
             m = kv.match(toks, salt)
             assert len(m) <= (len(toks) - 1) // bs
             for i, b in enumerate(m):  # matched blocks really hold these tokens
-                assert content[b] == toks[i * bs:(i + 1) * bs]
+                assert content[b] == toks[i * bs : (i + 1) * bs]
             sid, next_sid = next_sid, next_sid + 1
             kv.adopt(sid, m)
             seqs[sid] = {"tokens": toks, "n": len(m) * bs, "salt": salt}

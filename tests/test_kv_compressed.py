@@ -20,8 +20,7 @@ from swiftlm.backends.torch.compressed_cache import CompressedCache  # noqa: E40
 from swiftlm.backends.torch.kv_quant import AffineCodec, TurboCodec, pack, unpack  # noqa: E402
 from swiftlm.turboquant import TurboQuantMSE, TurboQuantProd  # noqa: E402
 from swiftlm.turboquant.packing import pack as np_pack  # noqa: E402
-from swiftlm.turboquant.presets import (affine, parse_turbo, request_format, turbo_layout_bytes,  # noqa: E402
-                                        KVFormat)
+from swiftlm.turboquant.presets import KVFormat, affine, parse_turbo, request_format, turbo_layout_bytes  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -42,8 +41,9 @@ def test_pack_matches_numpy_layout(bits):
     assert torch.equal(unpack(ours, bits, 64), torch.from_numpy(codes))
 
 
-@pytest.mark.parametrize("d,bits,qjl", [(64, 4, False), (64, 3, False), (128, 2, False), (96, 3, False),
-                                        (64, 4, True), (128, 3, True)])
+@pytest.mark.parametrize(
+    "d,bits,qjl", [(64, 4, False), (64, 3, False), (128, 2, False), (96, 3, False), (64, 4, True), (128, 3, True)]
+)
 def test_torch_codec_equals_numpy_reference(d, bits, qjl):
     """Same rotation, codebook and planes as swiftlm.turboquant (float64 here, so codes are
     identical; norms are fp16 in both)."""
@@ -60,8 +60,9 @@ def test_torch_codec_equals_numpy_reference(d, bits, qjl):
         assert np.array_equal(enc.signs.numpy(), renc.signs)
         # fp16 residual norms of float64 values summed in two orders: a value within rounding of
         # a half-ulp may round to the neighbouring fp16 number, one ulp = at most 2^-10 relative
-        assert np.allclose(enc.rnorms.numpy().astype(np.float64), renc.residual_norms.astype(np.float64),
-                           rtol=2 ** -10, atol=0)
+        assert np.allclose(
+            enc.rnorms.numpy().astype(np.float64), renc.residual_norms.astype(np.float64), rtol=2**-10, atol=0
+        )
         # the effective key vector reproduces the unbiased inner-product estimator (up to that
         # one fp16 ulp of the residual norm, which scales the QJL term: 1e-3 > 2^-10)
         q = np.random.default_rng(1).standard_normal(d)
@@ -86,17 +87,24 @@ def reference_attention(cache: CompressedCache, layer: int, q: torch.Tensor, sta
         else:
             from swiftlm.backends.torch.kv_quant import Encoded
 
-            ks.append(cache.kc.decode(Encoded([p[:, :n] for p in L.kp], L.kn[:, :n],
-                                              L.ks[:, :n] if L.ks is not None else None,
-                                              L.kr[:, :n] if L.kr is not None else None)))
+            ks.append(
+                cache.kc.decode(
+                    Encoded(
+                        [p[:, :n] for p in L.kp],
+                        L.kn[:, :n],
+                        L.ks[:, :n] if L.ks is not None else None,
+                        L.kr[:, :n] if L.kr is not None else None,
+                    )
+                )
+            )
             vs.append(cache.vc.decode(Encoded([p[:, :n] for p in L.vp], L.vn[:, :n])))
-    ks.append(L.dk[:, :L.n_dense].float())
-    vs.append(L.dv[:, :L.n_dense].float())
+    ks.append(L.dk[:, : L.n_dense].float())
+    vs.append(L.dv[:, : L.n_dense].float())
     K, V = torch.cat(ks, 1).float(), torch.cat(vs, 1).float()
     H, T, D = q.shape
     rep = H // a.kv_heads
     K, V = K.repeat_interleave(rep, 0), V.repeat_interleave(rep, 0)
-    s = q.float() @ K.transpose(1, 2) * D ** -0.5
+    s = q.float() @ K.transpose(1, 2) * D**-0.5
     S = K.shape[1]
     mask = torch.arange(S)[None, :] <= torch.arange(start, start + T)[:, None]
     s = s.masked_fill(~mask, float("-inf"))
@@ -117,10 +125,19 @@ def reference_hook(monkeypatch):
     monkeypatch.setattr(CompressedCache, "_attend", wrapped)
 
 
-@pytest.mark.parametrize("fmt", [parse_turbo("k4v3", window=16), parse_turbo("k3qjl-v3", window=16),
-                                 parse_turbo("k3v2", window=0), parse_turbo("k4v3", window=8, keep_layers=1),
-                                 parse_turbo("k2v4", window=8, threshold=100), affine(4, 32), affine(8, 64)],
-                         ids=lambda f: f"{f.name}-w{f.window}-t{f.threshold}-keep{f.keep_layers}")
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        parse_turbo("k4v3", window=16),
+        parse_turbo("k3qjl-v3", window=16),
+        parse_turbo("k3v2", window=0),
+        parse_turbo("k4v3", window=8, keep_layers=1),
+        parse_turbo("k2v4", window=8, threshold=100),
+        affine(4, 32),
+        affine(8, 64),
+    ],
+    ids=lambda f: f"{f.name}-w{f.window}-t{f.threshold}-keep{f.keep_layers}",
+)
 def test_cache_attention_equals_attention_over_decoded_history(fmt, reference_hook):
     a = shape()
     cache = CompressedCache(a, fmt, torch.float32, CPU)
@@ -153,8 +170,14 @@ def test_rollback_equals_feeding_only_accepted_rows():
     a = shape(layers=2)
     fmt = parse_turbo("k4v3", window=16)
     g = torch.Generator().manual_seed(1)
-    rows = [(torch.randn(a.heads, 1, 64, generator=g), torch.randn(a.kv_heads, 1, 64, generator=g),
-             torch.randn(a.kv_heads, 1, 64, generator=g)) for _ in range(90)]
+    rows = [
+        (
+            torch.randn(a.heads, 1, 64, generator=g),
+            torch.randn(a.kv_heads, 1, 64, generator=g),
+            torch.randn(a.kv_heads, 1, 64, generator=g),
+        )
+        for _ in range(90)
+    ]
     cat = lambda i, j, n: torch.cat([r[n] for r in rows[i:j]], 1)  # noqa: E731
 
     def feed(c, i, j, at):
@@ -166,8 +189,8 @@ def test_rollback_equals_feeding_only_accepted_rows():
     y = CompressedCache(a, fmt, torch.float32, CPU)
     feed(x, 0, 60, 0)
     feed(y, 0, 60, 0)
-    feed(x, 60, 65, 60)            # a verify block of 5 ...
-    out_x = feed(x, 62, 63, 62)    # ... of which 2 were accepted: continue at 62
+    feed(x, 60, 65, 60)  # a verify block of 5 ...
+    out_x = feed(x, 62, 63, 62)  # ... of which 2 were accepted: continue at 62
     feed(y, 60, 62, 60)
     out_y = feed(y, 62, 63, 62)
     # the same rows held (the codes of rows 0-43 from the same call, the rest 16-bit copies) and
@@ -208,9 +231,15 @@ def test_request_format_and_validation():
     assert request_format(SamplingParams(turbo_kv="k3v2"), default).name == "k3v2"
     assert request_format(SamplingParams(turbo_kv="k3v2"), default).window == 64
     assert request_format(SamplingParams(kv_bits=8), KVFormat()).kind == "affine"
-    for bad, field in [({"kv_bits": 3}, "kv_bits"), ({"kv_bits": 16}, "kv_bits"), ({"kv_group_size": 48}, "kv_group_size"),
-                       ({"turbo_kv": "k5v3"}, "turbo_kv"), ({"turbo_kv": "q4"}, "turbo_kv"), ({"turbo_kv": 4}, "turbo_kv"),
-                       ({"turbo_kv": "k4v3", "kv_bits": 4}, "kv_bits")]:
+    for bad, field in [
+        ({"kv_bits": 3}, "kv_bits"),
+        ({"kv_bits": 16}, "kv_bits"),
+        ({"kv_group_size": 48}, "kv_group_size"),
+        ({"turbo_kv": "k5v3"}, "turbo_kv"),
+        ({"turbo_kv": "q4"}, "turbo_kv"),
+        ({"turbo_kv": 4}, "turbo_kv"),
+        ({"turbo_kv": "k4v3", "kv_bits": 4}, "kv_bits"),
+    ]:
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(**bad).validate()
         assert e.value.param == field
@@ -225,9 +254,11 @@ def turbo_llm():
     llm.close()
 
 
-PROMPTS = ["Write a long story about a cat who learns to fly. Once upon a time",
-           "The capital of France is Paris. Tell me more about Paris and its long history",
-           "List the planets of the solar system in order from the sun, with one fact each:"]
+PROMPTS = [
+    "Write a long story about a cat who learns to fly. Once upon a time",
+    "The capital of France is Paris. Tell me more about Paris and its long history",
+    "List the planets of the solar system in order from the sun, with one fact each:",
+]
 
 
 def test_smollm2_turbo_batched_equals_solo(turbo_llm):
@@ -257,9 +288,19 @@ def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
     m.free([901])
 
 
-CODE_FORMATS = [parse_turbo("k4v3", window=0), parse_turbo("k3qjl-v3", window=0), parse_turbo("k3v2", window=0),
-                parse_turbo("k2v4", window=0), parse_turbo("k1v1", window=0), parse_turbo("k2qjl-v2", window=0),
-                parse_turbo("k1qjl-v3", window=0), affine(4, 64), affine(8, 64), affine(4, 32), affine(8, 32)]
+CODE_FORMATS = [
+    parse_turbo("k4v3", window=0),
+    parse_turbo("k3qjl-v3", window=0),
+    parse_turbo("k3v2", window=0),
+    parse_turbo("k2v4", window=0),
+    parse_turbo("k1v1", window=0),
+    parse_turbo("k2qjl-v2", window=0),
+    parse_turbo("k1qjl-v3", window=0),
+    affine(4, 64),
+    affine(8, 64),
+    affine(4, 32),
+    affine(8, 32),
+]
 
 
 @pytest.mark.parametrize("fmt", CODE_FORMATS, ids=lambda f: f.name)
@@ -347,8 +388,14 @@ def test_static_affine_cache_eager_path_equals_dynamic():
             pos += T
         assert st.counts() == dy.counts() == (pos, 0)
         for L1, L2 in zip(st.layers, dy.layers):
-            for x, y in ((L1.kp[0], L2.kp[0]), (L1.kn, L2.kn), (L1.ks, L2.ks), (L1.vp[0], L2.vp[0]), (L1.vn, L2.vn),
-                         (L1.vb, L2.vb)):
+            for x, y in (
+                (L1.kp[0], L2.kp[0]),
+                (L1.kn, L2.kn),
+                (L1.ks, L2.ks),
+                (L1.vp[0], L2.vp[0]),
+                (L1.vn, L2.vn),
+                (L1.vb, L2.vb),
+            ):
                 assert torch.equal(x[:, :pos], y[:, :pos])
 
 
@@ -382,9 +429,8 @@ def test_compress_block_equals_eager_compress(preset):
     for L0, L1 in zip(caches[0].layers, caches[1].layers):
         assert (L0.n_code, L0.n_dense) == (L1.n_code, L1.n_dense)
         n = L0.n_code
-        for t0, t1 in zip(L0.kp + L0.vp + [L0.kn, L0.vn, L0.ks, L0.kr],
-                          L1.kp + L1.vp + [L1.kn, L1.vn, L1.ks, L1.kr]):
+        for t0, t1 in zip(L0.kp + L0.vp + [L0.kn, L0.vn, L0.ks, L0.kr], L1.kp + L1.vp + [L1.kn, L1.vn, L1.ks, L1.kr]):
             if t0 is not None:
                 assert torch.equal(t0[:, :n], t1[:, :n])
-        assert torch.equal(L0.dk[:, :L0.n_dense], L1.dk[:, :L1.n_dense])
-        assert torch.equal(L0.dv[:, :L0.n_dense], L1.dv[:, :L1.n_dense])
+        assert torch.equal(L0.dk[:, : L0.n_dense], L1.dk[:, : L1.n_dense])
+        assert torch.equal(L0.dv[:, : L0.n_dense], L1.dv[:, : L1.n_dense])

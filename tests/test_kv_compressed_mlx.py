@@ -40,7 +40,7 @@ def test_codes_match_numpy_reference(bits):
     # to the neighbouring code; anything beyond that rate is a bug
     assert (ours != want).mean() < 1e-3
     # fp16 norms of a float32 vs a float64 sum: at most one fp16 ulp apart (2^-10 relative)
-    assert np.allclose(np.array(enc["norms"]), ref.norms, rtol=2 ** -10, atol=0)
+    assert np.allclose(np.array(enc["norms"]), ref.norms, rtol=2**-10, atol=0)
 
 
 def _code_mismatches(mc, tc) -> tuple[int, int]:
@@ -81,7 +81,7 @@ def test_attention_equals_torch_cache(name, window):
         v = rng.standard_normal((2, T, 64)).astype(np.float32)
         want = tc.update_attend(0, pos, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
         mc.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
-        got = np.array(mc.attend(mx.array(q)[None], 64 ** -0.5))[0]          # [H, T, D]
+        got = np.array(mc.attend(mx.array(q)[None], 64**-0.5))[0]  # [H, T, D]
         got = got.transpose(1, 0, 2).reshape(T, -1)
         pos += T
         if flipped:
@@ -113,7 +113,7 @@ def test_trim_equals_feeding_only_accepted_rows():
         c.attend(mx.zeros((1, 4, 50, 64)), 0.125)
     x.update_and_fetch(cat(50, 55), cat(50, 55))  # a verify block of 5 ...
     x.attend(mx.zeros((1, 4, 5, 64)), 0.125)
-    x.trim(3)                                     # ... 2 accepted
+    x.trim(3)  # ... 2 accepted
     y.update_and_fetch(cat(50, 52), cat(50, 52))
     y.attend(mx.zeros((1, 4, 2, 64)), 0.125)
     for c in (x, y):

@@ -1,5 +1,6 @@
 """A growing (CPU) KV cache holds at most ~1.25x its rows plus one block, and growing keeps every row.
 (The 15-minute soak found doubling from 256 rows held ~3x the KV of 200 short streams.)"""
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,4 +39,3 @@ def test_growth_stops_at_the_context():
     for layer in range(a.layers):
         c.update(layer, 0, torch.zeros(a.kv_heads, 190, a.head_dim), torch.zeros(a.kv_heads, 190, a.head_dim))
     assert c.capacity == 200
-

@@ -1,8 +1,8 @@
 """LLM.chat passes images and audio to the model: the first token's log-probability changes with
 the image and the clip, and repeats for the same ones (it dropped the media before, giving the
 text-only answer for every image)."""
-import pytest
 
+import pytest
 from conftest import HAS_TORCH, make_ckpt
 
 pytest.importorskip("PIL.Image")

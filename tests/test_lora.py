@@ -17,29 +17,49 @@ from swiftlm import LLM, SamplingParams  # noqa: E402
 RANK, ALPHA = 4, 8.0
 
 
-def write_peft(d: Path, cfg: dict, seed: int, targets=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"),
-               scale_b: float = 0.5) -> dict:
+def write_peft(
+    d: Path,
+    cfg: dict,
+    seed: int,
+    targets=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"),
+    scale_b: float = 0.5,
+) -> dict:
     """A PEFT LoRA adapter with random A and B (B non-zero, so the adapter changes the output)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
-    q, kv, inter = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd, \
-        cfg["intermediate_size"]
-    dims = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, inter),
-            "up_proj": (H, inter), "down_proj": (inter, H)}
+    q, kv, inter = (
+        cfg["num_attention_heads"] * hd,
+        cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd,
+        cfg["intermediate_size"],
+    )
+    dims = {
+        "q_proj": (H, q),
+        "k_proj": (H, kv),
+        "v_proj": (H, kv),
+        "o_proj": (q, H),
+        "gate_proj": (H, inter),
+        "up_proj": (H, inter),
+        "down_proj": (inter, H),
+    }
     t = {}
     for i in range(L):
         for p in targets:
             where = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             fi, fo = dims[p]
             t[f"base_model.model.model.layers.{i}.{where}.{p}.lora_A.weight"] = torch.randn(RANK, fi, generator=g) * 0.3
-            t[f"base_model.model.model.layers.{i}.{where}.{p}.lora_B.weight"] = torch.randn(fo, RANK, generator=g) * scale_b
+            t[f"base_model.model.model.layers.{i}.{where}.{p}.lora_B.weight"] = (
+                torch.randn(fo, RANK, generator=g) * scale_b
+            )
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA,
-                                                       "target_modules": list(targets), "bias": "none"}))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(targets), "bias": "none"}
+        )
+    )
     return t
 
 
@@ -48,14 +68,13 @@ def adapters(tiny_llama, tmp_path_factory):
     cfg = json.loads((tiny_llama / "config.json").read_text())
     root = tmp_path_factory.mktemp("lora")
     w1 = write_peft(root / "a1", cfg, 1)
-    w2 = write_peft(root / "a2", cfg, 2, targets=("k_proj", "up_proj"))
+    write_peft(root / "a2", cfg, 2, targets=("k_proj", "up_proj"))
     return {"a1": root / "a1", "a2": root / "a2", "w1": w1, "cfg": cfg}
 
 
 @pytest.fixture(scope="module")
 def lora_llm(tiny_llama, adapters):
-    llm = LLM(str(tiny_llama), backend="torch", parallel=4,
-              adapter=[f"a1={adapters['a1']}", f"a2={adapters['a2']}"])
+    llm = LLM(str(tiny_llama), backend="torch", parallel=4, adapter=[f"a1={adapters['a1']}", f"a2={adapters['a2']}"])
     yield llm
     llm.close()
 
@@ -154,9 +173,11 @@ def test_server_selects_adapter_by_model_name(tiny_llama, adapters, lora_llm):
 
     srv = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--adapter", f"a1={adapters['a1']}")
     try:
+
         def complete(model):
-            body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0,
-                               "ignore_eos": True}).encode()
+            body = json.dumps(
+                {"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            ).encode()
             req = urllib.request.Request(srv.base + "/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 return json.loads(r.read())
@@ -168,8 +189,9 @@ def test_server_selects_adapter_by_model_name(tiny_llama, adapters, lora_llm):
         t_base = complete(base)["choices"][0]["text"]
         t_a1 = complete("a1")["choices"][0]["text"]
         t_full = complete(f"{base}:a1")["choices"][0]["text"]
-        want = lora_llm.generate("hello world", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                               adapter="a1")).text
+        want = lora_llm.generate(
+            "hello world", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, adapter="a1")
+        ).text
         assert t_a1 == t_full == want
         assert t_a1 != t_base
         for bad in ("a9", f"{base}:a9"):
@@ -197,8 +219,9 @@ def test_finetune_learns_and_adapter_serves(tiny_llama, tmp_path):
     from swiftlm.finetune import finetune_torch
 
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": m + [{"role": "assistant", "content": a}]}) + "\n"
-                            for m, a in CHATS))
+    data.write_text(
+        "".join(json.dumps({"messages": m + [{"role": "assistant", "content": a}]}) + "\n" for m, a in CHATS)
+    )
     out = tmp_path / "adapter"
     res = finetune_torch(str(tiny_llama), str(data), str(out), rank=8, alpha=16, steps=30, lr=1e-2, fuse=True)
     print("losses", [round(x, 3) for x in res.losses])
@@ -225,10 +248,38 @@ def test_finetune_learns_and_adapter_serves(tiny_llama, tmp_path):
         assert torch.allclose(f, tuned, atol=1e-4, rtol=0)
     finally:
         fused.close()
-    assert main(["finetune", "--model", str(tiny_llama), "--data", str(tmp_path / "missing.jsonl"),
-                 "--out", str(tmp_path / "x")]) == 2
-    assert main(["finetune", "--backend", "mlx", "--device", "cpu", "--model", str(tiny_llama), "--data", str(data),
-                 "--out", str(tmp_path / "x")]) == 2  # --device is torch's (mlx training: tests/test_lora_mlx.py)
+    assert (
+        main(
+            [
+                "finetune",
+                "--model",
+                str(tiny_llama),
+                "--data",
+                str(tmp_path / "missing.jsonl"),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "finetune",
+                "--backend",
+                "mlx",
+                "--device",
+                "cpu",
+                "--model",
+                str(tiny_llama),
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )  # --device is torch's (mlx training: tests/test_lora_mlx.py)
 
 
 def test_mlx_lm_adapter_format_loads_the_same(lora_llm, adapters, tmp_path):
@@ -242,12 +293,14 @@ def test_mlx_lm_adapter_format_loads_the_same(lora_llm, adapters, tmp_path):
     d.mkdir()
     t = {}
     for k, v in adapters["w1"].items():
-        name = k.replace("base_model.model.", "").replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight",
-                                                                                              ".lora_b")
+        name = (
+            k.replace("base_model.model.", "").replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b")
+        )
         t[name] = v.t().contiguous()
     save_file(t, str(d / "adapters.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora",
-                                                       "lora_parameters": {"rank": RANK, "scale": ALPHA / RANK}}))
+    (d / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "lora_parameters": {"rank": RANK, "scale": ALPHA / RANK}})
+    )
     model = lora_llm.engine.model
     aid = model.lora.add(read_adapter("mlx1", d))
     ids = [1, 5, 9, 42]
@@ -263,8 +316,20 @@ def test_adapter_with_speculative_decoding_is_refused(tiny_llama, tmp_path):
     combination is refused at start-up, before any load."""
     from conftest import run_cli
 
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--adapter", f"a1={tmp_path}",
-                "--speculative", "ngram", "-p", "hi", timeout=120)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--adapter",
+        f"a1={tmp_path}",
+        "--speculative",
+        "ngram",
+        "-p",
+        "hi",
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "--adapter does not combine with speculative decoding" in r.stderr
 
@@ -302,8 +367,11 @@ def test_adapter_written_by_peft_gives_peft_logits(tiny_llama, tmp_path):
         for _ in range(8):  # greedy through peft, token by token
             with torch.no_grad():
                 seq.append(int(pm(torch.tensor([seq])).logits[0, -1].argmax()))
-        got = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
-                                               adapter="pa")).outputs[0].token_ids
-        assert got == seq[len(ids):]
+        got = (
+            llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, adapter="pa"))
+            .outputs[0]
+            .token_ids
+        )
+        assert got == seq[len(ids) :]
     finally:
         llm.close()

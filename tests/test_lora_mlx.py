@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_ckpt, needs_mlx
 
 pytestmark = needs_mlx
@@ -31,16 +30,38 @@ SYSTEM = [{"role": "system", "content": "Be brief."}]  # a short prompt (SmolLM2
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "tiny", "--arch", "llama", "--dtype", "float32",
-                     "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "128")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "tiny",
+        "--arch",
+        "llama",
+        "--dtype",
+        "float32",
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "128",
+    )
 
 
 def _dims(cfg: dict) -> dict:
     H = cfg["hidden_size"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     q, kv, inter = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
-    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, inter),
-            "up_proj": (H, inter), "down_proj": (inter, H)}
+    return {
+        "q_proj": (H, q),
+        "k_proj": (H, kv),
+        "v_proj": (H, kv),
+        "o_proj": (q, H),
+        "gate_proj": (H, inter),
+        "up_proj": (H, inter),
+        "down_proj": (inter, H),
+    }
 
 
 def write_mlx_lm(d: Path, cfg: dict, seed: int, targets=TARGETS) -> dict[str, np.ndarray]:
@@ -57,9 +78,15 @@ def write_mlx_lm(d: Path, cfg: dict, seed: int, targets=TARGETS) -> dict[str, np
             t[f"model.layers.{i}.{k}.lora_b"] = (rng.standard_normal((RANK, fo)) * 0.5).astype(np.float32)
     d.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(d / "adapters.safetensors"), {k: mx.array(v) for k, v in t.items()})
-    (d / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": cfg["num_hidden_layers"],
-        "lora_parameters": {"rank": RANK, "scale": SCALE, "dropout": 0.0, "keys": list(targets)}}))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": cfg["num_hidden_layers"],
+                "lora_parameters": {"rank": RANK, "scale": SCALE, "dropout": 0.0, "keys": list(targets)},
+            }
+        )
+    )
     return t
 
 
@@ -73,9 +100,17 @@ def write_peft_from(d: Path, t: dict[str, np.ndarray]) -> None:
         out[f"base_model.model.{mod}.lora_{'A' if leaf == 'lora_a' else 'B'}.weight"] = mx.array(v.T.copy())
     d.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(d / "adapter_model.safetensors"), out)
-    (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": RANK, "lora_alpha": SCALE * RANK, "bias": "none",
-        "target_modules": sorted({k.rpartition(".")[2] for k in TARGETS})}))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": RANK,
+                "lora_alpha": SCALE * RANK,
+                "bias": "none",
+                "target_modules": sorted({k.rpartition(".")[2] for k in TARGETS}),
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +127,12 @@ def adapters(tiny, tmp_path_factory):
 def lora_llm(tiny, adapters):
     from swiftlm import LLM
 
-    llm = LLM(str(tiny), backend="mlx", parallel=4,
-              adapter=[f"a1={adapters['a1']}", f"a2={adapters['a2']}", f"p1={adapters['p1']}"])
+    llm = LLM(
+        str(tiny),
+        backend="mlx",
+        parallel=4,
+        adapter=[f"a1={adapters['a1']}", f"a2={adapters['a2']}", f"p1={adapters['p1']}"],
+    )
     yield llm
     llm.close()
 
@@ -186,8 +225,9 @@ def test_unknown_and_bad_adapters_are_refused(lora_llm, tiny, tmp_path, adapters
     with pytest.raises(InvalidRequest, match="not loaded"):
         lora_llm.generate("hi", SamplingParams(max_tokens=2, adapter="nope"))
     d = tmp_path / "bad"
-    write_mlx_lm(d, {**adapters["cfg"], "hidden_size": adapters["cfg"]["hidden_size"] * 2}, 3,
-                 targets=("self_attn.q_proj",))
+    write_mlx_lm(
+        d, {**adapters["cfg"], "hidden_size": adapters["cfg"]["hidden_size"] * 2}, 3, targets=("self_attn.q_proj",)
+    )
     with pytest.raises(ConfigError, match="do not fit this model"):
         LLM(str(tiny), backend="mlx", adapter=[f"x={d}"])
     with pytest.raises(ConfigError, match="no adapter_config.json"):
@@ -201,9 +241,11 @@ def test_server_selects_adapter_by_model_name(tiny, adapters, lora_llm):
 
     srv = ServerProc("--model", str(tiny), "--backend", "mlx", "--adapter", f"a1={adapters['a1']}")
     try:
+
         def complete(model):
-            body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0,
-                               "ignore_eos": True}).encode()
+            body = json.dumps(
+                {"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            ).encode()
             req = urllib.request.Request(srv.base + "/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 return json.loads(r.read())
@@ -216,10 +258,12 @@ def test_server_selects_adapter_by_model_name(tiny, adapters, lora_llm):
         t_base = complete(base)["choices"][0]["text"]
         t_a1 = complete("a1")["choices"][0]["text"]
         t_full = complete(f"{base}:a1")["choices"][0]["text"]
-        want = lora_llm.generate("hello world", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                               adapter="a1")).text
-        base_want = lora_llm.generate("hello world", SamplingParams(max_tokens=8, temperature=0.0,
-                                                                    ignore_eos=True)).text
+        want = lora_llm.generate(
+            "hello world", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, adapter="a1")
+        ).text
+        base_want = lora_llm.generate(
+            "hello world", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        ).text
         assert t_a1 == t_full == want
         assert t_base == base_want and t_a1 != t_base
         for bad in ("a9", f"{base}:a9"):
@@ -245,12 +289,39 @@ def test_finetune_mlx_learns_and_adapter_serves(tiny, tmp_path, capsys):
     from swiftlm.cli import main
 
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": SYSTEM + m + [{"role": "assistant", "content": a}]}) + "\n"
-                            for m, a in CHATS))
+    data.write_text(
+        "".join(json.dumps({"messages": SYSTEM + m + [{"role": "assistant", "content": a}]}) + "\n" for m, a in CHATS)
+    )
     out = tmp_path / "adapter"
-    assert main(["finetune", "--backend", "mlx", "--model", str(tiny), "--data", str(data), "--out", str(out),
-                 "--rank", "16", "--alpha", "32", "--steps", "30", "--lr", "3e-3", "--batch-size", "4",
-                 "--targets", "q_proj,v_proj,o_proj,down_proj", "--fuse"]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--backend",
+                "mlx",
+                "--model",
+                str(tiny),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--rank",
+                "16",
+                "--alpha",
+                "32",
+                "--steps",
+                "30",
+                "--lr",
+                "3e-3",
+                "--batch-size",
+                "4",
+                "--targets",
+                "q_proj,v_proj,o_proj,down_proj",
+                "--fuse",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
     print("\n".join(lines))

@@ -56,8 +56,15 @@ def collect(parts: list, policy: MediaPolicy = ON) -> tuple[list[dict], list]:
     return msgs, bag
 
 
-@pytest.mark.parametrize("fmt,mime,exact", [("PNG", "image/png", True), ("WEBP", "image/webp", True),
-                                            ("JPEG", "image/jpeg", False), ("GIF", "image/gif", False)])
+@pytest.mark.parametrize(
+    "fmt,mime,exact",
+    [
+        ("PNG", "image/png", True),
+        ("WEBP", "image/webp", True),
+        ("JPEG", "image/jpeg", False),
+        ("GIF", "image/gif", False),
+    ],
+)
 def test_image_formats_decode_to_rgb(fmt, mime, exact):
     kw = {"lossless": True} if fmt == "WEBP" else {}
     raw = png(IMG, fmt, **kw)
@@ -79,25 +86,34 @@ def test_gif_takes_the_first_frame():
 
 
 def test_marker_text_and_order():
-    msgs, bag = collect([{"type": "text", "text": "a"}, img_part(data_url(png(IMG))),
-                         aud_part(wav(np.zeros(1600, np.float32), 16000)), img_part(data_url(png(IMG[:20])))])
+    msgs, bag = collect(
+        [
+            {"type": "text", "text": "a"},
+            img_part(data_url(png(IMG))),
+            aud_part(wav(np.zeros(1600, np.float32), 16000)),
+            img_part(data_url(png(IMG[:20]))),
+        ]
+    )
     from swiftlm.media.processor import MARKER_RE
 
     assert [int(i) for i in MARKER_RE.findall(msgs[0]["content"])] == [0, 1, 2]
     assert [it.kind for it in bag] == ["image", "audio", "image"]
 
 
-@pytest.mark.parametrize("part,needle,status", [
-    (img_part("data:image/png;base64,@@not-base64@@"), "not valid base64", 400),
-    (img_part(data_url(b"definitely not an image")), "could not be decoded", 400),
-    (img_part(data_url(png(IMG, "BMP"), "image/bmp")), "BMP image; supported", 400),
-    (img_part("data:image/png;base64"), "malformed data: URI", 400),
-    (img_part("ftp://x/y.png"), "must be a data: URI", 400),
-    (aud_part("%%%"), "not valid base64", 400),
-    (aud_part(base64.b64encode(b"RIFF....WAVEjunk").decode()), "could not be decoded as wav", 400),
-    (aud_part(wav(np.zeros(100, np.float32), 16000), "aac"), "format 'aac' is not supported", 400),
-    ({"type": "input_audio", "input_audio": "x"}, "must be an object", 400),
-])
+@pytest.mark.parametrize(
+    "part,needle,status",
+    [
+        (img_part("data:image/png;base64,@@not-base64@@"), "not valid base64", 400),
+        (img_part(data_url(b"definitely not an image")), "could not be decoded", 400),
+        (img_part(data_url(png(IMG, "BMP"), "image/bmp")), "BMP image; supported", 400),
+        (img_part("data:image/png;base64"), "malformed data: URI", 400),
+        (img_part("ftp://x/y.png"), "must be a data: URI", 400),
+        (aud_part("%%%"), "not valid base64", 400),
+        (aud_part(base64.b64encode(b"RIFF....WAVEjunk").decode()), "could not be decoded as wav", 400),
+        (aud_part(wav(np.zeros(100, np.float32), 16000), "aac"), "format 'aac' is not supported", 400),
+        ({"type": "input_audio", "input_audio": "x"}, "must be an object", 400),
+    ],
+)
 def test_bad_media_is_a_400_naming_the_part(part, needle, status):
     with pytest.raises(InvalidRequest) as e:
         collect([{"type": "text", "text": "x"}, part])
@@ -112,11 +128,15 @@ def test_limits_are_413_or_400():
         collect([img_part(data_url(png(IMG)))], small)
     assert e.value.status == 413
     with pytest.raises(MediaTooLarge, match="over the limit of 0.5 s"):
-        collect([aud_part(wav(np.zeros(8001 * 2, np.float32)[:8001], 16000, subtype="PCM_16"))],
-                MediaPolicy(audio=True, max_audio_seconds=0.5))
+        collect(
+            [aud_part(wav(np.zeros(8001 * 2, np.float32)[:8001], 16000, subtype="PCM_16"))],
+            MediaPolicy(audio=True, max_audio_seconds=0.5),
+        )
     with pytest.raises(MediaTooLarge, match="byte limit"):
-        collect([img_part(data_url(png(RNG.integers(0, 255, (64, 64, 3), dtype=np.uint8))))],
-                MediaPolicy(image=True, max_part_bytes=4096))
+        collect(
+            [img_part(data_url(png(RNG.integers(0, 255, (64, 64, 3), dtype=np.uint8))))],
+            MediaPolicy(image=True, max_part_bytes=4096),
+        )
     tiny = data_url(png(IMG[:4, :4]))
     with pytest.raises(InvalidRequest, match="too many images .*limit is 2, --max-images") as e:
         collect([img_part(tiny)] * 3, small)
@@ -217,6 +237,7 @@ def test_resample_is_accurate_and_antialiased():
 
 # -- Gemma 4 preprocessing against transformers' processors (the same pieces both backends use)
 
+
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     from conftest import make_ckpt
@@ -242,8 +263,10 @@ def _reference(gemma4):
 
     pc = json.loads((gemma4 / "processor_config.json").read_text())
     strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_type")}  # noqa: E731
-    return (Gemma4ImageProcessorPil(**strip(pc["image_processor"])),
-            Gemma4AudioFeatureExtractor(**strip(pc["feature_extractor"])))
+    return (
+        Gemma4ImageProcessorPil(**strip(pc["image_processor"])),
+        Gemma4AudioFeatureExtractor(**strip(pc["feature_extractor"])),
+    )
 
 
 def test_pixels_and_audio_features_equal_the_reference(gemma4, proc, tmp_path):
@@ -252,8 +275,7 @@ def test_pixels_and_audio_features_equal_the_reference(gemma4, proc, tmp_path):
     b = RNG.integers(0, 255, (90, 50, 3), dtype=np.uint8)
     raw_a, raw_b = png(a), png(b, "JPEG", quality=90)
     clip = (0.3 * np.sin(2 * np.pi * 440 * np.arange(24000) / 16000)).astype(np.float32)
-    _, bag = collect([img_part(data_url(raw_a)), aud_part(wav(clip, 16000)),
-                      img_part(data_url(raw_b, "image/jpeg"))])
+    _, bag = collect([img_part(data_url(raw_a)), aud_part(wav(clip, 16000)), img_part(data_url(raw_b, "image/jpeg"))])
     texts, mi = proc.prepare(bag)
     # the reference reads the same files with Pillow and takes the same samples
     ref = ref_img(images=[PIL.open(io.BytesIO(raw_a)), PIL.open(io.BytesIO(raw_b))], return_tensors="np")
@@ -319,9 +341,11 @@ def test_images_across_the_conversation_share_one_limit_and_order():
     from swiftlm.media.processor import MARKER_RE
 
     tiny = img_part(data_url(png(IMG[:8, :8])))
-    conv = [{"role": "user", "content": [tiny, {"type": "text", "text": "and"}, tiny]},
-            {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": [{"type": "text", "text": "now"}, tiny]}]
+    conv = [
+        {"role": "user", "content": [tiny, {"type": "text", "text": "and"}, tiny]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "now"}, tiny]},
+    ]
     bag: list = []
     msgs = normalize_messages(conv, (MediaPolicy(image=True), bag))
     assert [int(i) for m in msgs for i in MARKER_RE.findall(m["content"])] == [0, 1, 2] and len(bag) == 3

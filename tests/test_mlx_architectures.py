@@ -34,8 +34,18 @@ def test_helper_modules_are_not_architectures():
     from swiftlm.backends.mlx.loader import supported_architectures
 
     names = supported_architectures()
-    for helper in ("base", "cache", "rope_utils", "switch_layers", "activations", "pipeline", "mla", "ssm",
-                   "gated_delta", "bitlinear_layers"):
+    for helper in (
+        "base",
+        "cache",
+        "rope_utils",
+        "switch_layers",
+        "activations",
+        "pipeline",
+        "mla",
+        "ssm",
+        "gated_delta",
+        "bitlinear_layers",
+    ):
         assert helper not in names, helper
 
 

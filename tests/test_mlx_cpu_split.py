@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from conftest import needs_mlx
 
 pytestmark = needs_mlx
@@ -18,9 +17,17 @@ def _tiny_module(quantized: bool):
     import mlx.nn as nn
     from mlx_lm.models.llama import Model, ModelArgs
 
-    args = ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=320,
-                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=1000,
-                     tie_word_embeddings=True)
+    args = ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(3)
     m = Model(args)
     if quantized:

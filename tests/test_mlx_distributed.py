@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -27,7 +26,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, ROOT, make_ckpt, needs_mlx, run_cli
 from tolerances import transformer_logits_tol
 
@@ -38,7 +36,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # Run by every rank (the ranks > 0 never return from LLM(): they follow rank 0 and exit when it closes).
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     from swiftlm import LLM, SamplingParams
@@ -62,7 +60,7 @@ SCRIPT = textwrap.dedent('''
     llm.close()
     with open(out, "w") as f:
         json.dump({"one": one, "together": together, "logits": logits}, f)
-''')
+""")
 
 
 def _env() -> dict:
@@ -96,14 +94,16 @@ def launch(*cmd: str, n: int = 2) -> list[str]:
 def tiny_qwen3(tmp_path_factory) -> Path:
     """Untied embeddings: a random model whose greedy tokens vary from step to step (a tied tiny
     random model mostly repeats the prompt's last token, which would make token equality weak)."""
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "qwen3", "--arch", "qwen3", "--dtype", "float32", "--no-tie",
-                     "--seed", "5")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "qwen3", "--arch", "qwen3", "--dtype", "float32", "--no-tie", "--seed", "5"
+    )
 
 
 @pytest.fixture(scope="module")
 def untied_llama(tmp_path_factory) -> Path:
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "llama", "--arch", "llama", "--dtype", "float32", "--no-tie",
-                     "--seed", "7")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "llama", "--arch", "llama", "--dtype", "float32", "--no-tie", "--seed", "7"
+    )
 
 
 def _run_script(tmp_path: Path, model: Path, distributed: bool, sharding: str = "auto") -> dict:
@@ -147,8 +147,9 @@ def test_pipeline_two_ranks_equal_single_process_exactly(tmp_path):
     ranks (MLXModel.eval_each): without it the batched run's tokens differed for 2 of 4 prompts."""
     import numpy as np
 
-    moe = make_ckpt(tmp_path / "moe", "--arch", "qwen3_moe", "--dtype", "float32", "--no-tie", "--seed", "3",
-                    "--layers", "4")
+    moe = make_ckpt(
+        tmp_path / "moe", "--arch", "qwen3_moe", "--dtype", "float32", "--no-tie", "--seed", "3", "--layers", "4"
+    )
     single = _run_script(tmp_path, moe, distributed=False)
     two = _run_script(tmp_path, moe, distributed=True, sharding="pipeline")
     assert two["one"] == single["one"]
@@ -178,16 +179,41 @@ def test_sharding_choice_and_refusals(tmp_path, tiny_qwen3):
 
 
 def test_cli_refuses_without_launcher_and_unsplittable_models(tmp_path, tiny_qwen3):
-    r = run_cli("generate", "--model", str(tiny_qwen3), "--backend", "mlx", "--distributed", "-p", "hi",
-                "--max-tokens", "2", timeout=120, env=ENV)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_qwen3),
+        "--backend",
+        "mlx",
+        "--distributed",
+        "-p",
+        "hi",
+        "--max-tokens",
+        "2",
+        timeout=120,
+        env=ENV,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "the distributed group has size 1" in r.stderr and "mlx.launch" in r.stderr
     assert "Traceback" not in r.stderr
-    r = run_cli("serve", "--model", str(tiny_qwen3), "--backend", "mlx", "--distributed", "--data-parallel", "2",
-                "--port", "0", timeout=120, env=ENV)
+    r = run_cli(
+        "serve",
+        "--model",
+        str(tiny_qwen3),
+        "--backend",
+        "mlx",
+        "--distributed",
+        "--data-parallel",
+        "2",
+        "--port",
+        "0",
+        timeout=120,
+        env=ENV,
+    )
     assert r.returncode == 2 and "--data-parallel cannot be combined with --distributed" in r.stderr, r.stderr[-2000:]
-    r = run_cli("serve", "--model", str(tiny_qwen3), "--backend", "mlx", "--distributed-sharding", "rows",
-                timeout=120, env=ENV)
+    r = run_cli(
+        "serve", "--model", str(tiny_qwen3), "--backend", "mlx", "--distributed-sharding", "rows", timeout=120, env=ENV
+    )
     assert r.returncode == 2 and "must be auto, tensor or pipeline" in r.stderr, r.stderr[-2000:]
 
 
@@ -198,10 +224,25 @@ class _Launched:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cmd = launch("-m", "swiftlm.cli", "serve", "--distributed", "--model", str(model), "--backend", "mlx",
-                     "--port", str(self.port), "--log-level", "warning", "--parallel", "2")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env=_env(), start_new_session=True)
+        cmd = launch(
+            "-m",
+            "swiftlm.cli",
+            "serve",
+            "--distributed",
+            "--model",
+            str(model),
+            "--backend",
+            "mlx",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            "--parallel",
+            "2",
+        )
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         self.ready = threading.Event()
@@ -230,8 +271,11 @@ class _Launched:
         return out
 
     def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 

@@ -81,7 +81,7 @@ def _cache(bits: int, group: int, kvh: int, n: int, seed: int = 0, dtype=mx.floa
     for T in [300, 1, 100, 57] * (n // 458 + 1):
         if s >= n:
             break
-        c.update_and_fetch(k[:, :, s:s + T], v[:, :, s:s + T])
+        c.update_and_fetch(k[:, :, s : s + T], v[:, :, s : s + T])
         s += T
     assert c.offset == n
     return c
@@ -105,18 +105,22 @@ def _tol(c: QuantizedKVCache, q: mx.array, scale: float, out: np.ndarray) -> flo
     n, g, b = c.offset, c.group_size, c.bits
     k = np.array(mx.dequantize(*[x[..., :n, :] for x in c.keys], group_size=g, bits=b).astype(mx.float32))[0]
     v = np.array(mx.dequantize(*[x[..., :n, :] for x in c.values], group_size=g, bits=b).astype(mx.float32))[0]
-    kb = np.repeat(np.array(c.keys[2][..., :n, :].astype(mx.float32))[0], g, axis=-1)      # [KVH, n, D]
+    kb = np.repeat(np.array(c.keys[2][..., :n, :].astype(mx.float32))[0], g, axis=-1)  # [KVH, n, D]
     vb = np.repeat(np.array(c.values[2][..., :n, :].astype(mx.float32))[0], g, axis=-1)
     KVH = k.shape[0]
-    qg = np.array(q.astype(mx.float32)).reshape(KVH, -1, 1, D) * scale                      # [KVH, M, 1, D]
+    qg = np.array(q.astype(mx.float32)).reshape(KVH, -1, 1, D) * scale  # [KVH, M, 1, D]
     # partial sums of a score: over d of q k (mlx-lm), within each group of q (k - b) and the group terms
     # b * sum(q) (the kernel)
     qk = qg * k[:, None]
     qc = (qg * (k - kb)[:, None]).reshape(KVH, -1, n, D // g, g)
     qb = (qg * kb[:, None]).reshape(KVH, -1, n, D // g, g).sum(-1)
-    Ms = max(np.abs(np.cumsum(qk, -1)).max(), np.abs(np.cumsum(qc, -1)).max(), np.abs(qb).max(),
-             np.abs(np.cumsum(qc.sum(-1) + qb, -1)).max())
-    spread = np.abs(v[:, None] - out[0].reshape(KVH, -1, 1, D)).max()                      # max |v_j - out|
+    Ms = max(
+        np.abs(np.cumsum(qk, -1)).max(),
+        np.abs(np.cumsum(qc, -1)).max(),
+        np.abs(qb).max(),
+        np.abs(np.cumsum(qc.sum(-1) + qb, -1)).max(),
+    )
+    spread = np.abs(v[:, None] - out[0].reshape(KVH, -1, 1, D)).max()  # max |v_j - out|
     Mv = max(np.abs(v).max(), (v - vb).max(), np.abs(vb).max())
     return fp32_matmul_tol(D + 2 * (D // g), Ms) * spread + fp32_matmul_tol(n, Mv, 2)
 
@@ -126,12 +130,12 @@ CASES = [(8, 64, 2, 3), (4, 64, 2, 3), (4, 32, 3, 1), (8, 32, 1, 4)]
 
 
 @pytest.mark.parametrize("bits,group,kvh,rep", CASES)
-@pytest.mark.parametrize("n", [1, 37, 257, 1537])   # one row; under a tile; past the cache's 256-row step; 3+ spans
+@pytest.mark.parametrize("n", [1, 37, 257, 1537])  # one row; under a tile; past the cache's 256-row step; 3+ spans
 def test_kernel_equals_mlx_lm_quantized_attention(spans, bits, group, kvh, rep, n):
     c = _cache(bits, group, kvh, n, seed=n + bits)
     rng = np.random.default_rng(n)
     q = mx.array(rng.standard_normal((1, kvh * rep, 1, D)).astype(np.float32))
-    scale = D ** -0.5
+    scale = D**-0.5
     assert affine_cpu.routes(c, q, None)
     got = np.array(affine_cpu.attend(c, q, scale))
     assert spans == [n]
@@ -140,7 +144,7 @@ def test_kernel_equals_mlx_lm_quantized_attention(spans, bits, group, kvh, rep, 
     err = np.abs(got - want).max()
     assert got.shape == want.shape == (1, kvh * rep, 1, D)
     assert err <= tol, (bits, group, n, err, tol)
-    if 1 < n <= 257:   # the bound cannot hide a kernel that loses a row
+    if 1 < n <= 257:  # the bound cannot hide a kernel that loses a row
         assert np.abs(_reference(c, q, scale, rows=n - 1) - want).max() > 10 * tol
 
 
@@ -150,10 +154,10 @@ def test_fp16_cache_converts_scales_and_keeps_the_dtype(spans):
     fp16 rounding of the output on top of the fp32 bound."""
     c = _cache(4, 64, 2, 257, seed=3, dtype=mx.float16)
     q = mx.array(np.random.default_rng(3).standard_normal((1, 6, 1, D)).astype(np.float32)).astype(mx.float16)
-    got = affine_cpu.attend(c, q, D ** -0.5)
+    got = affine_cpu.attend(c, q, D**-0.5)
     assert got.dtype == mx.float16 and spans == [257]
-    want = _reference(c, q, D ** -0.5)
-    tol = _tol(c, q, D ** -0.5, want) + float(np.abs(want).max()) * 2.0 ** -11
+    want = _reference(c, q, D**-0.5)
+    tol = _tol(c, q, D**-0.5, want) + float(np.abs(want).max()) * 2.0**-11
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tol
 
 
@@ -174,28 +178,38 @@ def test_routes_only_single_decode_rows_on_the_cpu(monkeypatch):
     c = _cache(8, 64, 2, 100)
     q = mx.zeros((1, 6, 1, D))
     assert affine_cpu.routes(c, q, None) and affine_cpu.routes(c, q, "causal")
-    assert not affine_cpu.routes(c, mx.zeros((1, 6, 5, D)), "causal")          # prefill / verify chunk
-    assert not affine_cpu.routes(c, mx.zeros((2, 6, 1, D)), None)              # two sequences
-    assert not affine_cpu.routes(c, q, mx.ones((1, 101), dtype=mx.bool_))     # an explicit mask
-    assert not affine_cpu.routes(c, q, None, mx.zeros((6,)))                   # attention sinks
+    assert not affine_cpu.routes(c, mx.zeros((1, 6, 5, D)), "causal")  # prefill / verify chunk
+    assert not affine_cpu.routes(c, mx.zeros((2, 6, 1, D)), None)  # two sequences
+    assert not affine_cpu.routes(c, q, mx.ones((1, 101), dtype=mx.bool_))  # an explicit mask
+    assert not affine_cpu.routes(c, q, None, mx.zeros((6,)))  # attention sinks
     plain = KVCache()
     plain.update_and_fetch(mx.zeros((1, 2, 3, D)), mx.zeros((1, 2, 3, D)))
     assert not affine_cpu.routes(plain, q, None)
     monkeypatch.setenv("SWIFTLM_NUMBA", "0")
     assert not affine_cpu.routes(c, q, None)
     monkeypatch.setenv("SWIFTLM_NUMBA", "1")
-    monkeypatch.setattr(cpu_attention, "nb", None)                             # numba not installed
+    monkeypatch.setattr(cpu_attention, "nb", None)  # numba not installed
     assert not affine_cpu.routes(c, q, None)
     monkeypatch.undo()
     monkeypatch.setenv("SWIFTLM_NUMBA", "1")
-    monkeypatch.setattr(affine_cpu.mx, "default_device", lambda: mx.Device(mx.gpu))   # Metal: mlx-lm's path
+    monkeypatch.setattr(affine_cpu.mx, "default_device", lambda: mx.Device(mx.gpu))  # Metal: mlx-lm's path
     assert not affine_cpu.routes(c, q, None)
 
 
 def _tiny_mlx_lm_model():
-    cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=D, intermediate_size=256, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-               tie_word_embeddings=False)
+    cfg = dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=D,
+        intermediate_size=256,
+        vocab_size=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
     mx.eval(model.parameters())
@@ -224,7 +238,7 @@ def test_hooked_model_decode_matches_mlx_lm(monkeypatch, spans, bits):
         tol = transformer_logits_tol(SimpleNamespace(**cfg), float(np.abs(out["0"]).max()), 71 + step)
         assert np.abs(out["1"] - out["0"]).max() <= tol, (step, np.abs(out["1"] - out["0"]).max(), tol)
         tok = mx.array([[int(out["0"].argmax())]])
-    assert spans == [71, 71, 72, 72, 73, 73, 74, 74]                           # 2 layers x 4 decode steps
+    assert spans == [71, 71, 72, 72, 73, 73, 74, 74]  # 2 layers x 4 decode steps
 
 
 def test_greedy_decode_kv_bits_8_same_tokens(monkeypatch, spans, tiny_llama):
@@ -258,7 +272,7 @@ def test_greedy_decode_kv_bits_8_same_tokens(monkeypatch, spans, tiny_llama):
     for step, (a, b) in enumerate(zip(runs["1"][1], runs["0"][1])):
         tol = transformer_logits_tol(cfg, float(np.abs(b).max()), len(prompt) + step)
         assert np.abs(a - b).max() <= tol, (step, np.abs(a - b).max(), tol)
-    assert len(spans) == 9 * cfg.num_hidden_layers                           # none with the kernel off
+    assert len(spans) == 9 * cfg.num_hidden_layers  # none with the kernel off
 
 
 def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
@@ -269,12 +283,13 @@ def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
     warmed = []
     real = cpu_attention.warm_up_affine
     monkeypatch.setattr(cpu_attention, "warm_up_affine", lambda *a: warmed.append(real(*a)))
-    model = SimpleNamespace(layers=[0], args=SimpleNamespace(num_attention_heads=6, num_key_value_heads=2),
-                            modules=lambda: [])
+    model = SimpleNamespace(
+        layers=[0], args=SimpleNamespace(num_attention_heads=6, num_key_value_heads=2), modules=lambda: []
+    )
     affine_cpu.prepare(model, D, 4, 64)
     assert len(warmed) == 1 and warmed[0] is not None
     warmed[0].join(120)
-    assert real(D, 3, 4, 64) is None                                            # once per shape
+    assert real(D, 3, 4, 64) is None  # once per shape
     kernel = cpu_attention.affine_kernel(D, 3, 4, 64)
     assert len(kernel.signatures) == 1
     c = _cache(4, 64, 2, 50)

@@ -66,8 +66,8 @@ def _cache(name: str, kvh: int, n: int, seed: int = 0):
     k = mx.array(rng.standard_normal((1, kvh, n + 1, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, kvh, n + 1, D)).astype(np.float32))
     c.update_and_fetch(k[:, :, :n], v[:, :, :n])
-    c._compress()                                          # all n rows to codes
-    c.update_and_fetch(k[:, :, n:], v[:, :, n:])            # the decode row itself, 16-bit
+    c._compress()  # all n rows to codes
+    c.update_and_fetch(k[:, :, n:], v[:, :, n:])  # the decode row itself, 16-bit
     return c, rng
 
 
@@ -75,28 +75,29 @@ def _tol(ref: np.ndarray, n: int) -> float:
     return fp32_matmul_tol(max(n, D), float(np.abs(ref).max()), 5)
 
 
-CASES = [("k4v3", 3, 3), ("k3v2", 2, 1), ("k3qjl-v3", 2, 4)]   # (format, kv heads, query heads per kv head)
+CASES = [("k4v3", 3, 3), ("k3v2", 2, 1), ("k3qjl-v3", 2, 4)]  # (format, kv heads, query heads per kv head)
 
 
 @pytest.mark.parametrize("name,kvh,rep", CASES)
-@pytest.mark.parametrize("n", [37, 1001])   # below one tile; two spans per KV head, neither a tile multiple
+@pytest.mark.parametrize("n", [37, 1001])  # below one tile; two spans per KV head, neither a tile multiple
 def test_kernel_equals_pure_mlx_path(monkeypatch, spans, name, kvh, rep, n):
     c, rng = _cache(name, kvh, n, seed=n)
     assert (c.n_code, c.n_dense) == (n, 1)
     q = mx.array(rng.standard_normal((1, kvh * rep, 1, D)).astype(np.float32))
     monkeypatch.setenv("SWIFTLM_NUMBA", "1")
-    fast = np.array(attention(c, q, D ** -0.5))
+    fast = np.array(attention(c, q, D**-0.5))
     assert spans == [n]
     monkeypatch.setenv("SWIFTLM_NUMBA", "0")
-    ref = np.array(attention(c, q, D ** -0.5))
-    assert spans == [n]                                    # switched off: the pure-MLX path
+    ref = np.array(attention(c, q, D**-0.5))
+    assert spans == [n]  # switched off: the pure-MLX path
     err = np.abs(fast - ref).max()
     assert err <= _tol(ref, n), (name, n, err, _tol(ref, n))
     # the partials themselves (m, l exact up to rounding; acc unnormalised, rotated domain)
     qg = q.reshape(kvh, rep, D)
-    got = tcm.cpu_partials(c, qg, D ** -0.5)
-    want = mk.partials_ref((qg @ c.kc.RT) * D ** -0.5, c.codes, n, c.kc, c.vc,
-                           (qg @ c.kc.S.T) * D ** -0.5 if c.kc.qjl else None)
+    got = tcm.cpu_partials(c, qg, D**-0.5)
+    want = mk.partials_ref(
+        (qg @ c.kc.RT) * D**-0.5, c.codes, n, c.kc, c.vc, (qg @ c.kc.S.T) * D**-0.5 if c.kc.qjl else None
+    )
     for a, b in zip(got, want):
         a, b = np.array(a), np.array(b)
         assert a.shape == b.shape and np.abs(a - b).max() <= _tol(b, n), (name, n, np.abs(a - b).max())
@@ -116,10 +117,10 @@ def test_decode_after_compression(monkeypatch, spans):
         for c, flag in ((fast, "1"), (slow, "0")):
             monkeypatch.setenv("SWIFTLM_NUMBA", flag)
             c.update_and_fetch(k, v)
-            outs.append(np.array(c.attend(q, D ** -0.5)))
+            outs.append(np.array(c.attend(q, D**-0.5)))
         codes_seen.add(fast.n_code)
         assert np.abs(outs[0] - outs[1]).max() <= _tol(outs[1], fast.offset), (step, fast.n_code)
-    assert len(codes_seen) >= 2 and fast.n_code == slow.n_code    # compressed again mid-decode
+    assert len(codes_seen) >= 2 and fast.n_code == slow.n_code  # compressed again mid-decode
     assert len(spans) == 40 and spans[0] == 62 and spans[-1] > 62  # every decode step, none for the prefill
 
 
@@ -130,7 +131,7 @@ def test_falls_back_when_numba_is_off_or_absent(monkeypatch, spans):
     assert not tcm.cpu_kernel_usable(c, 3)
     mx.eval(attention(c, q, 0.125))
     monkeypatch.setenv("SWIFTLM_NUMBA", "1")
-    monkeypatch.setattr(cpu_attention, "nb", None)          # numba not installed
+    monkeypatch.setattr(cpu_attention, "nb", None)  # numba not installed
     assert not tcm.cpu_kernel_usable(c, 3)
     mx.eval(attention(c, q, 0.125))
     assert spans == []
@@ -142,7 +143,7 @@ def test_prefill_chunks_and_the_gpu_keep_the_mlx_path(monkeypatch, spans):
     assert tcm.cpu_kernel_usable(c, 3) and not tcm.cpu_kernel_usable(c, 64)
     k = mx.array(rng.standard_normal((1, 3, 4, D)).astype(np.float32))
     c.update_and_fetch(k, k)
-    mx.eval(attention(c, mx.zeros((1, 9, 5, D)), 0.125))    # a 5-row verify/prefill chunk
+    mx.eval(attention(c, mx.zeros((1, 9, 5, D)), 0.125))  # a 5-row verify/prefill chunk
     assert spans == []
     monkeypatch.setattr(tcm.mx, "default_device", lambda: mx.Device(mx.gpu))
     assert not tcm.cpu_kernel_usable(c, 3)
@@ -166,8 +167,10 @@ def test_kernel_module_imports_neither_mlx_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys, swiftlm.turboquant.cpu_attention; "
-            "bad = [m for m in ('mlx', 'mlx.core', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    code = (
+        "import sys, swiftlm.turboquant.cpu_attention; "
+        "bad = [m for m in ('mlx', 'mlx.core', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -187,8 +190,8 @@ def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
     assert len(warmed) == 1 and warmed[0] is not None
     warmed[0].join(120)
     c, rng = _cache("k3qjl-v3", 2, 50)
-    key = (D, 4, c.kc.mse_bits, c.vc.mse_bits, True)        # 8 query heads over 2 KV heads
-    assert cpu_attention._WARMED == {key} and real(*key) is None   # once per shape
+    key = (D, 4, c.kc.mse_bits, c.vc.mse_bits, True)  # 8 query heads over 2 KV heads
+    assert cpu_attention._WARMED == {key} and real(*key) is None  # once per shape
     kernel = cpu_attention.turbo_kernel(*key)
     assert len(kernel.signatures) == 1
     mx.eval(attention(c, mx.array(rng.standard_normal((1, 8, 1, D)).astype(np.float32)), 0.125))

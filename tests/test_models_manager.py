@@ -5,7 +5,6 @@ exact.  The same manager serving real checkpoints is tested in test_multi_model.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -144,8 +143,10 @@ def test_failed_load_is_each_waiters_error_and_others_keep_serving():
 
 
 def test_listing_and_aliases():
-    m = ModelManager([ModelEntry("qwen", "/m/q", aliases=["gpt-4o"], pin=True), ModelEntry("llama", "/m/l")],
-                     lambda e: (FakeEngine(e.name), None))
+    m = ModelManager(
+        [ModelEntry("qwen", "/m/q", aliases=["gpt-4o"], pin=True), ModelEntry("llama", "/m/l")],
+        lambda e: (FakeEngine(e.name), None),
+    )
     assert m.entry("gpt-4o").name == "qwen"
     ls = m.listing()
     assert [x["id"] for x in ls] == ["qwen", "llama"] and ls[0]["aliases"] == ["gpt-4o"]
@@ -154,11 +155,18 @@ def test_listing_and_aliases():
 
 def test_models_file(tmp_path):
     f = tmp_path / "models.toml"
-    f.write_text('[[models]]\nname = "small"\nmodel = "/m/s"\naliases = ["gpt-4o-mini"]\nturbo_kv = true\n'
-                 'pin = true\n\n[[models]]\nmodel = "/m/big.gguf"\nctx_size = 8192\n')
+    f.write_text(
+        '[[models]]\nname = "small"\nmodel = "/m/s"\naliases = ["gpt-4o-mini"]\nturbo_kv = true\n'
+        'pin = true\n\n[[models]]\nmodel = "/m/big.gguf"\nctx_size = 8192\n'
+    )
     es = entries_from_toml(f)
-    assert (es[0].name, es[0].model, es[0].aliases, es[0].pin, es[0].overrides) == \
-        ("small", "/m/s", ["gpt-4o-mini"], True, {"turbo_kv": True})
+    assert (es[0].name, es[0].model, es[0].aliases, es[0].pin, es[0].overrides) == (
+        "small",
+        "/m/s",
+        ["gpt-4o-mini"],
+        True,
+        {"turbo_kv": True},
+    )
     assert (es[1].name, es[1].overrides) == ("/m/big.gguf", {"ctx_size": 8192})
     f.write_text('[[models]]\nmodel = "/m/s"\nport = 9\n')
     with pytest.raises(ValueError, match="server-wide setting"):

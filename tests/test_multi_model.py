@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import make_ckpt
 from server_util import ServerProc
 
@@ -19,8 +18,23 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """~200 MB of fp32 weights: large enough that its memory coming back shows in the RSS."""
-    return make_ckpt(tmp_path_factory.mktemp("mm") / "big", "--arch", "qwen3", "--dtype", "float32", "--hidden", "512",
-                     "--layers", "8", "--heads", "8", "--kv-heads", "4", "--intermediate", "1536")
+    return make_ckpt(
+        tmp_path_factory.mktemp("mm") / "big",
+        "--arch",
+        "qwen3",
+        "--dtype",
+        "float32",
+        "--hidden",
+        "512",
+        "--layers",
+        "8",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--intermediate",
+        "1536",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +66,25 @@ def states(base: str) -> dict[str, str]:
 
 
 def chat(base: str, model: str, n: int = 4, **kw) -> httpx.Response:
-    return httpx.post(base + CHAT, json={"model": model, "messages": [{"role": "user", "content": "hello there"}],
-                                         "max_tokens": n, "temperature": 0, **kw}, timeout=120)
+    return httpx.post(
+        base + CHAT,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": n,
+            "temperature": 0,
+            **kw,
+        },
+        timeout=120,
+    )
 
 
 def test_on_demand_aliases_404_and_concurrency(tmp_path, tiny_llama, big):
-    mf = models_file(tmp_path, f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\npin = true\n',
-                     f'[[models]]\nname = "b"\nmodel = "{big}"\naliases = ["gpt-4o"]\nparallel = 2\n')
+    mf = models_file(
+        tmp_path,
+        f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\npin = true\n',
+        f'[[models]]\nname = "b"\nmodel = "{big}"\naliases = ["gpt-4o"]\nparallel = 2\n',
+    )
     s = ServerProc("--models-file", mf, "--backend", "torch")
     try:
         assert states(s.base) == {"a": "loaded", "b": "unloaded"}  # the pinned one at start, b on demand
@@ -74,9 +100,20 @@ def test_on_demand_aliases_404_and_concurrency(tmp_path, tiny_llama, big):
         b_done = threading.Event()
 
         def long_b():
-            with httpx.stream("POST", s.base + CHAT, timeout=300,
-                              json={"model": "b", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400,
-                                    "temperature": 0, "stream": True, "logit_bias": {}, "ignore_eos": True}) as resp:
+            with httpx.stream(
+                "POST",
+                s.base + CHAT,
+                timeout=300,
+                json={
+                    "model": "b",
+                    "messages": [{"role": "user", "content": "go"}],
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "stream": True,
+                    "logit_bias": {},
+                    "ignore_eos": True,
+                },
+            ) as resp:
                 for _ in resp.iter_lines():
                     pass
             b_done.set()
@@ -97,8 +134,9 @@ def test_on_demand_aliases_404_and_concurrency(tmp_path, tiny_llama, big):
 
 
 def test_eviction_and_ttl_return_memory(tmp_path, tiny_llama, big):
-    mf = models_file(tmp_path, f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\n',
-                     f'[[models]]\nname = "b"\nmodel = "{big}"\n')
+    mf = models_file(
+        tmp_path, f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\n', f'[[models]]\nname = "b"\nmodel = "{big}"\n'
+    )
     s = ServerProc("--models-file", mf, "--backend", "torch", "--max-loaded-models", "1", "--model-ttl", "3")
     try:
         pid = s.proc.pid
@@ -131,8 +169,11 @@ def test_eviction_and_ttl_return_memory(tmp_path, tiny_llama, big):
 
 
 def test_a_failing_load_is_that_requests_error(tmp_path, tiny_llama, broken):
-    mf = models_file(tmp_path, f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\npin = true\n',
-                     f'[[models]]\nname = "broken"\nmodel = "{broken}"\n')
+    mf = models_file(
+        tmp_path,
+        f'[[models]]\nname = "a"\nmodel = "{tiny_llama}"\npin = true\n',
+        f'[[models]]\nname = "broken"\nmodel = "{broken}"\n',
+    )
     s = ServerProc("--models-file", mf, "--backend", "torch")
     try:
         r = chat(s.base, "broken")

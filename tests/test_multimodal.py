@@ -12,7 +12,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import BACKENDS, HAS_MLX, HAS_TORCH, make_ckpt
 from server_util import ServerProc
 from tolerances import fp32_matmul_tol
@@ -231,8 +230,9 @@ def test_a_failing_media_forward_fails_only_its_request(gemma4):
 
         model.run = broken
         got: dict = {}
-        th = threading.Thread(target=lambda: got.update(
-            text=llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids))
+        th = threading.Thread(
+            target=lambda: got.update(text=llm.chat([{"role": "user", "content": "Count."}], p).outputs[0].token_ids)
+        )
         th.start()
         wait_for(lambda: llm.engine.stats.tokens_generated >= len(solo) + 4)
         with pytest.raises(RuntimeError, match="tower exploded"):
@@ -252,23 +252,41 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def mm_server(request, gemma4):
-    s = ServerProc("--model", str(gemma4), "--backend", request.param, "--vision", "--audio", "--parallel", "2",
-                   "--max-tokens", "16", "--max-image-pixels", "200000", "--max-audio-seconds", "5")
+    s = ServerProc(
+        "--model",
+        str(gemma4),
+        "--backend",
+        request.param,
+        "--vision",
+        "--audio",
+        "--parallel",
+        "2",
+        "--max-tokens",
+        "16",
+        "--max-image-pixels",
+        "200000",
+        "--max-audio-seconds",
+        "5",
+    )
     yield s
     assert s.stop() == 0, s.stderr_tail()
 
 
 def test_openai_sdk_image_and_audio(mm_server):
     c = openai.OpenAI(base_url=mm_server.base + "/v1", api_key="x", max_retries=0, timeout=120)
-    content = [{"type": "text", "text": "What do you see and hear?"},
-               {"type": "image_url", "image_url": {"url": image_url(IMG_A)}},
-               {"type": "input_audio", "input_audio": {"data": wav_b64(AUD_A), "format": "wav"}}]
-    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": content}], max_tokens=6,
-                                  temperature=0)
+    content = [
+        {"type": "text", "text": "What do you see and hear?"},
+        {"type": "image_url", "image_url": {"url": image_url(IMG_A)}},
+        {"type": "input_audio", "input_audio": {"data": wav_b64(AUD_A), "format": "wav"}},
+    ]
+    r = c.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
     assert r.usage.prompt_tokens > 63 + 25  # the image's and the clip's placeholder tokens are counted
-    stream = c.chat.completions.create(model="x", messages=[{"role": "user", "content": content}], max_tokens=6,
-                                       temperature=0, stream=True)
+    stream = c.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0, stream=True
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == r.choices[0].message.content  # greedy: streaming and not agree
 
@@ -277,8 +295,11 @@ def test_server_media_errors(mm_server):
     import httpx
 
     def post(content):
-        return httpx.post(mm_server.base + "/v1/chat/completions", timeout=60,
-                          json={"model": "x", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+        return httpx.post(
+            mm_server.base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "x", "messages": [{"role": "user", "content": content}], "max_tokens": 2},
+        )
 
     big = RNG.integers(0, 255, (500, 500, 3), dtype=np.uint8)  # 250000 > --max-image-pixels 200000
     r = post([{"type": "image_url", "image_url": {"url": image_url(big)}}])
@@ -302,9 +323,17 @@ def test_text_server_refuses_media_naming_the_flag(tiny_llama):
 
     s = ServerProc("--model", str(tiny_llama), "--backend", "torch")
     try:
-        r = httpx.post(s.base + "/v1/chat/completions", timeout=60, json={
-            "model": "x", "max_tokens": 2,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(IMG_A)}}]}]})
+        r = httpx.post(
+            s.base + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "x",
+                "max_tokens": 2,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(IMG_A)}}]}
+                ],
+            },
+        )
         assert r.status_code == 400
         err = r.json()["error"]
         assert "model type 'llama' has no vision tower" in err["message"] and "--vision" in err["message"]

@@ -7,17 +7,18 @@ import sys
 from importlib import metadata
 
 import pytest
-
 from conftest import ROOT
 
 
 def test_import_swiftlm_imports_neither_mlx_nor_torch():
-    code = ("import sys, swiftlm, swiftlm.engine, swiftlm.registry, swiftlm.cli, swiftlm.llm, swiftlm.backend, "
-            "swiftlm.convert, swiftlm.config, swiftlm.backends.mlx, swiftlm.backends.torch, swiftlm.cuda_ext, "
-            "swiftlm.prefix_cache, swiftlm.server.app, swiftlm.turboquant, swiftlm.turboquant.presets, "
-            "swiftlm.media, swiftlm.media.model, swiftlm.media.sources, swiftlm.media.items; "
-            "bad = [m for m in ('mlx', 'mlx.core', 'mlx_lm', 'torch') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, swiftlm, swiftlm.engine, swiftlm.registry, swiftlm.cli, swiftlm.llm, swiftlm.backend, "
+        "swiftlm.convert, swiftlm.config, swiftlm.backends.mlx, swiftlm.backends.torch, swiftlm.cuda_ext, "
+        "swiftlm.prefix_cache, swiftlm.server.app, swiftlm.turboquant, swiftlm.turboquant.presets, "
+        "swiftlm.media, swiftlm.media.model, swiftlm.media.sources, swiftlm.media.items; "
+        "bad = [m for m in ('mlx', 'mlx.core', 'mlx_lm', 'torch') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -60,8 +61,10 @@ def test_choosing_torch_does_not_load_mlx(requested):
     import subprocess
     import sys
 
-    code = ("import sys, platform; from swiftlm.backend import choose_backend; "
-            f"b, why = choose_backend({requested!r}); print(b.name, 'mlx.core' in sys.modules)")
+    code = (
+        "import sys, platform; from swiftlm.backend import choose_backend; "
+        f"b, why = choose_backend({requested!r}); print(b.name, 'mlx.core' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     if requested == "auto" and out[0] != "torch":
         pytest.skip("auto picks MLX first on this platform (Apple Silicon)")

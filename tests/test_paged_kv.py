@@ -11,8 +11,8 @@ import queue
 import time
 
 import pytest
-
 from conftest import needs_torch
+
 from swiftlm import SamplingParams
 
 CTX = 512
@@ -35,8 +35,14 @@ def make_paged(llm, parallel: int, block_size: int = 16, num_blocks: int | None 
     eng.prefix_cache = PrefixCache(0)
 
 
-PROMPTS = ["a b c a b c a b", "the cat sat on the mat the cat " * 3, "one two three", "x y z",
-           "Once upon a time in a land far away there lived " * 2, "count: 1 2 3 4 5 6 7 8 9 10"]
+PROMPTS = [
+    "a b c a b c a b",
+    "the cat sat on the mat the cat " * 3,
+    "one two three",
+    "x y z",
+    "Once upon a time in a land far away there lived " * 2,
+    "count: 1 2 3 4 5 6 7 8 9 10",
+]
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +132,11 @@ def test_cancel_frees_blocks_within_one_step(tiny_llama):
         make_paged(llm, 2)
         eng = llm.engine
         q: queue.Queue = queue.Queue()
-        sid = eng.submit(eng.text_prompt("tell me a long story " * 4), SamplingParams(
-            max_tokens=400, temperature=0, ignore_eos=True), q.put)
+        sid = eng.submit(
+            eng.text_prompt("tell me a long story " * 4),
+            SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+            q.put,
+        )
         n = 0
         while n < 5:
             ev = q.get(timeout=120)
@@ -173,8 +182,9 @@ def test_health_and_metrics_report_blocks_and_preemptions(tiny_llama):
             # while a long request runs, its blocks are counted as used
             import threading
 
-            t = threading.Thread(target=llm.generate, args=(PROMPTS[1], SamplingParams(
-                max_tokens=200, temperature=0, ignore_eos=True)))
+            t = threading.Thread(
+                target=llm.generate, args=(PROMPTS[1], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+            )
             t.start()
             deadline = time.time() + 60
             used = 0
@@ -203,7 +213,7 @@ def test_a_lone_sequence_past_the_pool_ends_at_length(tiny_llama):
         out = llm.generate(PROMPTS[1], p)
         n = len(llm.engine.text_prompt(PROMPTS[1]))
         assert out.finish_reason == "length" and n + len(out.token_ids) == 192  # every position the pool holds
-        assert out.token_ids == want[:len(out.token_ids)]
+        assert out.token_ids == want[: len(out.token_ids)]
         assert llm.engine.kv_blocks.used() == 0
         again = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert len(again.token_ids) == 8
@@ -236,12 +246,12 @@ def test_pool_size_from_memory_and_flags():
     s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--parallel", "8", "--kv-block-size", "16"]))
     assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 32)
     # ... and --kv-cache-memory sizes the TurboQuant code pages (code_pool_pages) instead
-    s = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--kv-cache-memory", str(100 * per_block),
-                                         "--kv-block-size", "16"]))
+    s = settings_from_args(
+        p.parse_args(["--turbo-kv", "k4v3", "--kv-cache-memory", str(100 * per_block), "--kv-block-size", "16"])
+    )
     assert kv_pool_size(s, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 32)
     from swiftlm.backends.torch.code_pages import PAGE_ROWS, CodePages
     from swiftlm.backends.torch.devices import code_pool_pages
-
     from swiftlm.turboquant.presets import settings_format
 
     page = CodePages.page_bytes_for(a, settings_format(s))
@@ -253,8 +263,20 @@ def test_pool_size_from_memory_and_flags():
     assert code_pool_pages(settings_from_args(p.parse_args([])), a, torch.device("cpu"), 8, 4096) == 0
     s3 = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--turbo-kv-keep-layers", "1"]))
     assert code_pool_pages(s3, a, torch.device("cpu"), 8, 4096) == 0
-    s4 = settings_from_args(p.parse_args(["--turbo-kv", "k4v3", "--turbo-kv-keep-layers", "1", "--kv-cache-memory",
-                                          str(100 * per_block), "--kv-block-size", "16"]))
+    s4 = settings_from_args(
+        p.parse_args(
+            [
+                "--turbo-kv",
+                "k4v3",
+                "--turbo-kv-keep-layers",
+                "1",
+                "--kv-cache-memory",
+                str(100 * per_block),
+                "--kv-block-size",
+                "16",
+            ]
+        )
+    )
     assert kv_pool_size(s4, a, torch.device("cpu"), torch.float32, 8, 512) == (16, 100)
     with pytest.raises(Exception, match="kv_block_size"):
         settings_from_args(p.parse_args(["--kv-block-size", "0"]))

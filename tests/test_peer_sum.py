@@ -10,11 +10,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, needs_torch
 
-pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                                              reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 CODE = r"""
 import json, torch
@@ -54,8 +57,9 @@ def test_peer_sum_equals_sum_then_add_rmsnorm(dtype):
     import json
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", CODE.format(dtype=dtype)], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", CODE.format(dtype=dtype)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(rows) == 4

@@ -14,7 +14,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, ROOT, make_ckpt, needs_torch, run_cli
 
 pytestmark = needs_torch
@@ -31,8 +30,20 @@ def _greedy(n: int = 32):
 @pytest.fixture(scope="module")
 def untied5(tmp_path_factory) -> Path:
     """Five layers (stages of 2 and 3 layers) and an LM head of its own (on the last stage only)."""
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "untied5", "--arch", "llama", "--dtype", "float32",
-                     "--layers", "5", "--no-tie", "--seed", "5", "--shard-mb", "1")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "untied5",
+        "--arch",
+        "llama",
+        "--dtype",
+        "float32",
+        "--layers",
+        "5",
+        "--no-tie",
+        "--seed",
+        "5",
+        "--shard-mb",
+        "1",
+    )
 
 
 @pytest.fixture(scope="module", params=[pytest.param("bundled", marks=pytest.mark.slow), "tiny_llama", "untied5"])
@@ -151,18 +162,72 @@ def test_each_stage_reads_only_its_tensors(untied5):
 
 def test_refusals(tiny_llama):
     """One sentence and exit code 2, before any rank starts."""
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--pipeline-parallel", "2",
-                "--turbo-kv", "--max-tokens", "2", "-p", "hi", timeout=120)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--pipeline-parallel",
+        "2",
+        "--turbo-kv",
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+        timeout=120,
+    )
     assert r.returncode == 2 and "--turbo-kv cannot be combined with --pipeline-parallel" in r.stderr, r.stderr[-2000:]
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--pipeline-parallel", "2",
-                "--tensor-parallel", "2", "--max-tokens", "2", "-p", "hi", timeout=120)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--pipeline-parallel",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+        timeout=120,
+    )
     assert r.returncode == 2 and "cannot be combined yet" in r.stderr, r.stderr[-2000:]
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--pipeline-parallel", "3",
-                "--max-tokens", "2", "-p", "hi", timeout=120)  # 2 layers
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--pipeline-parallel",
+        "3",
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+        timeout=120,
+    )  # 2 layers
     assert r.returncode == 2 and "more stages than the model's 2 layers" in r.stderr, r.stderr[-2000:]
     env = {"SWIFTLM_DIST_KEY": ""}
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--pipeline-parallel", "2",
-                "--nnodes", "2", "--max-tokens", "2", "-p", "hi", timeout=120, env=env)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--pipeline-parallel",
+        "2",
+        "--nnodes",
+        "2",
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 2 and "SWIFTLM_DIST_KEY" in r.stderr, r.stderr[-2000:]
 
 
@@ -213,22 +278,39 @@ def test_two_nodes_on_localhost_answer_through_http(tiny_llama, flag):
     Node 0 serves HTTP and its completion equals the single-process one; node 1 never listens and
     exits when node 0 stops.  The launch is shared, so --tensor-parallel spans hosts the same way."""
     import httpx
-
     from server_util import ServerProc, free_port
+
     from swiftlm import LLM
 
     body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     with LLM(str(tiny_llama), backend="torch") as single:
         want = single.generate("Once upon a time", _greedy(24)).text
     mport = free_port()
-    common = ["--model", str(tiny_llama), "--backend", "torch", flag, "2", "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", str(mport)]
+    common = [
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        flag,
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(mport),
+    ]
     key = "pp-test-" + os.urandom(8).hex()
     env = dict(os.environ, SWIFTLM_DIST_KEY=key, HF_HUB_OFFLINE="1")
     port1 = free_port()
-    node1 = subprocess.Popen([PY, "-m", "swiftlm.cli", "serve", "--port", str(port1), *common,
-                              "--node-rank", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    node1 = subprocess.Popen(
+        [PY, "-m", "swiftlm.cli", "serve", "--port", str(port1), *common, "--node-rank", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     s = None
     old = os.environ.get("SWIFTLM_DIST_KEY")
     os.environ["SWIFTLM_DIST_KEY"] = key  # ServerProc copies this process's environment
@@ -269,9 +351,19 @@ def test_stage_args_slice_the_layer_windows():
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.pipeline import stage_args
 
-    base = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
-            "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    base = {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "max_position_embeddings": 512,
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 2,
+    }
     a = Args.from_config(base)
     assert a.windows == (0, 0, 16, 16)
     assert stage_args(a, 0, 2).windows == (0, 0) and stage_args(a, 2, 4).windows == (16, 16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import BACKENDS, needs_torch
+
 from swiftlm import SamplingParams
 from swiftlm.prefix_cache import PrefixCache
 
@@ -33,8 +33,10 @@ def test_shared_system_prompt_ttft_and_identical_outputs():
     from swiftlm import LLM
 
     system = " ".join(f"Rule {i}: answer politely and cite the relevant section number." for i in range(170))
-    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
-             for q in ("What is rule 3 about?", "Summarise the rules in one line.")]
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        for q in ("What is rule 3 about?", "Summarise the rules in one line.")
+    ]
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     cached = LLM(backend="torch")
     plain = LLM(backend="torch", prompt_cache_bytes=0)
@@ -79,8 +81,10 @@ def test_multi_turn_reuses_the_previous_turn(tiny_llama, backend):
         # everything the first turn computed (its prompt and the fed part of its answer) that the
         # re-rendered history still starts with is reused, exactly
         computed = first.prompt_token_ids + first.token_ids[:-1]
-        common = next((i for i, (a, b) in enumerate(zip(computed, second.prompt_token_ids)) if a != b),
-                      min(len(computed), len(second.prompt_token_ids)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(computed, second.prompt_token_ids)) if a != b),
+            min(len(computed), len(second.prompt_token_ids)),
+        )
         assert second.usage["cached_tokens"] == min(common, len(second.prompt_token_ids) - 1) > 16
     finally:
         llm.close()
@@ -94,8 +98,10 @@ def test_cached_and_uncached_outputs_are_identical(tiny_llama, backend):
     sys_msg = {"role": "system", "content": "You are a terse assistant. " * 12}
     chats = [[sys_msg, {"role": "user", "content": q}] for q in ("One?", "Two, please.", "Three!")]
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_llama), backend=backend) as cached, LLM(str(tiny_llama), backend=backend,
-                                                              prompt_cache_bytes=0) as plain:
+    with (
+        LLM(str(tiny_llama), backend=backend) as cached,
+        LLM(str(tiny_llama), backend=backend, prompt_cache_bytes=0) as plain,
+    ):
         got = [cached.generate(c, p) for c in chats]
         assert [o.usage["cached_tokens"] > 0 for o in got] == [False, True, True]
         assert [o.token_ids for o in got] == [plain.generate(c, p).token_ids for c in chats]
@@ -110,8 +116,10 @@ def test_torch_static_slot_pool_on_cpu(tiny_llama):
     sys_msg = {"role": "system", "content": "You are a terse assistant. " * 12}
     chats = [[sys_msg, {"role": "user", "content": q}] for q in ("One?", "Two, please.", "Three!")]
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_llama), backend="torch", ctx_size=256) as cached, \
-            LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain:
+    with (
+        LLM(str(tiny_llama), backend="torch", ctx_size=256) as cached,
+        LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain,
+    ):
         m = cached.engine.model
         m.static = True  # slots as on CUDA (no graphs: those need a GPU)
         m.info.context_length = 256
@@ -137,8 +145,7 @@ def test_a_queued_request_holds_no_kv_until_it_runs(tiny_llama):
         first = llm.generate(prompt, greedy)  # fills the prompt cache
         # the long request holds the one slot: a stream we stop reading (cancelled at the end), with
         # more tokens than any machine decodes in the polling window below
-        long = llm.stream("other words here", SamplingParams(max_tokens=100_000, temperature=0,
-                                                             ignore_eos=True))
+        long = llm.stream("other words here", SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True))
         next(long)  # it is running: its first token came back
         out: dict = {}
         queued = threading.Thread(target=lambda: out.setdefault("r", llm.generate(prompt, greedy)))

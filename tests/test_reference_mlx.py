@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import CHAT_PROMPTS, needs_mlx
 from tolerances import transformer_logits_tol
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import CHAT_PROMPTS, needs_mlx, needs_torch
 from test_reference_mlx import _ref_greedy
 from tolerances import transformer_logits_tol

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import HAS_MLX, run_cli
 
-from conftest import HAS_MLX, make_ckpt, run_cli
 from swiftlm.errors import CorruptModel, ModelNotFound
 from swiftlm.registry import DEFAULT_MODEL, resolve
 
@@ -150,8 +150,9 @@ def _assert_clean_failure(r, *needles):
 def test_cli_not_found(tmp_path):
     r = run_cli("info", "--model", str(tmp_path / "missing"), env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     _assert_clean_failure(r, "not found", "looked in")
-    r = run_cli("info", "--model", "org/missing-model", env={"HF_HUB_CACHE": str(tmp_path / "hub"),
-                                                              "HF_HUB_OFFLINE": "1"})
+    r = run_cli(
+        "info", "--model", "org/missing-model", env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    )
     _assert_clean_failure(r, "not found", str(tmp_path / "hub"))
 
 

@@ -14,7 +14,6 @@ import shutil
 
 import httpx
 import pytest
-
 from conftest import ROOT, needs_torch
 from server_util import ServerProc
 
@@ -22,9 +21,14 @@ openai = pytest.importorskip("openai")
 
 pytestmark = needs_torch
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather now in a city",
-          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-                         "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather now in a city",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]},
+    }
+]
 FORCE = {"type": "function", "name": "get_weather"}
 
 
@@ -45,7 +49,7 @@ def smol():
     assert s.stop() == 0, s.stderr_tail()
 
 
-def _client(server) -> "openai.OpenAI":
+def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=180)
 
 
@@ -91,8 +95,12 @@ def _check_stream(frames: list[tuple[str, dict]]) -> list[str]:
         elif t == "response.output_item.done":
             assert open_item == d["output_index"]
             open_item = None
-        elif t.startswith("response.") and t.split(".")[1] in ("output_text", "content_part", "reasoning_text",
-                                                                 "function_call_arguments"):
+        elif t.startswith("response.") and t.split(".")[1] in (
+            "output_text",
+            "content_part",
+            "reasoning_text",
+            "function_call_arguments",
+        ):
             assert d["output_index"] == open_item
     assert open_item is None
     final = frames[-1][1]["response"]
@@ -103,8 +111,9 @@ def _check_stream(frames: list[tuple[str, dict]]) -> list[str]:
 # ---------------------------------------------------------------- basics and equality
 def test_create_matches_chat_completions(tc):
     r = tc.responses.create(model="x", input="Hello", max_output_tokens=6, temperature=0)
-    chat = tc.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
-                                      temperature=0)
+    chat = tc.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.output[0].type == "message"
     assert r.output_text == chat.choices[0].message.content
     u = r.usage
@@ -120,34 +129,44 @@ def test_create_matches_chat_completions(tc):
 def test_items_translate_like_chat_messages(tc):
     """instructions, developer/assistant messages, input_text/output_text parts: the same prompt
     (token count) and the same sampled text (seeded) as the equivalent chat request."""
-    items = [{"role": "developer", "content": "Answer briefly."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
-             {"role": "user", "content": "How are you?"}]
-    msgs = [{"role": "system", "content": "Be kind."}, {"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "How are you?"}]
-    r = tc.responses.create(model="x", instructions="Be kind.", input=items, max_output_tokens=8, temperature=1.5,
-                            extra_body={"seed": 11})
+    items = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"role": "user", "content": "How are you?"},
+    ]
+    msgs = [
+        {"role": "system", "content": "Be kind."},
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "How are you?"},
+    ]
+    r = tc.responses.create(
+        model="x", instructions="Be kind.", input=items, max_output_tokens=8, temperature=1.5, extra_body={"seed": 11}
+    )
     chat = tc.chat.completions.create(model="x", messages=msgs, max_tokens=8, temperature=1.5, seed=11)
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.output_text == chat.choices[0].message.content
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 1234}],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 1234}], ids=["greedy", "seeded"]
+)
 def test_byte_for_byte_equal_to_chat_on_smollm2(sc, sampling):
     """Streamed here; the non-streamed Responses, Messages and chat answers are compared in
     test_anthropic_api (one SmolLM2 request costs seconds on a shared CPU)."""
     seed = sampling.get("seed")
     kw = {k: v for k, v in sampling.items() if k != "seed"}
     q = "Name a fruit and its color."
-    chat = sc.chat.completions.create(model="x", messages=[{"role": "user", "content": q}], max_tokens=8,
-                                      seed=seed, **kw)
+    chat = sc.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": q}], max_tokens=8, seed=seed, **kw
+    )
     want = chat.choices[0].message.content
     assert want
-    events = list(sc.responses.create(model="x", input=q, max_output_tokens=8, extra_body={"seed": seed},
-                                      stream=True, **kw))
+    events = list(
+        sc.responses.create(model="x", input=q, max_output_tokens=8, extra_body={"seed": seed}, stream=True, **kw)
+    )
     deltas = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
     final = events[-1].response  # response.completed, or response.incomplete when cut at 8 tokens
     assert deltas == final.output_text == want
@@ -170,8 +189,12 @@ def test_stream_event_order(tiny):
 
 def test_sdk_stream_helper(tc):
     # the helper's get_final_response() needs response.completed: a short constrained answer completes
-    kw = dict(model="x", input="Yes or no?", temperature=0,
-              text={"format": {"type": "json_schema", "name": "yn", "schema": {"enum": ["yes", "no"]}}})
+    kw = dict(
+        model="x",
+        input="Yes or no?",
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "yn", "schema": {"enum": ["yes", "no"]}}},
+    )
     with tc.responses.stream(**kw) as st:
         events = list(st)
         final = st.get_final_response()
@@ -183,55 +206,93 @@ def test_sdk_stream_helper(tc):
 
 # ---------------------------------------------------------------- tools
 def test_tool_loop_non_streamed(tc):
-    r = tc.responses.create(model="x", input="What's the weather in Paris?", tools=TOOLS, tool_choice=FORCE,
-                            temperature=0, max_output_tokens=48)
+    r = tc.responses.create(
+        model="x",
+        input="What's the weather in Paris?",
+        tools=TOOLS,
+        tool_choice=FORCE,
+        temperature=0,
+        max_output_tokens=48,
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1
     call = calls[0]
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
     # stateless: the client sends the call back with its output
-    history = [{"role": "user", "content": "What's the weather in Paris?"}, call.model_dump(exclude_none=True),
-               {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temp": 18})}]
+    history = [
+        {"role": "user", "content": "What's the weather in Paris?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temp": 18})},
+    ]
     r2 = tc.responses.create(model="x", input=history, tools=TOOLS, max_output_tokens=6, temperature=0)
     assert r2.output[-1].type in ("message", "function_call") and r2.usage.input_tokens > r.usage.input_tokens
     # the same turn through previous_response_id: the same prompt, the same answer
-    r3 = tc.responses.create(model="x", previous_response_id=r.id, tools=TOOLS, max_output_tokens=6, temperature=0,
-                             input=[history[-1]])
+    r3 = tc.responses.create(
+        model="x", previous_response_id=r.id, tools=TOOLS, max_output_tokens=6, temperature=0, input=[history[-1]]
+    )
     assert r3.usage.input_tokens == r2.usage.input_tokens and r3.output_text == r2.output_text
     assert r3.previous_response_id == r.id
 
 
 def test_tool_loop_streamed(tiny, tc):
-    frames = _sse(tiny, {"input": "Weather in Oslo?", "tools": TOOLS, "tool_choice": FORCE, "temperature": 0,
-                        "max_output_tokens": 48})
+    frames = _sse(
+        tiny,
+        {"input": "Weather in Oslo?", "tools": TOOLS, "tool_choice": FORCE, "temperature": 0, "max_output_tokens": 48},
+    )
     types = _check_stream(frames)
     i = types.index("response.function_call_arguments.delta")
-    assert types[i - 1] == "response.output_item.added" and types[i + 1:i + 3] == [
-        "response.function_call_arguments.done", "response.output_item.done"]
+    assert types[i - 1] == "response.output_item.added" and types[i + 1 : i + 3] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
     assert types[-1] == "response.completed"
     item = frames[-1][1]["response"]["output"][0]
     args = "".join(d["delta"] for _, d in frames if d["type"] == "response.function_call_arguments.delta")
     assert item["type"] == "function_call" and item["arguments"] == args and json.loads(args)["city"]
-    events = list(tc.responses.create(
-        model="x", previous_response_id=frames[-1][1]["response"]["id"], tools=TOOLS, max_output_tokens=6,
-        temperature=0, stream=True,
-        input=[{"type": "function_call_output", "call_id": item["call_id"], "output": "-3 C"}]))
+    events = list(
+        tc.responses.create(
+            model="x",
+            previous_response_id=frames[-1][1]["response"]["id"],
+            tools=TOOLS,
+            max_output_tokens=6,
+            temperature=0,
+            stream=True,
+            input=[{"type": "function_call_output", "call_id": item["call_id"], "output": "-3 C"}],
+        )
+    )
     final = events[-1].response
     assert events[-1].type in ("response.completed", "response.incomplete") and final.output
     assert final.usage.input_tokens > frames[-1][1]["response"]["usage"]["input_tokens"]
 
 
 def test_smollm2_tool_loop(sc):
-    tools = [{"type": "function", "name": "get_weather", "description": "Current weather for a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
-    r = sc.responses.create(model="x", input="What is the weather in Paris?", tools=tools, temperature=0,
-                            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
+    r = sc.responses.create(
+        model="x",
+        input="What is the weather in Paris?",
+        tools=tools,
+        temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+    )
     call = r.output[0]
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
-    r2 = sc.responses.create(model="x", previous_response_id=r.id, tools=tools, temperature=0, max_output_tokens=4,
-                             input=[{"type": "function_call_output", "call_id": call.call_id,
-                                     "output": "sunny, 21 degrees"}])
+    r2 = sc.responses.create(
+        model="x",
+        previous_response_id=r.id,
+        tools=tools,
+        temperature=0,
+        max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 degrees"}],
+    )
     assert r2.output[-1].type == "message" and r2.output_text.strip()  # the final answer arrives
 
 
@@ -253,13 +314,18 @@ def test_retrieve_delete_and_store(tc):
 
 
 def test_previous_response_id_carries_the_conversation(tc):
-    r1 = tc.responses.create(model="x", input="My name is Ada.", instructions="Be brief.", max_output_tokens=4,
-                             temperature=0)
-    r2 = tc.responses.create(model="x", input="What is my name?", previous_response_id=r1.id, max_output_tokens=4,
-                             temperature=0)
+    r1 = tc.responses.create(
+        model="x", input="My name is Ada.", instructions="Be brief.", max_output_tokens=4, temperature=0
+    )
+    r2 = tc.responses.create(
+        model="x", input="What is my name?", previous_response_id=r1.id, max_output_tokens=4, temperature=0
+    )
     # instructions are not carried over (as in OpenAI's API); the turns are
-    msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": r1.output_text},
-            {"role": "user", "content": "What is my name?"}]
+    msgs = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
     chat = tc.chat.completions.create(model="x", messages=msgs, max_tokens=4, temperature=0)
     assert r2.usage.input_tokens == chat.usage.prompt_tokens
     assert r2.output_text == chat.choices[0].message.content
@@ -269,8 +335,13 @@ def test_previous_response_id_carries_the_conversation(tc):
 def test_reasoning_items(tiny, tc):
     kw = dict(model="x", input="Hello", max_output_tokens=6, extra_body={"seed": 4})
     r = tc.responses.create(reasoning={"effort": "high"}, **kw)
-    chat = tc.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
-                                      seed=4, extra_body={"enable_thinking": True})
+    chat = tc.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=6,
+        seed=4,
+        extra_body={"enable_thinking": True},
+    )
     reasoning = (chat.choices[0].message.model_extra or {}).get("reasoning_content")
     assert reasoning  # --temp 2: varied text, all inside the opened <think> block
     item = r.output[0]
@@ -286,10 +357,19 @@ def test_reasoning_items(tiny, tc):
 
 
 def test_json_schema_text_format(tc):
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
-              "additionalProperties": False}
-    r = tc.responses.create(model="x", input="Pick a city", max_output_tokens=40, temperature=0,
-                            text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = tc.responses.create(
+        model="x",
+        input="Pick a city",
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}},
+    )
     assert json.loads(r.output_text)["city"] in ("Paris", "Oslo")
     assert r.text.format.type == "json_schema"
 
@@ -301,10 +381,11 @@ BAD = [
     ({"input": ["not an object"]}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"type": "message", "role": "robot", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-     "input[0].content[0]"),
-    ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "{oops"}]},
-     "input[0].arguments"),
+    (
+        {"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        "input[0].content[0]",
+    ),
+    ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
@@ -340,7 +421,11 @@ def test_unparseable_bodies_and_unknown_ids(tiny):
 
 
 def test_large_max_output_tokens_is_clamped_not_refused(tc):
-    r = tc.responses.create(model="x", input="Hi", max_output_tokens=10_000_000, temperature=0,
-                            text={"format": {"type": "json_schema", "name": "x",
-                                             "schema": {"enum": ["yes", "no"]}}})
+    r = tc.responses.create(
+        model="x",
+        input="Hi",
+        max_output_tokens=10_000_000,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "x", "schema": {"enum": ["yes", "no"]}}},
+    )
     assert r.status == "completed" and json.loads(r.output_text) in ("yes", "no")

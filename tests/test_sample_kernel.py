@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, needs_torch
 
-pytestmark = [needs_torch, pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                                              reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 KERNEL_VS_REF = r"""
 import json, torch
@@ -120,7 +123,7 @@ def test_kernel_draws_the_inverse_cdf_token():
             # the kernels' float32 CDF: sums of tree depth ~12 per chunk, a scan over <= 38 chunk sums and one
             # over the chosen chunk (depth ~12 each), exp and division within a few ulps: well under 64 float32
             # ulps of the total.  A target farther than that from every boundary has one right answer.
-            if greedy or margin > 64 * 2 ** -24:
+            if greedy or margin > 64 * 2**-24:
                 assert got == ref, (c["V"], c["dtype"], c["scale"], got, ref, margin)
                 checked += 1
             else:

@@ -7,8 +7,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from conftest import HAS_MLX, HAS_TORCH
+
 from swiftlm.errors import InvalidRequest
 from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams, sample_row
 
@@ -26,8 +26,9 @@ def ops(request):
         from swiftlm.backends.torch.ops import TorchOps
 
         return TorchOps(torch.device("cpu")), lambda a: torch.tensor(np.asarray(a, dtype=np.float32))
-    from swiftlm.backends.mlx.ops import MLXOps
     import mlx.core as mx
+
+    from swiftlm.backends.mlx.ops import MLXOps
 
     return MLXOps(), lambda a: mx.array(np.asarray(a, dtype=np.float32))
 
@@ -143,11 +144,25 @@ def test_temperature_sharpens(ops):
     assert cold == 100 and hot < 100
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2), ("max_tokens", 0),
-    ("max_tokens", -5), ("presence_penalty", 3), ("frequency_penalty", -3), ("top_logprobs", 21),
-    ("repetition_penalty", 0), ("n", 0), ("seed", "x"), ("temperature", float("nan")),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("top_logprobs", 21),
+        ("repetition_penalty", 0),
+        ("n", 0),
+        ("seed", "x"),
+        ("temperature", float("nan")),
+    ],
+)
 def test_validation_names_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**{field: value}).validate(100)

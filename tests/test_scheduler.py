@@ -300,6 +300,7 @@ def test_a_prompt_one_chunk_holds_is_not_split_at_the_budget_edge():
     step's remaining budget waits for the next step, whole (where it is scheduled first), while a
     shorter prompt behind it may fill the budget; a longer prompt is still split, and a step's first
     chunk always takes what the budget allows (progress)."""
+
     def step(s, seqs):
         b = s.schedule()
         for w in b.seqs:

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import BACKENDS
 from server_util import ServerProc
 
@@ -26,16 +25,26 @@ def backend(request):
 # The shared server: the tiny checkpoint on every backend, and the bundled SmolLM2 on torch
 # (on MLX's CPU backend a real 135M model is too slow for a suite of this size: ~150 ms per
 # prompt token here; MLX's real-model behaviour is covered in test_engine_api / test_cli_convert).
-TARGETS = [pytest.param(("mlx", "tiny"), marks=BACKENDS[0].marks, id="mlx-tiny"),
-           pytest.param(("torch", "tiny"), marks=BACKENDS[1].marks, id="torch-tiny"),
-           pytest.param(("torch", "bundled"), marks=BACKENDS[1].marks, id="torch-smollm2")]
+TARGETS = [
+    pytest.param(("mlx", "tiny"), marks=BACKENDS[0].marks, id="mlx-tiny"),
+    pytest.param(("torch", "tiny"), marks=BACKENDS[1].marks, id="torch-tiny"),
+    pytest.param(("torch", "bundled"), marks=BACKENDS[1].marks, id="torch-smollm2"),
+]
 
 
 @pytest.fixture(scope="module", params=TARGETS)
 def tiny_server(request, tiny_llama):
     backend, model = request.param
-    s = ServerProc("--model", str(tiny_llama) if model == "tiny" else "smollm2-135m-instruct", "--backend", backend,
-                   "--parallel", "4", "--max-tokens", "32")
+    s = ServerProc(
+        "--model",
+        str(tiny_llama) if model == "tiny" else "smollm2-135m-instruct",
+        "--backend",
+        backend,
+        "--parallel",
+        "4",
+        "--max-tokens",
+        "32",
+    )
     s.backend = backend
     yield s
     assert s.stop() == 0, s.stderr_tail()  # SIGTERM stops cleanly
@@ -99,31 +108,36 @@ def test_n_and_seed(client):
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert len({c.message.content for c in a.choices}) > 1  # seed + index per choice
     s = list(client.chat.completions.create(stream=True, **kw))
-    streamed = ["".join(c.choices[0].delta.content or "" for c in s if c.choices and c.choices[0].index == i)
-                for i in range(3)]
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in s if c.choices and c.choices[0].index == i) for i in range(3)
+    ]
     assert streamed == [c.message.content for c in a.choices]
 
 
 def test_stop_string(client):
     base = client.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=0)
     text = base.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3
     r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
     assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_chat_and_completions(client):
-    r = client.chat.completions.create(model="x", messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(
+        model="x", messages=MSGS, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for item in content:
         assert item.logprob <= 0 and len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.token == item.top_logprobs[0].token  # greedy
-    s = list(client.chat.completions.create(model="x", messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
-                                            top_logprobs=2, stream=True))
+    s = list(
+        client.chat.completions.create(
+            model="x", messages=MSGS, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True
+        )
+    )
     streamed = [i.logprob for c in s if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([i.logprob for i in content])
     c = client.completions.create(model="x", prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
@@ -143,8 +157,13 @@ def test_completions_stream_echo_and_prompt_list(client):
 
 
 def test_raw_sse_framing(tiny_server):
-    body = {"messages": MSGS, "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MSGS,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", tiny_server.base + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -154,7 +173,7 @@ def test_raw_sse_framing(tiny_server):
     ids = set()
     for ln in lines[:-1]:
         assert ln.startswith("data: ")
-        obj = json.loads(ln[len("data: "):])
+        obj = json.loads(ln[len("data: ") :])
         ids.add(obj["id"])
     assert len(ids) == 1
     assert raw.endswith("data: [DONE]\n\n") and "\n\n\n" not in raw
@@ -162,8 +181,13 @@ def test_raw_sse_framing(tiny_server):
 
 def test_prefill_progress_frames_on_request(tiny_server):
     body = {"prompt": "word " * 1500, "max_tokens": 2, "temperature": 0, "stream": True}
-    with httpx.stream("POST", tiny_server.base + "/v1/completions", json=body, timeout=120,
-                      headers={"X-SwiftLM-Prefill-Progress": "1"}) as r:
+    with httpx.stream(
+        "POST",
+        tiny_server.base + "/v1/completions",
+        json=body,
+        timeout=120,
+        headers={"X-SwiftLM-Prefill-Progress": "1"},
+    ) as r:
         raw = r.read().decode()
     frames = [f for f in raw.split("\n\n") if f.startswith("event: prefill_progress")]
     assert frames, "expected at least one progress frame"
@@ -219,9 +243,16 @@ def test_health_and_metrics(tiny_server):
     assert {"active", "peak", "cache", "total_system"} <= set(h["memory"]) and h["memory"]["total_system"] > 0
     assert {"requests_total", "requests_active", "tokens_generated", "avg_tokens_per_sec"} <= set(h["stats"])
     m = httpx.get(tiny_server.base + "/metrics", timeout=10).text
-    for name in ("swiftlm_requests_total", "swiftlm_generation_tokens_total", "swiftlm_requests_active",
-                 "swiftlm_memory_bytes", "swiftlm_uptime_seconds", "swiftlm_time_to_first_token_seconds_bucket",
-                 "swiftlm_inter_token_latency_seconds_bucket", "swiftlm_avg_tokens_per_second"):
+    for name in (
+        "swiftlm_requests_total",
+        "swiftlm_generation_tokens_total",
+        "swiftlm_requests_active",
+        "swiftlm_memory_bytes",
+        "swiftlm_uptime_seconds",
+        "swiftlm_time_to_first_token_seconds_bucket",
+        "swiftlm_inter_token_latency_seconds_bucket",
+        "swiftlm_avg_tokens_per_second",
+    ):
         assert name in m
 
 
@@ -246,8 +277,16 @@ BAD = [
     ("kv_group_size", {"messages": MSGS, "kv_bits": 4, "kv_group_size": 48}, 400, "kv_group_size"),
     ("unknown turbo_kv preset", {"messages": MSGS, "turbo_kv": "k9v9"}, 400, "turbo_kv"),
     ("turbo_kv and kv_bits", {"messages": MSGS, "turbo_kv": "k4v3", "kv_bits": 8}, 400, "kv_bits"),
-    ("image to a text model", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0]"),
+    (
+        "image to a text model",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        },
+        400,
+        "messages[0].content[0]",
+    ),
 ]
 
 
@@ -280,8 +319,9 @@ def test_unknown_fields_are_ignored(client):
 
 
 def test_auth_cors_and_loading(tiny_llama, backend):
-    s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--api-key", "sekret", "--cors",
-                   "http://example.test")
+    s = ServerProc(
+        "--model", str(tiny_llama), "--backend", backend, "--api-key", "sekret", "--cors", "http://example.test"
+    )
     try:
         url = s.base + "/v1/chat/completions"
         body = {"messages": MSGS, "max_tokens": 2}
@@ -293,8 +333,14 @@ def test_auth_cors_and_loading(tiny_llama, backend):
         assert ok.models.list().data
         assert httpx.get(s.base + "/health").status_code == 200  # always open
         assert httpx.get(s.base + "/metrics").status_code == 200  # open by default (documented)
-        pre = httpx.options(url, headers={"Origin": "http://example.test", "Access-Control-Request-Method": "POST",
-                                          "Access-Control-Request-Headers": "authorization,content-type"})
+        pre = httpx.options(
+            url,
+            headers={
+                "Origin": "http://example.test",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         assert pre.status_code == 200
         assert pre.headers["access-control-allow-origin"] == "http://example.test"
     finally:
@@ -317,8 +363,24 @@ def test_health_is_503_while_loading(tiny_llama, backend):
     from server_util import free_port
 
     port = free_port()
-    p = sp.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--model", str(tiny_llama), "--backend", backend,
-                  "--port", str(port)], stdout=sp.PIPE, stderr=sp.PIPE, cwd=ROOT, env=dict(os.environ))
+    p = sp.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swiftlm.cli",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--backend",
+            backend,
+            "--port",
+            str(port),
+        ],
+        stdout=sp.PIPE,
+        stderr=sp.PIPE,
+        cwd=ROOT,
+        env=dict(os.environ),
+    )
     seen = []
     try:
         for _ in range(600):
@@ -340,15 +402,38 @@ def test_health_is_503_while_loading(tiny_llama, backend):
 def test_schemathesis_no_5xx(tiny_llama, tmp_path, backend):
     import sys
 
-    s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--ctx-size", "96", "--max-tokens", "8",
-                   "--parallel", "4")
+    s = ServerProc(
+        "--model", str(tiny_llama), "--backend", backend, "--ctx-size", "96", "--max-tokens", "8", "--parallel", "4"
+    )
     try:
-        r = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", s.base + "/openapi.json",
-                            "--checks", "not_a_server_error", "--max-examples", "120", "--phases",
-                            "examples,coverage,fuzzing", "--workers", "2", "--request-timeout", "60",
-                            "--suppress-health-check", "all", "--report", "junit",
-                            "--report-dir", str(tmp_path)],
-                           capture_output=True, text=True, timeout=1200)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "run",
+                s.base + "/openapi.json",
+                "--checks",
+                "not_a_server_error",
+                "--max-examples",
+                "120",
+                "--phases",
+                "examples,coverage,fuzzing",
+                "--workers",
+                "2",
+                "--request-timeout",
+                "60",
+                "--suppress-health-check",
+                "all",
+                "--report",
+                "junit",
+                "--report-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-4000:]
         junit = next(tmp_path.glob("*.xml")).read_text()
@@ -356,8 +441,8 @@ def test_schemathesis_no_5xx(tiny_llama, tmp_path, backend):
 
         total = sum(int(x) for x in re.findall(r'tests="(\d+)"', junit)[:1])
         calls = httpx.get(s.base + "/metrics").text
-        n_req = sum(float(v) for v in re.findall(r'^swiftlm_requests_total\{[^}]*\} (\S+)', calls, re.M))
-        n_err = sum(float(v) for v in re.findall(r'^swiftlm_request_errors_total\{[^}]*\} (\S+)', calls, re.M))
+        n_req = sum(float(v) for v in re.findall(r"^swiftlm_requests_total\{[^}]*\} (\S+)", calls, re.M))
+        n_err = sum(float(v) for v in re.findall(r"^swiftlm_request_errors_total\{[^}]*\} (\S+)", calls, re.M))
         assert n_req + n_err >= 500, f"only {n_req + n_err} requests reached the API ({total} test cases)"
         # samples only (line start): HELP text may name the label too
         assert "500" not in re.findall(r'^swiftlm_request_errors_total\{status="(\d+)"\}', calls, re.M)
@@ -367,15 +452,21 @@ def test_schemathesis_no_5xx(tiny_llama, tmp_path, backend):
 
 
 def test_response_format_json_object_and_bad_schema(client, tiny_server):
-    r = client.chat.completions.create(model="x", messages=MSGS, max_tokens=64, temperature=0.5, seed=3,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model="x", messages=MSGS, max_tokens=64, temperature=0.5, seed=3, response_format={"type": "json_object"}
+    )
     text = r.choices[0].message.content
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    bad = httpx.post(tiny_server.base + "/v1/chat/completions", timeout=30, json={
-        "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                                     "schema": {"type": 5}}}})
+    bad = httpx.post(
+        tiny_server.base + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "messages": MSGS,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+        },
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
 
 
@@ -386,8 +477,9 @@ def test_queue_full_is_429(tiny_llama, backend):
     try:
         body = {"messages": MSGS, "max_tokens": 400, "temperature": 0}
         with cf.ThreadPoolExecutor(6) as ex:
-            codes = list(ex.map(lambda _: httpx.post(s.base + "/v1/chat/completions", json=body, timeout=300),
-                                range(6)))
+            codes = list(
+                ex.map(lambda _: httpx.post(s.base + "/v1/chat/completions", json=body, timeout=300), range(6))
+            )
         statuses = sorted(r.status_code for r in codes)
         assert 429 in statuses and 200 in statuses, statuses
         r429 = next(r for r in codes if r.status_code == 429)

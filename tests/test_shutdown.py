@@ -10,15 +10,26 @@ import threading
 import time
 
 import httpx
-
 from server_util import ServerProc
 
 N = 50
 
 
 def test_sigterm_ends_every_open_stream_with_done(tiny_llama):
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--parallel", str(N), "--max-queue", str(N),
-                   "--shutdown-timeout", "2", "--prompt-cache-bytes", "0")
+    s = ServerProc(
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--parallel",
+        str(N),
+        "--max-queue",
+        str(N),
+        "--shutdown-timeout",
+        "2",
+        "--prompt-cache-bytes",
+        "0",
+    )
     results: dict[int, list[str]] = {}
     started = threading.Barrier(N + 1, timeout=120)
 
@@ -26,9 +37,18 @@ def test_sigterm_ends_every_open_stream_with_done(tiny_llama):
         lines: list[str] = []
         first = True
         try:
-            with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=120, json={
-                    "messages": [{"role": "user", "content": f"story number {i}"}], "max_tokens": 3000,
-                    "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            with httpx.stream(
+                "POST",
+                s.base + "/v1/chat/completions",
+                timeout=120,
+                json={
+                    "messages": [{"role": "user", "content": f"story number {i}"}],
+                    "max_tokens": 3000,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])
@@ -63,8 +83,14 @@ def test_sigterm_ends_every_open_stream_with_done(tiny_llama):
         assert lines and lines[-1] == "[DONE]", (i, lines[-3:])
         last = json.loads(lines[-2])
         assert last["choices"][0]["finish_reason"] == "length", (i, last)
-        assert sum(1 for x in lines[:-1] if json.loads(x)["choices"] and
-                   json.loads(x)["choices"][0]["delta"].get("content")) > 1  # they kept generating meanwhile
+        assert (
+            sum(
+                1
+                for x in lines[:-1]
+                if json.loads(x)["choices"] and json.loads(x)["choices"][0]["delta"].get("content")
+            )
+            > 1
+        )  # they kept generating meanwhile
     assert "Traceback" not in s.stderr_tail(20000)
 
 
@@ -74,8 +100,13 @@ def test_queue_full_is_429_with_retry_after(tiny_llama):
         codes: list[httpx.Response] = []
 
         def go():
-            codes.append(httpx.post(s.base + "/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}))
+            codes.append(
+                httpx.post(
+                    s.base + "/v1/chat/completions",
+                    timeout=120,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True},
+                )
+            )
 
         ts = [threading.Thread(target=go) for _ in range(6)]
         [t.start() for t in ts]
@@ -92,14 +123,20 @@ def test_request_timeout_ends_a_long_request_with_what_it_has(tiny_llama):
     s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--request-timeout", "1.5")
     try:
         t0 = time.monotonic()
-        r = httpx.post(s.base + "/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True})
+        r = httpx.post(
+            s.base + "/v1/chat/completions",
+            timeout=120,
+            json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True},
+        )
         took = time.monotonic() - t0
         ch = r.json()["choices"][0]
         assert r.status_code == 200 and ch["finish_reason"] == "length" and ch["message"]["content"]
         assert 1.5 <= took < 10 and r.json()["usage"]["completion_tokens"] < 3000
-        quick = httpx.post(s.base + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        quick = httpx.post(
+            s.base + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert quick.json()["choices"][0]["finish_reason"] in ("length", "stop")
     finally:
         assert s.stop() == 0, s.stderr_tail()

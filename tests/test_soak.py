@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, needs_torch
 
 
@@ -19,14 +18,37 @@ from conftest import ROOT, needs_torch
 @pytest.mark.timeout(600)
 def test_soak_short(tiny_llama, tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--model", str(tiny_llama), "--backend", "torch",
-           "--parallel", "8", "--streams", "32", "--duration", "75", "--warmup", "30", "--sample-every", "2",
-           "--max-tokens", "64", "--max-rss-growth", "0.05",
-           # a prompt cache small enough to fill during the warm-up: its bytes are a bounded, wanted cost
-           "--server-arg=--prompt-cache-bytes", "--server-arg=8000000",
-           # glibc's dynamic mmap threshold otherwise keeps ~100 MB of freed tensors in its arenas, a level
-           # reached only after minutes (swiftlm.memory.tune_allocator pins the threshold the same way)
-           "--server-env", "MALLOC_MMAP_THRESHOLD_=131072", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "soak.py"),
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--parallel",
+        "8",
+        "--streams",
+        "32",
+        "--duration",
+        "75",
+        "--warmup",
+        "30",
+        "--sample-every",
+        "2",
+        "--max-tokens",
+        "64",
+        "--max-rss-growth",
+        "0.05",
+        # a prompt cache small enough to fill during the warm-up: its bytes are a bounded, wanted cost
+        "--server-arg=--prompt-cache-bytes",
+        "--server-arg=8000000",
+        # glibc's dynamic mmap threshold otherwise keeps ~100 MB of freed tensors in its arenas, a level
+        # reached only after minutes (swiftlm.memory.tune_allocator pins the threshold the same way)
+        "--server-env",
+        "MALLOC_MMAP_THRESHOLD_=131072",
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert out.exists(), r.stdout[-2000:] + r.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -49,8 +71,10 @@ def _soak_module():
 
 
 def _series(rss_at):
-    return [{"t": float(t), "rss": rss_at(t), "phase": "load", "round": 0, "kv_allocated": 0,
-             "prompt_cache_bytes": 0} for t in range(0, 1800, 5)]
+    return [
+        {"t": float(t), "rss": rss_at(t), "phase": "load", "round": 0, "kv_allocated": 0, "prompt_cache_bytes": 0}
+        for t in range(0, 1800, 5)
+    ]
 
 
 def test_rss_growth_is_peak_against_peak():
@@ -66,10 +90,8 @@ def test_rss_growth_is_peak_against_peak():
     flat = soak.summarize(_series(lambda t: int(1e9 * swing(t))), soak.Tally(), a, 0, 1800.0)
     assert flat["rss_growth_after_warmup"] < 0.01 and flat["checks"]["rss_growth_within_limit"]
     assert "rss_growth_vs_warmup_end" in flat and len(flat["rss_windows"]) == 6
-    trend = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.01 * t / 300))), soak.Tally(), a, 0,
-                           1800.0)
+    trend = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.01 * t / 300))), soak.Tally(), a, 0, 1800.0)
     assert trend["rss_growth_after_warmup"] > 0.04
-    steeper = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.02 * t / 300))), soak.Tally(), a, 0,
-                             1800.0)
+    steeper = soak.summarize(_series(lambda t: int(1e9 * swing(t) * (1 + 0.02 * t / 300))), soak.Tally(), a, 0, 1800.0)
     assert not steeper["checks"]["rss_growth_within_limit"]
     assert [w["from_s"] for w in flat["rss_windows"]] == [0, 300, 600, 900, 1200, 1500]

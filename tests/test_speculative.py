@@ -9,15 +9,17 @@ from collections import Counter
 import httpx
 import numpy as np
 import pytest
-
 from conftest import BACKENDS, CHAT_PROMPTS, make_ckpt, needs_mlx, needs_torch, run_cli
 from server_util import ServerProc
+
 from swiftlm.sampling import SamplingParams
 from swiftlm.speculative import NgramDrafter
 
-COPY = ("Repeat this paragraph exactly, fixing the one typo: The committee met on Tuesday to review the "
-        "budget for the new library. After a long discussion, the members agreed to fund the reading room, "
-        "the childrens section and the digital archive.")
+COPY = (
+    "Repeat this paragraph exactly, fixing the one typo: The committee met on Tuesday to review the "
+    "budget for the new library. After a long discussion, the members agreed to fund the reading room, "
+    "the childrens section and the digital archive."
+)
 
 
 def _llm(model, backend, **kw):
@@ -30,10 +32,10 @@ def test_ngram_proposals():
     d = NgramDrafter(max_ngram=3, min_ngram=1)
     p = SamplingParams()
     toks = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
-    assert d.propose(0, toks, 3, p, None)[0] == [8, 9, 1]        # 3-gram 5 6 7 seen before
-    assert d.propose(0, toks + [4], 3, p, None)[0] == []        # 7 4 / 4 never seen
+    assert d.propose(0, toks, 3, p, None)[0] == [8, 9, 1]  # 3-gram 5 6 7 seen before
+    assert d.propose(0, toks + [4], 3, p, None)[0] == []  # 7 4 / 4 never seen
     assert d.propose(0, [1, 2, 1, 2, 1, 2], 4, p, None)[0] == [1, 2]  # most recent match, clipped at the end
-    assert d.propose(0, [3, 9, 3, 8, 3], 2, p, None)[0] == [8, 3]     # 1-gram fallback, latest occurrence
+    assert d.propose(0, [3, 9, 3, 8, 3], 2, p, None)[0] == [8, 3]  # 1-gram fallback, latest occurrence
     assert NgramDrafter().propose(0, [3, 9, 3, 8, 3], 2, p, None)[0] == []  # default: 2-grams at least
 
 
@@ -77,8 +79,9 @@ def test_smollm2_greedy_is_identical_mlx(mlx_llm):
 def tiny_draft(tmp_path_factory):
     """A second random model with the same tokenizer (a different seed): drafts that are
     sometimes right, sometimes wrong."""
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "draft", "--arch", "llama", "--dtype", "float32",
-                     "--layers", "1", "--seed", "7")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "draft", "--arch", "llama", "--dtype", "float32", "--layers", "1", "--seed", "7"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -108,7 +111,7 @@ def test_max_tokens_stop_strings_and_penalties_hold(tiny_llama):
             a, b = plain.generate("a b a b a b a b", sp), spec.generate("a b a b a b a b", sp)
             assert a.token_ids == b.token_ids and len(b.token_ids) <= sp.max_tokens
         text = plain.generate("a b a b a b", SamplingParams(max_tokens=16, temperature=0)).text
-        stop = text[len(text) // 2: len(text) // 2 + 3]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
         sp = SamplingParams(max_tokens=16, temperature=0, stop=[stop])
         assert plain.generate("a b a b a b", sp).text == spec.generate("a b a b a b", sp).text
         sp = SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5)
@@ -119,14 +122,28 @@ def test_max_tokens_stop_strings_and_penalties_hold(tiny_llama):
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom (standard tables)
-CHI2_CRIT_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124,
-                  9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909}
+CHI2_CRIT_P001 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    11: 31.264,
+    12: 32.909,
+}
 
 
 def _chi2_two_sample(a: Counter, b: Counter, bins: int = 12) -> tuple[float, int]:
     top = [t for t, _ in (a + b).most_common(bins)]
-    rows = [[a[t] for t in top] + [sum(a.values()) - sum(a[t] for t in top)],
-            [b[t] for t in top] + [sum(b.values()) - sum(b[t] for t in top)]]
+    rows = [
+        [a[t] for t in top] + [sum(a.values()) - sum(a[t] for t in top)],
+        [b[t] for t in top] + [sum(b.values()) - sum(b[t] for t in top)],
+    ]
     obs = np.array(rows, dtype=float)
     obs = obs[:, obs.sum(axis=0) > 0]
     exp = obs.sum(axis=1, keepdims=True) * obs.sum(axis=0, keepdims=True) / obs.sum()
@@ -144,8 +161,10 @@ def _samples(model, **kw) -> tuple[list[list[int]], object]:
         # needs drafts (accepted and rejected) at every step to exercise the rule
         llm.engine.speculator.drafter = NgramDrafter(min_ngram=1)
     try:
-        got = [llm.generate(DIST_PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=s)).token_ids
-               for s in range(DIST_N)]
+        got = [
+            llm.generate(DIST_PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=s)).token_ids
+            for s in range(DIST_N)
+        ]
         return got, (llm.engine.speculator.stats if llm.engine.speculator else None)
     finally:
         llm.close()
@@ -167,8 +186,9 @@ def test_sampled_distribution_matches_plain(tiny_llama, tiny_draft, plain_sample
     spec, st = _samples(tiny_llama, **kw)
     assert st.steps > 0 and 0 < st.accepted < st.drafted  # both branches of the rule ran
     for pos in (1, 2, 3):
-        stat, dof = _chi2_two_sample(Counter(t[pos] for t in plain_samples if len(t) > pos),
-                                     Counter(t[pos] for t in spec if len(t) > pos))
+        stat, dof = _chi2_two_sample(
+            Counter(t[pos] for t in plain_samples if len(t) > pos), Counter(t[pos] for t in spec if len(t) > pos)
+        )
         assert stat < CHI2_CRIT_P001[dof], (pos, stat, dof)
 
 
@@ -177,12 +197,20 @@ def test_broken_rule_is_detected(tiny_llama, plain_samples, monkeypatch):
     """The chi-square test has teeth: keeping every n-gram draft changes the distribution."""
     from swiftlm import speculative
 
-    monkeypatch.setattr(speculative.Speculator, "_sample",
-                        staticmethod(lambda ops, row, params, state, drafts, qs, i:
-                                     (drafts[i], True) if i < len(drafts) else (0, False)))
+    monkeypatch.setattr(
+        speculative.Speculator,
+        "_sample",
+        staticmethod(
+            lambda ops, row, params, state, drafts, qs, i: (drafts[i], True) if i < len(drafts) else (0, False)
+        ),
+    )
     spec, _ = _samples(tiny_llama, speculative="ngram")
-    stats = [_chi2_two_sample(Counter(t[pos] for t in plain_samples if len(t) > pos),
-                              Counter(t[pos] for t in spec if len(t) > pos)) for pos in (1, 2, 3)]
+    stats = [
+        _chi2_two_sample(
+            Counter(t[pos] for t in plain_samples if len(t) > pos), Counter(t[pos] for t in spec if len(t) > pos)
+        )
+        for pos in (1, 2, 3)
+    ]
     assert any(stat > CHI2_CRIT_P001[dof] for stat, dof in stats)
 
 

@@ -1,6 +1,7 @@
 """Host-to-device copies through the page-locked arena arrive exactly, in order, across many
 wrap-arounds of its two halves; copies too large for it take the pageable way. (CUDA only: page-locked
 memory needs a GPU; on CPU the stager is off and hands the tensor through.)"""
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,7 +23,7 @@ def test_arena_copies_exact_across_wraps():
     outs, refs = [], []
     for i in range(400):
         n = int(torch.randint(1, 700, (1,), generator=g))
-        t = (torch.randn(n, generator=g) if i % 3 else torch.randint(-2**40, 2**40, (n,), generator=g))
+        t = torch.randn(n, generator=g) if i % 3 else torch.randint(-(2**40), 2**40, (n,), generator=g)
         refs.append(t.clone())
         outs.append(s.to_device(t))
         t.zero_()  # the caller may reuse its host tensor at once

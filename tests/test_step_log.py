@@ -39,8 +39,12 @@ def test_step_log_lines_account_for_every_step(tiny_llama, tmp_path, monkeypatch
     assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
 
     out = tmp_path / "summary.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_timeline.py"), str(files[0]), "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "step_timeline.py"), str(files[0]), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads(out.read_text())
     assert s["steps"] == len(rows)

@@ -1,6 +1,7 @@
 """Token events that queue up behind a slow reader are merged into one chunk (same text, ids and
 logprobs, in order); nothing merges across sequences, past a final event, around an error or a
 progress event, or under a reasoning budget."""
+
 import asyncio
 from collections import deque
 
@@ -18,6 +19,7 @@ def _run(events, budget=None):
         while not r._q.empty() or r._buf:
             out.append(r._next_event())
         return out
+
     return asyncio.run(go())
 
 
@@ -35,14 +37,24 @@ def test_queued_token_events_merge_in_order():
 
 
 def test_nothing_merges_across_boundaries():
-    evs = [Event(1, text="a", token_ids=[1]), Event(2, text="b", token_ids=[2]),          # another sequence
-           Event(2, text="c", token_ids=[3], finished=True, finish_reason="stop"),
-           Event(2, text="late", token_ids=[4]),                                           # after a final event
-           Event(3, progress=(5, 10)), Event(3, text="d", token_ids=[5]),                  # a progress event
-           Event(3, text="", error="boom", finished=True, finish_reason="error")]          # an error
+    evs = [
+        Event(1, text="a", token_ids=[1]),
+        Event(2, text="b", token_ids=[2]),  # another sequence
+        Event(2, text="c", token_ids=[3], finished=True, finish_reason="stop"),
+        Event(2, text="late", token_ids=[4]),  # after a final event
+        Event(3, progress=(5, 10)),
+        Event(3, text="d", token_ids=[5]),  # a progress event
+        Event(3, text="", error="boom", finished=True, finish_reason="error"),
+    ]  # an error
     out = _run(evs)
     assert [(e.seq_id, e.text, e.token_ids) for e in out] == [
-        (1, "a", [1]), (2, "bc", [2, 3]), (2, "late", [4]), (3, "", []), (3, "d", [5]), (3, "", [])]
+        (1, "a", [1]),
+        (2, "bc", [2, 3]),
+        (2, "late", [4]),
+        (3, "", []),
+        (3, "d", [5]),
+        (3, "", []),
+    ]
     assert out[-1].error == "boom"
 
 

@@ -7,17 +7,23 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-
 from conftest import needs_mlx
+
 from swiftlm.chat.structured import Constraint, grammar_for
 from swiftlm.errors import InvalidRequest
 from swiftlm.registry import resolve
 from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams, sample_row
 from swiftlm.tokenizer import load_gguf_tokenizer
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,9 @@ def test_random_logits_under_the_mask_always_give_schema_valid_json(tok):
         st = SamplerState(seed=seed, constraint=Constraint(tok, g, tok.vocab_size))
         out = []
         for _ in range(200):
-            t, _, _ = sample_row(NumpyOps(), rng.normal(0, 2, tok.vocab_size).astype(np.float32),
-                                 SamplingParams(temperature=1.0), st)
+            t, _, _ = sample_row(
+                NumpyOps(), rng.normal(0, 2, tok.vocab_size).astype(np.float32), SamplingParams(temperature=1.0), st
+            )
             if t in tok.eos_token_ids:
                 break
             out.append(t)

@@ -9,13 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, ROOT, make_ckpt, needs_torch, run_cli
 
 pytestmark = needs_torch
@@ -32,8 +30,19 @@ def _greedy(n: int = 32):
 @pytest.fixture(scope="module")
 def kv1_llama(tmp_path_factory) -> Path:
     """One KV head, four query heads: over 2 ranks each keeps a copy of the KV head."""
-    return make_ckpt(tmp_path_factory.mktemp("ck") / "kv1", "--arch", "llama", "--dtype", "float32", "--heads", "4",
-                     "--kv-heads", "1", "--seed", "3")
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "kv1",
+        "--arch",
+        "llama",
+        "--dtype",
+        "float32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "1",
+        "--seed",
+        "3",
+    )
 
 
 def _pair(model: str | None):
@@ -121,8 +130,15 @@ def test_step_mixing_prefill_and_decode_rows(pair):
             return SeqWork(sid, tokens, start, True, SamplingParams(), SamplerState())
 
         model.forward(StepBatch([work(ids[0], toks[0], 0), work(ids[1], toks[1], 0)]))
-        fwd = model.forward(StepBatch([work(ids[0], [toks[0][-1]], len(toks[0])),
-                                       work(ids[1], [toks[1][-1]], len(toks[1])), work(ids[2], toks[2], 0)]))
+        fwd = model.forward(
+            StepBatch(
+                [
+                    work(ids[0], [toks[0][-1]], len(toks[0])),
+                    work(ids[1], [toks[1][-1]], len(toks[1])),
+                    work(ids[2], toks[2], 0),
+                ]
+            )
+        )
         model.free(ids)
         got[key] = fwd.logits.float()
     assert got["tp"].shape == got["single"].shape == (3, single.engine.model.info.vocab_size)
@@ -147,14 +163,23 @@ def test_split_plan():
     from swiftlm.backends.torch.parallel import make_plan
     from swiftlm.errors import ConfigError
 
-    cfg = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 1, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49153}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49153,
+    }
     p0, p1 = make_plan(cfg, 0, 2), make_plan(cfg, 1, 2)  # SmolLM2's 9 heads in 3 KV groups: 1 group + 2
     assert (p0.q0, p0.q1, p0.kv0, p0.kv1, p1.q0, p1.q1, p1.kv0, p1.kv1) == (0, 3, 0, 1, 3, 9, 1, 3)
     assert p0.vocab_rows == p1.vocab_rows == 24577 and p1.v0 == 24577  # padded to equal slices
     one = dict(cfg, num_attention_heads=4, num_key_value_heads=1)
-    assert [(make_plan(one, r, 2).q0, make_plan(one, r, 2).kv0, make_plan(one, r, 2).kv1) for r in (0, 1)] == \
-        [(0, 0, 1), (2, 0, 1)]  # the KV head replicated
+    assert [(make_plan(one, r, 2).q0, make_plan(one, r, 2).kv0, make_plan(one, r, 2).kv1) for r in (0, 1)] == [
+        (0, 0, 1),
+        (2, 0, 1),
+    ]  # the KV head replicated
     with pytest.raises(ConfigError, match="--tensor-parallel"):
         make_plan(dict(cfg, num_attention_heads=6, num_key_value_heads=3), 1, 4)  # rank 1 would need 2 KV heads
     with pytest.raises(ConfigError, match="MoE"):
@@ -162,8 +187,21 @@ def test_split_plan():
 
 
 def test_unsupported_combination_refused(tiny_llama):
-    r = run_cli("generate", "--model", str(tiny_llama), "--backend", "torch", "--tensor-parallel", "2",
-                "--turbo-kv", "--max-tokens", "2", "-p", "hi", timeout=120)
+    r = run_cli(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--tensor-parallel",
+        "2",
+        "--turbo-kv",
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--turbo-kv cannot be combined with --tensor-parallel" in r.stderr
 
@@ -219,8 +257,8 @@ def test_serve_tensor_parallel_http_then_rank_death_stops_server(tiny_llama):
     """`swiftlm serve --tensor-parallel 2`: a completion through HTTP equals the single-process
     one; killing rank 1 makes the server exit non-zero with the rank named, never hang."""
     import httpx
-
     from server_util import ServerProc
+
     from swiftlm import LLM
 
     body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}

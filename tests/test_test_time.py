@@ -2,15 +2,15 @@
 fixed candidates; on the bundled model through LLM and the server, each chain of a batched
 self-consistency / best-of-N run equals the same request run alone (seeded), and the votes and scores
 are those of the chains."""
+
 import math
 
 import pytest
+from conftest import HAS_TORCH
 
 from swiftlm import test_time as tt
 from swiftlm.errors import InvalidRequest
 from swiftlm.sampling import SamplingParams
-
-from conftest import HAS_TORCH
 
 
 def test_extract_answer_modes():
@@ -42,8 +42,8 @@ def test_self_consistency_votes_and_breaks_ties_by_logprob():
 
 def test_best_of_n_scores():
     spec = [("a", 10, -5.0), ("b", 2, -2.0), ("c", 4, -3.0)]
-    assert tt.best_of_n(lambda n: _cands(spec), 3).text == "a"              # mean: -0.5, -1.0, -0.75
-    assert tt.best_of_n(lambda n: _cands(spec), 3, "logprob").text == "b"   # sum
+    assert tt.best_of_n(lambda n: _cands(spec), 3).text == "a"  # mean: -0.5, -1.0, -0.75
+    assert tt.best_of_n(lambda n: _cands(spec), 3, "logprob").text == "b"  # sum
     scores = {"a": 0.2, "b": 0.9, "c": 0.4}
     r = tt.best_of_n(lambda n: _cands(spec), 3, "verifier", verify=scores.__getitem__)
     assert r.text == "b" and [c.score for c in r.candidates] == [0.2, 0.9, 0.4]
@@ -66,12 +66,16 @@ def test_yes_probability_and_request_checks():
     assert tt.yes_probability([(1, " Yes", math.log(0.6)), (2, "No", math.log(0.2))]) == pytest.approx(0.75)
     assert tt.yes_probability([(1, "maybe", -0.1)]) == 0.5
     assert tt.check_request({"strategy": "self_consistency", "answer": "number"})["answer"] == "last_number"
-    for bad, param in (({"strategy": "x"}, "test_time.strategy"), ({"strategy": "best_of_n", "n": 0}, "test_time.n"),
-                       ({"strategy": "best_of_n", "n": True}, "test_time.n"),
-                       ({"strategy": "self_consistency", "answer": "regex"}, "test_time.pattern"),
-                       ({"strategy": "self_consistency", "answer": "regex", "pattern": "("}, "test_time.pattern"),
-                       ({"strategy": "refinement", "rounds": 99}, "test_time.rounds"),
-                       ({"strategy": "best_of_n", "extra": 1}, "test_time"), ("x", "test_time")):
+    for bad, param in (
+        ({"strategy": "x"}, "test_time.strategy"),
+        ({"strategy": "best_of_n", "n": 0}, "test_time.n"),
+        ({"strategy": "best_of_n", "n": True}, "test_time.n"),
+        ({"strategy": "self_consistency", "answer": "regex"}, "test_time.pattern"),
+        ({"strategy": "self_consistency", "answer": "regex", "pattern": "("}, "test_time.pattern"),
+        ({"strategy": "refinement", "rounds": 99}, "test_time.rounds"),
+        ({"strategy": "best_of_n", "extra": 1}, "test_time"),
+        ("x", "test_time"),
+    ):
         with pytest.raises(InvalidRequest) as e:
             tt.check_request(bad)
         assert e.value.param == param, bad
@@ -110,18 +114,29 @@ def test_server_extension(tiny_llama):
     app = create_app(llm.settings, engine=llm.engine, spec=llm.spec, backend="torch")
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
-            body = {"model": "x", "messages": [{"role": "user", "content": Q}], "temperature": 0.8, "seed": 3,
-                    "max_tokens": 8}
-            r = client.post("/v1/chat/completions", json={**body, "test_time": {"strategy": "self_consistency",
-                                                                                 "n": 5, "answer": "final_line"}})
+            body = {
+                "model": "x",
+                "messages": [{"role": "user", "content": Q}],
+                "temperature": 0.8,
+                "seed": 3,
+                "max_tokens": 8,
+            }
+            r = client.post(
+                "/v1/chat/completions",
+                json={**body, "test_time": {"strategy": "self_consistency", "n": 5, "answer": "final_line"}},
+            )
             assert r.status_code == 200, r.text
             d = r.json()
             tt_out = d["test_time"]
             assert len(tt_out["candidates"]) == 5 and d["usage"]["completion_tokens"] == sum(
-                c["tokens"] for c in tt_out["candidates"])
-            assert sum(v["count"] for v in tt_out["votes"]) == sum(c["answer"] is not None for c in tt_out["candidates"])
+                c["tokens"] for c in tt_out["candidates"]
+            )
+            assert sum(v["count"] for v in tt_out["votes"]) == sum(
+                c["answer"] is not None for c in tt_out["candidates"]
+            )
             assert d["choices"][0]["message"]["content"] == next(
-                c["text"] for c in tt_out["candidates"] if c["answer"] == tt_out["answer"])
+                c["text"] for c in tt_out["candidates"] if c["answer"] == tt_out["answer"]
+            )
             r = client.post("/v1/chat/completions", json={**body, "test_time": {"strategy": "refinement", "rounds": 1}})
             assert r.status_code == 200 and len(r.json()["test_time"]["rounds"]) == 1
             for extra, param in (({"stream": True}, "stream"), ({"n": 2}, "n")):
@@ -137,8 +152,21 @@ def test_server_extension(tiny_llama):
 def test_cli_flags():
     from conftest import run_cli
 
-    r = run_cli("generate", "--backend", "torch", "-p", Q, "--self-consistency", "3", "--temp", "0.8", "--seed", "1",
-                "--max-tokens", "12")
+    r = run_cli(
+        "generate",
+        "--backend",
+        "torch",
+        "-p",
+        Q,
+        "--self-consistency",
+        "3",
+        "--temp",
+        "0.8",
+        "--seed",
+        "1",
+        "--max-tokens",
+        "12",
+    )
     assert r.returncode == 0, r.stderr
     assert "[self_consistency: 3 chain(s), 0 round(s)" in r.stderr and r.stdout.strip()
     r = run_cli("generate", "--backend", "torch", "-p", Q, "--self-consistency", "2", "--best-of-n", "2")

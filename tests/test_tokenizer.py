@@ -36,11 +36,16 @@ def test_same_ids_as_transformers(ours, theirs, text):
 
 @pytest.mark.slow
 def test_chat_template_renders_like_transformers(ours, theirs):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
     for gen in (True, False):
         assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == theirs.apply_chat_template(
-            msgs, add_generation_prompt=gen, tokenize=False)
+            msgs, add_generation_prompt=gen, tokenize=False
+        )
 
 
 def test_digits_are_split_one_by_one(ours):

@@ -16,34 +16,58 @@ NAMES = {"get_weather", "search"}
 
 # (format, model output, expected content, expected calls as (name, arguments dict))
 CASES = [
-    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Let me look.\n", [("get_weather", {"city": "Paris"})]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "search", "arguments": {"q": "l\'été à Paris", "n": 3}}\n</tool_call>',
-     "", [("get_weather", {"city": "Paris"}), ("search", {"q": "l'été à Paris", "n": 3})]),
+    (
+        "hermes",
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me look.\n",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "search", "arguments": {"q": "l\'été à Paris", "n": 3}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Paris"}), ("search", {"q": "l'été à Paris", "n": 3})],
+    ),
     ("hermes", "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
-    ("llama3", '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}; '
-               '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
-     "", [("search", {"q": "x"}), ("get_weather", {"city": "Oslo"})]),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+        "",
+        [("search", {"q": "x"}), ("get_weather", {"city": "Oslo"})],
+    ),
     ("llama3", "The answer is {not json} really.", "The answer is {not json} really.", []),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "search", "arguments": {"q": "y"}}]',
-     "", [("get_weather", {"city": "Paris"}), ("search", {"q": "y"})]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "search", "arguments": {"q": "y"}}]',
+        "",
+        [("get_weather", {"city": "Paris"}), ("search", {"q": "y"})],
+    ),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', "", [("get_weather", {"city": "Rome"})]),
-    ("gemma", 'I will check.\n```tool_code\nget_weather(city="Paris")\n```', "I will check.\n",
-     [("get_weather", {"city": "Paris"})]),
-    ("gemma", '[get_weather(city="Paris"), search(q="z", n=2)]', "",
-     [("get_weather", {"city": "Paris"}), ("search", {"q": "z", "n": 2})]),
+    (
+        "gemma",
+        'I will check.\n```tool_code\nget_weather(city="Paris")\n```',
+        "I will check.\n",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "gemma",
+        '[get_weather(city="Paris"), search(q="z", n=2)]',
+        "",
+        [("get_weather", {"city": "Paris"}), ("search", {"q": "z", "n": 2})],
+    ),
 ]
 
 # malformed: must come back as content, byte for byte
 MALFORMED = [
     ("hermes", 'a <tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call> b'),
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'),            # cut off
-    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),               # unknown function
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'),  # cut off
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),  # unknown function
     ("hermes", '<tool_call>["not", "an", "object"]</tool_call>'),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"'),                  # cut off
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"'),  # cut off
     ("llama3", '{"title": "a JSON answer, not a call"}'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": "not json"}]'),
     ("mistral", "[TOOL_CALLS]get_weather{no args marker}"),
@@ -91,7 +115,7 @@ def test_malformed_calls_come_back_as_content(fmt, text):
 
 def test_content_streams_before_a_call_and_marker_prefixes_are_held():
     p = ToolCallParser("hermes", NAMES)
-    assert p.feed("Hello <tool") == [("content", "Hello ")]          # "<tool" may open a call: held
+    assert p.feed("Hello <tool") == [("content", "Hello ")]  # "<tool" may open a call: held
     assert p.feed("box> world") == [("content", "<toolbox> world")]  # it did not
     assert p.feed('<tool_call>{"name": "search", ') == []
     out = p.feed('"arguments": {}}</tool_call>')
@@ -159,11 +183,13 @@ def test_reasoning_finish_hands_back_what_is_held():
     r = ReasoningSplitter()
     assert r.feed("<think>\n\n  x\n</think>\n\nanswer\n\n") == [("reasoning", "  x\n"), ("content", "answer\n\n")]
     r = ReasoningSplitter()
-    assert r.feed("<think>\n") == [] and r.feed("\nx") == [("reasoning", "x")] and r.feed("\ny") == \
-        [("reasoning", "\ny")]
+    assert (
+        r.feed("<think>\n") == [] and r.feed("\nx") == [("reasoning", "x")] and r.feed("\ny") == [("reasoning", "\ny")]
+    )
     r = ReasoningSplitter()
-    assert r.feed("hi") == [("content", "hi")] and r.state == "content" and r.feed(" <think>") == \
-        [("content", " <think>")]
+    assert (
+        r.feed("hi") == [("content", "hi")] and r.state == "content" and r.feed(" <think>") == [("content", " <think>")]
+    )
     r = ReasoningSplitter(("<think>", "</think>"))
     assert r.feed("a</think>b</think>c") == [("reasoning", "a"), ("content", "b</think>c")]
     r = ReasoningSplitter(("<think>", "</think>"))

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_ckpt, needs_torch
 
 pytestmark = [needs_torch]
@@ -31,11 +30,26 @@ N_TOKENS = 32
 BASE = [1, 17, 300, 4021, 77, 901, 12, 5, 6000, 33, 2048, 700, 18, 19, 4000, 8, 9, 10, 11, 1200, 3, 50, 51, 52]
 PROMPT = BASE * 2  # 48 tokens: past the windows (8, 12) and the longrope switch (40)
 PROMPTS = [PROMPT, PROMPT[:11], PROMPT[5:30]]  # the short ones cross the window / the switch while decoding
-SHAPE = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-         "--intermediate", "128", "--dtype", "float32", "--ctx", "256"]
+SHAPE = [
+    "--hidden",
+    "64",
+    "--layers",
+    "4",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--intermediate",
+    "128",
+    "--dtype",
+    "float32",
+    "--ctx",
+    "256",
+]
 ARCHS = {
-    "gemma2": ["--sliding-window", "8", "--attn-softcap", "3", "--final-softcap", "2", "--query-pre-attn-scalar",
-               "24"],
+    "gemma2": ["--sliding-window", "8", "--attn-softcap", "3", "--final-softcap", "2", "--query-pre-attn-scalar", "24"],
     "gemma3_text": ["--sliding-window", "8", "--query-pre-attn-scalar", "24"],
     "phi3": ["--sliding-window", "12", "--partial-rotary", "0.5", "--longrope", "40", "--no-tie"],
     "olmo2": ["--no-tie"],
@@ -54,8 +68,9 @@ def hf_model(path: Path):
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def hf_first(path: Path, ids: list[int]) -> np.ndarray:
@@ -73,9 +88,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> tuple[list[list[i
     with torch.no_grad():
         first = m(torch.tensor([prompts[0]])).logits[0, -1].numpy()
         for p in prompts:
-            out = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-            outs.append(out[0, len(p):].tolist())
+            out = m.generate(
+                torch.tensor([p]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs, first
 
 
@@ -131,9 +152,12 @@ def test_batched_decode_equals_solo(arch, ckpts):
             tm.logits(200 + i, p, 0)
         for s in range(steps):
             with torch.inference_mode():
-                out = decode_batch(tm.module, [tm._cache(200 + i, len(p) + s) for i, p in enumerate(prompts)],
-                                   [solo[i][1][len(p) + s] for i, p in enumerate(prompts)],
-                                   [len(p) + s for p in prompts])
+                out = decode_batch(
+                    tm.module,
+                    [tm._cache(200 + i, len(p) + s) for i, p in enumerate(prompts)],
+                    [solo[i][1][len(p) + s] for i, p in enumerate(prompts)],
+                    [len(p) + s for p in prompts],
+                )
             for i in range(len(prompts)):
                 assert_close(out[i].float().numpy(), solo[i][0][s + 1].float().numpy(), (arch, s, i))
     finally:
@@ -154,8 +178,9 @@ def test_packed_equals_per_sequence(arch, ckpts):
         m = llm.engine.model.module
         with torch.inference_mode():
             packed = m.hidden(torch.tensor(sum(PROMPTS, [])), PackedAttend([len(p) for p in PROMPTS], "cpu"), 0)
-            alone = torch.cat([m.hidden(torch.tensor(p), SeqCache(m.a, torch.float32, torch.device("cpu")), 0)
-                               for p in PROMPTS])
+            alone = torch.cat(
+                [m.hidden(torch.tensor(p), SeqCache(m.a, torch.float32, torch.device("cpu")), 0) for p in PROMPTS]
+            )
         assert_close(packed.numpy(), alone.numpy(), arch)
     finally:
         llm.close()
@@ -164,14 +189,39 @@ def test_packed_equals_per_sequence(arch, ckpts):
 def test_gemma3_transformers5_layout(tmp_path):
     """A Gemma 3 config as transformers 5 writes it (nested rope_parameters per layer type, explicit
     layer_types with a global layer between sliding ones, linear scaling on the global rope)."""
-    from test_torch_config_fields import hf_greedy as hf_sdpa_greedy, ours, write_hf
+    from test_torch_config_fields import hf_greedy as hf_sdpa_greedy
+    from test_torch_config_fields import ours, write_hf
 
-    tok = make_ckpt(tmp_path / "tok", "--arch", "llama", "--hidden", "64", "--layers", "1", "--heads", "2",
-                    "--kv-heads", "1", "--intermediate", "64", "--dtype", "float32")
-    path = write_hf(tok, tmp_path / "g3", "gemma3_text", num_hidden_layers=3, sliding_window=8,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
-                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    tok = make_ckpt(
+        tmp_path / "tok",
+        "--arch",
+        "llama",
+        "--hidden",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
+        "--dtype",
+        "float32",
+    )
+    path = write_hf(
+        tok,
+        tmp_path / "g3",
+        "gemma3_text",
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
     cfg = json.loads((path / "config.json").read_text())
     assert "full_attention" in cfg["rope_parameters"]  # the layout this test is about
     ref_tokens, ref_first = hf_sdpa_greedy(path, PROMPT, N_TOKENS)
@@ -221,9 +271,13 @@ REFUSED = {
     "olmo2": {"attention_bias": True},
     "smollm3": {"no_rope_layers": [1, 0]},
 }
-REFUSED_FIELD = {"gemma2": "hidden_activation='gelu'", "gemma3_text": "rope_parameters.full_attention.rope_type='yarn'",
-                 "phi3": "rope_scaling.short_factor=[1.0, 1.0, 1.0]", "olmo2": "attention_bias=True",
-                 "smollm3": "no_rope_layers=[1, 0]"}
+REFUSED_FIELD = {
+    "gemma2": "hidden_activation='gelu'",
+    "gemma3_text": "rope_parameters.full_attention.rope_type='yarn'",
+    "phi3": "rope_scaling.short_factor=[1.0, 1.0, 1.0]",
+    "olmo2": "attention_bias=True",
+    "smollm3": "no_rope_layers=[1, 0]",
+}
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))
@@ -247,18 +301,37 @@ def test_llama_still_refuses_their_fields():
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.errors import UnsupportedArchitecture
 
-    base = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "vocab_size": 4, "intermediate_size": 8}
-    for extra in ({"attn_logit_softcapping": 50.0}, {"partial_rotary_factor": 0.5},
-                  {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
-                                    "original_max_position_embeddings": 4}}):
+    base = {
+        "model_type": "llama",
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 4,
+        "intermediate_size": 8,
+    }
+    for extra in (
+        {"attn_logit_softcapping": 50.0},
+        {"partial_rotary_factor": 0.5},
+        {
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [1.0],
+                "original_max_position_embeddings": 4,
+            }
+        },
+    ):
         with pytest.raises(UnsupportedArchitecture):
             Args.from_config({**base, **extra})
 
 
-CUDA_FEATURE = {"gemma2": "attn_logit_softcapping=3.0", "gemma3_text": "q/k norms and a rope base per layer type",
-                "phi3": "rope_scaling.rope_type='longrope'", "olmo2": "norms after attention and MLP",
-                "smollm3": "no_rope_layers"}
+CUDA_FEATURE = {
+    "gemma2": "attn_logit_softcapping=3.0",
+    "gemma3_text": "q/k norms and a rope base per layer type",
+    "phi3": "rope_scaling.rope_type='longrope'",
+    "olmo2": "norms after attention and MLP",
+    "smollm3": "no_rope_layers",
+}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -300,10 +373,12 @@ def test_single_process_flags_refused(ckpts):
     from swiftlm.errors import ConfigError
 
     cfg = json.loads((ckpts["gemma2"] / "config.json").read_text())
-    for call, flag in ((lambda: make_plan(cfg, 0, 2), "--tensor-parallel"),
-                       (lambda: check_split(cfg, 2), "--pipeline-parallel"),
-                       (lambda: attach(SimpleNamespace(a=Args.from_config(cfg)), ["x=/nonexistent"]), "--adapter"),
-                       (lambda: build(cfg, {}, torch.float32, torch.device("cpu"), first_cpu_layer=1), "--gpu-layers")):
+    for call, flag in (
+        (lambda: make_plan(cfg, 0, 2), "--tensor-parallel"),
+        (lambda: check_split(cfg, 2), "--pipeline-parallel"),
+        (lambda: attach(SimpleNamespace(a=Args.from_config(cfg)), ["x=/nonexistent"]), "--adapter"),
+        (lambda: build(cfg, {}, torch.float32, torch.device("cpu"), first_cpu_layer=1), "--gpu-layers"),
+    ):
         with pytest.raises(ConfigError, match=f"^{flag} is not available for architecture 'gemma2'"):
             call()
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_ckpt, needs_torch
 
 pytestmark = [needs_torch]
@@ -35,15 +34,72 @@ N_TOKENS = 32
 BASE = [1, 17, 300, 4021, 77, 901, 12, 5, 6000, 33, 2048, 700, 18, 19, 4000, 8, 9, 10, 11, 1200, 3, 50, 51, 52]
 PROMPT = BASE * 2  # 48 tokens: past GPT-OSS's window (8)
 PROMPTS = [PROMPT, PROMPT[:7], PROMPT[5:30]]  # the short one crosses the window while decoding
-MOE = ["--hidden", "64", "--heads", "4", "--experts", "8", "--experts-per-token", "2", "--moe-intermediate", "32",
-       "--dtype", "float32", "--ctx", "256", "--no-tie", "--yarn", "64"]
+MOE = [
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--experts",
+    "8",
+    "--experts-per-token",
+    "2",
+    "--moe-intermediate",
+    "32",
+    "--dtype",
+    "float32",
+    "--ctx",
+    "256",
+    "--no-tie",
+    "--yarn",
+    "64",
+]
 ARCHS = {
-    "gpt_oss": ["--layers", "4", "--kv-heads", "2", "--head-dim", "16", "--sliding-window", "8",
-                "--swiglu-limit", "1.5"],
-    "deepseek_v2": ["--layers", "3", "--intermediate", "128", "--q-lora-rank", "0", "--shared-experts", "2",
-                    "--n-group", "4", "--topk-group", "1", "--routed-scale", "1.5", "--mscale", "0.707", "0.707"],
-    "deepseek_v3": ["--layers", "3", "--intermediate", "128", "--n-group", "4", "--topk-group", "2",
-                    "--routed-scale", "2.5", "--mscale", "1.0", "0.8"],
+    "gpt_oss": [
+        "--layers",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--sliding-window",
+        "8",
+        "--swiglu-limit",
+        "1.5",
+    ],
+    "deepseek_v2": [
+        "--layers",
+        "3",
+        "--intermediate",
+        "128",
+        "--q-lora-rank",
+        "0",
+        "--shared-experts",
+        "2",
+        "--n-group",
+        "4",
+        "--topk-group",
+        "1",
+        "--routed-scale",
+        "1.5",
+        "--mscale",
+        "0.707",
+        "0.707",
+    ],
+    "deepseek_v3": [
+        "--layers",
+        "3",
+        "--intermediate",
+        "128",
+        "--n-group",
+        "4",
+        "--topk-group",
+        "2",
+        "--routed-scale",
+        "2.5",
+        "--mscale",
+        "1.0",
+        "0.8",
+    ],
 }
 REL_TOL = 1e-4
 
@@ -58,8 +114,9 @@ def hf_model(path: Path):
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def hf_first(path: Path, ids: list[int], edit=None) -> np.ndarray:
@@ -80,9 +137,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> tuple[list[list[i
     with torch.no_grad():
         first = m(torch.tensor([prompts[0]])).logits[0, -1].numpy()
         for p in prompts:
-            out = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-            outs.append(out[0, len(p):].tolist())
+            out = m.generate(
+                torch.tensor([p]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs, first
 
 
@@ -138,9 +201,12 @@ def test_batched_decode_equals_solo(arch, ckpts):
             tm.logits(200 + i, p, 0)
         for s in range(steps):
             with torch.inference_mode():
-                out = decode_batch(tm.module, [tm._cache(200 + i, len(p) + s) for i, p in enumerate(prompts)],
-                                   [solo[i][1][len(p) + s] for i, p in enumerate(prompts)],
-                                   [len(p) + s for p in prompts])
+                out = decode_batch(
+                    tm.module,
+                    [tm._cache(200 + i, len(p) + s) for i, p in enumerate(prompts)],
+                    [solo[i][1][len(p) + s] for i, p in enumerate(prompts)],
+                    [len(p) + s for p in prompts],
+                )
             for i in range(len(prompts)):
                 assert_close(out[i].float().numpy(), solo[i][0][s + 1].float().numpy(), (arch, s, i))
     finally:
@@ -161,8 +227,9 @@ def test_packed_equals_per_sequence(arch, ckpts):
         m = llm.engine.model.module
         with torch.inference_mode():
             packed = m.hidden(torch.tensor(sum(PROMPTS, [])), PackedAttend([len(p) for p in PROMPTS], "cpu"), 0)
-            alone = torch.cat([m.hidden(torch.tensor(p), SeqCache(m.a, torch.float32, torch.device("cpu")), 0)
-                               for p in PROMPTS])
+            alone = torch.cat(
+                [m.hidden(torch.tensor(p), SeqCache(m.a, torch.float32, torch.device("cpu")), 0) for p in PROMPTS]
+            )
         assert_close(packed.numpy(), alone.numpy(), arch)
     finally:
         llm.close()
@@ -190,6 +257,7 @@ def test_latent_cache(ckpts):
 
 def _zero(*names):
     """A model edit: these parameters (a suffix of their names) set to zero in every layer."""
+
     def edit(m):
         for n, p in m.named_parameters():
             if n.endswith(names):
@@ -197,6 +265,7 @@ def _zero(*names):
         for n, b in m.named_buffers():
             if n.endswith(names):
                 b.zero_()
+
     return edit
 
 
@@ -286,8 +355,11 @@ def test_unimplemented_value_refused_at_load(ckpts, tmp_path):
         LLM(str(path), backend="torch")
 
 
-CUDA_FEATURE = {"gpt_oss": "attention sinks", "deepseek_v2": "multi-head latent attention",
-                "deepseek_v3": "multi-head latent attention"}
+CUDA_FEATURE = {
+    "gpt_oss": "attention sinks",
+    "deepseek_v2": "multi-head latent attention",
+    "deepseek_v3": "multi-head latent attention",
+}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -331,11 +403,13 @@ def test_single_process_flags_refused(ckpts):
     for arch in ("gpt_oss", "deepseek_v3"):
         cfg = json.loads((ckpts[arch] / "config.json").read_text())
         cpu = torch.device("cpu")
-        for call, flag in ((lambda: make_plan(cfg, 0, 2), "--tensor-parallel"),
-                           (lambda: check_split(cfg, 2), "--pipeline-parallel"),
-                           (lambda: attach(SimpleNamespace(a=Args.from_config(cfg)), ["x=/nonexistent"]), "--adapter"),
-                           (lambda: build(cfg, {}, torch.float32, cpu, first_cpu_layer=1), "--gpu-layers"),
-                           (lambda: build(cfg, {}, torch.float32, cpu, expert_reader=object()), "--stream-experts")):
+        for call, flag in (
+            (lambda: make_plan(cfg, 0, 2), "--tensor-parallel"),
+            (lambda: check_split(cfg, 2), "--pipeline-parallel"),
+            (lambda: attach(SimpleNamespace(a=Args.from_config(cfg)), ["x=/nonexistent"]), "--adapter"),
+            (lambda: build(cfg, {}, torch.float32, cpu, first_cpu_layer=1), "--gpu-layers"),
+            (lambda: build(cfg, {}, torch.float32, cpu, expert_reader=object()), "--stream-experts"),
+        ):
             with pytest.raises(ConfigError, match=f"^{flag} is not available for architecture '{arch}'"):
                 call()
 

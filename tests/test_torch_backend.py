@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from conftest import HAS_MLX, make_ckpt, needs_mlx, needs_torch
+from conftest import make_ckpt, needs_mlx, needs_torch
 from tolerances import REDUCTIONS_PER_BLOCK, fp32_matmul_tol, transformer_logits_tol
 
 pytestmark = needs_torch
@@ -31,8 +30,10 @@ def test_static_decode_equals_eager_forward(tiny_torch):
     m = tiny_torch.engine.model.module
     prompt = tiny_torch.engine.text_prompt("The quick brown fox jumps over")
     with torch.inference_mode():
-        eager, static = SeqCache(m.a, torch.float32, torch.device("cpu")), SeqCache(
-            m.a, torch.float32, torch.device("cpu"), capacity=1024)
+        eager, static = (
+            SeqCache(m.a, torch.float32, torch.device("cpu")),
+            SeqCache(m.a, torch.float32, torch.device("cpu"), capacity=1024),
+        )
         le = m(torch.tensor(prompt), eager, 0)[-1]
         m(torch.tensor(prompt), static, 0)
         gd = GraphDecoder(m, torch.device("cpu"))
@@ -88,7 +89,7 @@ def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
         gd = GraphDecoder(m, cpu, use_graph=False, fused=False)
         slots, refs = [pool.take() for _ in prompts], [SeqCache(m.a, torch.float32, cpu) for _ in prompts]
         for j, c in enumerate(slots):
-            c.blocks.extend(order[j * 32:(j + 1) * 32])  # 512 positions, scattered
+            c.blocks.extend(order[j * 32 : (j + 1) * 32])  # 512 positions, scattered
             c.sync()
         last = []
         for p, sc, rc in zip(prompts, slots, refs):
@@ -116,8 +117,9 @@ def test_batched_static_decode_and_verify_equal_eager(tiny_torch):
             for a, b in ((pk, refs[1].k[i]), (pv, refs[1].v[i])):
                 assert torch.equal(a[:, :n], b[:, :n]), i
                 a, b = a[:, : start + 5], b[:, : start + 5]
-                t = fp32_matmul_tol(max(m.a.hidden, m.a.intermediate, start + 5), float(b.abs().max()),
-                                    REDUCTIONS_PER_BLOCK * i + 1)
+                t = fp32_matmul_tol(
+                    max(m.a.hidden, m.a.intermediate, start + 5), float(b.abs().max()), REDUCTIONS_PER_BLOCK * i + 1
+                )
                 assert diff(a[:, n:], b[:, n:]) <= t, (i, diff(a[:, n:], b[:, n:]), t)
         # the tolerance cannot hide a position bug: the same block with rope one position off
         # (the cache and mask right) misses by orders of magnitude more
@@ -154,7 +156,6 @@ def test_slot_pool_layout_runs_engine_exactly(tiny_llama):
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
 def test_cuda_graph_replay_equals_eager(tiny_llama):
-    import torch
 
     from swiftlm import LLM, SamplingParams
 
@@ -189,10 +190,12 @@ def test_our_model_file_matches_mlx_lm(tmp_path_factory, monkeypatch, arch):
         import mlx.nn as nn
         from mlx_lm.models import gemma
 
-        monkeypatch.setattr(gemma.MLP, "__call__",
-                            lambda self, x: self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x)))
-    ck = make_ckpt(tmp_path_factory.mktemp(arch) / arch, "--arch", arch, "--dtype", "float32", "--layers", "2",
-                   "--experts", "4")
+        monkeypatch.setattr(
+            gemma.MLP, "__call__", lambda self, x: self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        )
+    ck = make_ckpt(
+        tmp_path_factory.mktemp(arch) / arch, "--arch", arch, "--dtype", "float32", "--layers", "2", "--experts", "4"
+    )
     t = LLM(str(ck), backend="torch")
     m = LLM(str(ck), backend="mlx")
     try:
@@ -210,8 +213,9 @@ def test_our_model_file_matches_mlx_lm(tmp_path_factory, monkeypatch, arch):
     del torch
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                    reason="triton not installed on this machine")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+)
 def test_fused_decode_step_equals_plain_interpreted(tiny_llama):
     """The decode step built on the Triton kernels (interpreted on CPU) against the plain one."""
     import os
@@ -248,8 +252,14 @@ with torch.inference_mode():
 print(worst)
 llm.close()
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     # fp32 both ways; rope, residual add and RMSNorm in another order: within the rounding bound
     assert float(r.stdout.strip().splitlines()[-1]) <= 1.0

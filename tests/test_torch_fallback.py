@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from conftest import needs_torch
 from test_torch_config_fields import PROMPT, tok_dir, write_hf  # noqa: F401 (fixture)
 
@@ -15,10 +14,13 @@ pytestmark = [needs_torch]
 N_TOKENS = 24
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
-    ("olmo", dict(pad_token_id=0)),  # OLMo 1 (phi3, tested here before, is native now: test_torch_archs.py)
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+        ("olmo", dict(pad_token_id=0)),  # OLMo 1 (phi3, tested here before, is native now: test_torch_archs.py)
+    ],
+)
 def test_fallback_greedy_equals_transformers(arch, extra, tok_dir, tmp_path, caplog):  # noqa: F811
     import torch
     import transformers
@@ -32,9 +34,15 @@ def test_fallback_greedy_equals_transformers(arch, extra, tok_dir, tmp_path, cap
     want = []
     with torch.no_grad():
         for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False,
-                               pad_token_id=0, eos_token_id=None)
-            want.append(out[0, len(p):].tolist())
+            out = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=N_TOKENS,
+                min_new_tokens=N_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            want.append(out[0, len(p) :].tolist())
     with caplog.at_level(logging.INFO):
         llm = LLM(str(path), backend="torch", parallel=3, prefill_size=8)  # chunked prefill, 3 rows a step
     try:

@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, needs_torch
 
-pytestmark = [needs_torch, pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine")]
+pytestmark = [
+    needs_torch,
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("triton") is None, reason="triton not installed on this machine"
+    ),
+]
 
 CODE = """
 import json, os, torch
@@ -140,8 +143,14 @@ print(json.dumps(out))
 
 def _check(device: str, interpret: bool) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
-    r = subprocess.run([sys.executable, "-c", CODE.format(device=device)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", CODE.format(device=device)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cases = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(cases) == 4

@@ -23,8 +23,11 @@ from swiftlm.turboquant.codebook import lloyd_max, scaled  # noqa: E402
 
 def _codebooks(bits: int) -> list[torch.Tensor]:
     """The codebooks the caches use (Lloyd-Max at head dims 64 and 128, the scaled Gaussian limit)."""
-    return [torch.tensor(lloyd_max(64, bits).centroids), torch.tensor(lloyd_max(128, bits).centroids),
-            torch.tensor(scaled(lloyd_max(None, bits), 128).centroids)]
+    return [
+        torch.tensor(lloyd_max(64, bits).centroids),
+        torch.tensor(lloyd_max(128, bits).centroids),
+        torch.tensor(scaled(lloyd_max(None, bits), 128).centroids),
+    ]
 
 
 def _f16_bits(c: torch.Tensor) -> np.ndarray:
@@ -33,11 +36,11 @@ def _f16_bits(c: torch.Tensor) -> np.ndarray:
 
 def _words(rng: np.random.Generator, n: int) -> np.ndarray:
     """Random 32-bit words plus, for every nibble position, each of the 16 values (the rest random)."""
-    w = rng.integers(0, 2 ** 32, size=n, dtype=np.uint64).astype(np.uint32)
+    w = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
     extra = []
     for t in range(8):
         for v in range(16):
-            base = int(rng.integers(0, 2 ** 32))
+            base = int(rng.integers(0, 2**32))
             extra.append((base & ~(0xF << 4 * t) | v << 4 * t) & 0xFFFFFFFF)
     return np.concatenate([w, np.array(extra, dtype=np.uint32)])
 
@@ -86,13 +89,13 @@ def test_prmt_asm16_and_asm3(bits):
     """2- and 3-bit codes: sixteen from a 32-bit word of the 2-bit plane and 16 bits of the 1-bit plane
     (``prmt_asm16``, the high half of the 1-bit word garbage: a sign-extended int16), and four given as
     selector nibbles (``prmt_asm3``, the byte path)."""
-    for c in _codebooks(bits) + [torch.sort(torch.randn(2 ** bits, generator=torch.Generator().manual_seed(1))).values]:
+    for c in _codebooks(bits) + [torch.sort(torch.randn(2**bits, generator=torch.Generator().manual_seed(1))).values]:
         table = _f16_bits(c)
         rng = np.random.default_rng(bits)
         n = 3000
-        codes = rng.integers(0, 2 ** bits, size=(n, 16)).astype(np.uint32)
+        codes = rng.integers(0, 2**bits, size=(n, 16)).astype(np.uint32)
         w = np.zeros(n, dtype=np.uint32)
-        h = rng.integers(0, 2 ** 16, size=n, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
+        h = rng.integers(0, 2**16, size=n, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
         for t in range(16):
             w |= (codes[:, t] & np.uint32(3)) << np.uint32(2 * t)
             h |= (codes[:, t] >> np.uint32(2)) << np.uint32(t)
@@ -117,8 +120,9 @@ def _ttgir_tq():
     return mod
 
 
-@pytest.mark.parametrize("preset,trans,page", [("k4v3", 1, 0), ("k3v2", 1, 0), ("k4v3", 0, 0), ("k4v3", 1, 256),
-                                               ("k3v2", 0, 256)])
+@pytest.mark.parametrize(
+    "preset,trans,page", [("k4v3", 1, 0), ("k3v2", 1, 0), ("k4v3", 0, 0), ("k4v3", 1, 256), ("k3v2", 0, 256)]
+)
 def test_split_kernel_compiles_for_sm90(preset, trans, page):
     """The CUDA path of the split kernel -- the word lookups' inline PTX included -- compiled for an H100 here
     (Triton lowers it and ptxas assembles it; no GPU needed): a PTX syntax error or a kernel that does not lower

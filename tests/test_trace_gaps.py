@@ -21,10 +21,15 @@ def _x(cat, name, ts, dur, tid, corr=None):
 
 
 def test_host_late_and_device_wait(tmp_path):
-    ev = [_x("cuda_runtime", "cudaLaunchKernel", 0, 5, 1, 1), _x("kernel", "k1", 10, 20, 7, 1),   # busy 10-30
-          _x("cpu_op", "aten::foo", 25, 40, 1),                                                    # host busy 25-65
-          _x("cuda_runtime", "cudaGraphLaunch", 60, 10, 1, 2), _x("kernel", "k2", 75, 20, 7, 2),  # launched at 70 > 30
-          _x("cuda_runtime", "cudaLaunchKernel", 80, 2, 1, 3), _x("kernel", "k3", 120, 20, 7, 3)]  # queued at 82 < 95
+    ev = [
+        _x("cuda_runtime", "cudaLaunchKernel", 0, 5, 1, 1),
+        _x("kernel", "k1", 10, 20, 7, 1),  # busy 10-30
+        _x("cpu_op", "aten::foo", 25, 40, 1),  # host busy 25-65
+        _x("cuda_runtime", "cudaGraphLaunch", 60, 10, 1, 2),
+        _x("kernel", "k2", 75, 20, 7, 2),  # launched at 70 > 30
+        _x("cuda_runtime", "cudaLaunchKernel", 80, 2, 1, 3),
+        _x("kernel", "k3", 120, 20, 7, 3),
+    ]  # queued at 82 < 95
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": ev}))
     r = analyse(str(p), min_us=5)

@@ -106,14 +106,14 @@ def test_attention_over_codes_equals_dequantize_then_attend(d, window):
     head = CompressedHead(TurboQuantMSE(d, 4, seed=1), TurboQuantMSE(d, 3, seed=2), window=window)
     K, V = rng.standard_normal((300, d)), rng.standard_normal((300, d))
     for a in range(0, 300, 37):  # appended in uneven steps, as decode and prefill chunks do
-        head.append(K[a:a + 37], V[a:a + 37])
+        head.append(K[a : a + 37], V[a : a + 37])
     assert len(head) == 300 and len(head.recent_k) == window
     q = rng.standard_normal(d)
     Kd, Vd = head.dequantized()
     # float64: the same products in another order (300 rows, d dims): rounding ~1e-14 << 1e-10
-    assert np.allclose(head.attend(q), _softmax_attend(q, Kd, Vd, d ** -0.5), atol=1e-10)
+    assert np.allclose(head.attend(q), _softmax_attend(q, Kd, Vd, d**-0.5), atol=1e-10)
     # and it approximates exact attention (4-bit keys, 3-bit values; loose: a sanity bound)
-    exact = _softmax_attend(q, K, V, d ** -0.5)
+    exact = _softmax_attend(q, K, V, d**-0.5)
     assert np.linalg.norm(head.attend(q) - exact) < 0.35 * np.linalg.norm(exact) + 0.05
 
 

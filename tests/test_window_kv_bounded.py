@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import make_ckpt, needs_torch
 from test_torch_config_fields import write_hf as write_hf_config_fields
 
@@ -26,46 +25,112 @@ PROMPT = BASE + BASE[:12]  # 36 tokens: past every window here
 PROMPTS = [PROMPT, PROMPT[:11], PROMPT[3:25]]  # the short one crosses its window while decoding
 N_TOKENS = 210
 CHUNK = 10  # prefill chunk (chunked prefill past the window)
-GROW = 64   # kv_cache.GROW_ROWS
-SHAPE = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-         "--intermediate", "128", "--dtype", "float32", "--ctx", "512"]
-MOE = ["--hidden", "64", "--heads", "4", "--experts", "8", "--experts-per-token", "2", "--moe-intermediate", "32",
-       "--dtype", "float32", "--ctx", "512", "--no-tie", "--layers", "4", "--kv-heads", "2", "--head-dim", "16",
-       "--sliding-window", "8", "--yarn", "64"]
+GROW = 64  # kv_cache.GROW_ROWS
+SHAPE = [
+    "--hidden",
+    "64",
+    "--layers",
+    "4",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--intermediate",
+    "128",
+    "--dtype",
+    "float32",
+    "--ctx",
+    "512",
+]
+MOE = [
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--experts",
+    "8",
+    "--experts-per-token",
+    "2",
+    "--moe-intermediate",
+    "32",
+    "--dtype",
+    "float32",
+    "--ctx",
+    "512",
+    "--no-tie",
+    "--layers",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--sliding-window",
+    "8",
+    "--yarn",
+    "64",
+]
 
 
 def write_hf(tok_dir: Path, out: Path, model_type: str, **extra) -> Path:
     """A random transformers checkpoint of ``model_type`` (3 layers, 512 positions) with the tiny llama's tokenizer."""
-    return write_hf_config_fields(tok_dir, out, model_type, **{"num_hidden_layers": 3, "max_position_embeddings": 512,
-                                                                **extra})
+    return write_hf_config_fields(
+        tok_dir, out, model_type, **{"num_hidden_layers": 3, "max_position_embeddings": 512, **extra}
+    )
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("window_kv")
-    tok = make_ckpt(root / "tok", "--arch", "llama", "--hidden", "64", "--layers", "1", "--heads", "2",
-                    "--kv-heads", "1", "--intermediate", "64", "--dtype", "float32")
+    tok = make_ckpt(
+        root / "tok",
+        "--arch",
+        "llama",
+        "--hidden",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
+        "--dtype",
+        "float32",
+    )
     return {
         # every layer windowed (mistral applies sliding_window to all layers)
         "mistral": write_hf(tok, root / "mistral", "mistral", sliding_window=16),
         # a full layer first, then window layers (qwen2: layers >= max_window_layers slide)
-        "qwen2": write_hf(tok, root / "qwen2", "qwen2", sliding_window=8, use_sliding_window=True,
-                          max_window_layers=1),
+        "qwen2": write_hf(tok, root / "qwen2", "qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1),
         # alternating sliding / global layers, soft caps (archs.py)
-        "gemma2": make_ckpt(root / "gemma2", "--arch", "gemma2", *SHAPE, "--sliding-window", "8",
-                            "--attn-softcap", "3", "--final-softcap", "2", "--query-pre-attn-scalar", "24"),
+        "gemma2": make_ckpt(
+            root / "gemma2",
+            "--arch",
+            "gemma2",
+            *SHAPE,
+            "--sliding-window",
+            "8",
+            "--attn-softcap",
+            "3",
+            "--final-softcap",
+            "2",
+            "--query-pre-attn-scalar",
+            "24",
+        ),
         # attention sinks, alternating sliding / full layers (archs_moe.py)
         "gpt_oss": make_ckpt(root / "gpt_oss", "--arch", "gpt_oss", *MOE, "--swiglu-limit", "1.5"),
     }
 
 
-def run_engine(path: Path, prompts: list[list[int]], n: int, trim: bool, monkeypatch, peak: dict | None = None,
-               **kw):
+def run_engine(path: Path, prompts: list[list[int]], n: int, trim: bool, monkeypatch, peak: dict | None = None, **kw):
     """Greedy tokens of ``prompts`` through the engine, and each finished sequence's per-layer KV bytes
     (taken when the engine frees it).  ``peak``: filled with each window layer's largest row count
     over every write of the run (prefill chunks and decode steps)."""
-    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm import LLM
+    from swiftlm.backends.torch.kv_cache import SeqCache
     from swiftlm.sampling import SamplingParams
 
     monkeypatch.setenv("SWIFTLM_WINDOW_KV_TRIM", "1" if trim else "0")
@@ -103,12 +168,19 @@ def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     import torch
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
-        out = m.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = m.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def row_bytes(a) -> int:
@@ -147,8 +219,10 @@ def test_bytes_measured_long_run(ckpts, monkeypatch):
     (mine,), (got,), a = run_engine(path, [PROMPT], 400, True, monkeypatch)
     (ref,), (before,), _ = run_engine(path, [PROMPT], 400, False, monkeypatch)
     assert mine == ref
-    print(f"\nqwen2 (window 8, layers {a.windows}): per-layer KV bytes at {len(PROMPT) + 399} positions: "
-          f"trimmed {got}, every row kept {before}; total {sum(got)} vs {sum(before)}")
+    print(
+        f"\nqwen2 (window 8, layers {a.windows}): per-layer KV bytes at {len(PROMPT) + 399} positions: "
+        f"trimmed {got}, every row kept {before}; total {sum(got)} vs {sum(before)}"
+    )
     assert got[0] == before[0]  # the full layer
     assert all(g == GROW * row_bytes(a) for g in got[1:])  # round_up(8 + 32, 64) rows
     assert sum(got) < 0.6 * sum(before)
@@ -163,11 +237,15 @@ def test_prompt_cache_reuse(ckpts, monkeypatch):
 
     monkeypatch.setenv("SWIFTLM_WINDOW_KV_TRIM", "1")
     path = ckpts["gemma2"]
-    short, long_ = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), \
-        SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    short, long_ = (
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+    )
     follow = PROMPT + [40, 41, 42, 43, 44]
-    with LLM(str(path), backend="torch", parallel=1, prefill_size=CHUNK) as cached, \
-            LLM(str(path), backend="torch", parallel=1, prefill_size=CHUNK, prompt_cache_bytes=0) as plain:
+    with (
+        LLM(str(path), backend="torch", parallel=1, prefill_size=CHUNK) as cached,
+        LLM(str(path), backend="torch", parallel=1, prefill_size=CHUNK, prompt_cache_bytes=0) as plain,
+    ):
         first = cached.generate(PROMPT, short)
         second = cached.generate(follow, long_)
         assert second.usage["cached_tokens"] == len(PROMPT)  # reused: nothing dropped at the snapshot
@@ -223,10 +301,10 @@ def test_seqcache_rows_by_position(ckpts, monkeypatch):
         if i == 20:  # a rollback of 3 positions (a verify block's rejected drafts)
             pos -= 3
         for layer in range(a.layers):
-            keys, values = c.update(layer, pos, ref[:, pos:pos + T], -ref[:, pos:pos + T])
+            keys, values = c.update(layer, pos, ref[:, pos : pos + T], -ref[:, pos : pos + T])
             S = keys.shape[1]
             assert S >= min(pos + T, a.window(layer) + T - 1) if a.window(layer) else S == pos + T
-            assert torch.equal(keys, ref[:, pos + T - S:pos + T]) and torch.equal(values, -keys)
+            assert torch.equal(keys, ref[:, pos + T - S : pos + T]) and torch.equal(values, -keys)
             assert c.offset(layer) == pos + T - S
             if a.window(layer):
                 assert c._k[layer].shape[1] <= a.window(layer) + T + 2.5 * GROW

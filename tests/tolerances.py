@@ -43,8 +43,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-FP32_EPS = 2.0 ** -23  # float32 machine epsilon (numpy.finfo(float32).eps); unit roundoff u = eps / 2
-FP64_EPS = 2.0 ** -52
+FP32_EPS = 2.0**-23  # float32 machine epsilon (numpy.finfo(float32).eps); unit roundoff u = eps / 2
+FP64_EPS = 2.0**-52
 LAMBDA = 8.0  # standard deviations of the rounding walk: see the module docstring
 
 # chained reductions in one transformer block: QKV projection, Q.K^T, P.V, output projection,
@@ -70,8 +70,12 @@ def transformer_logits_tol(a: Any, magnitude: float, context: int = 1) -> float:
     if hasattr(a, "hidden_size"):  # a transformers config
         c = getattr(a, "text_config", None) or a
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        widths = [c.hidden_size, c.num_attention_heads * head_dim, c.intermediate_size or 0,
-                  getattr(c, "moe_intermediate_size", None) or 0]
+        widths = [
+            c.hidden_size,
+            c.num_attention_heads * head_dim,
+            c.intermediate_size or 0,
+            getattr(c, "moe_intermediate_size", None) or 0,
+        ]
         layers = c.num_hidden_layers
     else:
         widths = [a.hidden, a.heads * a.head_dim, a.intermediate, a.moe_intermediate, a.shared_intermediate]

@@ -70,7 +70,7 @@ def attend(cache: Any, queries: mx.array, scale: float) -> mx.array:
     q = queries.astype(mx.float32).reshape(KVH, H // KVH, D) * scale
     # the fp32 scales / biases: the buffers themselves, else fp32 copies of their first n rows
     side = [x if x.dtype == mx.float32 else x[..., :n, :].astype(mx.float32) for x in (ks, kb, vs, vb)]
-    mx.eval(q, kq, vq, *side)   # this step's row written into the buffers, the query: computed before they are read
+    mx.eval(q, kq, vq, *side)  # this step's row written into the buffers, the query: computed before they are read
     kp, vp = (_np(x).view(np.uint8)[0] for x in (kq, vq))
     ksn, kbn, vsn, vbn = (_np(x)[0] for x in side)
     spans = cpu_attention.affine_spans(_np(q), kp, ksn, kbn, vp, vsn, vbn, n, bits, group)

@@ -54,7 +54,7 @@ def _streams(n: int) -> list[Any]:
         own = _LOCAL.streams = []
     while len(own) < n - 1:
         own.append(mx.new_stream(mx.cpu))
-    return [None] + own[:n - 1]
+    return [None] + own[: n - 1]
 
 
 def _cuts(rows: int, n: int) -> list[int]:
@@ -68,8 +68,7 @@ def _join(parts: list[mx.array]) -> mx.array:
 def split_matmul(x: mx.array, w: mx.array, n: int) -> mx.array:
     """``x @ w.T`` with w's rows in ``n`` slices, one per CPU stream."""
     cuts = _cuts(w.shape[0], n)
-    return _join([mx.matmul(x, w[a:b].T, stream=s)
-                  for s, a, b in zip(_streams(n), cuts, cuts[1:])])
+    return _join([mx.matmul(x, w[a:b].T, stream=s) for s, a, b in zip(_streams(n), cuts, cuts[1:])])
 
 
 def split_quantized_matmul(x: mx.array, layer: Any, n: int) -> mx.array:
@@ -79,9 +78,14 @@ def split_quantized_matmul(x: mx.array, layer: Any, n: int) -> mx.array:
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     cuts = _cuts(w.shape[0], n)
     kw = {"transpose": True, "group_size": layer.group_size, "bits": layer.bits, "mode": layer.mode}
-    return _join([mx.quantized_matmul(x, w[a:b], scales=scales[a:b],
-                                      biases=None if biases is None else biases[a:b], stream=s, **kw)
-                  for s, a, b in zip(_streams(n), cuts, cuts[1:])])
+    return _join(
+        [
+            mx.quantized_matmul(
+                x, w[a:b], scales=scales[a:b], biases=None if biases is None else biases[a:b], stream=s, **kw
+            )
+            for s, a, b in zip(_streams(n), cuts, cuts[1:])
+        ]
+    )
 
 
 class SplitLinear(nn.Linear):
@@ -106,8 +110,12 @@ class SplitQuantizedEmbedding(nn.QuantizedEmbedding):
         return split_quantized_matmul(x, self, self._swiftlm_slices)
 
 
-_SWAP = {nn.Linear: SplitLinear, nn.QuantizedLinear: SplitQuantizedLinear,
-         nn.Embedding: SplitEmbedding, nn.QuantizedEmbedding: SplitQuantizedEmbedding}
+_SWAP = {
+    nn.Linear: SplitLinear,
+    nn.QuantizedLinear: SplitQuantizedLinear,
+    nn.Embedding: SplitEmbedding,
+    nn.QuantizedEmbedding: SplitQuantizedEmbedding,
+}
 _PLAIN = {split: plain for plain, split in _SWAP.items()}
 
 

@@ -26,10 +26,11 @@ import logging
 import os
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -77,15 +78,21 @@ def choose_sharding(spec: ModelSpec, mode: str, size: int | None = None) -> str:
     tensor, pipe = sharding_support().get(mt, (False, False))
     if not tensor and not pipe:
         have = sorted(sharding_support())
-        raise ConfigError(f"--distributed: mlx-lm {_version()} has no tensor or pipeline sharding for architecture "
-                          f"{mt!r}; architectures it can split: {', '.join(have)}")
+        raise ConfigError(
+            f"--distributed: mlx-lm {_version()} has no tensor or pipeline sharding for architecture "
+            f"{mt!r}; architectures it can split: {', '.join(have)}"
+        )
     kind = mode if mode != "auto" else ("tensor" if tensor else "pipeline")
     if kind == "tensor" and not tensor:
-        raise ConfigError(f"--distributed-sharding tensor: mlx-lm has no tensor sharding for {mt!r} (it has "
-                          "pipeline sharding: use --distributed-sharding pipeline or auto)")
+        raise ConfigError(
+            f"--distributed-sharding tensor: mlx-lm has no tensor sharding for {mt!r} (it has "
+            "pipeline sharding: use --distributed-sharding pipeline or auto)"
+        )
     if kind == "pipeline" and not pipe:
-        raise ConfigError(f"--distributed-sharding pipeline: mlx-lm has no pipeline sharding for {mt!r} (it has "
-                          "tensor sharding: use --distributed-sharding tensor or auto)")
+        raise ConfigError(
+            f"--distributed-sharding pipeline: mlx-lm has no pipeline sharding for {mt!r} (it has "
+            "tensor sharding: use --distributed-sharding tensor or auto)"
+        )
     if size is None:
         return kind
     cfg = spec.config or {}
@@ -93,13 +100,17 @@ def choose_sharding(spec: ModelSpec, mode: str, size: int | None = None) -> str:
         heads = int(cfg.get("num_attention_heads") or 0)
         kv = int(cfg.get("num_key_value_heads") or heads)
         if heads and (heads % size or kv % size):
-            raise ConfigError(f"--distributed: tensor sharding over {size} ranks needs the attention heads ({heads}) "
-                              f"and KV heads ({kv}) divisible by {size}; use a rank count that divides both")
+            raise ConfigError(
+                f"--distributed: tensor sharding over {size} ranks needs the attention heads ({heads}) "
+                f"and KV heads ({kv}) divisible by {size}; use a rank count that divides both"
+            )
     else:
         layers = int(cfg.get("num_hidden_layers") or 0)
         if layers and layers < size:
-            raise ConfigError(f"--distributed: pipeline sharding over {size} ranks needs at least {size} layers "
-                              f"(the model has {layers})")
+            raise ConfigError(
+                f"--distributed: pipeline sharding over {size} ranks needs at least {size} layers "
+                f"(the model has {layers})"
+            )
     return kind
 
 
@@ -132,10 +143,10 @@ class MLXRanks:
             if len(raw) > SHARE_BYTES:
                 raise ValueError(f"distributed start-up message of {len(raw)} bytes is over {SHARE_BYTES}")
             buf[0] = len(raw)
-            buf[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            buf[1 : 1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         out = mx.distributed.all_sum(mx.array(buf), group=self.group, stream=mx.cpu)
         got = np.array(out)
-        return bytes(got[1:1 + int(got[0])].astype(np.uint8))
+        return bytes(got[1 : 1 + int(got[0])].astype(np.uint8))
 
     def follower_model(self, model: Any) -> Any:
         return EvaluatingModel(model)

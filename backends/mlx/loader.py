@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import pkgutil
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -76,7 +76,7 @@ def supported_architectures() -> frozenset[str]:
     return frozenset(names | {k for k, v in MODEL_REMAPPING.items() if v in names})
 
 
-@lru_cache(maxsize=None)
+@cache
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -123,8 +123,9 @@ def load_hf(spec: ModelSpec, cfg: Any = None, shard: Any = None) -> tuple[nn.Mod
 
         from .streamed_moe import attach
 
-        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,
-                              chunk=max(1, spec.experts_per_token))
+        reader = ExpertReader(
+            layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads, chunk=max(1, spec.experts_per_token)
+        )
         attach(model, layout, reader, mx.float32 if _on_cpu() else None, prefetch=cfg.expert_prefetch)
     _to_compute_dtype(model)
     mx.eval(model.parameters())
@@ -145,7 +146,8 @@ def load_gguf(spec: ModelSpec, shard: Any = None) -> tuple[nn.Module, Any, dict]
     if spec.arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"GGUF architecture {spec.arch!r} is not supported by the mlx backend; supported GGUF architectures: "
-            f"{', '.join(GGUF_ARCHITECTURES)} (for others, give an HF-format directory)")
+            f"{', '.join(GGUF_ARCHITECTURES)} (for others, give an HF-format directory)"
+        )
     try:
         raw = mx.load(str(spec.path))
     except Exception as exc:
@@ -154,12 +156,20 @@ def load_gguf(spec: ModelSpec, shard: Any = None) -> tuple[nn.Module, Any, dict]
     config = dict(spec.config)
     # llama.cpp stores Q/K rows permuted for interleaved ("traditional") RoPE.
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=config["hidden_size"], num_hidden_layers=config["num_hidden_layers"],
-        intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
-        rms_norm_eps=config["rms_norm_eps"], vocab_size=config["vocab_size"], head_dim=config["head_dim"],
+        model_type="llama",
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        rms_norm_eps=config["rms_norm_eps"],
+        vocab_size=config["vocab_size"],
+        head_dim=config["head_dim"],
         max_position_embeddings=config["max_position_embeddings"],
-        num_key_value_heads=config["num_key_value_heads"], rope_theta=config["rope_theta"],
-        rope_traditional=True, tie_word_embeddings=config["tie_word_embeddings"])
+        num_key_value_heads=config["num_key_value_heads"],
+        rope_theta=config["rope_theta"],
+        rope_traditional=True,
+        tie_word_embeddings=config["tie_word_embeddings"],
+    )
     model = llama.Model(args)
     quant = {}
     for k, w in weights.items():

@@ -19,16 +19,17 @@ Formats: mlx-lm (``adapters.safetensors`` with ``<module path>.lora_a`` [in, r] 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_split import plain_type, unsplit
-
 from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
+
+from .cpu_split import plain_type, unsplit
 
 
 class Adapter:
@@ -72,7 +73,7 @@ class _Sites:
     """A projection's adapters (index -> (lora_a, lora_b, scale)) and its set; a plain object, so
     nn.Module stores it as an attribute and not in its parameter tree."""
 
-    def __init__(self, owner: "LoraSet"):
+    def __init__(self, owner: LoraSet):
         self.owner = owner
         self.ads: dict[int, tuple[mx.array, mx.array, float]] = {}
 
@@ -131,15 +132,21 @@ class LoraSet:
         for path, (a, b) in ad.mods.items():
             layer = self._mods.get(path)
             if layer is None:
-                raise AdapterError(f"adapter {ad.name!r}: {path} is not a module of this model (does the adapter "
-                                   "belong to another architecture?)")
+                raise AdapterError(
+                    f"adapter {ad.name!r}: {path} is not a module of this model (does the adapter "
+                    "belong to another architecture?)"
+                )
             if plain_type(layer) not in (nn.Linear, nn.QuantizedLinear, _LoraLinear, _LoraQuantizedLinear):
-                raise AdapterError(f"adapter {ad.name!r}: {path} is a {type(layer).__name__}; only linear "
-                                   "projections are supported (not embeddings or mixture-of-experts layers)")
+                raise AdapterError(
+                    f"adapter {ad.name!r}: {path} is a {type(layer).__name__}; only linear "
+                    "projections are supported (not embeddings or mixture-of-experts layers)"
+                )
             fan_in, fan_out = _dims(layer)
             if a.ndim != 2 or b.ndim != 2 or a.shape[0] != fan_in or b.shape[1] != fan_out or a.shape[1] != b.shape[0]:
-                raise AdapterError(f"adapter {ad.name!r}: {path} has lora_a {tuple(a.shape)} and lora_b "
-                                   f"{tuple(b.shape)}, which do not fit this model ({fan_in} -> {fan_out})")
+                raise AdapterError(
+                    f"adapter {ad.name!r}: {path} has lora_a {tuple(a.shape)} and lora_b "
+                    f"{tuple(b.shape)}, which do not fit this model ({fan_in} -> {fan_out})"
+                )
             checked.append((layer, a, b))
         for layer, a, b in checked:
             unsplit(layer)  # a projection split over CPU streams (cpu_split.py) takes its adapter unsplit

@@ -11,7 +11,8 @@ Prefill chunks and lone decode rows run per sequence.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -19,7 +20,6 @@ from mlx.utils import tree_flatten
 from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
-
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from .loader import load_gguf, load_hf, supported_architectures
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class MLXModel:
-    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, kv_default: KVFormat | None = None,
-                 head_dim: int = 0):
+    def __init__(
+        self, module: Any, tokenizer: Any, info: ModelInfo, kv_default: KVFormat | None = None, head_dim: int = 0
+    ):
         self.module = module
         self.tokenizer = tokenizer
         self.info = info
@@ -40,10 +41,10 @@ class MLXModel:
         self.caches: dict[int, list[Any]] = {}
         self.ops = MLXOps()
         self.overlap = False  # forward() does not take StepBatch.input_ids yet
-        self.group_ids: list[int] = []          # sequences whose KV lives in the decode group
-        self.group_len: list[int] = []          # their positions, kept on the host (no device reads)
+        self.group_ids: list[int] = []  # sequences whose KV lives in the decode group
+        self.group_len: list[int] = []  # their positions, kept on the host (no device reads)
         self.group_cache: list[Any] | None = None
-        self.expert_stream: Any = None          # swiftlm.experts.ExpertReader with --stream-experts
+        self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
         # --distributed: evaluate each sequence's logits as it is built, so that every rank runs the
         # collectives (all-sums, send/recv pairs) of the step's sequences in the same order
         self.eval_each = False
@@ -63,8 +64,11 @@ class MLXModel:
 
             group = effective_group(self.head_dim, fmt.group_size)
             if group is None:
-                log.warning("kv_bits: head_dim %d is not a multiple of 32 (MLX's smallest quantization group); "
-                            "this sequence keeps a 16-bit cache", self.head_dim)
+                log.warning(
+                    "kv_bits: head_dim %d is not a multiple of 32 (MLX's smallest quantization group); "
+                    "this sequence keeps a 16-bit cache",
+                    self.head_dim,
+                )
                 return make_prompt_cache(self.module)
             if mx.default_device().type == mx.DeviceType.cpu:  # decode rows through the numba kernel (affine_cpu.py)
                 from .affine_cpu import prepare
@@ -175,8 +179,11 @@ class MLXModel:
         decode = [w for w in batch.seqs if w.sample and len(w.tokens) == 1]
         rows: dict[int, int] = {}
         batched = None
-        if len(decode) > 1 and all(w.seq_id in self.group_ids or self._batchable(w.seq_id) for w in decode) \
-                and all(self._pos(w.seq_id) == w.start_pos for w in decode):
+        if (
+            len(decode) > 1
+            and all(w.seq_id in self.group_ids or self._batchable(w.seq_id) for w in decode)
+            and all(self._pos(w.seq_id) == w.start_pos for w in decode)
+        ):
             batched = self._decode_batch(decode)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         out: list[mx.array] = []
@@ -278,10 +285,16 @@ def allocator_memory(weight_bytes: int) -> dict[str, Any]:
     except Exception:  # older MLX: Metal only
         di = mx.metal.device_info() if mx.metal.is_available() else {}
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    return {"device": "metal" if gpu else "cpu", "architecture": str(di.get("architecture", "")) if gpu else "cpu",
-            "device_name": str(di.get("device_name") or (cpu_name() if not gpu else "")),
-            "active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory(),
-            "device_total": int(di.get("memory_size") or system_memory()), "weights": weight_bytes}
+    return {
+        "device": "metal" if gpu else "cpu",
+        "architecture": str(di.get("architecture", "")) if gpu else "cpu",
+        "device_name": str(di.get("device_name") or (cpu_name() if not gpu else "")),
+        "active": mx.get_active_memory(),
+        "peak": mx.get_peak_memory(),
+        "cache": mx.get_cache_memory(),
+        "device_total": int(di.get("memory_size") or system_memory()),
+        "weights": weight_bytes,
+    }
 
 
 def _f32() -> bool:
@@ -320,7 +333,8 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
         if spec.arch not in supported_architectures():
             raise UnsupportedArchitecture(
                 f"architecture {spec.arch!r} is not supported by the mlx backend (mlx-lm {_mlx_lm_version()}); "
-                f"supported: {', '.join(sorted(supported_architectures()))}")
+                f"supported: {', '.join(sorted(supported_architectures()))}"
+            )
         module, tokenizer, config, reader = load_hf(spec, cfg, shard=shard)
     _apply_mem_limit(cfg)
     if shard is None:  # MLX on a CPU: projections' rows over the cores (cpu_split.py; not for mlx.launch ranks)
@@ -339,12 +353,19 @@ def load_model(spec: ModelSpec, cfg: Any) -> MLXModel:
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
     dt_bytes = 4 if mx.default_device().type == mx.DeviceType.cpu else 2
     ctx = int(cfg.ctx_size or spec.context_length or 4096) if cfg is not None else int(spec.context_length or 4096)
-    info = ModelInfo(arch=spec.arch, num_layers=n_layers, context_length=min(ctx, spec.context_length or ctx),
-                     vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
-                     quantization=spec.quantization, is_moe=spec.is_moe, weight_bytes=weight_bytes,
-                     kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes,
-                     streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
-                     experts_per_token=k_used)
+    info = ModelInfo(
+        arch=spec.arch,
+        num_layers=n_layers,
+        context_length=min(ctx, spec.context_length or ctx),
+        vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size),
+        num_params=spec.num_params,
+        quantization=spec.quantization,
+        is_moe=spec.is_moe,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=2 * n_layers * kv_heads * head_dim * dt_bytes,
+        streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
+        experts_per_token=k_used,
+    )
     model = MLXModel(module, tokenizer, info, kv_default=settings_format(cfg), head_dim=head_dim)
     model.expert_stream = reader
     adapters = list(getattr(cfg, "adapter", None) or [])

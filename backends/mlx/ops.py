@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-
 _DT = {"int32": mx.int32, "float32": mx.float32}
 
 

@@ -52,11 +52,14 @@ class StreamedSwitchGLU(nn.Module):
         self._reader, self._layer = reader, layer
         self._activation = original.activation
         gp = original.gate_proj
-        self._quant = ({"group_size": gp.group_size, "bits": gp.bits, "mode": getattr(gp, "mode", "affine")}
-                       if hasattr(gp, "scales") else None)
+        self._quant = (
+            {"group_size": gp.group_size, "bits": gp.bits, "mode": getattr(gp, "mode", "affine")}
+            if hasattr(gp, "scales")
+            else None
+        )
         self._float_dtype = float_dtype
         self._num_experts = reader.layout.num_experts
-        self._next: _Ref | None = None    # the next MoE block (its router guesses for prefetch)
+        self._next: _Ref | None = None  # the next MoE block (its router guesses for prefetch)
 
     def _weights(self, experts: np.ndarray) -> dict[str, tuple[mx.array, ...]]:
         widen = self._float_dtype == mx.float32  # the reader threads widen bf16 to fp32 (exact)
@@ -64,7 +67,7 @@ class StreamedSwitchGLU(nn.Module):
         out: dict[str, tuple[mx.array, ...]] = {}
         for proj in ("gate", "up", "down"):
             arrs = []
-            for comp in (("weight", "scales", "biases") if self._quant else ("weight",)):
+            for comp in ("weight", "scales", "biases") if self._quant else ("weight",):
                 a = raw.get((proj, comp))
                 if a is None:
                     arrs.append(None)
@@ -72,8 +75,11 @@ class StreamedSwitchGLU(nn.Module):
                 m = mx.array(a)  # a copy: the reader's buffers are reused by the next read
                 if a.dtype == np.uint16:  # the reader hands bf16 out as its bits
                     m = m.view(mx.bfloat16)
-                if self._float_dtype is not None and mx.issubdtype(m.dtype, mx.floating) \
-                        and m.dtype != self._float_dtype:
+                if (
+                    self._float_dtype is not None
+                    and mx.issubdtype(m.dtype, mx.floating)
+                    and m.dtype != self._float_dtype
+                ):
                     m = m.astype(self._float_dtype)
                 arrs.append(m)
             out[proj] = tuple(arrs)
@@ -81,8 +87,9 @@ class StreamedSwitchGLU(nn.Module):
 
     def _linear(self, x: mx.array, w: tuple, idx: mx.array, sort: bool) -> mx.array:
         if self._quant:
-            return mx.gather_qmm(x, w[0], w[1], w[2], rhs_indices=idx, transpose=True, sorted_indices=sort,
-                                 **self._quant)
+            return mx.gather_qmm(
+                x, w[0], w[1], w[2], rhs_indices=idx, transpose=True, sorted_indices=sort, **self._quant
+            )
         return mx.gather_mm(x, w[0].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)
 
     def _glu(self, x: mx.array, experts: np.ndarray, local: np.ndarray, sort: bool) -> mx.array:
@@ -95,12 +102,12 @@ class StreamedSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._next is not None:
             self._prefetch_next(x)
-        host = np.array(indices)                       # routing must be known to read: one sync per layer
+        host = np.array(indices)  # routing must be known to read: one sync per layer
         experts = np.unique(host)
         lut = np.zeros(self._num_experts, dtype=np.uint32)
         x = mx.expand_dims(x, (-2, -3))
         chunk = self._reader.chunk
-        if len(experts) <= chunk:                      # decode: one read, mlx-lm's own path
+        if len(experts) <= chunk:  # decode: one read, mlx-lm's own path
             lut[experts] = np.arange(len(experts), dtype=np.uint32)
             do_sort = host.size >= 64
             if not do_sort:
@@ -114,11 +121,11 @@ class StreamedSwitchGLU(nn.Module):
         order = np.array(idx)
         ys = []
         for c0 in range(0, len(experts), chunk):
-            part = experts[c0:c0 + chunk]
+            part = experts[c0 : c0 + chunk]
             lo, hi = np.searchsorted(order, part[0], "left"), np.searchsorted(order, part[-1], "right")
             lut[part] = np.arange(len(part), dtype=np.uint32)
             y = self._glu(xs[lo:hi], part, lut[order[lo:hi]], True)
-            mx.eval(y)                                 # frees this chunk's weights before the next read
+            mx.eval(y)  # frees this chunk's weights before the next read
             ys.append(y)
         y = mx.concatenate(ys, axis=0)
         return mx.unflatten(y[inv], 0, indices.shape).squeeze(-2)
@@ -150,8 +157,11 @@ def experts_per_token(block: Any) -> int:
 
 def set_experts_per_token(model: Any, requested: int) -> int:
     """Apply --expert-top-k (0: keep the model's) to every MoE block; returns the value in use."""
-    blocks = [b for b in (getattr(layer, n, None) for layer in _layers(model) for n in ("mlp", "block_sparse_moe"))
-              if b is not None and any(hasattr(b, a) for a in _TOPK_ATTRS) and hasattr(b, "switch_mlp")]
+    blocks = [
+        b
+        for b in (getattr(layer, n, None) for layer in _layers(model) for n in ("mlp", "block_sparse_moe"))
+        if b is not None and any(hasattr(b, a) for a in _TOPK_ATTRS) and hasattr(b, "switch_mlp")
+    ]
     if not blocks:
         return 0
     used = clamp_top_k(requested, experts_per_token(blocks[0]))
@@ -171,8 +181,9 @@ def _layers(model: Any) -> list[Any]:
     return []
 
 
-def attach(model: Any, layout: ExpertLayout, reader: ExpertReader, float_dtype: Any | None,
-           prefetch: bool = False) -> list[StreamedSwitchGLU]:
+def attach(
+    model: Any, layout: ExpertLayout, reader: ExpertReader, float_dtype: Any | None, prefetch: bool = False
+) -> list[StreamedSwitchGLU]:
     """Replace every MoE layer's switch_mlp with a streamed one (before any evaluation)."""
     streamed = []
     for li in layout.layers:

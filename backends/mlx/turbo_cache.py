@@ -35,6 +35,7 @@ from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, 
 
 log = logging.getLogger(__name__)
 
+
 def pack(codes: mx.array, bits: int) -> list[mx.array]:
     codes = codes.astype(mx.uint32)
     d = codes.shape[-1]
@@ -129,11 +130,11 @@ class TurboKVCache:
             dk = mx.zeros((1, KVH, cap, D), dtype=keys.dtype)
             dv = mx.zeros((1, KVH, cap, D), dtype=values.dtype)
             if self.n_dense:
-                dk[..., :self.n_dense, :] = self.dk[..., :self.n_dense, :]
-                dv[..., :self.n_dense, :] = self.dv[..., :self.n_dense, :]
+                dk[..., : self.n_dense, :] = self.dk[..., : self.n_dense, :]
+                dv[..., : self.n_dense, :] = self.dv[..., : self.n_dense, :]
             self.dk, self.dv = dk, dv
-        self.dk[..., self.n_dense:need, :] = keys
-        self.dv[..., self.n_dense:need, :] = values
+        self.dk[..., self.n_dense : need, :] = keys
+        self.dv[..., self.n_dense : need, :] = values
         self.n_dense = need
         self.offset += T
         self._step_T = T
@@ -212,15 +213,15 @@ class TurboKVCache:
                     dst[:, at:end] = src
             else:
                 self.codes[name][:, at:end] = x
-        rest_k = self.dk[..., c:self.n_dense, :]
-        rest_v = self.dv[..., c:self.n_dense, :]
+        rest_k = self.dk[..., c : self.n_dense, :]
+        rest_v = self.dv[..., c : self.n_dense, :]
         self.n_code, self.n_dense = end, self.n_dense - c
         cap = dense_capacity(self.fmt, self.n_dense)
         if cap < self.dk.shape[2]:
             self.dk = mx.zeros((*self.dk.shape[:2], cap, self.dk.shape[3]), dtype=self.dk.dtype)
             self.dv = mx.zeros_like(self.dk)
-        self.dk[..., :self.n_dense, :] = rest_k
-        self.dv[..., :self.n_dense, :] = rest_v
+        self.dk[..., : self.n_dense, :] = rest_k
+        self.dv[..., : self.n_dense, :] = rest_v
 
 
 def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
@@ -247,13 +248,13 @@ def attention(cache: TurboKVCache, queries: mx.array, scale: float) -> mx.array:
         if T == 1 and cpu_kernel_usable(cache, rep):
             mc, lc, accc = cpu_partials(cache, qg, scale)
         else:
-            q_rot = (qg @ cache.kc.RT) * scale          # the query, rotated once
+            q_rot = (qg @ cache.kc.RT) * scale  # the query, rotated once
             sq = (qg @ cache.kc.S.T) * scale if cache.kc.qjl else None
             mc, lc, accc = partials(q_rot, cache.codes, cache.n_code, cache.kc, cache.vc, sq, rows=T)
         M = mx.maximum(m, mc)
         p = mx.exp(s - M)
         ac = mx.exp(mc - M)
-        out = p @ vals + (accc * ac) @ cache.vc.R   # rotated-domain sum, rotated back once
+        out = p @ vals + (accc * ac) @ cache.vc.R  # rotated-domain sum, rotated back once
         out = out / (p.sum(-1, keepdims=True) + lc * ac)
     else:
         p = mx.exp(s - m)
@@ -266,8 +267,7 @@ def cpu_kernel_usable(cache: TurboKVCache, M: int) -> bool:
     switched off (``SWIFTLM_NUMBA=0``), M <= 32 query rows per KV head, head dim a multiple of 8."""
     from swiftlm.turboquant import cpu_attention
 
-    return (cpu_attention.enabled() and M <= 32 and cache.kc.d % 8 == 0
-            and mx.default_device().type == mx.DeviceType.cpu)
+    return cpu_attention.enabled() and M <= 32 and cache.kc.d % 8 == 0 and mx.default_device().type == mx.DeviceType.cpu
 
 
 def _np(a: mx.array) -> np.ndarray:
@@ -298,13 +298,23 @@ def cpu_partials(cache: TurboKVCache, qg: mx.array, scale: float) -> tuple[mx.ar
         sq = (qg @ kc.S.T) * scale
         kr = c["kr"][:, :n].astype(mx.float32)
         arrs += [sq, kr, c["ks"]]
-    mx.eval(arrs)   # the codes written by the last compression, the query: computed before they are read
+    mx.eval(arrs)  # the codes written by the last compression, the query: computed before they are read
     qjl = {}
     if kc.qjl:
         qjl = dict(st=cpu_attention.qjl_table(_np(sq)), ks=_np(c["ks"]), kr=_np(kr), qjl_scale=kc.qjl_scale)
-    spans = cpu_attention.turbo_spans(_np(q_rot), n, kc.mse_bits, vc.mse_bits, _np_table(kc),
-                                      [_np(p) for p in c["kp"]], _np(kn), _np_table(vc),
-                                      [_np(p) for p in c["vp"]], _np(vn), **qjl)
+    spans = cpu_attention.turbo_spans(
+        _np(q_rot),
+        n,
+        kc.mse_bits,
+        vc.mse_bits,
+        _np_table(kc),
+        [_np(p) for p in c["kp"]],
+        _np(kn),
+        _np_table(vc),
+        [_np(p) for p in c["vp"]],
+        _np(vn),
+        **qjl,
+    )
     return tuple(mx.array(x) for x in cpu_attention.merge_spans(*spans))
 
 
@@ -350,4 +360,4 @@ def install_attention_hook(module: Any) -> None:
             return _orig(queries, keys, values, cache, scale, mask, *a, **kw)
 
         hooked._swiftlm_turbo = True
-        setattr(mod, "scaled_dot_product_attention", hooked)
+        mod.scaled_dot_product_attention = hooked

@@ -24,8 +24,9 @@ class MLXMultimodal(MultimodalModel):
         try:
             from mlx_vlm.utils import load_model
         except ImportError as exc:
-            raise BackendUnavailable(f"multimodal models on MLX need mlx-vlm (pip install 'swiftlm[vlm]'): {exc}") \
-                from None
+            raise BackendUnavailable(
+                f"multimodal models on MLX need mlx-vlm (pip install 'swiftlm[vlm]'): {exc}"
+            ) from None
         self.module = load_model(Path(spec.path))
         if mx.default_device().type == mx.DeviceType.cpu:  # MLX's CPU gather/matmul kernels want fp32
             self.module.set_dtype(mx.float32)

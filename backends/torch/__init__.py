@@ -17,8 +17,11 @@ class TorchBackend:
 
     def available(self) -> Availability:
         if importlib.util.find_spec("torch") is None:
-            return Availability(False, reason="torch is not installed (pip install 'swiftlm[torch]'; on a CPU-only "
-                                              "Linux machine pin the CPU wheel, e.g. torch==2.13.0)")
+            return Availability(
+                False,
+                reason="torch is not installed (pip install 'swiftlm[torch]'; on a CPU-only "
+                "Linux machine pin the CPU wheel, e.g. torch==2.13.0)",
+            )
         try:
             import torch
         except Exception as exc:
@@ -45,7 +48,7 @@ class TorchBackend:
         return model
 
     def model_path(self, spec: ModelSpec) -> str:
-        """"native" or "transformers fallback": how this backend would run ``spec`` (for ``swiftlm info``)."""
+        """ "native" or "transformers fallback": how this backend would run ``spec`` (for ``swiftlm info``)."""
         from .fallback import path_for
 
         return path_for(spec)

@@ -35,17 +35,22 @@ def static_ok(a: Any, fmt: Any) -> bool:
 
     from .kv_quant import AffineCodec
 
-    return fmt.kind == "affine" and not fmt.threshold and supported(
-        a.head_dim, AffineCodec(a.head_dim, fmt.key_bits, fmt.group_size).group, fmt.key_bits)
+    return (
+        fmt.kind == "affine"
+        and not fmt.threshold
+        and supported(a.head_dim, AffineCodec(a.head_dim, fmt.key_bits, fmt.group_size).group, fmt.key_bits)
+    )
 
 
-def _attend(cache: Any, L: Any, q: torch.Tensor, codes: tuple, n_rows: torch.Tensor | None,
-            dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+def _attend(
+    cache: Any, L: Any, q: torch.Tensor, codes: tuple, n_rows: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor
+) -> torch.Tensor:
     from swiftlm.cuda_ext.affine_kv_kernels import affine_decode_attention
 
     H, D = q.shape
-    out = affine_decode_attention(q, *codes, cache.kc.bits, cache.kc.group, D ** -0.5, rep=H // cache.a.kv_heads,
-                                  n_rows=n_rows, dk=dk, dv=dv)
+    out = affine_decode_attention(
+        q, *codes, cache.kc.bits, cache.kc.group, D**-0.5, rep=H // cache.a.kv_heads, n_rows=n_rows, dk=dk, dv=dv
+    )
     return out.reshape(1, H * D)
 
 
@@ -56,8 +61,9 @@ def attend_row(cache: Any, L: Any, q: torch.Tensor, dk: torch.Tensor, dv: torch.
     return _attend(cache, L, q, codes, None, dk, dv)
 
 
-def static_row(cache: Any, L: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               n_code: torch.Tensor) -> torch.Tensor:
+def static_row(
+    cache: Any, L: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_code: torch.Tensor
+) -> torch.Tensor:
     """Capturable: quantize the new row k, v [KVH, 1, D] into the codes at ``n_code`` (device [1]) and
     attend q [H, D] to the ``n_code`` earlier rows (codes) and the new row (16-bit, in the cache's
     16-bit dtype like the eager path's buffer): [1, H*D]."""
@@ -69,8 +75,16 @@ def static_row(cache: Any, L: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return _attend(cache, L, q, codes, n_code, k, v)
 
 
-def decode_affine_static(model: Any, kv: Any, token: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,
-                         n_code: torch.Tensor, arange: torch.Tensor, fused: bool = False) -> torch.Tensor:
+def decode_affine_static(
+    model: Any,
+    kv: Any,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    n_dense: torch.Tensor,
+    n_code: torch.Tensor,
+    arange: torch.Tensor,
+    fused: bool = False,
+) -> torch.Tensor:
     """One decode token over a static affine cache, every shape fixed (one CUDA graph per cache):
     ``graphs.decode_turbo_static``'s arguments (``n_dense`` is 0: an affine cache quantizes every row).
     ``fused``: the elementwise stages as the Triton kernels of ``fused_decode`` (rope in one kernel, the
@@ -93,7 +107,7 @@ def decode_affine_static(model: Any, kv: Any, token: torch.Tensor, pos: torch.Te
         h = model.layers[0].input_layernorm(x)
         for i, blk in enumerate(model.layers):
             qkv, H, KVH, D = _qkv(blk.self_attn, h, a.qk_norm)
-            q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, K, V, H, KVH, D)     # [1, H, D]
+            q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, K, V, H, KVH, D)  # [1, H, D]
             o = kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
             h = _after_attention(model, i, x, o)
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -103,7 +117,7 @@ def decode_affine_static(model: Any, kv: Any, token: torch.Tensor, pos: torch.Te
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [1, 1, D]
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))           # [1, H, D], [1, KVH, D]
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [1, H, D], [1, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = kv.attend_static(i, q[0], n_code, None, k=k.view(KVH, 1, D), v=v.view(KVH, 1, D))
         x = x + attn.o_proj(o)

@@ -22,8 +22,9 @@ since the CUDA graphs, slot pool prefill and paged attention run the llama-famil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,24 +40,31 @@ ARCHS = ("gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")  # model_config.EX
 GEMMA = ("gemma2", "gemma3_text")
 STYLE = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "phi3": "pre", "smollm3": "pre"}
 # the norms of each placement, by their HF names
-NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
-         "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm"),
-         "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
 @dataclass
 class Ext:
     """What an architecture of this module changes (``Args.ext``)."""
-    style: str                    # norm placement: "pre" (llama), "sandwich" (Gemma 2/3), "post" (OLMo 2)
-    scale: float                  # attention score scale
-    attn_softcap: float | None    # tanh soft cap of attention logits
-    final_softcap: float | None   # tanh soft cap of the output logits
-    head_norm: bool               # q/k RMSNorm per head (Gemma 3)
-    full_norm: bool               # q/k RMSNorm over the whole projection (OLMo 2)
-    ropes: tuple                  # per layer: the rope table's name, or None (a NoPE layer)
-    tables: dict                  # rope table name -> (rope_theta, rope scaling dict or None)
-    rot_dim: int                  # rotary dimensions (head_dim x partial_rotary_factor)
+
+    style: str  # norm placement: "pre" (llama), "sandwich" (Gemma 2/3), "post" (OLMo 2)
+    scale: float  # attention score scale
+    attn_softcap: float | None  # tanh soft cap of attention logits
+    final_softcap: float | None  # tanh soft cap of the output logits
+    head_norm: bool  # q/k RMSNorm per head (Gemma 3)
+    full_norm: bool  # q/k RMSNorm over the whole projection (OLMo 2)
+    ropes: tuple  # per layer: the rope table's name, or None (a NoPE layer)
+    tables: dict  # rope table name -> (rope_theta, rope scaling dict or None)
+    rot_dim: int  # rotary dimensions (head_dim x partial_rotary_factor)
     longrope: dict | None = None  # Phi-3: short_factor, long_factor, original_max_position_embeddings
 
 
@@ -122,8 +130,14 @@ def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
             refuse("hidden_activation", act)
         if c.get("use_bidirectional_attention"):
             refuse("use_bidirectional_attention", c["use_bidirectional_attention"])
-        for f in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_act",
-                  "hidden_activation", "use_bidirectional_attention"):
+        for f in (
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "hidden_act",
+            "hidden_activation",
+            "use_bidirectional_attention",
+        ):
             c.pop(f, None)
     if arch == "gemma3_text":
         for kind, rs in _gemma3_ropes(c).items():
@@ -165,8 +179,11 @@ def settings(c: dict) -> Ext:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     rs = rope_params(c) or {}
     theta = c.get("rope_theta") or rs.get("rope_theta") or 10000.0
-    plain = None if rope_type(rs) in ("default", "longrope") else {k: v for k, v in rs.items()
-                                                                   if k != "partial_rotary_factor"}
+    plain = (
+        None
+        if rope_type(rs) in ("default", "longrope")
+        else {k: v for k, v in rs.items() if k != "partial_rotary_factor"}
+    )
     tables: dict = {"global": (theta, plain)}
     ropes: list = ["global"] * n
     longrope = None
@@ -182,19 +199,28 @@ def settings(c: dict) -> Ext:
         ropes = ["global" if use else None for use in nope]
     if arch == "phi3" and rope_type(rs) == "longrope":
         orig = rs.get("original_max_position_embeddings") or c["original_max_position_embeddings"]
-        longrope = {"short_factor": rs["short_factor"], "long_factor": rs["long_factor"], "original": int(orig),
-                    "factor": rs.get("factor") or c.get("max_position_embeddings", orig) / orig,
-                    "attention_factor": rs.get("attention_factor")}
+        longrope = {
+            "short_factor": rs["short_factor"],
+            "long_factor": rs["long_factor"],
+            "original": int(orig),
+            "factor": rs.get("factor") or c.get("max_position_embeddings", orig) / orig,
+            "attention_factor": rs.get("attention_factor"),
+        }
     qpas = c.get("query_pre_attn_scalar") if arch in GEMMA else None
     if arch == "gemma2" and qpas is None:
         qpas = 256  # Gemma2Config's default
-    return Ext(style=STYLE[arch], scale=(qpas or head_dim) ** -0.5,
-               attn_softcap=c.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None) if arch in GEMMA
-               else None,
-               final_softcap=c.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None) if arch in GEMMA
-               else None,
-               head_norm=arch == "gemma3_text", full_norm=arch == "olmo2", ropes=tuple(ropes), tables=tables,
-               rot_dim=_rot_dim(c, head_dim) if arch == "phi3" else head_dim, longrope=longrope)
+    return Ext(
+        style=STYLE[arch],
+        scale=(qpas or head_dim) ** -0.5,
+        attn_softcap=c.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None) if arch in GEMMA else None,
+        final_softcap=c.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None) if arch in GEMMA else None,
+        head_norm=arch == "gemma3_text",
+        full_norm=arch == "olmo2",
+        ropes=tuple(ropes),
+        tables=tables,
+        rot_dim=_rot_dim(c, head_dim) if arch == "phi3" else head_dim,
+        longrope=longrope,
+    )
 
 
 def cuda_feature(a: Any) -> str:
@@ -220,8 +246,10 @@ def refuse_flag(a: Any, flag: str) -> None:
     if getattr(a, "ext", None) is not None:
         from swiftlm.errors import ConfigError
 
-        raise ConfigError(f"{flag} is not available for architecture {a.arch!r}, whose layer the torch backend "
-                          "runs on a single process only; serve this model without it")
+        raise ConfigError(
+            f"{flag} is not available for architecture {a.arch!r}, whose layer the torch backend "
+            "runs on a single process only; serve this model without it"
+        )
 
 
 def convert_state(a: Any, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -260,8 +288,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
-def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-              window: int) -> torch.Tensor:
+def attention(
+    e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int
+) -> torch.Tensor:
     """q [H, T, D] at positions [start, start + T) over keys/values [KVH, start + T, D] -> [T, H*D]:
     causal, the last ``window`` keys only where a window applies, soft-capped logits if set.  A window
     layer's keys may begin later than position 0 (``SeqCache`` drops rows no query sees): the keys are
@@ -275,11 +304,15 @@ def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     elif T == 1:
         mask = None
     else:  # a window layer may have dropped its oldest rows (kv_cache.SeqCache): the chunk starts at row S - T
-        mask = (window_mask(T, S, S - T, window, q.device) if window
-                else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T))
+        mask = (
+            window_mask(T, S, S - T, window, q.device)
+            if window
+            else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        )
     if e.attn_softcap is None and T > 1:
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-                                             scale=e.scale, enable_gqa=rep > 1)[0]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=e.scale, enable_gqa=rep > 1
+        )[0]
         return out.transpose(0, 1).reshape(T, H * D)
     # eager, as transformers' eager attention: scores * scale, tanh soft cap, mask, fp32 softmax
     scores = torch.matmul(q.reshape(KVH, rep * T, D), keys.transpose(1, 2)) * e.scale  # [KVH, rep*T, S]
@@ -294,8 +327,9 @@ def attention(e: Ext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def compressed_refused(a: Any) -> NotImplementedError:
-    return NotImplementedError(f"a compressed KV cache is not implemented for architecture {a.arch!r}; use the plain "
-                               "KV format for this model")
+    return NotImplementedError(
+        f"a compressed KV cache is not implemented for architecture {a.arch!r}; use the plain KV format for this model"
+    )
 
 
 class ExtAttention(Attention):
@@ -335,8 +369,11 @@ class ExtBlock(nn.Module):
         s = self.style
         h = self.self_attn(x if s == "post" else self.input_layernorm(x), rope, attend)
         x = x + (h if s == "pre" else self.post_attention_layernorm(h))
-        h = {"pre": self.post_attention_layernorm, "sandwich": getattr(self, "pre_feedforward_layernorm", None),
-             "post": None}[s]
+        h = {
+            "pre": self.post_attention_layernorm,
+            "sandwich": getattr(self, "pre_feedforward_layernorm", None),
+            "post": None,
+        }[s]
         h = _mlp_rows(self.mlp, x if h is None else h(x))
         return x + (h if s == "pre" else self.post_feedforward_layernorm(h))
 
@@ -353,12 +390,15 @@ class ExtTransformer(Transformer):
         a, e, dev = self.a, self.a.ext, self.embed_tokens.weight.device
         self.tables = {}
         if e.longrope is not None:
-            self.tables = {"short": longrope_tables(a, e.longrope, False, dev),
-                           "long": longrope_tables(a, e.longrope, True, dev)}
+            self.tables = {
+                "short": longrope_tables(a, e.longrope, False, dev),
+                "long": longrope_tables(a, e.longrope, True, dev),
+            }
         else:
             for name, (theta, scaling) in e.tables.items():
-                self.tables[name] = rope_tables(replace(a, rope_theta=theta, rope_scaling=scaling, head_dim=e.rot_dim),
-                                                dev)
+                self.tables[name] = rope_tables(
+                    replace(a, rope_theta=theta, rope_scaling=scaling, head_dim=e.rot_dim), dev
+                )
         self.cos, self.sin = next(iter(self.tables.values()))  # model.finish_load / check_device read these
 
     def _ropes(self, pos: torch.Tensor, long: torch.Tensor | None, dtype: torch.dtype) -> dict:
@@ -388,9 +428,11 @@ class ExtTransformer(Transformer):
         kv.longrope_ids = torch.cat([ids[:start], tokens]) if start and known else tokens.clone() if known else None
         if 0 < start <= lr["original"] < start + T:
             if not known:
-                raise NotImplementedError(f"rope_scaling.rope_type='longrope' ({self.a.arch}): a sequence whose first "
-                                          f"{start} positions were restored from the prompt cache cannot switch to the "
-                                          f"long factors past original_max_position_embeddings={lr['original']}")
+                raise NotImplementedError(
+                    f"rope_scaling.rope_type='longrope' ({self.a.arch}): a sequence whose first "
+                    f"{start} positions were restored from the prompt cache cannot switch to the "
+                    f"long factors past original_max_position_embeddings={lr['original']}"
+                )
             return kv.longrope_ids
         return None
 
@@ -410,8 +452,10 @@ class ExtTransformer(Transformer):
             last = torch.repeat_interleave(lengths - 1, lengths)
 
             def attend(layer, q, k, v):
-                outs = [attention(a.ext, qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0, a.window(layer))
-                        for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))]
+                outs = [
+                    attention(a.ext, qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0, a.window(layer))
+                    for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))
+                ]
                 return torch.cat(outs)
         elif isinstance(kv, SeqCache):
             if a.ext.longrope is not None and (ids := self._longrope_ids(kv, tokens, start)) is not None:
@@ -439,23 +483,30 @@ class ExtTransformer(Transformer):
         cap = self.a.ext.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def decode_rows(self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None,
-                    head: bool = True) -> torch.Tensor:
+    def decode_rows(
+        self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None, head: bool = True
+    ) -> torch.Tensor:
         """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
         sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
         a, dev = self.a, self.embed_tokens.weight.device
         if not all(isinstance(c, SeqCache) for c in caches):
             raise compressed_refused(a)
         if a.ext.longrope is not None and x is None:
-            ids = (tokens.long().view(-1) if torch.is_tensor(tokens) else
-                   torch.tensor(tokens, dtype=torch.long, device=dev))
+            ids = (
+                tokens.long().view(-1)
+                if torch.is_tensor(tokens)
+                else torch.tensor(tokens, dtype=torch.long, device=dev)
+            )
             if any(0 < p <= a.ext.longrope["original"] < p + 1 for p in positions):  # a row switches: one at a time
-                return torch.cat([self.forward(ids[b:b + 1], c, p) for b, (c, p) in enumerate(zip(caches, positions))])
+                return torch.cat(
+                    [self.forward(ids[b : b + 1], c, p) for b, (c, p) in enumerate(zip(caches, positions))]
+                )
             for b, (c, p) in enumerate(zip(caches, positions)):
-                self._longrope_ids(c, ids[b:b + 1], p)
+                self._longrope_ids(c, ids[b : b + 1], p)
         if x is None:
-            x = self.embed(tokens.long() if torch.is_tensor(tokens) else
-                           torch.tensor(tokens, dtype=torch.long, device=dev))
+            x = self.embed(
+                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
+            )
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
 
         def attend(layer, q, k, v):  # q [B, H, D], k/v [B, KVH, D]

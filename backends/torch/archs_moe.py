@@ -37,8 +37,9 @@ router softmax in the model's dtype, so bf16 runs may differ from it by rounding
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,14 +56,36 @@ ARCHS = ("gpt_oss", "deepseek_v2", "deepseek_v3")  # model_config.MOE_ARCHS name
 MLA = ("deepseek_v2", "deepseek_v3")
 # config classes' defaults, for fields a config.json may leave out
 DEEPSEEK_DEFAULTS = {
-    "deepseek_v2": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                    "v_head_dim": 128, "n_shared_experts": 2, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
-                    "norm_topk_prob": False, "n_group": None, "topk_group": None, "topk_method": "greedy",
-                    "n_routed_experts": 64},
-    "deepseek_v3": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                    "v_head_dim": 128, "n_shared_experts": 1, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
-                    "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
-                    "n_routed_experts": 256},
+    "deepseek_v2": {
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "n_group": None,
+        "topk_group": None,
+        "topk_method": "greedy",
+        "n_routed_experts": 64,
+    },
+    "deepseek_v3": {
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "n_routed_experts": 256,
+    },
 }
 LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -74,12 +97,13 @@ def _get(c: dict, field: str) -> Any:
 @dataclass
 class MoeExt:
     """What an architecture of this module changes (``Args.ext``)."""
-    kind: str                 # "gpt_oss" or "mla"
-    scale: float              # attention score scale
+
+    kind: str  # "gpt_oss" or "mla"
+    scale: float  # attention score scale
     rope_theta: float
-    rope: dict | None         # the rope table's scaling (yarn with factor and attention_factor resolved) or None
-    rot_dim: int              # rotary dimensions (head_dim; MLA: qk_rope_head_dim)
-    alpha: float = 1.702      # GPT-OSS clamped SwiGLU
+    rope: dict | None  # the rope table's scaling (yarn with factor and attention_factor resolved) or None
+    rot_dim: int  # rotary dimensions (head_dim; MLA: qk_rope_head_dim)
+    alpha: float = 1.702  # GPT-OSS clamped SwiGLU
     limit: float = 7.0
     q_lora: int | None = None  # MLA
     kv_lora: int = 0
@@ -113,9 +137,15 @@ def _yarn(c: dict, rs: dict, refuse: Callable[[str, Any], None] | None = None) -
     if att is None:
         m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
         att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig, "attention_factor": att,
-            "beta_fast": rs.get("beta_fast") or 32, "beta_slow": rs.get("beta_slow") or 1,
-            "truncate": rs.get("truncate", True)}
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": orig,
+        "attention_factor": att,
+        "beta_fast": rs.get("beta_fast") or 32,
+        "beta_slow": rs.get("beta_slow") or 1,
+        "truncate": rs.get("truncate", True),
+    }
 
 
 def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
@@ -178,8 +208,15 @@ def settings(c: dict) -> MoeExt:
     rope = _yarn(c, rs) if rope_type(rs) == "yarn" else None
     if arch == "gpt_oss":
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return MoeExt(kind="gpt_oss", scale=head_dim ** -0.5, rope_theta=theta, rope=rope, rot_dim=head_dim,
-                      alpha=float(c.get("swiglu_alpha", 1.702)), limit=float(c.get("swiglu_limit", 7.0)))
+        return MoeExt(
+            kind="gpt_oss",
+            scale=head_dim**-0.5,
+            rope_theta=theta,
+            rope=rope,
+            rot_dim=head_dim,
+            alpha=float(c.get("swiglu_alpha", 1.702)),
+            limit=float(c.get("swiglu_limit", 7.0)),
+        )
     nope, rot = _get(c, "qk_nope_head_dim"), _get(c, "qk_rope_head_dim")
     scale = (nope + rot) ** -0.5
     if rope is not None and rs.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
@@ -187,14 +224,25 @@ def settings(c: dict) -> MoeExt:
         scale = scale * m * m
     method = _get(c, "topk_method") if arch == "deepseek_v2" else "noaux_tc"
     grouped = method != "greedy"
-    return MoeExt(kind="mla", scale=scale, rope_theta=theta, rope=rope, rot_dim=rot, q_lora=_get(c, "q_lora_rank"),
-                  kv_lora=_get(c, "kv_lora_rank"), nope=nope, v_dim=_get(c, "v_head_dim"),
-                  interleave=arch == "deepseek_v2" or bool(c.get("rope_interleave", True)), routing=method,
-                  n_group=(_get(c, "n_group") or 1) if grouped else 1,
-                  topk_group=(_get(c, "topk_group") or 1) if grouped else 1,
-                  routed_scale=float(_get(c, "routed_scaling_factor")), norm_topk=bool(_get(c, "norm_topk_prob")),
-                  first_dense=int(_get(c, "first_k_dense_replace") or 0),
-                  shared_inter=(c.get("moe_intermediate_size") or 1407) * int(_get(c, "n_shared_experts") or 0))
+    return MoeExt(
+        kind="mla",
+        scale=scale,
+        rope_theta=theta,
+        rope=rope,
+        rot_dim=rot,
+        q_lora=_get(c, "q_lora_rank"),
+        kv_lora=_get(c, "kv_lora_rank"),
+        nope=nope,
+        v_dim=_get(c, "v_head_dim"),
+        interleave=arch == "deepseek_v2" or bool(c.get("rope_interleave", True)),
+        routing=method,
+        n_group=(_get(c, "n_group") or 1) if grouped else 1,
+        topk_group=(_get(c, "topk_group") or 1) if grouped else 1,
+        routed_scale=float(_get(c, "routed_scaling_factor")),
+        norm_topk=bool(_get(c, "norm_topk_prob")),
+        first_dense=int(_get(c, "first_k_dense_replace") or 0),
+        shared_inter=(c.get("moe_intermediate_size") or 1407) * int(_get(c, "n_shared_experts") or 0),
+    )
 
 
 def adjust_args(a: Any, c: dict) -> None:
@@ -243,12 +291,12 @@ def convert_state(a: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     experts: dict[tuple[int, str, int], torch.Tensor] = {}
     for k in list(state):
         v = state.pop(k)
-        name = k[len("model."):] if k.startswith("model.") else k
+        name = k[len("model.") :] if k.startswith("model.") else k
         parts = name.split(".")
         if name.endswith("rotary_emb.inv_freq") or (parts[0] == "layers" and int(parts[1]) >= a.layers):
             continue
         if parts[0] == "layers" and "experts" in parts:
-            li, rest = int(parts[1]), parts[parts.index("experts") + 1:]
+            li, rest = int(parts[1]), parts[parts.index("experts") + 1 :]
             p = f"layers.{li}.mlp."
             if rest[0].isdigit():  # experts.E.gate_proj.weight
                 experts[(li, rest[1], int(rest[0]))] = v
@@ -268,7 +316,7 @@ def convert_state(a: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
                 out[name] = v  # unknown: load_state_dict(strict=True) names it
             continue
         out[name] = v
-    for (li, proj, _) in sorted({(li, proj, 0) for li, proj, _ in experts}):
+    for li, proj, _ in sorted({(li, proj, 0) for li, proj, _ in experts}):
         ours = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}[proj]
         out[f"layers.{li}.mlp.{ours}"] = torch.stack([experts.pop((li, proj, j)) for j in range(a.experts)])
     if e.kind == "mla" and e.interleave:
@@ -278,11 +326,11 @@ def convert_state(a: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             p = f"layers.{li}.self_attn."
             qn = p + ("q_b_proj.weight" if e.q_lora else "q_proj.weight")
             w = out[qn].view(a.heads, qk, -1)
-            out[qn] = torch.cat([w[:, :e.nope], w[:, e.nope:][:, perm]], dim=1).reshape(a.heads * qk, -1)
+            out[qn] = torch.cat([w[:, : e.nope], w[:, e.nope :][:, perm]], dim=1).reshape(a.heads * qk, -1)
             for kn in (p + "kv_a_proj_with_mqa.weight", p + "kv_a_proj_with_mqa.bias"):
                 if kn in out:
                     t = out[kn]
-                    out[kn] = torch.cat([t[:e.kv_lora], t[e.kv_lora:][perm]])
+                    out[kn] = torch.cat([t[: e.kv_lora], t[e.kv_lora :][perm]])
     if a.tie:
         out.pop("lm_head.weight", None)
     return out
@@ -290,13 +338,24 @@ def convert_state(a: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 # --- attention ---------------------------------------------------------------------------------------------
 
+
 def _causal(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
-    return (window_mask(T, S, start, window, device) if window
-            else torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start))
+    return (
+        window_mask(T, S, start, window, device)
+        if window
+        else torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start)
+    )
 
 
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int,
-                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [H, T, D] at positions [start, start + T) over keys/values [KVH, start + T, D] -> [T, H*D]: causal
     (the last ``window`` keys where a window applies), each head's sink logit one more column of its
     softmax, dropped after it (so the head's weights sum to less than one)."""
@@ -387,7 +446,7 @@ class LatentAttention(nn.Module):
             del self.q_proj
         del self.kv_a_proj_with_mqa
         wkv = self.kv_b_proj.weight.view(self.a.heads, self.a.ext.nope + self.a.ext.v_dim, self.a.ext.kv_lora)
-        self.w_uk, self.w_uv = wkv[:, :self.a.ext.nope], wkv[:, self.a.ext.nope:]  # [H, nope, r], [H, v, r]
+        self.w_uk, self.w_uv = wkv[:, : self.a.ext.nope], wkv[:, self.a.ext.nope :]  # [H, nope, r], [H, v, r]
 
     def project(self, x: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, H, nope + rope] (rope part rotated); the cache rows: [normed latent | rotated rope key],
@@ -397,9 +456,9 @@ class LatentAttention(nn.Module):
         q = rows_linear(self.q_a_layernorm(qa), self.q_b_proj.weight) if e.q_lora else qa
         q = q.view(n, a.heads, e.nope + e.rot_dim)
         cos, sin = rope
-        q = torch.cat([q[..., :e.nope], apply_rope(q[..., e.nope:], cos, sin)], dim=-1)
-        latent = self.kv_a_layernorm(ckv[:, :e.kv_lora])
-        k_rot = apply_rope(ckv[:, e.kv_lora:], cos[:, 0], sin[:, 0])
+        q = torch.cat([q[..., : e.nope], apply_rope(q[..., e.nope :], cos, sin)], dim=-1)
+        latent = self.kv_a_layernorm(ckv[:, : e.kv_lora])
+        k_rot = apply_rope(ckv[:, e.kv_lora :], cos[:, 0], sin[:, 0])
         row = torch.cat([latent, k_rot], dim=-1)
         pad = 2 * a.head_dim - row.shape[-1]
         if pad:
@@ -414,8 +473,8 @@ class LatentAttention(nn.Module):
         H, T, _ = q.shape
         rows = torch.cat([keys[0], values[0]], dim=-1)
         S = rows.shape[0]
-        c, k_rot = rows[:, :e.kv_lora], rows[:, e.kv_lora:e.kv_lora + e.rot_dim]
-        q_nope, q_rot = q[..., :e.nope], q[..., e.nope:]
+        c, k_rot = rows[:, : e.kv_lora], rows[:, e.kv_lora : e.kv_lora + e.rot_dim]
+        q_nope, q_rot = q[..., : e.nope], q[..., e.nope :]
         if T == 1:  # decode: attention in the latent space (no per-head keys or values built)
             q_lat = torch.matmul(q_nope, self.w_uk)  # [H, 1, r]
             scores = (torch.matmul(q_lat, c.t()) + torch.matmul(q_rot, k_rot.t())) * e.scale  # [H, 1, S]
@@ -423,9 +482,14 @@ class LatentAttention(nn.Module):
             out = torch.matmul(torch.matmul(probs, c), self.w_uv.transpose(1, 2))  # [H, 1, v]
         else:  # a prompt chunk: the latent expanded into per-head keys and values
             kv = rows_linear(c, self.kv_b_proj.weight).view(S, H, e.nope + e.v_dim).transpose(0, 1)
-            k = torch.cat([kv[..., :e.nope], k_rot.unsqueeze(0).expand(H, S, e.rot_dim)], dim=-1)
-            out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), kv[..., e.nope:].unsqueeze(0),
-                                                 attn_mask=_causal(T, S, start, 0, q.device), scale=e.scale)[0]
+            k = torch.cat([kv[..., : e.nope], k_rot.unsqueeze(0).expand(H, S, e.rot_dim)], dim=-1)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0),
+                k.unsqueeze(0),
+                kv[..., e.nope :].unsqueeze(0),
+                attn_mask=_causal(T, S, start, 0, q.device),
+                scale=e.scale,
+            )[0]
         return out.transpose(0, 1).reshape(T, H * e.v_dim)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -433,6 +497,7 @@ class LatentAttention(nn.Module):
 
 
 # --- experts ---------------------------------------------------------------------------------------------
+
 
 def _expert_mix(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, expert: Callable) -> torch.Tensor:
     """sum over each row's top-k experts of weight x expert(row); ``expert(e, rows)`` -> outputs."""
@@ -520,6 +585,7 @@ class DeepseekMoE(nn.Module):
 
 # --- the model -------------------------------------------------------------------------------------------
 
+
 class MoeBlock(nn.Module):
     def __init__(self, a: Any, layer: int):
         super().__init__()
@@ -549,8 +615,10 @@ class MoeTransformer(Transformer):
 
     def init_rope(self) -> None:
         e = self.a.ext
-        self.cos, self.sin = rope_tables(replace(self.a, rope_theta=e.rope_theta, rope_scaling=e.rope,
-                                                 head_dim=e.rot_dim), self.embed_tokens.weight.device)
+        self.cos, self.sin = rope_tables(
+            replace(self.a, rope_theta=e.rope_theta, rope_scaling=e.rope, head_dim=e.rot_dim),
+            self.embed_tokens.weight.device,
+        )
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[pos].to(dtype).unsqueeze(1), self.sin[pos].to(dtype).unsqueeze(1)  # [n, 1, rot]
@@ -566,9 +634,14 @@ class MoeTransformer(Transformer):
             pos = kv.positions
 
             def attend(layer, q, k, v):
-                return torch.cat([self._core(layer)(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0,
-                                                    a.window(layer))
-                                  for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))])
+                return torch.cat(
+                    [
+                        self._core(layer)(
+                            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0, a.window(layer)
+                        )
+                        for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))
+                    ]
+                )
         elif isinstance(kv, SeqCache):
             pos = torch.arange(start, start + T, device=x.device)
 
@@ -590,22 +663,30 @@ class MoeTransformer(Transformer):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return rows_linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
-    def decode_rows(self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None,
-                    head: bool = True) -> torch.Tensor:
+    def decode_rows(
+        self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None, head: bool = True
+    ) -> torch.Tensor:
         """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
         sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
         a, dev = self.a, self.embed_tokens.weight.device
         if not all(isinstance(c, SeqCache) for c in caches):
             raise compressed_refused(a)
         if x is None:
-            x = self.embed(tokens.long() if torch.is_tensor(tokens) else
-                           torch.tensor(tokens, dtype=torch.long, device=dev))
+            x = self.embed(
+                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
+            )
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
 
         def attend(layer, q, k, v):  # q [B, H, Dq], k/v [B, KVH, D]
             core = self._core(layer)
-            return torch.cat([core(q[b].unsqueeze(1), *c.update(layer, p, k[b].unsqueeze(1), v[b].unsqueeze(1)), p,
-                                   a.window(layer)) for b, (c, p) in enumerate(zip(caches, positions))])
+            return torch.cat(
+                [
+                    core(
+                        q[b].unsqueeze(1), *c.update(layer, p, k[b].unsqueeze(1), v[b].unsqueeze(1)), p, a.window(layer)
+                    )
+                    for b, (c, p) in enumerate(zip(caches, positions))
+                ]
+            )
 
         rope = self._rope(pos, x.dtype)
         for layer in self.layers:

@@ -48,9 +48,17 @@ class CodePages:
             return torch.zeros((t.shape[0], rows, *t.shape[2:]), dtype=t.dtype, device=device)
 
         # per layer: (key planes, value planes, key norms, value norms, QJL signs, QJL residual norms)
-        self.layers = [([like(p) for p in k.planes], [like(p) for p in v.planes], like(k.norms), like(v.norms),
-                        like(k.signs) if k.signs is not None else None,
-                        like(k.rnorms) if k.rnorms is not None else None) for _ in range(a.layers)]
+        self.layers = [
+            (
+                [like(p) for p in k.planes],
+                [like(p) for p in v.planes],
+                like(k.norms),
+                like(v.norms),
+                like(k.signs) if k.signs is not None else None,
+                like(k.rnorms) if k.rnorms is not None else None,
+            )
+            for _ in range(a.layers)
+        ]
         self.page_bytes = self.nbytes() // (self.pages + 1)  # one page over every layer
         self.free = list(range(self.pages - 1, -1, -1))  # pages no cache holds (unmanaged use)
         self.managed = False  # a KVBlocks manager hands the pages out (attach)
@@ -102,7 +110,7 @@ class PagedCodes:
         if not self.paged or n == self._pages_synced:
             return
         host = torch.full((self.ptab.shape[0],), self.code_pages.scratch, dtype=torch.int32)
-        host[:n] = torch.tensor(self.page_list[:host.shape[0]], dtype=torch.int32)
+        host[:n] = torch.tensor(self.page_list[: host.shape[0]], dtype=torch.int32)
         if self.ptab.is_cuda:
             from .staging import stager
 
@@ -117,8 +125,9 @@ class PagedCodes:
         need = -(-rows // P) - len(self.page_list)
         if need > 0:
             if self.code_pages.managed:
-                raise RuntimeError(f"code pages for {rows} positions are not allocated "
-                                   f"({len(self.page_list)} pages of {P})")
+                raise RuntimeError(
+                    f"code pages for {rows} positions are not allocated ({len(self.page_list)} pages of {P})"
+                )
             if need > len(self.code_pages.free):
                 raise RuntimeError(f"TurboQuant code pages exhausted ({self.code_pages.pages} pages of {P} positions)")
             self.page_list.extend(self.code_pages.free.pop() for _ in range(need))

@@ -24,7 +24,8 @@ step quantizes its row into the codes inside the graph.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -37,8 +38,8 @@ from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attentio
 
 log = logging.getLogger(__name__)
 
-DECODE_ROWS = 2048       # compressed rows decoded at a time by the plain-torch attention (per KV head)
-SCORE_BUDGET = 1 << 21   # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
+DECODE_ROWS = 2048  # compressed rows decoded at a time by the plain-torch attention (per KV head)
+SCORE_BUDGET = 1 << 21  # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
 
 
 class _Layer:
@@ -48,11 +49,11 @@ class _Layer:
         self.compressed = compressed
         self.n_code = self.n_dense = 0
         self.dk = self.dv = None
-        self.kp = self.vp = None      # lists of uint8 planes [KVH, cap, bytes]
-        self.kn = self.vn = None      # fp16 norms / affine scales [KVH, cap(, groups)]
-        self.ks = self.kr = None      # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
-        self.vb = None                # affine value bias
-        self.pending = None           # static caches: this step's 16-bit rows when they overflow the buffer
+        self.kp = self.vp = None  # lists of uint8 planes [KVH, cap, bytes]
+        self.kn = self.vn = None  # fp16 norms / affine scales [KVH, cap(, groups)]
+        self.ks = self.kr = None  # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
+        self.vb = None  # affine value bias
+        self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
 
 
 def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
@@ -70,8 +71,16 @@ def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
 class CompressedCache(PagedCodes, GraphSteps):
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
-    def __init__(self, a: Any, fmt: KVFormat, dtype: torch.dtype, device: torch.device,
-                 dense_dtype: torch.dtype | None = None, capacity: int | None = None, pages: Any = None):
+    def __init__(
+        self,
+        a: Any,
+        fmt: KVFormat,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_dtype: torch.dtype | None = None,
+        capacity: int | None = None,
+        pages: Any = None,
+    ):
         """``capacity``: a *static* cache (CUDA graphs): codes for ``capacity`` positions and a fixed
         16-bit buffer of window + COMPRESS_BLOCK + threshold rows are allocated once and never move;
         a step's rows that overflow the buffer are held aside until compression makes room.
@@ -147,12 +156,13 @@ class CompressedCache(PagedCodes, GraphSteps):
         dk = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
         dv = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
         if L.n_dense:
-            dk[:, :L.n_dense] = L.dk[:, :L.n_dense]
-            dv[:, :L.n_dense] = L.dv[:, :L.n_dense]
+            dk[:, : L.n_dense] = L.dk[:, : L.n_dense]
+            dv[:, : L.n_dense] = L.dv[:, : L.n_dense]
         L.dk, L.dv = dk, dv
 
     def _alloc_codes(self, L: _Layer, k: Encoded, v: Encoded, cap: int, keep: int = 0) -> None:
         """(Re)allocate code storage for ``cap`` positions, keeping the first ``keep`` rows."""
+
         def grow(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
             t = torch.zeros((new.shape[0], cap, *new.shape[2:]), dtype=new.dtype, device=self.device)
             if old is not None and keep:
@@ -180,17 +190,17 @@ class CompressedCache(PagedCodes, GraphSteps):
                 raise RuntimeError(f"static TurboQuant cache holds {have} positions; {at + n} needed")
             self._alloc_codes(L, k, v, code_capacity(at + n), keep=at)
         for dst, src in zip(L.kp, k.planes):
-            dst[:, at:at + n] = src
+            dst[:, at : at + n] = src
         for dst, src in zip(L.vp, v.planes):
-            dst[:, at:at + n] = src
-        L.kn[:, at:at + n] = k.norms
-        L.vn[:, at:at + n] = v.norms
+            dst[:, at : at + n] = src
+        L.kn[:, at : at + n] = k.norms
+        L.vn[:, at : at + n] = v.norms
         if k.signs is not None:
-            L.ks[:, at:at + n] = k.signs
+            L.ks[:, at : at + n] = k.signs
         if k.rnorms is not None:
-            L.kr[:, at:at + n] = k.rnorms
+            L.kr[:, at : at + n] = k.rnorms
         if v.signs is not None:
-            L.vb[:, at:at + n] = v.signs
+            L.vb[:, at : at + n] = v.signs
 
     def _compress(self, L: _Layer) -> None:
         if not L.compressed or L.n_code + L.n_dense <= self.fmt.threshold:
@@ -202,26 +212,26 @@ class CompressedCache(PagedCodes, GraphSteps):
         k = self.kc.encode(dk[:, :c])
         v = self.vc.encode(dv[:, :c])
         self._store(L, k, v, L.n_code, c)
-        rest_k, rest_v = dk[:, c:L.n_dense].clone(), dv[:, c:L.n_dense].clone()
+        rest_k, rest_v = dk[:, c : L.n_dense].clone(), dv[:, c : L.n_dense].clone()
         L.n_code += c
         L.n_dense -= c
         L.pending = None
         if self.static:  # in place: the buffer's address is part of a CUDA graph
-            L.dk[:, :L.n_dense] = rest_k
-            L.dv[:, :L.n_dense] = rest_v
+            L.dk[:, : L.n_dense] = rest_k
+            L.dv[:, : L.n_dense] = rest_v
             return
         cap = self._dense_cap(L, L.n_dense)
         if cap < L.dk.shape[1]:  # a large prefill chunk had grown it: give the memory back
             L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
             L.dv = torch.zeros_like(L.dk)
-        L.dk[:, :L.n_dense] = rest_k
-        L.dv[:, :L.n_dense] = rest_v
+        L.dk[:, : L.n_dense] = rest_k
+        L.dv[:, : L.n_dense] = rest_v
 
     def _dense(self, L: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
         """The 16-bit rows [KVH, n_dense, D] (buffer, or buffer + rows held aside)."""
         if L.pending is not None:
             return L.pending
-        return L.dk[:, :L.n_dense], L.dv[:, :L.n_dense]
+        return L.dk[:, : L.n_dense], L.dv[:, : L.n_dense]
 
     # ------------------------------------------------------------------ attention
     def _code_blocks(self, L: _Layer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
@@ -242,19 +252,19 @@ class CompressedCache(PagedCodes, GraphSteps):
         blk = min(chunk, DECODE_ROWS)
         turbo = self.fmt.kind == "turbo"
         if turbo:
-            q_rot = qg @ self.kc.R.T                  # rotate the query once per step
+            q_rot = qg @ self.kc.R.T  # rotate the query once per step
             sq = qg @ self.kc.S_rows.T if self.kc.qjl else None
         else:
             groups = self.kc.d // self.kc.group
-            qs = qg.view(KVH, M, groups, -1).sum(-1)       # Σ q per group: what each key's bias adds
-            if self.kc.order is not None:                  # the order of ``code_rows``
+            qs = qg.view(KVH, M, groups, -1).sum(-1)  # Σ q per group: what each key's bias adds
+            if self.kc.order is not None:  # the order of ``code_rows``
                 qg = qg[..., self.kc.order.to(qg.device)]
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             sc = torch.empty((KVH, M, e - s), dtype=torch.float32, device=qg.device)
             for b in range(s, e, blk):
                 be = min(e, b + blk)
-                out = sc[:, :, b - s:be - s]
+                out = sc[:, :, b - s : be - s]
                 if turbo:
                     out.copy_(torch.bmm(q_rot, self.kc.unit_rows(L.kp, b, be).transpose(1, 2)))
                     if sq is not None:
@@ -268,15 +278,14 @@ class CompressedCache(PagedCodes, GraphSteps):
                 sc.mul_(scale)
             yield sc, self._value_sum(L, s, e, blk), None, 1 if turbo else 0
 
-    def _affine_scores(self, L: _Layer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int,
-                       out: torch.Tensor) -> None:
+    def _affine_scores(self, L: _Layer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int, out: torch.Tensor) -> None:
         """q . (code * scale + bias) per group = scale * (q . code) + bias * Σ q, for rows [b, be)."""
-        codes = self.kc.code_rows(L.kp, b, be)         # [KVH, n, D] fp32 integer codes
+        codes = self.kc.code_rows(L.kp, b, be)  # [KVH, n, D] fp32 integer codes
         gs = self.kc.group
         for g in range(self.kc.d // gs):
-            part = torch.bmm(qg[..., g * gs:(g + 1) * gs], codes[..., g * gs:(g + 1) * gs].transpose(1, 2))
+            part = torch.bmm(qg[..., g * gs : (g + 1) * gs], codes[..., g * gs : (g + 1) * gs].transpose(1, 2))
             part.mul_(L.kn[:, b:be, g].float().unsqueeze(1))
-            part.add_(qs[:, :, g:g + 1] * L.ks[:, b:be, g].float().unsqueeze(1))
+            part.add_(qs[:, :, g : g + 1] * L.ks[:, b:be, g].float().unsqueeze(1))
             if g:
                 out.add_(part)
             else:
@@ -284,13 +293,14 @@ class CompressedCache(PagedCodes, GraphSteps):
 
     def _value_sum(self, L: _Layer, s: int, e: int, blk: int):
         """Σ_j p_j v_j over compressed rows [s, e) for probabilities p [KVH, M, e - s]."""
+
         def turbo(p: torch.Tensor) -> torch.Tensor:
-            p = p * L.vn[:, s:e].float().unsqueeze(1)   # norms into the weights: values stay unit centroids
+            p = p * L.vn[:, s:e].float().unsqueeze(1)  # norms into the weights: values stay unit centroids
             acc = None
             for b in range(s, e, blk):
                 be = min(e, b + blk)
                 vu = self.vc.unit_rows(L.vp, b, be)
-                pb = p[:, :, b - s:be - s]
+                pb = p[:, :, b - s : be - s]
                 acc = torch.bmm(pb, vu) if acc is None else acc.baddbmm_(pb, vu)
             return acc
 
@@ -300,12 +310,11 @@ class CompressedCache(PagedCodes, GraphSteps):
             for b in range(s, e, blk):
                 be = min(e, b + blk)
                 codes = self.vc.code_rows(L.vp, b, be)
-                pb = p[:, :, b - s:be - s]
-                scale, bias = L.vn[:, b:be].float(), L.vb[:, b:be].float()       # [KVH, n, groups]
-                parts = [torch.bmm(pb * scale[:, None, :, g], codes[..., g * gs:(g + 1) * gs])
-                         for g in range(groups)]
+                pb = p[:, :, b - s : be - s]
+                scale, bias = L.vn[:, b:be].float(), L.vb[:, b:be].float()  # [KVH, n, groups]
+                parts = [torch.bmm(pb * scale[:, None, :, g], codes[..., g * gs : (g + 1) * gs]) for g in range(groups)]
                 part = torch.cat(parts, -1) if groups > 1 else parts[0]
-                base = torch.bmm(pb, bias)                                        # [KVH, M, groups]
+                base = torch.bmm(pb, bias)  # [KVH, M, groups]
                 part = (part.view(*part.shape[:2], groups, gs) + base.unsqueeze(-1)).view(part.shape)
                 acc = part if acc is None else acc.add_(part)
             return acc if self.vc.inverse is None else acc[..., self.vc.inverse.to(acc.device)]
@@ -317,7 +326,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         a = self.a
         H, T, D = q.shape
         KVH, rep = a.kv_heads, H // a.kv_heads
-        scale = D ** -0.5
+        scale = D**-0.5
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
         if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self._affine_kernel()):
             return self._attend_triton(L, q, scale)
@@ -359,22 +368,36 @@ class CompressedCache(PagedCodes, GraphSteps):
         n = L.n_code
         dk, dv = self._dense(L)
         if self.paged:  # the pool's tensors, read through the page table
-            return self._kernel_row(L, q[:, 0], (L.kp, L.kn, L.vp, L.vn, L.ks), None, dk, dv, None,
-                                    self._pages_arg(n))
-        views = ([p[:, :n] for p in L.kp], L.kn[:, :n], [p[:, :n] for p in L.vp], L.vn[:, :n],
-                 L.ks[:, :n] if L.ks is not None else None)
+            return self._kernel_row(L, q[:, 0], (L.kp, L.kn, L.vp, L.vn, L.ks), None, dk, dv, None, self._pages_arg(n))
+        views = (
+            [p[:, :n] for p in L.kp],
+            L.kn[:, :n],
+            [p[:, :n] for p in L.vp],
+            L.vn[:, :n],
+            L.ks[:, :n] if L.ks is not None else None,
+        )
         return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
 
     def rotations(self, scale: float) -> tuple:
         """(R^T, S^T or None) with the softmax scale folded in, fp32, for ``rotate_rows`` (made once)."""
         if self._rot is None:
-            self._rot = ((self.kc.R.T * scale).float().contiguous(),
-                         (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None)
+            self._rot = (
+                (self.kc.R.T * scale).float().contiguous(),
+                (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None,
+            )
         return self._rot
 
-    def _kernel_row(self, L: _Layer, q: torch.Tensor, views: tuple, n_rows: torch.Tensor | None,
-                    dk: torch.Tensor, dv: torch.Tensor, valid: torch.Tensor | None,
-                    pages: tuple | None = None) -> torch.Tensor:
+    def _kernel_row(
+        self,
+        L: _Layer,
+        q: torch.Tensor,
+        views: tuple,
+        n_rows: torch.Tensor | None,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        valid: torch.Tensor | None,
+        pages: tuple | None = None,
+    ) -> torch.Tensor:
         """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
         planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
         (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
@@ -383,15 +406,33 @@ class CompressedCache(PagedCodes, GraphSteps):
         a = self.a
         H, D = q.shape
         rep = H // a.kv_heads
-        scale = D ** -0.5
+        scale = D**-0.5
         kp, kn, vp, vn, ks = views
         rt, st = self.rotations(scale)
         qjl = (rotate_rows(q, st), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
         # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
-        out = tq_decode_attention_full(q, rotate_rows(q, rt), kp, kn, self.kc.centroids, self.kc.mse_bits,
-                                       vp, vn, self.vc.centroids, self.vc.bits, self.vc.R, dk, dv, scale, rep=rep,
-                                       qjl=qjl, n_rows=n_rows, valid=valid,
-                                       f16=q.dtype in (torch.float16, torch.bfloat16), pages=pages)
+        out = tq_decode_attention_full(
+            q,
+            rotate_rows(q, rt),
+            kp,
+            kn,
+            self.kc.centroids,
+            self.kc.mse_bits,
+            vp,
+            vn,
+            self.vc.centroids,
+            self.vc.bits,
+            self.vc.R,
+            dk,
+            dv,
+            scale,
+            rep=rep,
+            qjl=qjl,
+            n_rows=n_rows,
+            valid=valid,
+            f16=q.dtype in (torch.float16, torch.bfloat16),
+            pages=pages,
+        )
         return out.reshape(1, H * D)
 
     def truncate(self, L: _Layer, start: int) -> None:
@@ -410,22 +451,23 @@ class CompressedCache(PagedCodes, GraphSteps):
         T = k.shape[1]
         self.truncate(L, start)
         if self.static and L.n_dense + T > L.dk.shape[1]:  # hold this step's rows aside (see __init__)
-            L.pending = (torch.cat([L.dk[:, :L.n_dense], k.to(self.dense_dtype)], 1),
-                         torch.cat([L.dv[:, :L.n_dense], v.to(self.dense_dtype)], 1))
+            L.pending = (
+                torch.cat([L.dk[:, : L.n_dense], k.to(self.dense_dtype)], 1),
+                torch.cat([L.dv[:, : L.n_dense], v.to(self.dense_dtype)], 1),
+            )
             L.n_dense += T
             if layer == self.a.layers - 1:
                 self.length = start + T
             return L
         self._ensure_dense(L, L.n_dense + T)
-        L.dk[:, L.n_dense:L.n_dense + T] = k
-        L.dv[:, L.n_dense:L.n_dense + T] = v
+        L.dk[:, L.n_dense : L.n_dense + T] = k
+        L.dv[:, L.n_dense : L.n_dense + T] = v
         L.n_dense += T
         if layer == self.a.layers - 1:
             self.length = start + T
         return L
 
-    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> torch.Tensor:
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v [KVH, T, D] at positions [start, start+T), attend q [H, T, D] to everything up
         to each query's position, compress what left the window.  Returns [T, H*D]."""
         L = self._write(layer, start, k, v)

@@ -15,8 +15,15 @@ class GraphSteps:
     """Mixed into ``compressed_cache.CompressedCache`` (``layers``, ``fmt``, ``static``, ``capacity``, ``window``,
     ``kc`` / ``vc``, ``device``, the paged-code hooks and ``_kernel_row`` / ``_compress``)."""
 
-    def attend_static(self, layer: int, q: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor,
-                      k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    def attend_static(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        n_code: torch.Tensor,
+        valid: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode-row attention with every shape fixed (capturable): q [H, D]; the new row is
         already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
         Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
@@ -27,8 +34,9 @@ class GraphSteps:
             from .affine_decode import static_row
 
             return static_row(self, L, q, k, v, n_code)
-        return self._kernel_row(L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid,
-                                self._pages_arg(self.capacity))
+        return self._kernel_row(
+            L, q, (L.kp, L.kn, L.vp, L.vn, L.ks), n_code, L.dk, L.dv, valid, self._pages_arg(self.capacity)
+        )
 
     def graphable(self) -> bool:
         if self.fmt.kind == "affine":
@@ -66,11 +74,17 @@ class GraphSteps:
         """A static TurboQuant cache whose layers all hold the same counts and must now compress exactly
         COMPRESS_BLOCK rows (``compress_block``'s fixed shapes)."""
         L0 = self.layers[0]
-        return (self.static and self.fmt.kind == "turbo" and L0.n_dense == self.window + COMPRESS_BLOCK
-                and L0.n_code + L0.n_dense > self.fmt.threshold
-                and L0.n_code + COMPRESS_BLOCK <= self.capacity
-                and all(L.compressed and L.pending is None and L.n_dense == L0.n_dense and L.n_code == L0.n_code
-                        for L in self.layers))
+        return (
+            self.static
+            and self.fmt.kind == "turbo"
+            and L0.n_dense == self.window + COMPRESS_BLOCK
+            and L0.n_code + L0.n_dense > self.fmt.threshold
+            and L0.n_code + COMPRESS_BLOCK <= self.capacity
+            and all(
+                L.compressed and L.pending is None and L.n_dense == L0.n_dense and L.n_code == L0.n_code
+                for L in self.layers
+            )
+        )
 
     def compress_block(self, at: torch.Tensor) -> None:
         """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
@@ -85,6 +99,6 @@ class GraphSteps:
             idx = self.ptab[idx // P].long() * P + idx % P
         for L in self.layers:
             put_rows(L, idx, self.kc.encode(L.dk[:, :c]), self.vc.encode(L.dv[:, :c]))
-            rest_k, rest_v = L.dk[:, c:c + n].clone(), L.dv[:, c:c + n].clone()
+            rest_k, rest_v = L.dk[:, c : c + n].clone(), L.dv[:, c : c + n].clone()
             L.dk[:, :n] = rest_k
             L.dv[:, :n] = rest_v

@@ -129,6 +129,15 @@ def attend(step: StepAddresses, i: int, q, k, v, scale: float):
     out = torch.empty(B, H, D, dtype=torch.float32)
     k_at, v_at, cap = step.layer(i)
     with _LOCK:
-        _attend(q.float().contiguous().numpy(), k.float().contiguous().numpy(), v.float().contiguous().numpy(), k_at, v_at, cap,
-                step.pos, np.float32(scale), out.numpy())
+        _attend(
+            q.float().contiguous().numpy(),
+            k.float().contiguous().numpy(),
+            v.float().contiguous().numpy(),
+            k_at,
+            v_at,
+            cap,
+            step.pos,
+            np.float32(scale),
+            out.numpy(),
+        )
     return out.view(B, H * D)

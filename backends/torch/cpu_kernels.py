@@ -16,11 +16,33 @@ import threading
 import numpy as np
 
 from swiftlm.turboquant.cpu_attention import (
-    _FM, _LOCK, MIN_SPAN, TILE, affine_kernel, enabled, nb, splits, turbo_kernel, turbo_spans)
+    _FM,
+    _LOCK,
+    MIN_SPAN,
+    TILE,
+    affine_kernel,
+    enabled,
+    nb,
+    splits,
+    turbo_kernel,
+    turbo_spans,
+)
 
 # the kernels and their settings, re-exported (cpu_batch_attention, tests)
-__all__ = ["MIN_SPAN", "TILE", "_FM", "_LOCK", "affine_kernel", "code_attention", "enabled", "nb", "splits",
-           "turbo_kernel", "usable", "warm_up"]
+__all__ = [
+    "MIN_SPAN",
+    "TILE",
+    "_FM",
+    "_LOCK",
+    "affine_kernel",
+    "code_attention",
+    "enabled",
+    "nb",
+    "splits",
+    "turbo_kernel",
+    "usable",
+    "warm_up",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +81,7 @@ def warm_up(a, fmt) -> threading.Thread | None:
 def usable(cache, L, M: int) -> bool:
     """Whether this layer's compressed rows go through a kernel here: CPU, numba present, a decode
     step or a short verify step (a long prefill chunk is matmul work: the torch path does it)."""
-    return (enabled() and L.n_code > 0 and cache.device.type == "cpu" and M <= 32
-            and cache.kc.d % 8 == 0)
+    return enabled() and L.n_code > 0 and cache.device.type == "cpu" and M <= 32 and cache.kc.d % 8 == 0
 
 
 def code_attention(cache, L, qg, scale: float):
@@ -76,11 +97,25 @@ def code_attention(cache, L, qg, scale: float):
         qjl = {}
         if kc.qjl:
             sq = ((qg @ kc.S.T) * scale).view(KVH, M, D // 8, 8)
-            qjl = dict(st=torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy(),
-                       ks=L.ks.numpy(), kr=L.kr[:, :n].float().numpy(), qjl_scale=kc.qjl_scale)
-        m_o, l_o, a_o = turbo_spans(qr.numpy(), n, kc.mse_bits, vc.mse_bits, _table(kc), _numpy(L.kp),
-                                    L.kn[:, :n].float().numpy(), _table(vc), _numpy(L.vp),
-                                    L.vn[:, :n].float().numpy(), **qjl)
+            qjl = dict(
+                st=torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy(),
+                ks=L.ks.numpy(),
+                kr=L.kr[:, :n].float().numpy(),
+                qjl_scale=kc.qjl_scale,
+            )
+        m_o, l_o, a_o = turbo_spans(
+            qr.numpy(),
+            n,
+            kc.mse_bits,
+            vc.mse_bits,
+            _table(kc),
+            _numpy(L.kp),
+            L.kn[:, :n].float().numpy(),
+            _table(vc),
+            _numpy(L.vp),
+            L.vn[:, :n].float().numpy(),
+            **qjl,
+        )
     else:
         kc = cache.kc
         S = splits(n, KVH)
@@ -90,14 +125,26 @@ def code_attention(cache, L, qg, scale: float):
         G = D // kc.group
         qs = (qg.view(KVH, M, G, kc.group).sum(-1) * scale).contiguous()
         kernel = affine_kernel(D, M, kc.bits, kc.group)
-        args = ((qg * scale).contiguous().numpy(), qs.numpy(), L.kp[0].numpy(), L.kn[:, :n].float().numpy(),
-                L.ks[:, :n].float().numpy(), L.vp[0].numpy(), L.vn[:, :n].float().numpy(),
-                L.vb[:, :n].float().numpy(), n, S, m_o, l_o, a_o)
+        args = (
+            (qg * scale).contiguous().numpy(),
+            qs.numpy(),
+            L.kp[0].numpy(),
+            L.kn[:, :n].float().numpy(),
+            L.ks[:, :n].float().numpy(),
+            L.vp[0].numpy(),
+            L.vn[:, :n].float().numpy(),
+            L.vb[:, :n].float().numpy(),
+            n,
+            S,
+            m_o,
+            l_o,
+            a_o,
+        )
         with _LOCK:
             kernel(*args)
     m, l, acc = torch.from_numpy(m_o), torch.from_numpy(l_o), torch.from_numpy(a_o)
-    mx = m.amax(1, keepdim=True)                       # [KVH, 1, M]
-    w = torch.exp(m - mx)                              # tasks with no rows: m = -inf -> 0
+    mx = m.amax(1, keepdim=True)  # [KVH, 1, M]
+    w = torch.exp(m - mx)  # tasks with no rows: m = -inf -> 0
     return mx.squeeze(1).unsqueeze(-1), (l * w).sum(1).unsqueeze(-1), (acc * w.unsqueeze(-1)).sum(1)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ATTR = "_swiftlm_mkldnn"  # the packed weight, attached to the weight tensor it was made from
-HINT_ROWS = 64            # the row count oneDNN picks its blocking for (3-256 rows measured: 64 is as good as any)
+HINT_ROWS = 64  # the row count oneDNN picks its blocking for (3-256 rows measured: 64 is as good as any)
 
 
 def packed(w: torch.Tensor) -> torch.Tensor | None:
@@ -67,8 +67,9 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
         out.append(head.weight)
     elif head is None and emb is not None:
         out.append(emb.weight)
-    return [w for w in out if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and w.is_contiguous()]
+    return [
+        w for w in out if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous()
+    ]
 
 
 def pack(model: nn.Module) -> int:
@@ -83,8 +84,12 @@ def pack(model: nn.Module) -> int:
         return 0
     avail = _available_bytes()
     if mode != "1" and (avail == 0 or need > avail // 4):
-        log.info("CPU weights not packed for oneDNN: %.0f MB would not fit in a quarter of the %.0f MB available "
-                 "(SWIFTLM_CPU_PACK=1 forces it)", need / 2**20, avail / 2**20)
+        log.info(
+            "CPU weights not packed for oneDNN: %.0f MB would not fit in a quarter of the %.0f MB available "
+            "(SWIFTLM_CPU_PACK=1 forces it)",
+            need / 2**20,
+            avail / 2**20,
+        )
         return 0
     with torch.no_grad():
         try:

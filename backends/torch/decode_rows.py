@@ -18,8 +18,9 @@ from .offload import from_offload, to_offload
 from .rope import apply_rope
 
 
-def project_qkv(attn: "Attention", x: torch.Tensor, linear: Any = F.linear
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(
+    attn: Attention, x: torch.Tensor, linear: Any = F.linear
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [n, H, D], k and v [n, KVH, D] for n rows (fused QKV matmul, then q/k norms if any)."""
     a, n = attn.a, x.shape[0]
     q, k, v = lora_add(attn, x, linear(x, *attn.qkv)).split(attn.splits, dim=-1)
@@ -36,17 +37,18 @@ def _mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out_proj(mlp.down_proj, mlp.act(g) * u)
 
 
-def _row_attention(attn: "Attention", cache: Any, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> torch.Tensor:
+def _row_attention(
+    attn: Attention, cache: Any, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     """One sequence's decode-row attention (q [H, D], k/v [KVH, D]) -> [1, H*D]."""
     a = attn.a
     if not isinstance(cache, SeqCache):
         return cache.update_attend(layer, pos, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
     keys, values = cache.update(layer, pos, k.unsqueeze(1), v.unsqueeze(1))
     if a.window(layer):  # sliding window: the last w keys
-        keys, values = keys[:, -a.window(layer):], values[:, -a.window(layer):]
+        keys, values = keys[:, -a.window(layer) :], values[:, -a.window(layer) :]
     qg = q.reshape(a.kv_heads, a.heads // a.kv_heads, a.head_dim)
-    probs = torch.softmax((qg @ keys.transpose(1, 2) * a.head_dim ** -0.5).float(), dim=-1).to(values.dtype)
+    probs = torch.softmax((qg @ keys.transpose(1, 2) * a.head_dim**-0.5).float(), dim=-1).to(values.dtype)
     return (probs @ values).reshape(1, a.heads * a.head_dim)
 
 
@@ -60,8 +62,9 @@ def _prefix_groups(caches: list[Any]) -> list[tuple[Any, list[int]]]:
     return list(groups.values())
 
 
-def _shared_prefix_attention(groups: list[tuple[Any, list[int]]], layer: int, q: torch.Tensor, own: torch.Tensor,
-                             Vp: torch.Tensor, scale: float) -> torch.Tensor:
+def _shared_prefix_attention(
+    groups: list[tuple[Any, list[int]]], layer: int, q: torch.Tensor, own: torch.Tensor, Vp: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Decode attention of rows over (shared prefix | own rows): q [B, KVH, rep, D], ``own`` the masked
     float32 scores over the own rows [B, KVH, rep, L], ``Vp`` their values [B, KVH, L, D].  The queries
     of all the rows of one prefix go against it in one matmul (the prefix is read once); one softmax
@@ -85,8 +88,14 @@ def _shared_prefix_attention(groups: list[tuple[Any, list[int]]], layer: int, q:
     return out
 
 
-def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] | None, positions: list[int],
-                 x: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+def decode_batch(
+    model: Transformer,
+    caches: list[SeqCache],
+    tokens: list[int] | None,
+    positions: list[int],
+    x: torch.Tensor | None = None,
+    head: bool = True,
+) -> torch.Tensor:
     """One decode token for each of B sequences in one pass: the matmuls (QKV, output,
     MLP / experts, LM head) run on [B, hidden] rows, so the weights are read once per step
     instead of once per sequence; attention runs per sequence over its own cache.
@@ -98,23 +107,30 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
     B, H, KVH, D = len(positions), a.heads, a.kv_heads, a.head_dim
     dev = model.cos.device  # a pipeline stage may hold no embedding
     if x is None:
-        x = model.embed(tokens.long() if torch.is_tensor(tokens) else
-                        torch.tensor(tokens, dtype=torch.long, device=dev))
+        x = model.embed(
+            tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
+        )
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
     cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
-    rep, scale = H // KVH, D ** -0.5
+    rep, scale = H // KVH, D**-0.5
     lmax = max(positions) + 1
     pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > pos.view(B, 1)  # True: padding
     plain = all(isinstance(c, SeqCache) for c in caches)
     groups = _prefix_groups(caches) if plain and not a.windows and a.offload is None else []
     if groups:  # forked caches (shared_kv.py): the own segments start at their prefix's end
-        base = torch.tensor([getattr(c, "base", 0) if getattr(c, "prefix", None) is not None else 0
-                             for c in caches], dtype=torch.long, device=dev)
+        base = torch.tensor(
+            [getattr(c, "base", 0) if getattr(c, "prefix", None) is not None else 0 for c in caches],
+            dtype=torch.long,
+            device=dev,
+        )
         lmax = int((pos - base).max()) + 1
         pad_mask = torch.arange(lmax, device=dev).view(1, lmax) > (pos - base).view(B, 1)
     # CPU, plain fp32 caches: each layer's attention for all rows in one numba call (cpu_batch_attention.py)
-    fast = (cpu_batch_attention.StepAddresses(caches, positions)
-            if plain and not groups and cpu_batch_attention.usable(model, caches, SeqCache) else None)
+    fast = (
+        cpu_batch_attention.StepAddresses(caches, positions)
+        if plain and not groups and cpu_batch_attention.usable(model, caches, SeqCache)
+        else None
+    )
     for i, blk in enumerate(model.layers):
         if a.offload is not None and i == a.offload[0]:
             x, cos, sin, pad_mask = to_offload(a, x, cos, sin, pad_mask)
@@ -142,8 +158,8 @@ def decode_batch(model: Transformer, caches: list[SeqCache], tokens: list[int] |
         # padded batched attention: one matmul pair for all rows; padding is masked to -inf,
         # so each row's softmax and weighted sum are those of its own length
         K = torch.nn.utils.rnn.pad_sequence(ks, batch_first=True).permute(0, 2, 3, 1)  # [B, KVH, D, Lmax]
-        Vp = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True).transpose(1, 2)     # [B, KVH, Lmax, D]
-        scores = torch.matmul(q.view(B, KVH, rep, D), K) * scale                      # [B, KVH, rep, Lmax]
+        Vp = torch.nn.utils.rnn.pad_sequence(vs, batch_first=True).transpose(1, 2)  # [B, KVH, Lmax, D]
+        scores = torch.matmul(q.view(B, KVH, rep, D), K) * scale  # [B, KVH, rep, Lmax]
         hide = pad_mask
         if w:  # each row's own window rows: padding past min(pos + 1, w)
             n = torch.tensor([t.shape[0] for t in ks], dtype=torch.long, device=scores.device)

@@ -38,9 +38,16 @@ def device_memory(device: torch.device) -> dict[str, Any]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     alloc, reserved = torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
     props = torch.cuda.get_device_properties(index)
-    return {"device": "cuda", "architecture": props.name, "device_name": props.name,
-            "active": alloc, "peak": torch.cuda.max_memory_allocated(index), "cache": reserved - alloc,
-            "reserved": reserved, "device_total": props.total_memory}
+    return {
+        "device": "cuda",
+        "architecture": props.name,
+        "device_name": props.name,
+        "active": alloc,
+        "peak": torch.cuda.max_memory_allocated(index),
+        "cache": reserved - alloc,
+        "reserved": reserved,
+        "device_total": props.total_memory,
+    }
 
 
 def bind_thread(device: torch.device) -> None:
@@ -55,8 +62,12 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
     (auto: bfloat16), float32 on the CPU."""
     want = getattr(cfg, "device", None) if cfg is not None else None
     name = getattr(cfg, "torch_dtype", "auto") if cfg is not None else "auto"
-    gpu_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float32": torch.float32}.get(name if isinstance(name, str) else "auto", torch.bfloat16)
+    gpu_dtype = {
+        "auto": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+    }.get(name if isinstance(name, str) else "auto", torch.bfloat16)
     if want:  # --device (one sentence if it does not exist here)
         dev = torch.device(want)
         if dev.type == "cuda":
@@ -75,8 +86,7 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 KV_FREE_FRACTION = 0.9  # of the device memory free after loading: the default KV pool's cap
 
 
-def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slots: int, ctx: int
-                 ) -> tuple[int, int]:
+def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slots: int, ctx: int) -> tuple[int, int]:
     """(block size, blocks) of the paged KV pool: --kv-block-size positions per block; --kv-cache-memory
     bytes of blocks, else room for every --parallel sequence at full context, capped at KV_FREE_FRACTION of
     the device memory free now; never less than one full context.  With a compressed server-wide format
@@ -92,20 +102,36 @@ def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slo
     fmt = settings_format(cfg)
     if fmt.kind == "turbo" and not fmt.keep_layers:  # --kv-cache-memory sizes the code pages (code_pool_pages)
         n = per_seq
-        log.info("KV pool: --turbo-kv %s is the default format, so the 16-bit pool holds one %d-token context "
-                 "(requests with turbo_kv \"off\")", fmt.name, ctx)
+        log.info(
+            "KV pool: --turbo-kv %s is the default format, so the 16-bit pool holds one %d-token context "
+            '(requests with turbo_kv "off")',
+            fmt.name,
+            ctx,
+        )
     elif fmt.compressed and not want:
         n = per_seq
-        log.info("KV pool: --turbo-kv is the default format, so the 16-bit pool holds one %d-token context "
-                 "(requests with turbo_kv \"off\"); --kv-cache-memory sets it", ctx)
+        log.info(
+            "KV pool: --turbo-kv is the default format, so the 16-bit pool holds one %d-token context "
+            '(requests with turbo_kv "off"); --kv-cache-memory sets it',
+            ctx,
+        )
     else:
         return bs, _pool_units("KV pool", "blocks", per_block, bs, slots, ctx, want, device)
     log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, bs, n * bs, n * per_block / 2**30)
     return bs, n
 
 
-def _pool_units(what: str, units: str, unit_bytes: int, unit_tokens: int, slots: int, ctx: int, want: str | None,
-                device: torch.device, taken: int = 0) -> int:
+def _pool_units(
+    what: str,
+    units: str,
+    unit_bytes: int,
+    unit_tokens: int,
+    slots: int,
+    ctx: int,
+    want: str | None,
+    device: torch.device,
+    taken: int = 0,
+) -> int:
     """Units (blocks, pages) of ``unit_bytes`` holding ``unit_tokens`` positions each for a preallocated pool:
     ``want`` bytes (--kv-cache-memory), or room for every --parallel sequence at full context capped at
     KV_FREE_FRACTION of the device memory free now less ``taken`` bytes; never less than one full context."""
@@ -119,15 +145,29 @@ def _pool_units(what: str, units: str, unit_bytes: int, unit_tokens: int, slots:
         free, _ = torch.cuda.mem_get_info(device)
         cap = max(0, int(free * KV_FREE_FRACTION) - taken) // unit_bytes
         if n > cap:
-            log.warning("%s: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): sequences are "
-                        "preempted when they outgrow it (--kv-cache-memory sets it)", what, slots, ctx,
-                        n * unit_bytes / 2**30, cap * unit_bytes / 2**30, cap * unit_tokens)
+            log.warning(
+                "%s: %d sequences at %d tokens need %.1f GiB; using %.1f GiB (%d tokens): sequences are "
+                "preempted when they outgrow it (--kv-cache-memory sets it)",
+                what,
+                slots,
+                ctx,
+                n * unit_bytes / 2**30,
+                cap * unit_bytes / 2**30,
+                cap * unit_tokens,
+            )
             n = cap
     if n < per_seq:
         log.warning("%s: %d %s hold less than one %d-token context; raised to %d", what, n, units, ctx, per_seq)
         n = per_seq
-    log.info("%s: %d %s of %d tokens (%d tokens, %.2f GiB)", what, n, units, unit_tokens, n * unit_tokens,
-             n * unit_bytes / 2**30)
+    log.info(
+        "%s: %d %s of %d tokens (%d tokens, %.2f GiB)",
+        what,
+        n,
+        units,
+        unit_tokens,
+        n * unit_tokens,
+        n * unit_bytes / 2**30,
+    )
     return n
 
 
@@ -162,5 +202,14 @@ def code_pool_pages(cfg: Any, a: Any, device: torch.device, slots: int, ctx: int
     if os.environ.get("SWIFTLM_CODE_PAGES", "1") == "0":  # A/B runs: whole-context codes per sequence, as before
         log.info("TurboQuant code pages off (SWIFTLM_CODE_PAGES=0): each sequence's cache holds a whole context")
         return 0
-    return _pool_units(f"TurboQuant code pages ({fmt.name})", "pages", CodePages.page_bytes_for(a, fmt), PAGE_ROWS,
-                       slots, ctx, getattr(cfg, "kv_cache_memory", None), device, taken)
+    return _pool_units(
+        f"TurboQuant code pages ({fmt.name})",
+        "pages",
+        CodePages.page_bytes_for(a, fmt),
+        PAGE_ROWS,
+        slots,
+        ctx,
+        getattr(cfg, "kv_cache_memory", None),
+        device,
+        taken,
+    )

@@ -44,9 +44,11 @@ class TransformersFallback(MultimodalModel):
         try:
             self.module = transformers.AutoModelForCausalLM.from_pretrained(str(spec.path), dtype=dtype)
         except (ValueError, KeyError) as exc:
-            raise UnsupportedArchitecture(f"architecture {spec.arch!r} is neither native to the torch backend nor "
-                                          f"loadable by transformers {transformers.__version__} "
-                                          f"AutoModelForCausalLM: {str(exc).splitlines()[0]}") from exc
+            raise UnsupportedArchitecture(
+                f"architecture {spec.arch!r} is neither native to the torch backend nor "
+                f"loadable by transformers {transformers.__version__} "
+                f"AutoModelForCausalLM: {str(exc).splitlines()[0]}"
+            ) from exc
         self.module = self.module.to(device).eval()
         self.device, self.dtype = device, dtype
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
@@ -55,19 +57,28 @@ class TransformersFallback(MultimodalModel):
         layers = int(getattr(c, "num_hidden_layers", 0) or 0)
         heads = int(getattr(c, "num_attention_heads", 1) or 1)
         kv = int(getattr(c, "num_key_value_heads", None) or heads) * int(
-            getattr(c, "head_dim", None) or (getattr(c, "hidden_size", 0) or 0) // heads)
+            getattr(c, "head_dim", None) or (getattr(c, "hidden_size", 0) or 0) // heads
+        )
         model_ctx = int(getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 4096)
         ctx_cfg = getattr(cfg, "ctx_size", None) if cfg is not None else None
         self.info = ModelInfo(
-            arch=f"{spec.arch} ({NAME})", num_layers=layers,
+            arch=f"{spec.arch} ({NAME})",
+            num_layers=layers,
             context_length=min(int(ctx_cfg or model_ctx), model_ctx),
-            vocab_size=int(getattr(c, "vocab_size", 0) or self.tokenizer.vocab_size), num_params=spec.num_params,
+            vocab_size=int(getattr(c, "vocab_size", 0) or self.tokenizer.vocab_size),
+            num_params=spec.num_params,
             quantization=f"{spec.quantization} -> {str(dtype)[6:]} ({NAME})",
             weight_bytes=sum(p.numel() * p.element_size() for p in self.module.parameters()),
-            kv_bytes_per_token=2 * layers * kv * torch.finfo(dtype).bits // 8)
-        log.info("%s: architecture %r is not native to the torch backend; loaded through the %s "
-                 "(transformers %s, one forward per sequence per step)", spec.path, spec.arch, NAME,
-                 transformers.__version__)
+            kv_bytes_per_token=2 * layers * kv * torch.finfo(dtype).bits // 8,
+        )
+        log.info(
+            "%s: architecture %r is not native to the torch backend; loaded through the %s "
+            "(transformers %s, one forward per sequence per step)",
+            spec.path,
+            spec.arch,
+            NAME,
+            transformers.__version__,
+        )
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -105,11 +116,14 @@ def load_fallback(spec: ModelSpec, cfg: Any) -> TransformersFallback:
 
     for flag in ("tensor_parallel", "pipeline_parallel"):
         if int(getattr(cfg, flag, None) or 1) > 1:
-            raise UnsupportedArchitecture(f"--{flag.replace('_', '-')} is not available for architecture "
-                                          f"{spec.arch!r}, which runs through the {NAME}")
+            raise UnsupportedArchitecture(
+                f"--{flag.replace('_', '-')} is not available for architecture "
+                f"{spec.arch!r}, which runs through the {NAME}"
+            )
     if getattr(cfg, "stream_experts", False):
-        raise UnsupportedArchitecture(f"--stream-experts is not available for architecture {spec.arch!r}, "
-                                      f"which runs through the {NAME}")
+        raise UnsupportedArchitecture(
+            f"--stream-experts is not available for architecture {spec.arch!r}, which runs through the {NAME}"
+        )
     device, dtype = pick_device(cfg)
     _apply_mem_limit(cfg, device)
     return TransformersFallback(spec, cfg, device, dtype)

@@ -26,7 +26,6 @@ from .model import Transformer
 from .tp_allreduce import out_proj_add_rmsnorm
 from .turbo_batch import batch_row_attention, batch_tables, buffer_as_pool
 
-
 BATCHED_TURBO = os.environ.get("SWIFTLM_TQ_BATCHED", "1") != "0"  # turbo_batch.py's kernels for same-format batches
 
 
@@ -71,8 +70,15 @@ def _after_attention(model: Transformer, i: int, x: torch.Tensor, o: torch.Tenso
     return out_proj_add_rmsnorm(blk.mlp.down_proj, g, x, nxt.weight, eps)
 
 
-def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
-                        arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
+def decode_static_fused(
+    model: Transformer,
+    kv: SeqCache,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    L: int,
+    arange: torch.Tensor,
+    splits: int = 0,
+) -> torch.Tensor:
     """``graphs.decode_static`` with the fused kernels (one sequence, its own cache).  Attention by the
     Triton decode kernel (``splits`` > 0: the cache is a one-slot pool read up to ``pos``) or SDPA over the
     first ``L`` rows with a mask.  Logits [V]."""
@@ -92,17 +98,26 @@ def decode_static_fused(model: Transformer, kv: SeqCache, token: torch.Tensor, p
         K, V = kv.k[i].unsqueeze(0), kv.v[i].unsqueeze(0)
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, K, V, H, KVH, D)
         if splits:
-            o = paged_decode_attention(q, K, V, table, lens, D ** -0.5, num_splits=splits)  # [1, H, D]
+            o = paged_decode_attention(q, K, V, table, lens, D**-0.5, num_splits=splits)  # [1, H, D]
         else:
-            o = F.scaled_dot_product_attention(q.view(1, H, 1, D), K[:, :, :L], V[:, :, :L], attn_mask=valid,
-                                               enable_gqa=H != KVH)
+            o = F.scaled_dot_product_attention(
+                q.view(1, H, 1, D), K[:, :, :L], V[:, :, :L], attn_mask=valid, enable_gqa=H != KVH
+            )
         h = _after_attention(model, i, x, o.reshape(1, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)[0]
 
 
-def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tensor, slots: torch.Tensor,
-                              pos: torch.Tensor, L: int, arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
+def decode_batch_static_fused(
+    model: Transformer,
+    pool: Any,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    L: int,
+    arange: torch.Tensor,
+    splits: int = 0,
+) -> torch.Tensor:
     """``graphs.decode_batch_static`` with the fused kernels: B decode rows over a slot pool, attention
     by the Triton paged kernel (``splits`` > 0) or gather + SDPA.  Logits [B, V]."""
     from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
@@ -113,21 +128,32 @@ def decode_batch_static_fused(model: Transformer, pool: Any, tokens: torch.Tenso
 
     attend = paged_decode_attention if splits else paged_decode_attention_sdpa
     blk_ids, rows = pool.locate(slots, pos)  # each row's block and its row there (kv_pool)
-    tables, lens = pool.table[slots][:, :-(-L // pool.block_size)], (pos + 1).int()
+    tables, lens = pool.table[slots][:, : -(-L // pool.block_size)], (pos + 1).int()
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
         K, V = pool.k[i], pool.v[i]  # [blocks, KVH, block_size, D]
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, blk_ids, K, V, H, KVH, D, rows)  # [B, H, D]
-        out = attend(q, K, V, tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
+        out = attend(q, K, V, tables, lens, D**-0.5, num_splits=splits)  # [B, H, D]
         h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)
 
 
-def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Tensor, pos: torch.Tensor,
-                              n_dense: torch.Tensor, n_code: torch.Tensor, valid: torch.Tensor | None,
-                              H: int, KVH: int, D: int, slot: torch.Tensor | None = None) -> torch.Tensor:
+def _compressed_row_attention(
+    model: Transformer,
+    kv: Any,
+    i: int,
+    qkv: torch.Tensor,
+    pos: torch.Tensor,
+    n_dense: torch.Tensor,
+    n_code: torch.Tensor,
+    valid: torch.Tensor | None,
+    H: int,
+    KVH: int,
+    D: int,
+    slot: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Layer ``i`` of one decode row over a static compressed cache (every shape fixed): rope of the
     row's q and k (qkv [1, (H+2KVH)*D], pos / n_dense / n_code device [1]) with its K/V row written
     where the cache takes it, then the cache's attention (``attend_static``).  TurboQuant: into the
@@ -143,20 +169,25 @@ def _compressed_row_attention(model: Transformer, kv: Any, i: int, qkv: torch.Te
         q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, pos.new_zeros(1), K, V, H, KVH, D)
         return kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
     slot = n_dense - pos if slot is None else slot
-    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, buffer_as_pool(L.dk),
-                           buffer_as_pool(L.dv), H, KVH, D)
+    q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, buffer_as_pool(L.dk), buffer_as_pool(L.dv), H, KVH, D)
     return kv.attend_static(i, q[0], n_code, valid)
 
 
-def decode_compressed_batch_static_fused(model: Transformer, kvs: list, tokens: torch.Tensor, pos: torch.Tensor,
-                                         n_dense: torch.Tensor, n_code: torch.Tensor,
-                                         arange: torch.Tensor) -> torch.Tensor:
+def decode_compressed_batch_static_fused(
+    model: Transformer,
+    kvs: list,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    n_dense: torch.Tensor,
+    n_code: torch.Tensor,
+    arange: torch.Tensor,
+) -> torch.Tensor:
     """B decode rows, each over its own static compressed cache (TurboQuant or affine, mixed), in one
     pass with fixed shapes (one CUDA graph per set of caches): the matmuls run on [B, hidden] rows, so
     the weights are read once per step, and each row's attention is its cache's kernels
     (``_compressed_row_attention``).  tokens, pos, n_dense, n_code: device [B].  Logits [B, V]."""
     x = model.embed(tokens).contiguous()
-    valid = [arange[:kv.dense_rows] <= n_dense[b] if kv.fmt.kind == "turbo" else None for b, kv in enumerate(kvs)]
+    valid = [arange[: kv.dense_rows] <= n_dense[b] if kv.fmt.kind == "turbo" else None for b, kv in enumerate(kvs)]
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
@@ -164,28 +195,51 @@ def decode_compressed_batch_static_fused(model: Transformer, kvs: list, tokens: 
         if tables is not None:  # one format for all rows: each kernel once for the batch (turbo_batch.py)
             o = batch_row_attention(model, kvs, i, qkv, pos, n_dense, n_code, H, KVH, D, tables)
         else:
-            o = torch.cat([_compressed_row_attention(model, kv, i, qkv[b:b + 1], pos[b:b + 1], n_dense[b:b + 1],
-                                                     n_code[b:b + 1], valid[b], H, KVH, D)
-                           for b, kv in enumerate(kvs)])
+            o = torch.cat(
+                [
+                    _compressed_row_attention(
+                        model,
+                        kv,
+                        i,
+                        qkv[b : b + 1],
+                        pos[b : b + 1],
+                        n_dense[b : b + 1],
+                        n_code[b : b + 1],
+                        valid[b],
+                        H,
+                        KVH,
+                        D,
+                    )
+                    for b, kv in enumerate(kvs)
+                ]
+            )
         h = _after_attention(model, i, x, o)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)
 
 
-def decode_turbo_static_fused(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor,
-                              n_dense: torch.Tensor, n_code: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+def decode_turbo_static_fused(
+    model: Transformer,
+    kv: Any,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    n_dense: torch.Tensor,
+    n_code: torch.Tensor,
+    arange: torch.Tensor,
+) -> torch.Tensor:
     """``graphs.decode_turbo_static`` with the fused kernels: one sequence over a static TurboQuant cache
     (``CompressedCache(capacity=...)``).  Per layer: the QKV rows (``rows_linear``), rope + the new K/V
     row written into the layer's 16-bit buffer at row ``n_dense`` in one kernel, the cache's attention
     (``attend_static``: the packed-code kernel and its combine pass with the buffer), then the fused
     tail of the 16-bit step.  Logits [V]."""
     x = model.embed(token)
-    valid = arange[:kv.dense_rows] <= n_dense  # the rows held plus the one written now
+    valid = arange[: kv.dense_rows] <= n_dense  # the rows held plus the one written now
     slot = n_dense - pos
     h = model.layers[0].input_layernorm(x)
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
-        h = _after_attention(model, i, x, _compressed_row_attention(model, kv, i, qkv, pos, n_dense, n_code, valid,
-                                                                    H, KVH, D, slot))
+        h = _after_attention(
+            model, i, x, _compressed_row_attention(model, kv, i, qkv, pos, n_dense, n_code, valid, H, KVH, D, slot)
+        )
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)[0]

@@ -11,7 +11,6 @@ temperature, uniform, greedy, K bias token ids, K bias values.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ def simple_sample(logits: torch.Tensor, inputs: torch.Tensor, greedy_rows: bool 
     K = (inputs.shape[1] - 3) // 2
     x = logits.float()
     temp, u, greedy = inputs[:, 0:1], inputs[:, 1:2], inputs[:, 2] > 0.5
-    cols, vals = inputs[:, 3:3 + K].long(), inputs[:, 3 + K:3 + 2 * K]
+    cols, vals = inputs[:, 3 : 3 + K].long(), inputs[:, 3 + K : 3 + 2 * K]
     x = x.scatter_add(1, cols, vals)  # the logit bias (padding adds 0.0 to token 0)
     cdf = torch.cumsum(torch.softmax(x / temp, dim=-1), dim=-1)
     tok = torch.searchsorted(cdf, u * cdf[:, -1:]).reshape(-1)

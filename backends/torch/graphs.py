@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from .decode_rows import project_qkv
-from .fused_decode import (decode_batch_static_fused, decode_compressed_batch_static_fused, decode_static_fused,
-                           decode_turbo_static_fused, fusable)
+from .fused_decode import (
+    decode_batch_static_fused,
+    decode_compressed_batch_static_fused,
+    decode_static_fused,
+    decode_turbo_static_fused,
+    fusable,
+)
 from .kv_cache import SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
 from .model import MLP, Transformer
@@ -31,8 +36,17 @@ COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decodin
 BUCKET_MIN = 256
 
 
-def _attn_static(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SeqCache, layer: int,
-                 pos: torch.Tensor, L: int, valid: torch.Tensor) -> torch.Tensor:
+def _attn_static(
+    attn: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: SeqCache,
+    layer: int,
+    pos: torch.Tensor,
+    L: int,
+    valid: torch.Tensor,
+) -> torch.Tensor:
     a = attn.a
     D, H, KVH = a.head_dim, a.heads, a.kv_heads
     qkv = F.linear(x, *attn.qkv)
@@ -46,13 +60,15 @@ def _attn_static(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     kv.k[layer].index_copy_(1, pos, k)
     kv.v[layer].index_copy_(1, pos, v.view(KVH, 1, D))
     keys, values = kv.k[layer][:, :L], kv.v[layer][:, :L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                         attn_mask=valid, enable_gqa=H != KVH)  # [1, H, 1, D]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH
+    )  # [1, H, 1, D]
     return attn.o_proj(out.reshape(1, H * D))
 
 
-def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int,
-                  arange: torch.Tensor) -> torch.Tensor:
+def decode_static(
+    model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor
+) -> torch.Tensor:
     """Logits [V] for one token at position ``pos`` (device tensors of shape [1])."""
     x = model.embed(token)
     cos, sin = model.cos[pos], model.sin[pos]
@@ -65,8 +81,9 @@ def decode_static(model: Transformer, kv: SeqCache, token: torch.Tensor, pos: to
     return F.linear(x, w)[0]
 
 
-def _verify(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor,
-            kv_io: Any) -> torch.Tensor:
+def _verify(
+    model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor, kv_io: Any
+) -> torch.Tensor:
     """The verify forward: ``kv_io(layer, positions, k [KVH, T, D], v [T, KVH, D])`` writes the block's K/V and
     returns the layer's keys and values [KVH, L, D] (the cache's layout is its business)."""
     a = model.a
@@ -82,8 +99,9 @@ def _verify(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int,
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)
         keys, values = kv_io(i, positions, k, v)
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid,
-                                             enable_gqa=H != KVH)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH
+        )
         x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x)
@@ -91,10 +109,12 @@ def _verify(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int,
     return F.linear(x, w)
 
 
-def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int,
-                  arange: torch.Tensor) -> torch.Tensor:
+def verify_static(
+    model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor
+) -> torch.Tensor:
     """Logits [T, V] for ``T`` tokens at positions ``pos .. pos+T-1`` (speculative verification):
     causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
+
     def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv.k[i].index_copy_(1, positions, k)
         kv.v[i].index_copy_(1, positions, v.transpose(0, 1))
@@ -103,25 +123,42 @@ def verify_static(model: Transformer, kv: SeqCache, tokens: torch.Tensor, pos: t
     return _verify(model, tokens, pos, L, arange, io)
 
 
-def verify_paged(model: Transformer, pool: SlotPool, slot: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-                 L: int, arange: torch.Tensor) -> torch.Tensor:
+def verify_paged(
+    model: Transformer,
+    pool: SlotPool,
+    slot: torch.Tensor,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    L: int,
+    arange: torch.Tensor,
+) -> torch.Tensor:
     """``verify_static`` over a sequence in the paged pool (its table row ``slot``, a device tensor [1]):
     the block's K/V written through the table, attention over the blocks holding positions [0, L)
     gathered.  Static shapes (T, L), so it graphs per (T, L).  Logits [T, V]."""
     T, KVH, D = tokens.shape[0], model.a.kv_heads, model.a.head_dim
     where = pool.locate(slot.expand(T), pos + arange[:T])
-    idx = pool.table[slot][0, :-(-L // pool.block_size)].long()  # (a 0-d tensor index would read it on the host)
+    idx = pool.table[slot][0, : -(-L // pool.block_size)].long()  # (a 0-d tensor index would read it on the host)
 
     def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool.write(i, None, None, k.transpose(0, 1), v, where)
-        return (pool.k[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
-                pool.v[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L])
+        return (
+            pool.k[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
+            pool.v[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
+        )
 
     return _verify(model, tokens, pos, L, arange, io)
 
 
-def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
-                        pos: torch.Tensor, L: int, arange: torch.Tensor, splits: int = 0) -> torch.Tensor:
+def decode_batch_static(
+    model: Transformer,
+    pool: SlotPool,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    L: int,
+    arange: torch.Tensor,
+    splits: int = 0,
+) -> torch.Tensor:
     """One decode token for each of B sequences whose caches are rows ``slots`` of the shared
     slot tensors: every matmul and the attention run batched, shapes are static (B, L), so a
     step is one graph replay.  With ``splits`` > 0 attention is the Triton decode kernel
@@ -137,13 +174,13 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
 
     attend = paged_decode_attention if splits else paged_decode_attention_sdpa
     where = pool.locate(slots, pos)
-    tables, lens = pool.table[slots][:, :-(-L // pool.block_size)], (pos + 1).int()
+    tables, lens = pool.table[slots][:, : -(-L // pool.block_size)], (pos + 1).int()
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
         q, k, v = project_qkv(attn, blk.input_layernorm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pool.write(i, slots, pos, k, v, where)
-        out = attend(q, pool.k[i], pool.v[i], tables, lens, D ** -0.5, num_splits=splits)  # [B, H, D]
+        out = attend(q, pool.k[i], pool.v[i], tables, lens, D**-0.5, num_splits=splits)  # [B, H, D]
         x = x + attn.o_proj(out.reshape(B, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x)
@@ -151,9 +188,17 @@ def decode_batch_static(model: Transformer, pool: "SlotPool", tokens: torch.Tens
     return F.linear(x, w)
 
 
-def prefill_packed_static(model: Transformer, pool: "SlotPool", tokens: torch.Tensor, slots: torch.Tensor,
-                          pos: torch.Tensor, seg: torch.Tensor, last: torch.Tensor, cu: torch.Tensor | None = None,
-                          max_len: int = 0) -> torch.Tensor:
+def prefill_packed_static(
+    model: Transformer,
+    pool: SlotPool,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    seg: torch.Tensor,
+    last: torch.Tensor,
+    cu: torch.Tensor | None = None,
+    max_len: int = 0,
+) -> torch.Tensor:
     """The first chunks of several prompts in one forward: their T tokens packed in one row
     ([T] ``tokens``, each token's pool ``slots``, position ``pos`` and prompt index ``seg``, the
     prompts in order).  The matmuls run once over all T rows; attention is causal within each prompt
@@ -167,8 +212,15 @@ def prefill_packed_static(model: Transformer, pool: "SlotPool", tokens: torch.Te
     return mixed_static(model, pool, tokens, slots, pos, seg, last, cu, max_len, tokens.shape[0], 0)
 
 
-def decode_turbo_static(model: Transformer, kv: Any, token: torch.Tensor, pos: torch.Tensor, n_dense: torch.Tensor,
-                        n_code: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+def decode_turbo_static(
+    model: Transformer,
+    kv: Any,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    n_dense: torch.Tensor,
+    n_code: torch.Tensor,
+    arange: torch.Tensor,
+) -> torch.Tensor:
     """One decode token over a static TurboQuant cache (``CompressedCache(capacity=...)``): the new
     row goes into the 16-bit buffer at ``n_dense`` and attention reads ``n_code`` compressed rows
     through the Triton kernel; all shapes are fixed, so the step is one graph per cache.  Logits [V]."""
@@ -180,7 +232,7 @@ def decode_turbo_static(model: Transformer, kv: Any, token: torch.Tensor, pos: t
     valid = arange[:R] <= n_dense  # the rows held plus the one written now
     for i, blk in enumerate(model.layers):
         attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))           # [1, H, D], [1, KVH, D]
+        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [1, H, D], [1, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         L = kv.layers[i]
         L.dk.index_copy_(1, n_dense, k.view(KVH, 1, D).to(L.dk.dtype))
@@ -206,16 +258,14 @@ def bucket_for(pos: int, capacity: int) -> int:
 class GraphDecoder:
     """CUDA graphs of ``decode_static``, one per (cache slot, bucket), sharing one memory pool."""
 
-    def __init__(self, model: Transformer, device: torch.device, use_graph: bool = True,
-                 fused: bool | None = None):
+    def __init__(self, model: Transformer, device: torch.device, use_graph: bool = True, fused: bool | None = None):
         from swiftlm.cuda_ext import enabled
 
         self.model = model
         self.device = device
         self.use_graph = use_graph and device.type == "cuda"
         if fused is None:  # SWIFTLM_FUSED_DECODE=0: the unfused steps (for A/B runs)
-            fused = (enabled(device.type) and fusable(model)
-                     and os.environ.get("SWIFTLM_FUSED_DECODE", "1") != "0")
+            fused = enabled(device.type) and fusable(model) and os.environ.get("SWIFTLM_FUSED_DECODE", "1") != "0"
         self.fused = fused
         self.batch_fn = decode_batch_static_fused if fused else decode_batch_static
         # batched decode attention reads the slots in place (Triton) instead of gathering them
@@ -259,8 +309,9 @@ class GraphDecoder:
         p = torch.tensor([pos], device=self.device)
         return self.fn(self.model, kv, t, p, bucket_for(pos, kv.capacity), self.arange)
 
-    def fn(self, model: Transformer, kv: SeqCache, t: torch.Tensor, p: torch.Tensor, L: int,
-           arange: torch.Tensor) -> torch.Tensor:
+    def fn(
+        self, model: Transformer, kv: SeqCache, t: torch.Tensor, p: torch.Tensor, L: int, arange: torch.Tensor
+    ) -> torch.Tensor:
         """One sequence's decode step: fused (attention by the Triton decode kernel where it is on) or not."""
         if self.fused:
             return decode_static_fused(model, kv, t, p, L, arange, self.splits_for(L, 1))
@@ -291,8 +342,14 @@ class GraphDecoder:
         if isinstance(kv, PagedSeqCache):
             return self._verify_paged(kv, tokens, pos, L)
         if not self.use_graph:
-            return verify_static(self.model, kv, torch.tensor(tokens, device=self.device),
-                                 torch.tensor([pos], device=self.device), L, self.arange)
+            return verify_static(
+                self.model,
+                kv,
+                torch.tensor(tokens, device=self.device),
+                torch.tensor([pos], device=self.device),
+                L,
+                self.arange,
+            )
         key = ("verify", id(kv), L, T)
         entry = self.graphs.get(key)
         if entry is None:
@@ -312,13 +369,21 @@ class GraphDecoder:
         pool.flush()
         fn = functools.partial(verify_paged, self.model, pool)
         if not self.use_graph:
-            return fn(torch.tensor([kv.slot], device=self.device), torch.tensor(tokens, device=self.device),
-                      torch.tensor([pos], device=self.device), L, self.arange)
+            return fn(
+                torch.tensor([kv.slot], device=self.device),
+                torch.tensor(tokens, device=self.device),
+                torch.tensor([pos], device=self.device),
+                L,
+                self.arange,
+            )
         key = ("verify-paged", id(pool), L, T)
         entry = self.graphs.get(key)
         if entry is None:
-            ins = (torch.tensor([kv.slot], device=self.device), torch.tensor(tokens, device=self.device),
-                   torch.tensor([pos], device=self.device))
+            ins = (
+                torch.tensor([kv.slot], device=self.device),
+                torch.tensor(tokens, device=self.device),
+                torch.tensor([pos], device=self.device),
+            )
             entry = self._capture(key, lambda s, t, q: fn(s, t, q, L, self.arange), ins)
         g, (s, tok, p), out = entry
         s.fill_(kv.slot)
@@ -338,11 +403,12 @@ class GraphDecoder:
         # the Triton kernel reads each sequence up to its own length: one graph per batch size serves every
         # length; a lone row (one stream) gets a graph per length bucket, with the split-K ranges of that
         # length rather than of the whole context (measured on an H100, 1B shape: ~2.5% of its tok/s)
-        L = (pool.capacity if self.paged_attention and Bp > 1 else bucket_for(max(positions), pool.capacity))
+        L = pool.capacity if self.paged_attention and Bp > 1 else bucket_for(max(positions), pool.capacity)
         pad = Bp - B
         on_dev = torch.is_tensor(tokens)  # overlapped decode: last step's ids, never read back
-        host = torch.tensor([([0] * Bp) if on_dev else (tokens + [0] * pad), slots + [pool.scratch] * pad,
-                             positions + [0] * pad])
+        host = torch.tensor(
+            [([0] * Bp) if on_dev else (tokens + [0] * pad), slots + [pool.scratch] * pad, positions + [0] * pad]
+        )
         splits = self.splits_for(L, Bp)
         if not self.use_graph:
             t, s_, p = host.to(self.device).unbind(0)
@@ -356,8 +422,11 @@ class GraphDecoder:
             t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
             # float32 logits out of the graph: the sampler's cast was its slowest call on the H100 (the
             # op re-takes the GIL inside, so it queued behind the HTTP loop: py-spy --native)
-            entry = self._capture(key, lambda a, b, c: self.batch_fn(self.model, pool, a, b, c, L, self.arange,
-                                                                     splits).float(), (t, s_, p))
+            entry = self._capture(
+                key,
+                lambda a, b, c: self.batch_fn(self.model, pool, a, b, c, L, self.arange, splits).float(),
+                (t, s_, p),
+            )
         g, (t, s_, p), out = entry
         dev = stager(self.device).to_device(host)  # page-locked: queued, no wait on the running step
         t.copy_(dev[0])
@@ -421,8 +490,14 @@ class GraphDecoder:
                 kv.truncate(L, p)
         B = len(kvs)
         on_dev = torch.is_tensor(tokens)
-        host = torch.tensor([[0] * B if on_dev else list(tokens), list(positions),
-                             [kv.layers[0].n_dense for kv in kvs], [kv.layers[0].n_code for kv in kvs]])
+        host = torch.tensor(
+            [
+                [0] * B if on_dev else list(tokens),
+                list(positions),
+                [kv.layers[0].n_dense for kv in kvs],
+                [kv.layers[0].n_code for kv in kvs],
+            ]
+        )
         fn = decode_compressed_batch_static_fused
         if not self.use_graph:
             t, p, nd, nc = host.to(self.device).unbind(0)
@@ -434,7 +509,7 @@ class GraphDecoder:
             entry = self.graphs.get(key)
             if entry is None:
                 olds = [k for k in self.graphs if k[0] == "compressed-batch"]
-                for k in olds[:max(0, len(olds) + 1 - COMPRESSED_BATCH_GRAPHS)]:
+                for k in olds[: max(0, len(olds) + 1 - COMPRESSED_BATCH_GRAPHS)]:
                     del self.graphs[k]
                 ins = tuple(x.clone() for x in host.to(self.device).unbind(0))
                 entry = self._capture(key, lambda t, p, nd, nc: fn(self.model, kvs, t, p, nd, nc, self.arange), ins)
@@ -456,8 +531,9 @@ class GraphDecoder:
         key = (id(kv), L)
         entry = self.graphs.get(key)
         if entry is None:
-            tok = (token.reshape(1).long().clone() if torch.is_tensor(token)
-                   else torch.tensor([token], device=self.device))
+            tok = (
+                token.reshape(1).long().clone() if torch.is_tensor(token) else torch.tensor([token], device=self.device)
+            )
             p = torch.tensor([pos], device=self.device)
             entry = self._capture(key, lambda t, q: self.fn(self.model, kv, t, q, L, self.arange), (tok, p))
         g, (tok, p), out = entry

@@ -63,6 +63,7 @@ class KVAccounting:
         if self.code_pages is not None:
             kv += self.code_pages.nbytes()
         out = device_memory(self.device)
-        out.update(weights=self.info.weight_bytes, kv_allocated=kv,
-                   packed_weights=getattr(self, "packed_weight_bytes", 0))  # cpu_packed.py's second copy
+        out.update(
+            weights=self.info.weight_bytes, kv_allocated=kv, packed_weights=getattr(self, "packed_weight_bytes", 0)
+        )  # cpu_packed.py's second copy
         return out

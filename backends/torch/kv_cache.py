@@ -83,8 +83,10 @@ class SeqCache:
 
     def _check_whole(self, name: str) -> None:
         if self.trimmed:
-            raise WindowRowsDropped(f"SeqCache.{name}: sliding-window layers dropped the KV rows before position "
-                                    f"{self.window_start}; rows from position 0 are no longer held")
+            raise WindowRowsDropped(
+                f"SeqCache.{name}: sliding-window layers dropped the KV rows before position "
+                f"{self.window_start}; rows from position 0 are no longer held"
+            )
 
     @property
     def trimmed(self) -> bool:
@@ -139,8 +141,10 @@ class SeqCache:
         if start == 0:  # the sequence from its start again (longrope's switch): nothing older is read
             off = 0
         elif keep < off:
-            raise WindowRowsDropped(f"layer {layer} (sliding window {w}) dropped the KV rows before position {off}; "
-                                    f"a write at position {start} needs them from {keep}")
+            raise WindowRowsDropped(
+                f"layer {layer} (sliding window {w}) dropped the KV rows before position {off}; "
+                f"a write at position {start} needs them from {keep}"
+            )
         need, have = end - keep, self._k[layer].shape[1]
         cap = max(min(-(-(need + GROW_ROWS // 2) // GROW_ROWS) * GROW_ROWS, self.a.ctx), need)
         # out of rows, or more than a block over the size needed (after a long prefill chunk or a restored
@@ -151,7 +155,7 @@ class SeqCache:
             moved = start - keep
             for lst in (self._k, self._v):
                 old = lst[layer]
-                src = old[:, keep - off:start - off]
+                src = old[:, keep - off : start - off]
                 if old.shape[1] == cap:  # in place (the ranges overlap: copy first)
                     old[:, :moved] = src.clone()
                 else:

@@ -34,8 +34,16 @@ class SlotPool:
     ``block_size``: positions per block (default: ``capacity``, one block per sequence); ``num_blocks``:
     blocks in the pool (default ``n * max_blocks``: every sequence can reach ``capacity`` at once)."""
 
-    def __init__(self, a: Any, n: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 block_size: int | None = None, num_blocks: int | None = None):
+    def __init__(
+        self,
+        a: Any,
+        n: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+    ):
         self.a, self.n = a, n
         self.block_size = bs = max(1, min(int(block_size or capacity), capacity))
         self.max_blocks = -(-capacity // bs)
@@ -70,7 +78,7 @@ class SlotPool:
         for c in self._views.values():
             c.blocks, c.synced = [], 0
 
-    def take(self) -> "PagedSeqCache | None":
+    def take(self) -> PagedSeqCache | None:
         """A free slot's cache (the same object each time the slot is reused)."""
         if not self.free:
             return None
@@ -83,7 +91,7 @@ class SlotPool:
             c.blocks, c.synced = [], 0
         return c
 
-    def give_back(self, c: "PagedSeqCache") -> None:
+    def give_back(self, c: PagedSeqCache) -> None:
         if self.managed:
             self.set_row(c.slot, [])
             c.blocks, c.synced = [], 0
@@ -120,8 +128,15 @@ class SlotPool:
         bs = self.block_size
         return self.table[slots, pos // bs].long(), pos % bs
 
-    def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              where: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        where: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """k, v [T, KVH, D] into each row's (slot, position); ``where``: ``locate``'s result, if known."""
         blk, off = where if where is not None else self.locate(slots, pos)
         self.k[layer][blk, :, off] = k
@@ -171,8 +186,9 @@ class PagedSeqCache:
             return self._plan_val
         bs = self.pool.block_size
         if end > len(self.blocks) * bs:
-            raise RuntimeError(f"KV blocks for positions [{start}, {end}) are not allocated "
-                               f"({len(self.blocks)} blocks of {bs})")
+            raise RuntimeError(
+                f"KV blocks for positions [{start}, {end}) are not allocated ({len(self.blocks)} blocks of {bs})"
+            )
         T, nb = end - start, -(-end // bs)
         p = torch.arange(start, end)
         held = torch.tensor(self.blocks[:nb], dtype=torch.long)
@@ -183,7 +199,7 @@ class PagedSeqCache:
             dev = stager(self.device).to_device(host)
         else:
             dev = host
-        self._plan_key, self._plan_val = key, (dev[:T], dev[T:2 * T], dev[2 * T:])
+        self._plan_key, self._plan_val = key, (dev[:T], dev[T : 2 * T], dev[2 * T :])
         return self._plan_val
 
     _plan_key: tuple | None = None
@@ -197,7 +213,7 @@ class PagedSeqCache:
     def rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V for positions [0, n), gathered: [KVH, n, D] each (copies)."""
         bs = self.pool.block_size
-        idx = torch.tensor(self.blocks[:-(-n // bs)], dtype=torch.long, device=self.device)
+        idx = torch.tensor(self.blocks[: -(-n // bs)], dtype=torch.long, device=self.device)
         return self._gather(self.pool.k[layer], idx, n), self._gather(self.pool.v[layer], idx, n)
 
     def write_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -206,8 +222,7 @@ class PagedSeqCache:
         self.pool.k[layer][blk, :, off] = k.transpose(0, 1).to(self.dtype)
         self.pool.v[layer][blk, :, off] = v.transpose(0, 1).to(self.dtype)
 
-    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> torch.Tensor:
+    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v [KVH, T, D] at positions [start, start + T); attend q [H, T, D] causally to every
         position up to each query's.  Returns [T, H * D]."""
         from .model import chunk_attention
@@ -221,12 +236,13 @@ class PagedSeqCache:
         rep = H // KVH
         if T == 1:
             qg = q.reshape(KVH, rep, D)
-            probs = torch.softmax((qg @ keys.transpose(1, 2) * D ** -0.5).float(), dim=-1).to(values.dtype)
+            probs = torch.softmax((qg @ keys.transpose(1, 2) * D**-0.5).float(), dim=-1).to(values.dtype)
             out = (probs @ values).reshape(1, H * D)
         else:
             if start == 0:
-                o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                   is_causal=True, enable_gqa=rep > 1)
+                o = F.scaled_dot_product_attention(
+                    q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
+                )
             else:
                 o = chunk_attention(q, keys, values, start, rep)
             out = o[0].transpose(0, 1).reshape(T, H * D)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -34,8 +34,10 @@ def pack(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
         per = 8 // width
         part = ((codes >> shift) & ((1 << width) - 1)).view(*codes.shape[:-1], d // per, per)
         # made on the device (no host copy: encoding runs inside CUDA-graph captures of compression)
-        weights = torch.bitwise_left_shift(torch.ones(per, dtype=torch.int32, device=codes.device),
-                                           torch.arange(per, dtype=torch.int32, device=codes.device) * width)
+        weights = torch.bitwise_left_shift(
+            torch.ones(per, dtype=torch.int32, device=codes.device),
+            torch.arange(per, dtype=torch.int32, device=codes.device) * width,
+        )
         out.append((part * weights).sum(-1).to(torch.uint8))
         shift += width
     return out
@@ -45,7 +47,6 @@ def unpack(planes: list[torch.Tensor], bits: int, d: int) -> torch.Tensor:
     """uint8 planes -> codes [..., d] (int64, ready for indexing)."""
     codes, shift = None, 0
     for plane, width in zip(planes, PLANES[bits]):
-        per = 8 // width
         sh = torch.arange(0, 8, width, dtype=torch.int32, device=plane.device)
         part = ((plane.to(torch.int32).unsqueeze(-1) >> sh) & ((1 << width) - 1)).reshape(*plane.shape[:-1], d)
         codes = part << shift if codes is None else codes | (part << shift)
@@ -62,8 +63,8 @@ def byte_lut(values: torch.Tensor, bits: int) -> torch.Tensor:
         lo = torch.arange(256, device=dev)
         hi = torch.arange(16, device=dev)
         sh = torch.arange(4, device=dev)
-        lo_codes = (lo[:, None] >> (2 * sh)) & 3                   # [256, 4]
-        hi_codes = (hi[:, None] >> sh) & 1                        # [16, 4]
+        lo_codes = (lo[:, None] >> (2 * sh)) & 3  # [256, 4]
+        hi_codes = (hi[:, None] >> sh) & 1  # [16, 4]
         codes = lo_codes[:, None, :] | (hi_codes[None, :, :] << 2)  # [256, 16, 4]
         return values[codes.reshape(4096, 4)]
     per = 8 // bits
@@ -76,7 +77,7 @@ def lut_decode(lut: torch.Tensor, planes: list[torch.Tensor], bits: int, d: int)
     p0 = planes[0]
     if bits == 3:
         p1 = planes[1].long()
-        nib = torch.stack([p1 & 15, p1 >> 4], dim=-1)                       # [..., d/8, 2]
+        nib = torch.stack([p1 & 15, p1 >> 4], dim=-1)  # [..., d/8, 2]
         idx = p0.long().view(*p0.shape[:-1], d // 8, 2) * 16 + nib
     else:
         idx = p0.long()
@@ -135,7 +136,7 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, d: in
     G, n = idx.shape[:2]
     flat = idx.reshape(-1)
     if table.dim() == 1:
-        torch.index_select(table, 0, flat, out=out.view(table.dtype)[:flat.numel()])
+        torch.index_select(table, 0, flat, out=out.view(table.dtype)[: flat.numel()])
     else:
         torch.index_select(table, 0, flat, out=out.view(flat.numel(), table.shape[1]))
     return out.view(G, n, d)
@@ -144,21 +145,22 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, d: in
 @dataclass
 class Encoded:
     planes: list[torch.Tensor]
-    norms: torch.Tensor                 # fp16
-    signs: torch.Tensor | None = None   # QJL: packed sign bits [..., d/8]
+    norms: torch.Tensor  # fp16
+    signs: torch.Tensor | None = None  # QJL: packed sign bits [..., d/8]
     rnorms: torch.Tensor | None = None  # QJL: fp16 residual norms
 
 
 class TurboCodec:
     """TurboQuant-mse (or -prod with ``qjl``) for head dim ``d`` on ``device``."""
 
-    def __init__(self, d: int, bits: int, seed: int, device: torch.device, qjl: bool = False,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, d: int, bits: int, seed: int, device: torch.device, qjl: bool = False, dtype: torch.dtype = torch.float32
+    ):
         self.d, self.bits, self.qjl, self.dtype = d, bits, qjl, dtype
         self.mse_bits = bits - 1 if qjl else bits
         ref = TurboQuantProd(d, bits, seed) if qjl else TurboQuantMSE(d, bits, seed)
         mse = ref.mse if qjl else ref
-        self.R = torch.tensor(mse.rotation.matrix, dtype=dtype, device=device)   # forward: x @ R^T
+        self.R = torch.tensor(mse.rotation.matrix, dtype=dtype, device=device)  # forward: x @ R^T
         self.centroids = torch.tensor(mse.codebook.centroids, dtype=dtype, device=device)
         self.boundaries = torch.tensor(mse.codebook.boundaries, dtype=dtype, device=device)
         self.S = torch.tensor(ref.S, dtype=dtype, device=device) if qjl else None
@@ -234,16 +236,17 @@ class AffineCodec:
         self.order = self.inverse = None
         if bits == 4:
             half = group // 2
-            self.order = torch.tensor([g * group + 2 * i + h for g in range(d // group) for h in (0, 1)
-                                       for i in range(half)])
+            self.order = torch.tensor(
+                [g * group + 2 * i + h for g in range(d // group) for h in (0, 1) for i in range(half)]
+            )
             self.inverse = torch.argsort(self.order)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         g = x.to(self.dtype).reshape(*x.shape[:-1], self.d // self.group, self.group)
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        scale = torch.where(hi > lo, (hi - lo) / (2 ** self.bits - 1), torch.ones_like(hi)).to(torch.float16)
+        scale = torch.where(hi > lo, (hi - lo) / (2**self.bits - 1), torch.ones_like(hi)).to(torch.float16)
         bias = lo.to(torch.float16)
-        q = torch.clamp(torch.round((g - bias.to(self.dtype)) / scale.to(self.dtype)), 0, 2 ** self.bits - 1)
+        q = torch.clamp(torch.round((g - bias.to(self.dtype)) / scale.to(self.dtype)), 0, 2**self.bits - 1)
         codes = q.reshape(*x.shape[:-1], self.d).to(torch.int32)
         planes = [codes.to(torch.uint8)] if self.bits == 8 else pack(codes, self.bits)
         return Encoded(planes, scale.squeeze(-1), bias.squeeze(-1))  # norms=scale, signs=bias
@@ -275,13 +278,15 @@ class AffineCodec:
 @dataclass
 class Partial:
     """A block already reduced by a kernel: running max m and Σ p [G, M, 1], Σ p v [G, M, D]."""
+
     m: torch.Tensor
     l: torch.Tensor
     acc: torch.Tensor
 
 
-def online_attention(blocks: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]]
-                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def online_attention(
+    blocks: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Softmax over all blocks' scores, accumulated one block at a time (flash-decoding style).
 
     Each block is (scores [G, M, n], already scaled, or a ``Partial``; values [G, n, D], or a function of the block's

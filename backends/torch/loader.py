@@ -19,8 +19,10 @@ def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()
     from safetensors.torch import load_file
 
     if (spec.config.get("quantization") or {}).get("bits"):
-        raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized weights, which the torch backend does "
-                                      "not read; use the mlx backend or a 16-bit checkpoint")
+        raise UnsupportedArchitecture(
+            f"{spec.path} holds MLX-quantized weights, which the torch backend does "
+            "not read; use the mlx backend or a 16-bit checkpoint"
+        )
     state: dict[str, torch.Tensor] = {}
     for f in spec.weight_files:
         try:
@@ -44,11 +46,20 @@ GGUF_ARCHITECTURES = tuple(GGUF_ARCHS)  # llama (as the mlx backend), qwen2, qwe
 # <arch>.<key> metadata that changes the computation and that the native layer does not read from a
 # GGUF: refused when present with a value other than these neutral ones.
 _GGUF_REFUSED = {
-    "expert_count": (0, 1), "expert_used_count": (0, 1), "expert_shared_count": (0,),
-    "rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "rope.dimension_sections": (),
-    "attention.sliding_window": (0,), "attention.sliding_window_pattern": (0,),
-    "attn_logit_softcapping": (0.0,), "final_logit_softcapping": (0.0,),
-    "logit_scale": (1.0,), "embedding_scale": (1.0,), "residual_scale": (1.0,), "attention.scale": (0.0,),
+    "expert_count": (0, 1),
+    "expert_used_count": (0, 1),
+    "expert_shared_count": (0,),
+    "rope.scaling.type": ("none",),
+    "rope.scaling.factor": (0.0, 1.0),
+    "rope.dimension_sections": (),
+    "attention.sliding_window": (0,),
+    "attention.sliding_window_pattern": (0,),
+    "attn_logit_softcapping": (0.0,),
+    "final_logit_softcapping": (0.0,),
+    "logit_scale": (1.0,),
+    "embedding_scale": (1.0,),
+    "residual_scale": (1.0,),
+    "attention.scale": (0.0,),
 }
 
 
@@ -58,14 +69,17 @@ def check_gguf(spec: ModelSpec) -> None:
     mapping would drop (experts, rope scaling, a sliding window, soft caps, partial rotary, ...)."""
     arch = spec.arch
     if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} (general.architecture) is not supported by the "
-                                      f"torch backend (supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}), "
-                                      "so give an HF-format directory for it")
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {arch!r} (general.architecture) is not supported by the "
+            f"torch backend (supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}), "
+            "so give an HF-format directory for it"
+        )
     meta = spec.gguf_meta or {}
 
     def refuse(key: str, value: Any) -> None:
-        raise UnsupportedArchitecture(f"GGUF field {arch}.{key}={value!r} is not implemented by the torch "
-                                      "backend's GGUF reader")
+        raise UnsupportedArchitecture(
+            f"GGUF field {arch}.{key}={value!r} is not implemented by the torch backend's GGUF reader"
+        )
 
     for key, neutral in _GGUF_REFUSED.items():
         value = meta.get(f"{arch}.{key}")
@@ -83,8 +97,9 @@ def check_arch(spec: ModelSpec) -> None:
         check_gguf(spec)
     arch = spec.config.get("model_type") or spec.arch
     if arch not in SUPPORTED:
-        raise UnsupportedArchitecture(f"architecture {arch!r} is not supported by the torch backend; "
-                                      f"supported: {', '.join(SUPPORTED)}")
+        raise UnsupportedArchitecture(
+            f"architecture {arch!r} is not supported by the torch backend; supported: {', '.join(SUPPORTED)}"
+        )
 
 
 def load_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict, dict[str, Any]]:

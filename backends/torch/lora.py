@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -33,8 +34,14 @@ _MLX = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([ab])$")
 class Adapter:
     """One adapter's weights: ``mods[(layer, proj)] = (A [r, in], B [out, r])`` and the scale."""
 
-    def __init__(self, name: str, mods: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], scale: float,
-                 rank: int, targets: list[str]):
+    def __init__(
+        self,
+        name: str,
+        mods: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+        rank: int,
+        targets: list[str],
+    ):
         self.name, self.mods, self.scale, self.rank, self.targets = name, mods, scale, rank, targets
 
 
@@ -68,7 +75,7 @@ class SiteLora:
     """The adapter terms of one fused projection (``qkv``, ``gate_up``, ``o_proj``, ``down_proj``)
     of one layer: ``parts`` are the target projections and their output slices."""
 
-    def __init__(self, owner: "LoraSet", layer: int, parts: list[tuple[str, int, int]]):
+    def __init__(self, owner: LoraSet, layer: int, parts: list[tuple[str, int, int]]):
         self.owner, self.layer, self.parts = owner, layer, parts
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -122,9 +129,15 @@ class LoraSet:
             raise AdapterError(f"adapter name {ad.name!r} is used twice")
         dev, dt = m.embed_tokens.weight.device, m.embed_tokens.weight.dtype
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        dims = {"q_proj": (a.hidden, q), "k_proj": (a.hidden, kv), "v_proj": (a.hidden, kv), "o_proj": (q, a.hidden),
-                "gate_proj": (a.hidden, a.intermediate), "up_proj": (a.hidden, a.intermediate),
-                "down_proj": (a.intermediate, a.hidden)}
+        dims = {
+            "q_proj": (a.hidden, q),
+            "k_proj": (a.hidden, kv),
+            "v_proj": (a.hidden, kv),
+            "o_proj": (q, a.hidden),
+            "gate_proj": (a.hidden, a.intermediate),
+            "up_proj": (a.hidden, a.intermediate),
+            "down_proj": (a.intermediate, a.hidden),
+        }
         for (layer, proj), (A, B) in list(ad.mods.items()):
             if layer >= a.layers:
                 raise AdapterError(f"adapter {ad.name!r}: layer {layer} does not exist (the model has {a.layers})")
@@ -132,8 +145,10 @@ class LoraSet:
                 raise AdapterError(f"adapter {ad.name!r}: {proj} of a mixture-of-experts layer is not supported")
             fan_in, fan_out = dims[proj]
             if A.ndim != 2 or B.ndim != 2 or A.shape[1] != fan_in or B.shape[0] != fan_out or A.shape[0] != B.shape[1]:
-                raise AdapterError(f"adapter {ad.name!r}: layer {layer} {proj} has A {tuple(A.shape)} and B "
-                                   f"{tuple(B.shape)}, which do not fit this model ({fan_in} -> {fan_out})")
+                raise AdapterError(
+                    f"adapter {ad.name!r}: layer {layer} {proj} has A {tuple(A.shape)} and B "
+                    f"{tuple(B.shape)}, which do not fit this model ({fan_in} -> {fan_out})"
+                )
             ad.mods[(layer, proj)] = (A.to(dev, dt), B.to(dev, dt))
         self.adapters.append(ad)
         self.names[ad.name] = len(self.adapters) - 1
@@ -185,9 +200,15 @@ def new_adapter(module: Any, name: str, rank: int, alpha: float, targets: list[s
     """A fresh trainable adapter as PEFT initialises one: A Kaiming-uniform, B zero (no change at step 0)."""
     a = module.a
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    dims = {"q_proj": (a.hidden, q), "k_proj": (a.hidden, kv), "v_proj": (a.hidden, kv), "o_proj": (q, a.hidden),
-            "gate_proj": (a.hidden, a.intermediate), "up_proj": (a.hidden, a.intermediate),
-            "down_proj": (a.intermediate, a.hidden)}
+    dims = {
+        "q_proj": (a.hidden, q),
+        "k_proj": (a.hidden, kv),
+        "v_proj": (a.hidden, kv),
+        "o_proj": (q, a.hidden),
+        "gate_proj": (a.hidden, a.intermediate),
+        "up_proj": (a.hidden, a.intermediate),
+        "down_proj": (a.intermediate, a.hidden),
+    }
     bad = sorted(set(targets) - set(TARGETS))
     if bad:
         raise AdapterError(f"target module {bad[0]!r} is not one of {', '.join(TARGETS)}")
@@ -215,9 +236,19 @@ def save_peft(ad: Adapter, out: str | Path, alpha: float, base: str) -> None:
         tensors[f"{pre}.lora_A.weight"] = A.detach().float().cpu().contiguous()
         tensors[f"{pre}.lora_B.weight"] = B.detach().float().cpu().contiguous()
     save_file(tensors, str(d / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ad.rank, "lora_alpha": alpha,
-           "target_modules": ad.targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-           "use_rslora": False, "use_dora": False, "base_model_name_or_path": base}
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": ad.rank,
+        "lora_alpha": alpha,
+        "target_modules": ad.targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": base,
+    }
     (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

@@ -24,8 +24,9 @@ from .packed_attention import packed_causal
 from .rope import apply_rope
 
 
-def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     splits: int) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int
+) -> torch.Tensor:
     """[B, H, D] decode attention of rows over their pool slots (the Triton kernel on CUDA)."""
     from swiftlm import cuda_ext
 
@@ -39,9 +40,20 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, tables: 
     return paged_decode_attention_ref(q, K, V, tables, lens, scale)
 
 
-def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-                 seg: torch.Tensor, rows: torch.Tensor, cu: torch.Tensor | None, max_len: int, n_prompt: int,
-                 splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def mixed_static(
+    model: Any,
+    pool: Any,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    seg: torch.Tensor,
+    rows: torch.Tensor,
+    cu: torch.Tensor | None,
+    max_len: int,
+    n_prompt: int,
+    splits: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows [0, n_prompt) are prompt chunks starting at position 0, packed in order (``seg``, ``cu``,
     ``max_len`` as in ``graphs.prefill_packed_static``, which is this forward with no decode rows);
     rows [n_prompt, T) decode one token each at ``pos`` in pool slot ``slots``.  Every row's K/V is written first, to
@@ -70,4 +82,3 @@ def mixed_static(model: Any, pool: Any, tokens: torch.Tensor, slots: torch.Tenso
     if out is None:
         return torch.nn.functional.linear(x, w)
     return torch.mm(x, w.t(), out=out)
-

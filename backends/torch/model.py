@@ -52,14 +52,18 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One [q; k; v] matmul instead of three (fewer, larger GEMVs per decode step)."""
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.a.attn_bias else None)
+        b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.a.attn_bias else None
         self.qkv = (w, b)
-        self.splits = (self.a.heads * self.a.head_dim, self.a.kv_heads * self.a.head_dim,
-                       self.a.kv_heads * self.a.head_dim)
+        self.splits = (
+            self.a.heads * self.a.head_dim,
+            self.a.kv_heads * self.a.head_dim,
+            self.a.kv_heads * self.a.head_dim,
+        )
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "SeqCache", layer: int,
-                start: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SeqCache, layer: int, start: int
+    ) -> torch.Tensor:
         a = self.a
         T = x.shape[0]
         q, k, v = lora_add(self, x, rows_linear(x, *self.qkv)).split(self.splits, dim=-1)
@@ -75,8 +79,10 @@ class Attention(nn.Module):
             return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1), window=w))
         if not isinstance(kv, SeqCache):  # a compressed cache attends over its own layout
             if w and start + T > w:
-                raise NotImplementedError(f"sliding_window={w} is not implemented for a compressed KV cache; "
-                                          "use the plain KV format for this model")
+                raise NotImplementedError(
+                    f"sliding_window={w} is not implemented for a compressed KV cache; "
+                    "use the plain KV format for this model"
+                )
             return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
         keys, values = kv.update(layer, start, k, v.transpose(0, 1))  # [KVH, start+T-offset, D]
         rep = a.heads // a.kv_heads
@@ -89,22 +95,23 @@ class Attention(nn.Module):
         elif T == 1:
             # One query row attends to everything so far: two small matmuls beat the fused
             # kernel's setup cost on CPU (measured ~1 ms/layer for SDPA vs ~0.1 ms here).
-            S = keys.shape[1]
             qg = q.reshape(a.kv_heads, rep, a.head_dim)
-            scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim ** -0.5)  # [KVH, rep, S]
+            scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim**-0.5)  # [KVH, rep, S]
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
             out = torch.matmul(probs, values).reshape(a.heads, 1, a.head_dim)
             return linear_rows(self.o_proj, out.transpose(0, 1).reshape(1, a.heads * a.head_dim))
         elif start == 0:
-            out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                 is_causal=True, enable_gqa=rep > 1)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
+            )
         else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
             out = chunk_attention(q, keys, values, start, rep)
         return linear_rows(self.o_proj, out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int,
-                    window: int = 0) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int, window: int = 0
+) -> torch.Tensor:
     """Attention of a prompt chunk at positions [start, start + T) over keys [0, start + T): causal
     within the chunk, full to the past.  On CUDA through a lower-right causal bias, which SDPA runs in
     its flash kernel; an explicit [T, S] mask sent every chunk of a long prompt to a slow kernel (an
@@ -119,8 +126,9 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         mask: Any = causal_lower_right(T, S)
     else:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
-    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-                                          enable_gqa=rep > 1)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=rep > 1
+    )
 
 
 def window_mask(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
@@ -210,18 +218,24 @@ class PackedAttend:
         self.lengths = lengths
         self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
 
-    def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      window: int = 0) -> torch.Tensor:
+    def update_attend(
+        self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+    ) -> torch.Tensor:
         if window and max(self.lengths) > window:  # sliding window: one masked attention per sequence
-            outs = [chunk_attention(qs, ks, vs, 0, q.shape[0] // k.shape[0], window=window)[0]
-                    for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))]
+            outs = [
+                chunk_attention(qs, ks, vs, 0, q.shape[0] // k.shape[0], window=window)[0]
+                for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
+            ]
             return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape[1], -1)
         # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
         # (sum T)^2 and leave SDPA's fused kernels for its masked fallback: measured 2x slower)
         gqa = q.shape[0] != k.shape[0]
-        outs = [F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
-                                               enable_gqa=gqa)[0]
-                for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))]
+        outs = [
+            F.scaled_dot_product_attention(
+                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True, enable_gqa=gqa
+            )[0]
+            for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
+        ]
         out = torch.cat(outs, dim=1)  # [H, T, D]
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
@@ -243,7 +257,7 @@ class Transformer(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         if self.a.gemma:  # Gemma scales embeddings by sqrt(hidden), in the model's dtype
-            x = x * torch.tensor(self.a.hidden ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.a.hidden**0.5, dtype=x.dtype)
         return x
 
     def hidden(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = False) -> torch.Tensor:
@@ -254,7 +268,7 @@ class Transformer(nn.Module):
         if isinstance(kv, PackedAttend):
             cos, sin = self.cos[kv.positions], self.sin[kv.positions]
         else:
-            cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+            cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         for i, layer in enumerate(self.layers):
             if self.a.offload is not None and i == self.a.offload[0]:
                 x, cos, sin = to_offload(self.a, x, cos, sin)
@@ -277,7 +291,7 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
     experts: dict[tuple[int, str, int], torch.Tensor] = {}
     for k in list(sd):  # pops: the caller's dict empties as ours fills (no second copy held)
         v = sd.pop(k)
-        name = k[len("model."):] if k.startswith("model.") else k
+        name = k[len("model.") :] if k.startswith("model.") else k
         parts = name.split(".")
         if "experts" in parts and parts[0] == "layers":
             # layers.L.mlp.experts.E.gate_proj.weight  |  layers.L.block_sparse_moe.experts.E.w1.weight
@@ -299,9 +313,15 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def build(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-          expert_reader: Any = None, first_cpu_layer: int | None = None,
-          offload_dtype: torch.dtype = torch.float32) -> Transformer:
+def build(
+    config: dict,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    expert_reader: Any = None,
+    first_cpu_layer: int | None = None,
+    offload_dtype: torch.dtype = torch.float32,
+) -> Transformer:
     """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
@@ -362,11 +382,13 @@ def check_device(a: Args, device: torch.device, eager: bool = False) -> None:
     if why is not None:
         from swiftlm.errors import UnsupportedArchitecture
 
-        raise UnsupportedArchitecture(f"{why} runs on CUDA only in a single-process model (on the eager path), so "
-                                      "serve it without --tensor-parallel and --pipeline-parallel")
+        raise UnsupportedArchitecture(
+            f"{why} runs on CUDA only in a single-process model (on the eager path), so "
+            "serve it without --tensor-parallel and --pipeline-parallel"
+        )
 
 
-def finish_load(model: "Transformer", dtype: torch.dtype, eager: bool = False) -> "Transformer":
+def finish_load(model: Transformer, dtype: torch.dtype, eager: bool = False) -> Transformer:
     """The last steps of every load (one process, a tensor-parallel rank, a pipeline stage), once the
     weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections.
     ``eager``: the caller can run the model on the eager path on CUDA (``check_device``)."""

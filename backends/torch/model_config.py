@@ -10,8 +10,24 @@ from typing import Any
 
 from .rope import ROPE_TYPES, rope_params, rope_type
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma",
-             "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "gpt_oss", "deepseek_v2", "deepseek_v3")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "smollm3",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 EXTRA_ARCHS = ("gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")  # their layers: archs.py
 MOE_ARCHS = ("gpt_oss", "deepseek_v2", "deepseek_v3")  # their layers: archs_moe.py
 
@@ -67,7 +83,7 @@ class Args:
         return self.eager_reason() is not None
 
     @classmethod
-    def from_config(cls, c: dict) -> "Args":
+    def from_config(cls, c: dict) -> Args:
         arch = c["model_type"]
         heads = c["num_attention_heads"]
         experts = c.get("num_experts") or c.get("num_local_experts") or 0
@@ -76,21 +92,31 @@ class Args:
         ctx = c.get("max_position_embeddings", 4096)
         if rope_type(rs) == "yarn" and rs.get("factor") and rs.get("original_max_position_embeddings"):
             ctx = max(ctx, int(rs["original_max_position_embeddings"] * rs["factor"]))  # YaRN's extended context
-        a = cls(arch=arch, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                   kv_heads=c.get("num_key_value_heads") or heads,
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   intermediate=c.get("intermediate_size", 0), vocab=c["vocab_size"],
-                   eps=c.get("rms_norm_eps", 1e-6),
-                   rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0,
-                   ctx=ctx, tie=c.get("tie_word_embeddings", False),
-                   attn_bias=c.get("attention_bias", arch in ("qwen2", "qwen2_moe")),
-                   qk_norm=arch in ("qwen3", "qwen3_moe"), experts=experts,
-                   top_k=c.get("num_experts_per_tok", 0),
-                   moe_intermediate=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
-                   norm_topk=c.get("norm_topk_prob", arch == "mixtral"),
-                   shared_intermediate=c.get("shared_expert_intermediate_size", 0),
-                   rope_scaling=rs, gemma=arch in ("gemma", "gemma2", "gemma3_text"), windows=sliding_windows(c, ctx),
-                   ext=extension(c))
+        a = cls(
+            arch=arch,
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate=c.get("intermediate_size", 0),
+            vocab=c["vocab_size"],
+            eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0,
+            ctx=ctx,
+            tie=c.get("tie_word_embeddings", False),
+            attn_bias=c.get("attention_bias", arch in ("qwen2", "qwen2_moe")),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            experts=experts,
+            top_k=c.get("num_experts_per_tok", 0),
+            moe_intermediate=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
+            norm_topk=c.get("norm_topk_prob", arch == "mixtral"),
+            shared_intermediate=c.get("shared_expert_intermediate_size", 0),
+            rope_scaling=rs,
+            gemma=arch in ("gemma", "gemma2", "gemma3_text"),
+            windows=sliding_windows(c, ctx),
+            ext=extension(c),
+        )
         if arch in MOE_ARCHS:  # fields under other names; MLA's latent cache layout
             from .archs_moe import adjust_args
 
@@ -132,8 +158,9 @@ def sliding_windows(c: dict, ctx: int) -> tuple:
     if arch in ("mistral", "mixtral", "qwen3_moe"):
         kinds = ["sliding_attention"] * n
     else:
-        kinds = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28)
-                                         else "full_attention" for i in range(n)]
+        kinds = c.get("layer_types") or [
+            "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)
+        ]
     out = tuple(int(w) if k == "sliding_attention" and int(w) < ctx else 0 for k in kinds)
     return out if any(out) else ()
 
@@ -144,8 +171,9 @@ def check_config(c: dict) -> None:
     from swiftlm.errors import UnsupportedArchitecture
 
     def refuse(field: str, value: Any) -> None:
-        raise UnsupportedArchitecture(f"config field {field}={value!r} ({c['model_type']}) is not implemented by "
-                                      "the torch backend's native path")
+        raise UnsupportedArchitecture(
+            f"config field {field}={value!r} ({c['model_type']}) is not implemented by the torch backend's native path"
+        )
 
     if c["model_type"] in EXTRA_ARCHS:  # archs.py refuses its own and takes out the fields it implements
         from .archs import check_fields
@@ -168,8 +196,16 @@ def check_config(c: dict) -> None:
                 refuse(f"rope_scaling.{field}", rs[field])
         if not rs.get("original_max_position_embeddings"):
             refuse("rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings"))
-    for field in ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "query_pre_attn_scalar",
-                  "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+    for field in (
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "logit_scale",
+        "query_pre_attn_scalar",
+        "attention_multiplier",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+    ):
         if c.get(field) is not None:
             refuse(field, c[field])
     for field in ("mlp_bias", "use_qk_norm"):

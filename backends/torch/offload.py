@@ -33,9 +33,11 @@ def offload_split(cfg: Any, layers: int) -> int | None:
     n = getattr(cfg, "gpu_layers", None) if cfg is not None else None
     if n is None or n >= layers:
         return None
-    for flag, on in (("--stream-experts", getattr(cfg, "stream_experts", False)),
-                     ("--turbo-kv", getattr(cfg, "turbo_kv", None)),
-                     ("--speculative", getattr(cfg, "speculative", None) or getattr(cfg, "draft_model", None))):
+    for flag, on in (
+        ("--stream-experts", getattr(cfg, "stream_experts", False)),
+        ("--turbo-kv", getattr(cfg, "turbo_kv", None)),
+        ("--speculative", getattr(cfg, "speculative", None) or getattr(cfg, "draft_model", None)),
+    ):
         if on:
             raise ConfigError(f"--gpu-layers does not combine with {flag} in this version")
     return int(n)
@@ -94,8 +96,11 @@ def split_report(model: Any) -> dict[str, Any]:
         key = f"{p.device.type}/{str(p.dtype)[6:]}"
         out[key] = out.get(key, 0) + p.numel() * p.element_size()
     off = getattr(model.a, "offload", None)
-    return {"gpu_layers": off[0] if off else model.a.layers, "cpu_layers": model.a.layers - off[0] if off else 0,
-            "bytes_by_place": out}
+    return {
+        "gpu_layers": off[0] if off else model.a.layers,
+        "cpu_layers": model.a.layers - off[0] if off else 0,
+        "bytes_by_place": out,
+    }
 
 
 def _fused(layer: Any) -> list[torch.Tensor]:

@@ -9,7 +9,6 @@ import torch
 
 from .staging import stager
 
-
 _DT = {"int32": torch.long, "float32": torch.float32}
 _GOMP: Any = None  # torch's libgomp (ctypes), False where there is none: release_omp_pool
 

@@ -24,9 +24,14 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def varlen_ok(q: torch.Tensor) -> bool:
     """Can the variable-length flash kernel take these queries ([T, H, D])?
     ``SWIFTLM_VARLEN_ATTENTION=0`` keeps the masked SDPA (A/B runs)."""
-    return (q.is_cuda and q.dtype in _FLASH_DTYPES and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-            and hasattr(torch.ops.aten, "_flash_attention_forward")
-            and os.environ.get("SWIFTLM_VARLEN_ATTENTION", "1") != "0")
+    return (
+        q.is_cuda
+        and q.dtype in _FLASH_DTYPES
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and hasattr(torch.ops.aten, "_flash_attention_forward")
+        and os.environ.get("SWIFTLM_VARLEN_ATTENTION", "1") != "0"
+    )
 
 
 def pack(prompts: list[list[int]], slots: list[int]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -59,20 +64,33 @@ def cu_seqlens(lengths: list[int], total: int | None = None, entries: int | None
     return torch.tensor(cu, dtype=torch.int32)
 
 
-def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor,
-                  cu: torch.Tensor | None = None, max_len: int = 0) -> torch.Tensor:
+def packed_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg: torch.Tensor,
+    pos: torch.Tensor,
+    cu: torch.Tensor | None = None,
+    max_len: int = 0,
+) -> torch.Tensor:
     """q [T, H, D], k and v [T, KVH, D] of prompts packed in order (``seg``: each row's prompt,
     ``pos``: its position in it; ``cu``: the int32 cumulative lengths on q's device, ``max_len``
     the longest).  Returns [T, H, D]."""
     T, H, D = q.shape
     KVH = k.shape[1]
     if cu is not None and varlen_ok(q):
-        out = torch.ops.aten._flash_attention_forward(q, k.contiguous(), v.contiguous(), cu, cu, max_len, max_len,
-                                                      0.0, True, False, scale=D ** -0.5)[0]
+        out = torch.ops.aten._flash_attention_forward(
+            q, k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, 0.0, True, False, scale=D**-0.5
+        )[0]
         return out
     mask = (seg.view(T, 1) == seg.view(1, T)) & (pos.view(1, T) <= pos.view(T, 1))  # [T(query), T(key)]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=H != KVH)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=H != KVH,
+    )
     return out[0].transpose(0, 1)
 
 

@@ -21,7 +21,7 @@ class PromptChunks:
     each worked out on first use and once per step: the mixed path reads them, then, where it declines, the
     prompt-only path."""
 
-    def __init__(self, model: "PackedSteps", batch: StepBatch, aid: dict[int, int] | None):
+    def __init__(self, model: PackedSteps, batch: StepBatch, aid: dict[int, int] | None):
         self._model, self._batch, self._aid = model, batch, aid
 
     @functools.cached_property
@@ -40,12 +40,19 @@ class PackedSteps:
     def _packable(self, batch: StepBatch, aid: dict[int, int] | None) -> list[SeqWork]:
         """The step's first prompt chunks (start 0) that a packed forward takes: no media, no adapter, no
         compressed cache."""
-        return [w for w in batch.seqs if w.start_pos == 0 and len(w.tokens) > 1 and w.media is None
-                and not (aid or {}).get(w.seq_id)  # adapter prompts: eager, per sequence
-                and not self.kv_formats.get(w.seq_id, self.kv_default).compressed]
+        return [
+            w
+            for w in batch.seqs
+            if w.start_pos == 0
+            and len(w.tokens) > 1
+            and w.media is None
+            and not (aid or {}).get(w.seq_id)  # adapter prompts: eager, per sequence
+            and not self.kv_formats.get(w.seq_id, self.kv_default).compressed
+        ]
 
-    def _mixed(self, batch: StepBatch, decode: list[SeqWork], aid: dict[int, int], chunks: PromptChunks | None = None
-               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    def _mixed(
+        self, batch: StepBatch, decode: list[SeqWork], aid: dict[int, int], chunks: PromptChunks | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         """On CUDA, the decode rows and the first prompt chunks of a step in one forward (``mixed_step``)
         when all of them hold pool slots and fit its graphs: (decode logits [B, V], {prompt seq id:
         logits}); None otherwise (two forwards, as before).  ``chunks``: the step's ``PromptChunks``, shared
@@ -61,9 +68,12 @@ class PackedSteps:
         pcaches = chunks.caches
         if any(getattr(c, "slot", None) is None for c in dcaches + pcaches):
             return None
-        p_logits, d_logits = mg.run(*pack([w.tokens for w in work], [c.slot for c in pcaches]),
-                                    [w.tokens[0] for w in decode],
-                                    [c.slot for c in dcaches], [w.start_pos for w in decode])
+        p_logits, d_logits = mg.run(
+            *pack([w.tokens for w in work], [c.slot for c in pcaches]),
+            [w.tokens[0] for w in decode],
+            [c.slot for c in dcaches],
+            [w.start_pos for w in decode],
+        )
         for w, c in zip(work, pcaches):
             c.length = len(w.tokens)
         for w, c in zip(decode, dcaches):
@@ -71,8 +81,9 @@ class PackedSteps:
         return d_logits, {w.seq_id: p_logits[n] for n, w in enumerate(work)}
 
     @torch.inference_mode()
-    def _prefill_packed(self, batch: StepBatch, aid: dict[int, int] | None = None,
-                        chunks: PromptChunks | None = None) -> dict[int, torch.Tensor]:
+    def _prefill_packed(
+        self, batch: StepBatch, aid: dict[int, int] | None = None, chunks: PromptChunks | None = None
+    ) -> dict[int, torch.Tensor]:
         """On CUDA, the first chunks (start 0) of prompts with plain pool-slot caches run as one packed
         forward (``graphs.prefill_packed_static``): replayed from a graph (``prefill_graphs``) when
         they fit its largest bucket, one prompt alone too; else eagerly, for two or more.  Their

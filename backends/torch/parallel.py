@@ -72,8 +72,9 @@ def make_plan(c: dict, rank: int, world: int) -> Plan:
     refuse_flag(a, "--tensor-parallel")
     H, KVH = a.heads, a.kv_heads
     if a.experts:
-        raise ConfigError("--tensor-parallel does not support MoE models yet (experts are not sharded); "
-                          "serve this model without it")
+        raise ConfigError(
+            "--tensor-parallel does not support MoE models yet (experts are not sharded); serve this model without it"
+        )
     if H % KVH:
         raise ConfigError(f"--tensor-parallel: {H} query heads are not a multiple of {KVH} KV heads")
     rep = H // KVH
@@ -83,16 +84,19 @@ def make_plan(c: dict, rank: int, world: int) -> Plan:
     else:  # fewer KV heads than ranks: split the query heads, replicate the KV head they read
         q0, q1 = rank * H // world, (rank + 1) * H // world
         if q1 <= q0 or q0 // rep != (q1 - 1) // rep:
-            raise ConfigError(f"--tensor-parallel {world}: the model's {H} query heads over {KVH} KV heads cannot be "
-                              f"split so that each rank's query heads share one KV head; use a divisor of {H} that "
-                              f"is a multiple of {KVH}")
+            raise ConfigError(
+                f"--tensor-parallel {world}: the model's {H} query heads over {KVH} KV heads cannot be "
+                f"split so that each rank's query heads share one KV head; use a divisor of {H} that "
+                f"is a multiple of {KVH}"
+            )
         kv0, kv1 = q0 // rep, q0 // rep + 1
     inter = a.intermediate
     if inter < world or H < world:
         raise ConfigError(f"--tensor-parallel {world} is more ranks than the model's {H} heads / {inter} MLP columns")
     rows = -(-a.vocab // world)
-    return Plan(rank, world, q0, q1, kv0, kv1, rank * inter // world, (rank + 1) * inter // world, rank * rows, rows,
-                a.vocab)
+    return Plan(
+        rank, world, q0, q1, kv0, kv1, rank * inter // world, (rank + 1) * inter // world, rank * rows, rows, a.vocab
+    )
 
 
 def local_args(a: Args, p: Plan) -> Args:
@@ -134,14 +138,16 @@ def load_shard(spec: ModelSpec, config: dict, p: Plan) -> dict[str, torch.Tensor
         for name, arr in iter_dequantized(spec):
             r = slice_rule(name, a, p)
             if r is not None:
-                arr = arr[r[1]:r[2]] if r[0] == 0 else arr[:, r[1]:r[2]]
+                arr = arr[r[1] : r[2]] if r[0] == 0 else arr[:, r[1] : r[2]]
             state[name] = _pad_vocab(name, torch.from_numpy(arr.copy()), p)
         return state
     from safetensors import safe_open
 
     if (spec.config.get("quantization") or {}).get("bits"):
-        raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized weights, which the torch backend does "
-                                      "not read; use the mlx backend or a 16-bit checkpoint")
+        raise UnsupportedArchitecture(
+            f"{spec.path} holds MLX-quantized weights, which the torch backend does "
+            "not read; use the mlx backend or a 16-bit checkpoint"
+        )
     for f in spec.weight_files:
         try:
             with safe_open(str(f), framework="pt") as fh:
@@ -151,7 +157,7 @@ def load_shard(spec: ModelSpec, config: dict, p: Plan) -> dict[str, torch.Tensor
                         t = fh.get_tensor(name)
                     else:
                         s = fh.get_slice(name)
-                        t = s[r[1]:r[2]] if r[0] == 0 else s[:, r[1]:r[2]]
+                        t = s[r[1] : r[2]] if r[0] == 0 else s[:, r[1] : r[2]]
                     state[name] = _pad_vocab(name, t, p)
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
@@ -199,8 +205,9 @@ def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None
     return torch.cat(parts, dim=-1)[..., :vocab]
 
 
-def build_sharded(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                  p: Plan) -> Transformer:
+def build_sharded(
+    config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, p: Plan
+) -> Transformer:
     """``model.build`` for one rank's slices: the same module tree with this rank's head, column
     and vocabulary counts, and the sharded layers where a collective is needed."""
     a = Args.from_config(config)
@@ -284,15 +291,21 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     if info is None:
         raise ConfigError("--tensor-parallel: this process was not started as a rank (swiftlm.distributed.launch)")
     if dist.is_initialized():
-        raise ConfigError("--tensor-parallel: another tensor-parallel model is loaded in this process; one per "
-                          "process (close it first)")
+        raise ConfigError(
+            "--tensor-parallel: another tensor-parallel model is loaded in this process; one per "
+            "process (close it first)"
+        )
     backend = "nccl" if device_type == "cuda" else "gloo"
     import atexit
 
     atexit.register(_leave_group)  # left to interpreter teardown, a group with a dead peer aborts the process
-    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                            rank=info.rank, world_size=info.world,
-                            timeout=timedelta(seconds=float(os.environ.get("SWIFTLM_TP_TIMEOUT", "600"))))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world,
+        timeout=timedelta(seconds=float(os.environ.get("SWIFTLM_TP_TIMEOUT", "600"))),
+    )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -325,19 +338,39 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
 
     # every rank, same point: peer-store sums (two ranks of one host) or NCCL on CUDA
     setup_all_reduce(device, dtype, one_host=info is None or info.local_world in (0, info.world))
-    log.info("tensor-parallel rank %d/%d: query heads [%d, %d), KV heads [%d, %d), MLP columns [%d, %d), "
-             "vocabulary rows [%d, %d)", rank, world, plan.q0, plan.q1, plan.kv0, plan.kv1, plan.i0, plan.i1,
-             plan.v0, plan.v0 + plan.vocab_rows)
-    tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
-                 else load_hf_tokenizer(spec.path, spec.config))
+    log.info(
+        "tensor-parallel rank %d/%d: query heads [%d, %d), KV heads [%d, %d), MLP columns [%d, %d), "
+        "vocabulary rows [%d, %d)",
+        rank,
+        world,
+        plan.q0,
+        plan.q1,
+        plan.kv0,
+        plan.kv1,
+        plan.i0,
+        plan.i1,
+        plan.v0,
+        plan.v0 + plan.vocab_rows,
+    )
+    tokenizer = (
+        load_gguf_tokenizer(spec.gguf_meta or {})
+        if spec.format == "gguf"
+        else load_hf_tokenizer(spec.path, spec.config)
+    )
     a = module.a
     ctx_cfg = getattr(cfg, "ctx_size", None)
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     # weights and KV bytes are this rank's (each rank holds its heads' cache); the vocabulary is the full one
-    minfo = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=plan.vocab,
-                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                      weight_bytes=param_bytes(module),
-                      kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8)
+    minfo = ModelInfo(
+        arch=spec.arch,
+        num_layers=a.layers,
+        context_length=ctx,
+        vocab_size=plan.vocab,
+        num_params=spec.num_params,
+        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+        weight_bytes=param_bytes(module),
+        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
+    )
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1))
     cls = sharded_model_class(TorchModel)
     return cls(module, tokenizer, minfo, device, dtype, slots=slots, kv_default=settings_format(cfg))

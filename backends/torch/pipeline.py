@@ -101,7 +101,7 @@ def _wanted(name: str, l0: int, l1: int, first: bool, last: bool, embed_on_last:
         i = int(m.group(2))
         if not l0 <= i < l1:
             return None
-        return f"{m.group(1) or ''}layers.{i - l0}.{name[m.end():]}"
+        return f"{m.group(1) or ''}layers.{i - l0}.{name[m.end() :]}"
     if name.endswith("embed_tokens.weight"):
         return name if first or (last and embed_on_last) else None
     if name == "lm_head.weight" or name.endswith("model.norm.weight") or name == "norm.weight":
@@ -127,8 +127,10 @@ def load_stage_state(spec: ModelSpec, config: dict, l0: int, l1: int, first: boo
     from safetensors import safe_open
 
     if (spec.config.get("quantization") or {}).get("bits"):
-        raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized weights, which the torch backend does "
-                                      "not read; use the mlx backend or a 16-bit checkpoint")
+        raise UnsupportedArchitecture(
+            f"{spec.path} holds MLX-quantized weights, which the torch backend does "
+            "not read; use the mlx backend or a 16-bit checkpoint"
+        )
     names: dict[str, Any] = {}
     try:
         for f in spec.weight_files:
@@ -168,8 +170,16 @@ def stage_args(a: Args, l0: int, l1: int) -> Args:
     return replace(a, layers=l1 - l0, windows=tuple(a.windows[l0:l1]) if a.windows else ())
 
 
-def build_stage(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                l0: int, l1: int, first: bool, last: bool) -> Transformer:
+def build_stage(
+    config: dict,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    l0: int,
+    l1: int,
+    first: bool,
+    last: bool,
+) -> Transformer:
     """A ``Transformer`` of this stage's layers only (numbered from 0): the embedding on the first
     stage (and on the last when the head is tied), the final norm and head on the last."""
     a = Args.from_config(config)
@@ -202,7 +212,7 @@ def units_of(batch: StepBatch, micro: int, min_rows: int = 1) -> tuple[list[list
     units: list[list[int]] = []
     m = max(1, min(micro, len(decode) // max(1, min_rows)))
     for k in range(m):
-        part = decode[k * len(decode) // m:(k + 1) * len(decode) // m]
+        part = decode[k * len(decode) // m : (k + 1) * len(decode) // m]
         if part:
             units.append(part)
     rest = set(decode)
@@ -212,8 +222,13 @@ def units_of(batch: StepBatch, micro: int, min_rows: int = 1) -> tuple[list[list
 
 def micro_settings(stages: int, device: torch.device) -> tuple[int, int]:
     """(micro-batches, least rows per micro-batch): rank 0's environment, sent to every rank."""
-    mine = torch.tensor([int(os.environ.get("SWIFTLM_PP_MICROBATCHES", "0") or 0) or stages,
-                         int(os.environ.get("SWIFTLM_PP_MICRO_MIN_ROWS", "64") or 64)], dtype=torch.long)
+    mine = torch.tensor(
+        [
+            int(os.environ.get("SWIFTLM_PP_MICROBATCHES", "0") or 0) or stages,
+            int(os.environ.get("SWIFTLM_PP_MICRO_MIN_ROWS", "64") or 64),
+        ],
+        dtype=torch.long,
+    )
     t = mine.to(device)
     dist.broadcast(t, 0)
     micro, rows = (int(v) for v in t.cpu())
@@ -225,8 +240,17 @@ def pipeline_model_class(base: type) -> type:
     hooks and memory figures, with a forward that runs this stage's layers and passes activations on."""
 
     class PipelineTorchModel(base):  # type: ignore[misc, valid-type]
-        def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                     stage: int, stages: int, kv_default: Any = None):
+        def __init__(
+            self,
+            module: Any,
+            tokenizer: Any,
+            info: ModelInfo,
+            device: torch.device,
+            dtype: torch.dtype,
+            stage: int,
+            stages: int,
+            kv_default: Any = None,
+        ):
             from swiftlm.turboquant.presets import KVFormat
 
             from .ops import TorchOps
@@ -276,7 +300,7 @@ def pipeline_model_class(base: type) -> type:
         def _layers(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
             m = self.module
             T = x.shape[0]
-            cos, sin = m.cos[start:start + T], m.sin[start:start + T]
+            cos, sin = m.cos[start : start + T], m.sin[start : start + T]
             for i, layer in enumerate(m.layers):
                 x = layer(x, cos, sin, cache, i, start)
             return x
@@ -377,17 +401,34 @@ def load_stage(spec: ModelSpec, cfg: Any) -> Any:
     state = load_stage_state(spec, config, l0, l1, first, last)
     module = build_stage(config, state, dtype, device, l0, l1, first, last)
     del state
-    log.info("pipeline-parallel rank %d/%d: stage %d, layers [%d, %d)%s%s", rank, world, stage, l0, l1,
-             ", embedding" if first else "", ", norm + LM head" if last else "")
-    tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
-                 else load_hf_tokenizer(spec.path, spec.config))
+    log.info(
+        "pipeline-parallel rank %d/%d: stage %d, layers [%d, %d)%s%s",
+        rank,
+        world,
+        stage,
+        l0,
+        l1,
+        ", embedding" if first else "",
+        ", norm + LM head" if last else "",
+    )
+    tokenizer = (
+        load_gguf_tokenizer(spec.gguf_meta or {})
+        if spec.format == "gguf"
+        else load_hf_tokenizer(spec.path, spec.config)
+    )
     ctx_cfg = getattr(cfg, "ctx_size", None)
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     la = module.a
     # weights and KV bytes are this stage's
-    minfo = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
-                      num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                      weight_bytes=param_bytes(module),
-                      kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8)
+    minfo = ModelInfo(
+        arch=spec.arch,
+        num_layers=a.layers,
+        context_length=ctx,
+        vocab_size=a.vocab,
+        num_params=spec.num_params,
+        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+        weight_bytes=param_bytes(module),
+        kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8,
+    )
     cls = pipeline_model_class(TorchModel)
     return cls(module, tokenizer, minfo, device, dtype, stage, world, kv_default=settings_format(cfg))

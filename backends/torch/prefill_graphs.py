@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -37,9 +38,10 @@ MAX_PROMPTS = 64  # prompts per graphed chunk (their last rows go through the LM
 
 # per graph kind (prompt chunks only; with a step's decode rows): its off switch (A/B runs) and the message of a
 # start-up capture that failed
-KINDS = {"prefill": ("SWIFTLM_PREFILL_GRAPHS", "capturing the prefill graphs failed; prompt chunks run eagerly"),
-         "mixed": ("SWIFTLM_MIXED_STEP",
-                   "capturing the mixed prompt + decode graphs failed; such steps run two forwards")}
+KINDS = {
+    "prefill": ("SWIFTLM_PREFILL_GRAPHS", "capturing the prefill graphs failed; prompt chunks run eagerly"),
+    "mixed": ("SWIFTLM_MIXED_STEP", "capturing the mixed prompt + decode graphs failed; such steps run two forwards"),
+}
 
 
 def bucket(tokens: int) -> int | None:
@@ -47,15 +49,24 @@ def bucket(tokens: int) -> int | None:
     return next((b for b in BUCKETS if b >= tokens), None)
 
 
-def padded_inputs(tokens: list[int], slots: list[int], pos: list[int], seg: list[int], last: list[int],
-                  width: int, scratch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_inputs(
+    tokens: list[int],
+    slots: list[int],
+    pos: list[int],
+    seg: list[int],
+    last: list[int],
+    width: int,
+    scratch: int,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed chunk's rows padded to ``width`` tokens ([4, width]: tokens, slots, positions,
     segments) and, in one [2 * MAX_PROMPTS + 2] tensor, its ``last`` rows padded to MAX_PROMPTS then
     the cumulative lengths of its prompts and the padding (MAX_PROMPTS + 2 entries; zero-length
     sequences fill the rest)."""
     pad, n = width - len(tokens), len(last)
-    host = torch.tensor([tokens + [0] * pad, slots + [scratch] * pad, pos + [i % capacity for i in range(pad)],
-                         seg + [n] * pad])
+    host = torch.tensor(
+        [tokens + [0] * pad, slots + [scratch] * pad, pos + [i % capacity for i in range(pad)], seg + [n] * pad]
+    )
     lengths = [b - a for a, b in zip([-1] + last[:-1], last)]
     cu = cu_seqlens(lengths, width, MAX_PROMPTS + 2)
     return host, torch.cat([torch.tensor(last + [0] * (MAX_PROMPTS - n)), cu.long()])
@@ -86,26 +97,46 @@ class PackedGraphs:
 
     def fits(self, prompt_tokens: int, prompts: int, decode_rows: int = 0) -> bool:
         """A prompt-only instance takes no decode rows, one with decode rows 1 to ``rows``."""
-        return (self.enabled and 0 < prompts <= MAX_PROMPTS and decode_rows <= self.rows
-                and (decode_rows > 0) == (self.rows > 0) and bucket(prompt_tokens) is not None)
+        return (
+            self.enabled
+            and 0 < prompts <= MAX_PROMPTS
+            and decode_rows <= self.rows
+            and (decode_rows > 0) == (self.rows > 0)
+            and bucket(prompt_tokens) is not None
+        )
 
-    def _inputs(self, p_tokens: list[int], p_slots: list[int], p_pos: list[int], p_seg: list[int],
-                p_last: list[int], d_tokens: Sequence[int], d_slots: Sequence[int], d_pos: Sequence[int],
-                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self,
+        p_tokens: list[int],
+        p_slots: list[int],
+        p_pos: list[int],
+        p_seg: list[int],
+        p_last: list[int],
+        d_tokens: Sequence[int],
+        d_slots: Sequence[int],
+        d_pos: Sequence[int],
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[4, width + rows] (tokens, slots, positions, segments: the padded prompt rows, then the decode
         rows padded with scratch rows) and the prompts' logit rows and cumulative lengths
         (``padded_inputs``)."""
-        ph, tail = padded_inputs(p_tokens, p_slots, p_pos, p_seg, p_last, width, self.pool.scratch,
-                                 self.pool.capacity)
+        ph, tail = padded_inputs(p_tokens, p_slots, p_pos, p_seg, p_last, width, self.pool.scratch, self.pool.capacity)
         if not self.rows:
             return ph, tail
         pad = self.rows - len(d_tokens)
-        dh = torch.tensor([list(d_tokens) + [0] * pad, list(d_slots) + [self.pool.scratch] * pad,
-                           list(d_pos) + [0] * pad, [0] * self.rows])
+        dh = torch.tensor(
+            [
+                list(d_tokens) + [0] * pad,
+                list(d_slots) + [self.pool.scratch] * pad,
+                list(d_pos) + [0] * pad,
+                [0] * self.rows,
+            ]
+        )
         return torch.cat([ph, dh], dim=1), tail
 
-    def _fn(self, width: int, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor,
-            tail: torch.Tensor) -> torch.Tensor:
+    def _fn(
+        self, width: int, t: torch.Tensor, s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, tail: torch.Tensor
+    ) -> torch.Tensor:
         """Logits [MAX_PROMPTS + rows, V]: the prompts' logit rows, then the decode rows'."""
         last, cu = tail[:MAX_PROMPTS], tail[MAX_PROMPTS:].int()
         rows, splits = last, 0  # prompt-only: graphs.prefill_packed_static's call
@@ -113,12 +144,19 @@ class PackedGraphs:
             rows = torch.cat([last, width + torch.arange(self.rows, device=last.device)])
             splits = self.decoder.splits_for(self.pool.capacity, self.rows)
         with prefill_attention(self.decoder.device, width):
-            return mixed_static(self.decoder.model, self.pool, t, s, p, g, rows, cu, width, width, splits,
-                                out=self.out)
+            return mixed_static(self.decoder.model, self.pool, t, s, p, g, rows, cu, width, width, splits, out=self.out)
 
-    def run(self, p_tokens: list[int], p_slots: list[int], p_pos: list[int], p_seg: list[int], p_last: list[int],
-            d_tokens: Sequence[int] = (), d_slots: Sequence[int] = (), d_pos: Sequence[int] = ()
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        p_tokens: list[int],
+        p_slots: list[int],
+        p_pos: list[int],
+        p_seg: list[int],
+        p_last: list[int],
+        d_tokens: Sequence[int] = (),
+        d_slots: Sequence[int] = (),
+        d_pos: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the prompts' last-token logits [n, V], the decode rows' logits [B, V]); the caller checked
         ``fits``.  With decode rows float32 copies (the next replay rewrites the shared buffer); prompt-only,
         the forward's own rows in the model's dtype (B = 0)."""
@@ -140,7 +178,7 @@ class PackedGraphs:
             for dst, src in zip(ins, dev):
                 dst.copy_(src)
             g_.replay()
-        p_logits, d_logits = logits[:n], logits[MAX_PROMPTS:MAX_PROMPTS + B]
+        p_logits, d_logits = logits[:n], logits[MAX_PROMPTS : MAX_PROMPTS + B]
         if self.rows:  # copies: the next replay rewrites the shared buffer
             return p_logits.float(), d_logits.float()
         return p_logits, d_logits

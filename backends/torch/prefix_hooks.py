@@ -29,8 +29,14 @@ class PrefixHooks:
         through ``snapshot_prefix`` / ``restore_prefix``."""
         c = self.caches.get(seq_id)
         a = self.module.a
-        if (not self._plain() or self.static or type(c) is not SeqCache or not c.length
-                or a.windows or a.offload is not None):
+        if (
+            not self._plain()
+            or self.static
+            or type(c) is not SeqCache
+            or not c.length
+            or a.windows
+            or a.offload is not None
+        ):
             return None
         prefix = share(c)
         self.caches[seq_id] = ForkedCache(prefix, a, self.dtype, self.device)

@@ -4,36 +4,42 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-
 from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from . import cpu_kernels
 from .code_pages import CodePages
 from .compressed_cache import CompressedCache
-from swiftlm.errors import UnsupportedArchitecture
-
-from .loader import check_arch, load_state
-from .packed_attention import prefill_attention
-from .packed_steps import PackedSteps, PromptChunks
-from .prefix_hooks import PrefixHooks
-from .kv_accounting import KVAccounting
-from .seq_caches import SeqCaches
-from .prefill_graphs import PackedGraphs
-from .graphs import GraphDecoder, graphable
-from .kv_pool import PagedSeqCache, SlotPool
 from .decode_rows import decode_batch
+from .devices import (  # noqa: F401 (re-exported)
+    CUDA_DEFAULT_CTX,
+    _apply_mem_limit,
+    bind_thread,
+    code_pool_pages,
+    cuda_eager_reason,
+    kv_pool_size,
+    pick_device,
+)
+from .graphs import GraphDecoder, graphable
+from .kv_accounting import KVAccounting
 from .kv_cache import SeqCache
+from .kv_pool import PagedSeqCache, SlotPool
+from .loader import check_arch, load_state
 from .model import PackedAttend, build, param_bytes
 from .ops import TorchOps
-from .devices import (CUDA_DEFAULT_CTX, _apply_mem_limit, bind_thread, cuda_eager_reason,  # noqa: F401 (re-exported)
-                      code_pool_pages, kv_pool_size, pick_device)
+from .packed_attention import prefill_attention
+from .packed_steps import PackedSteps, PromptChunks
+from .prefill_graphs import PackedGraphs
+from .prefix_hooks import PrefixHooks
+from .seq_caches import SeqCaches
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +59,20 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
     kv_blocks: Any = None  # swiftlm.kv_blocks.KVBlocks: the engine's block manager (attach_kv_blocks)
     code_blocks: Any = None  # the engine's manager of the code pages (attach_code_pages)
 
-    def __init__(self, module: Any, tokenizer: Any, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 use_graphs: bool | None = None, slots: int = 1, kv_default: KVFormat | None = None,
-                 block_size: int | None = None, num_blocks: int | None = None, code_pages: int = 0):
+    def __init__(
+        self,
+        module: Any,
+        tokenizer: Any,
+        info: ModelInfo,
+        device: torch.device,
+        dtype: torch.dtype,
+        use_graphs: bool | None = None,
+        slots: int = 1,
+        kv_default: KVFormat | None = None,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        code_pages: int = 0,
+    ):
         self.module, self.tokenizer, self.info = module, tokenizer, info
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
@@ -72,16 +89,22 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         self.eager_reason = cuda_eager_reason(module.a, device, info.context_length)
         self.static = device.type == "cuda" and self.eager_reason is None
         if self.eager_reason is not None and module.a.offload is None:
-            log.info("%s runs eagerly on CUDA (per-sequence KV caches and eager forwards; no CUDA graphs, slot pool, "
-                     "paged attention or overlapped steps, which run the llama-family layer over every key): %s",
-                     module.a.arch, self.eager_reason)
+            log.info(
+                "%s runs eagerly on CUDA (per-sequence KV caches and eager forwards; no CUDA graphs, slot pool, "
+                "paged attention or overlapped steps, which run the llama-family layer over every key): %s",
+                module.a.arch,
+                self.eager_reason,
+            )
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
         self.graphs = GraphDecoder(module, device) if use_graphs else None
         # CUDA: all sequences' KV live in one paged pool per layer (kv_pool.py), so decode rows of many
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
-        self.pool = SlotPool(module.a, slots, info.context_length, dtype, device, block_size=block_size,
-                             num_blocks=num_blocks) if self.static else None
+        self.pool = (
+            SlotPool(module.a, slots, info.context_length, dtype, device, block_size=block_size, num_blocks=num_blocks)
+            if self.static
+            else None
+        )
         # CUDA graphs + a TurboQuant server default: its static caches keep their codes in pages of one pool
         self.code_pages: CodePages | None = None
         if code_pages and self.graphs is not None and self._static_turbo(self.kv_default):
@@ -92,11 +115,13 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
         # short first prompt chunks (one prompt or several packed) replay a graph per token bucket
-        self.prefill_graphs = PackedGraphs(self.graphs, self.pool) if (
-            self.graphs is not None and self.pool is not None) else None
+        self.prefill_graphs = (
+            PackedGraphs(self.graphs, self.pool) if (self.graphs is not None and self.pool is not None) else None
+        )
         # a step with decode rows and first prompt chunks: one forward, one graph per token bucket
-        self.mixed_graphs = PackedGraphs(self.graphs, self.pool, rows=self.pool.n) if (
-            self.prefill_graphs is not None) else None
+        self.mixed_graphs = (
+            PackedGraphs(self.graphs, self.pool, rows=self.pool.n) if (self.prefill_graphs is not None) else None
+        )
         if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
             torch.cuda.synchronize()
             m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
@@ -106,11 +131,17 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
                 self.prefill_graphs.precapture()
                 self.mixed_graphs.precapture()
             torch.cuda.synchronize()
-            self.graph_capture = {"graphs": self.graphs.captures, "seconds": round(time.perf_counter() - t0, 3),
-                                  "bytes": torch.cuda.memory_reserved() - m0}
-            log.info("captured %d CUDA graphs (batched decode, prompt buckets, mixed steps) in %.2f s (%.0f MB)",
-                     self.graph_capture["graphs"],
-                     self.graph_capture["seconds"], self.graph_capture["bytes"] / 2**20)
+            self.graph_capture = {
+                "graphs": self.graphs.captures,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "bytes": torch.cuda.memory_reserved() - m0,
+            }
+            log.info(
+                "captured %d CUDA graphs (batched decode, prompt buckets, mixed steps) in %.2f s (%.0f MB)",
+                self.graph_capture["graphs"],
+                self.graph_capture["seconds"],
+                self.graph_capture["bytes"] / 2**20,
+            )
 
     def _plain(self) -> bool:
         """The single-process model itself (tensor / pipeline ranks subclass it and keep their own KV rules)."""
@@ -122,8 +153,9 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         LoRA adapter's index (lora.py), run eagerly (no CUDA graph)."""
         cache = self._cache(seq_id, start)
         if adapter:
-            ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long,
-                                                                             device=self.device)
+            ids = (
+                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
+            )
             with prefill_attention(self.device, len(ids)), self.lora.rows(single=adapter):
                 return self.module(ids, cache, start)[-1]
         if len(tokens) == 1 and isinstance(cache, CompressedCache):
@@ -131,8 +163,9 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
                 return self.graphs.run_turbo(cache, int(tokens[0]), start)
         elif len(tokens) == 1 and self.graphs is not None:
             if isinstance(cache, PagedSeqCache):  # a pool sequence decoding alone: the batch-of-one graph
-                out = self.graphs.run_batch(self.pool, [cache.slot], tokens if torch.is_tensor(tokens)
-                                            else [tokens[0]], [start])[0]
+                out = self.graphs.run_batch(
+                    self.pool, [cache.slot], tokens if torch.is_tensor(tokens) else [tokens[0]], [start]
+                )[0]
             else:
                 out = self.graphs.run(cache, tokens[0], start)
             cache.length = start + 1
@@ -191,7 +224,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
                 self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
         failed: dict[int, str] = {}
         aid: dict[int, int] = {}
-        if self.lora is not None or any(getattr(w.params, 'adapter', None) for w in batch.seqs):
+        if self.lora is not None or any(getattr(w.params, "adapter", None) for w in batch.seqs):
             batch, aid, failed = self._adapters(batch)
         batch = self._new_caches(batch, failed)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
@@ -209,14 +242,20 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
             toks = dev if dev is not None else [w.tokens[0] for w in decode]
             positions = [w.start_pos for w in decode]
             prep = time.perf_counter() - t0
-            if self.graphs is not None and all(getattr(c, "slot", None) is not None for c in caches) and \
-                    not any(aid.get(w.seq_id) for w in decode):  # adapter rows run eagerly (no CUDA graph)
+            if (
+                self.graphs is not None
+                and all(getattr(c, "slot", None) is not None for c in caches)
+                and not any(aid.get(w.seq_id) for w in decode)
+            ):  # adapter rows run eagerly (no CUDA graph)
                 batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
                 for c, p in zip(caches, positions):
                     c.length = p + 1
-            elif self.graphs is not None and self.graphs.fused and all(
-                    isinstance(c, CompressedCache) and c.graphable() for c in caches) and \
-                    not any(aid.get(w.seq_id) for w in decode):  # weights once, each row its cache's kernels
+            elif (
+                self.graphs is not None
+                and self.graphs.fused
+                and all(isinstance(c, CompressedCache) and c.graphable() for c in caches)
+                and not any(aid.get(w.seq_id) for w in decode)
+            ):  # weights once, each row its cache's kernels
                 batched = self.graphs.run_compressed_batch(caches, toks, positions)
             elif any(aid.get(w.seq_id) for w in decode):
                 with self.lora.rows([aid.get(w.seq_id, 0) for w in decode], self.device):
@@ -237,13 +276,20 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
             if w.seq_id in packed:
                 logits = packed[w.seq_id]
             else:
-                logits = self.logits(w.seq_id, dev[i:i + 1] if dev is not None else w.tokens, w.start_pos,
-                                     **({"adapter": aid[w.seq_id]} if aid.get(w.seq_id) else {}))
+                logits = self.logits(
+                    w.seq_id,
+                    dev[i : i + 1] if dev is not None else w.tokens,
+                    w.start_pos,
+                    **({"adapter": aid[w.seq_id]} if aid.get(w.seq_id) else {}),
+                )
             if w.sample:
                 out.append(logits)
         sample = [w for w in batch.seqs if w.sample]
-        if batched is not None and len(sample) == len(decode) and [w.seq_id for w in sample] == \
-                [w.seq_id for w in decode]:
+        if (
+            batched is not None
+            and len(sample) == len(decode)
+            and [w.seq_id for w in sample] == [w.seq_id for w in decode]
+        ):
             logits = batched  # the common decode step: no copy
         else:
             logits = torch.stack(out) if out else None
@@ -264,10 +310,15 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         ends: list[tuple[Any, int, Any]] = []
         for w in batch.seqs:
             T, s0 = len(w.tokens), w.start_pos
-            if (T < 2 or s0 == 0 or w.media is not None or aid.get(w.seq_id)
-                    or len(slots) + T > max(self.pool.n, LATE_CHUNK_ROWS)
-                    or T * (s0 + T) > LATE_CHUNK_ROW_POSITIONS
-                    or self.kv_formats.get(w.seq_id, self.kv_default).compressed):
+            if (
+                T < 2
+                or s0 == 0
+                or w.media is not None
+                or aid.get(w.seq_id)
+                or len(slots) + T > max(self.pool.n, LATE_CHUNK_ROWS)
+                or T * (s0 + T) > LATE_CHUNK_ROW_POSITIONS
+                or self.kv_formats.get(w.seq_id, self.kv_default).compressed
+            ):
                 continue
             c = self._cache(w.seq_id, s0)
             if not isinstance(c, PagedSeqCache):
@@ -279,7 +330,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         if not ends:
             return {}
         logits = g.run_batch(self.pool, slots, toks, pos)
-        for w, last, c in ends:
+        for w, _last, c in ends:
             c.length = w.start_pos + len(w.tokens)
         return {w.seq_id: logits[last] for w, last, _ in ends}
 
@@ -322,8 +373,9 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     adapters = list(getattr(cfg, "adapter", None) or [])
-    if adapters and (int(getattr(cfg, "tensor_parallel", 1) or 1) > 1 or int(getattr(cfg, "pipeline_parallel", None)
-                                                                          or 1) > 1):
+    if adapters and (
+        int(getattr(cfg, "tensor_parallel", 1) or 1) > 1 or int(getattr(cfg, "pipeline_parallel", None) or 1) > 1
+    ):
         from swiftlm.errors import ConfigError
 
         raise ConfigError("--adapter is not supported with --tensor-parallel or --pipeline-parallel")
@@ -346,21 +398,35 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         layout = streamable_layout(spec)  # a clear error for dense models and GGUF files
         check_arch(spec)
         if layout.quantized:
-            raise UnsupportedArchitecture(f"{spec.path} holds MLX-quantized experts, which the torch backend does "
-                                          "not read; use the mlx backend or a 16-bit checkpoint")
+            raise UnsupportedArchitecture(
+                f"{spec.path} holds MLX-quantized experts, which the torch backend does "
+                "not read; use the mlx backend or a 16-bit checkpoint"
+            )
         alloc = None
         if device.type == "cuda":
             from .streamed_moe import pinned_alloc
 
             alloc = pinned_alloc
-        reader = ExpertReader(layout, mode=cfg.expert_read_mode, workers=cfg.expert_read_threads,
-                              chunk=max(1, spec.experts_per_token), alloc=alloc)
+        reader = ExpertReader(
+            layout,
+            mode=cfg.expert_read_mode,
+            workers=cfg.expert_read_threads,
+            chunk=max(1, spec.experts_per_token),
+            alloc=alloc,
+        )
     config, state = load_state(spec, skip=reader.layout.expert_tensors if reader else frozenset())
     from .offload import DTYPES, offload_split
 
     first_cpu = offload_split(cfg, int(config.get("num_hidden_layers") or 0))
-    module = build(config, state, dtype, device, expert_reader=reader, first_cpu_layer=first_cpu,
-                   offload_dtype=DTYPES[getattr(cfg, "offload_dtype", "float32")])
+    module = build(
+        config,
+        state,
+        dtype,
+        device,
+        expert_reader=reader,
+        first_cpu_layer=first_cpu,
+        offload_dtype=DTYPES[getattr(cfg, "offload_dtype", "float32")],
+    )
     del state
     packed_bytes = 0
     if device.type == "cpu":  # fp32 matrices packed for oneDNN (cpu_packed.py): faster few-row and prefill matmuls
@@ -375,34 +441,65 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         from swiftlm.experts import clamp_top_k
 
         module.a.top_k = clamp_top_k(int(getattr(cfg, "expert_top_k", 0) or 0), module.a.top_k)
-    tokenizer = (load_gguf_tokenizer(spec.gguf_meta or {}) if spec.format == "gguf"
-                 else load_hf_tokenizer(spec.path, spec.config))
+    tokenizer = (
+        load_gguf_tokenizer(spec.gguf_meta or {})
+        if spec.format == "gguf"
+        else load_hf_tokenizer(spec.path, spec.config)
+    )
     a = module.a
     ctx_cfg = getattr(cfg, "ctx_size", None) if cfg is not None else None
     # On CUDA the default KV pool holds every --parallel sequence at the full context (devices.kv_pool_size),
     # so the default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more (with
     # --kv-cache-memory the pool's size no longer follows the context).
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
-    info = ModelInfo(arch=spec.arch, num_layers=a.layers, context_length=ctx, vocab_size=a.vocab,
-                     num_params=spec.num_params, quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-                     is_moe=bool(a.experts), weight_bytes=param_bytes(module),
-                     kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
-                     streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
-                     experts_per_token=a.top_k)
+    info = ModelInfo(
+        arch=spec.arch,
+        num_layers=a.layers,
+        context_length=ctx,
+        vocab_size=a.vocab,
+        num_params=spec.num_params,
+        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+        is_moe=bool(a.experts),
+        weight_bytes=param_bytes(module),
+        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
+        streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
+        experts_per_token=a.top_k,
+    )
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
     if module.a.offload is not None:  # CPU layers keep their KV rows in --offload-dtype
         from .offload import kv_bytes_per_token
 
         info.kv_bytes_per_token = kv_bytes_per_token(a, device, dtype)
-        log.info("partial offload: layers 0-%d on %s, %d-%d on the CPU (%s)", first_cpu - 1, device, first_cpu,
-                 a.layers - 1, str(module.a.offload[2])[6:])
-    block_size, num_blocks = kv_pool_size(cfg, a, device, dtype, slots, ctx) if (
-        device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None) else (None, None)
+        log.info(
+            "partial offload: layers 0-%d on %s, %d-%d on the CPU (%s)",
+            first_cpu - 1,
+            device,
+            first_cpu,
+            a.layers - 1,
+            str(module.a.offload[2])[6:],
+        )
+    block_size, num_blocks = (
+        kv_pool_size(cfg, a, device, dtype, slots, ctx)
+        if (device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None)
+        else (None, None)
+    )
     code_pages = 0
     if block_size is not None:  # the 16-bit pool's bytes are not allocated yet: the code pages leave them free
-        code_pages = code_pool_pages(cfg, a, device, slots, ctx, taken=num_blocks * block_size * info.kv_bytes_per_token)
-    model = TorchModel(module, tokenizer, info, device, dtype, slots=slots, kv_default=settings_format(cfg),
-                       block_size=block_size, num_blocks=num_blocks, code_pages=code_pages)
+        code_pages = code_pool_pages(
+            cfg, a, device, slots, ctx, taken=num_blocks * block_size * info.kv_bytes_per_token
+        )
+    model = TorchModel(
+        module,
+        tokenizer,
+        info,
+        device,
+        dtype,
+        slots=slots,
+        kv_default=settings_format(cfg),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        code_pages=code_pages,
+    )
     model.expert_stream = reader
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
@@ -411,5 +508,3 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         model.lora = attach(module, adapters)
         log.info("LoRA adapters: %s", ", ".join(model.lora.names))
     return model
-
-

@@ -29,8 +29,11 @@ class SeqCaches:
             if self.static:
                 c = self.pool.take() if self.pool is not None else None
                 if c is None:  # more sequences than slots (or no pool): a standalone fixed cache
-                    c = self.free_slots.pop() if self.free_slots else SeqCache(
-                        self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                    c = (
+                        self.free_slots.pop()
+                        if self.free_slots
+                        else SeqCache(self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                    )
                 elif self.kv_blocks is not None:  # the engine's block manager grows this list (kv_blocks.py)
                     c.blocks = self.kv_blocks.table(seq_id)
                 c.length = 0
@@ -63,7 +66,9 @@ class SeqCaches:
         """CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
         reused by later requests with the same format) so that decode steps replay one CUDA graph; the
         server's TurboQuant format: codes in pages of the shared pool instead, taken as the sequence grows."""
-        return self.graphs is not None and self._triton_ok() and (self._static_turbo(fmt) or static_ok(self.module.a, fmt))
+        return (
+            self.graphs is not None and self._triton_ok() and (self._static_turbo(fmt) or static_ok(self.module.a, fmt))
+        )
 
     def _compressed(self, fmt: KVFormat) -> CompressedCache:
         pooled = self.turbo_free.get(fmt)
@@ -76,8 +81,15 @@ class SeqCaches:
         triton_ok = self._triton_ok()
         static = self._static_ok(fmt)
         pages = self.code_pages if static and self.code_pages is not None and fmt == self.code_pages.fmt else None
-        c = CompressedCache(self.module.a, fmt, self.dtype, self.device, dense_dtype=dense,
-                            capacity=self.info.context_length if static else None, pages=pages)
+        c = CompressedCache(
+            self.module.a,
+            fmt,
+            self.dtype,
+            self.device,
+            dense_dtype=dense,
+            capacity=self.info.context_length if static else None,
+            pages=pages,
+        )
         c.use_triton = triton_ok
         if fmt.kind == "turbo":
             c.kc.use_triton = c.vc.use_triton = c.use_triton
@@ -98,9 +110,11 @@ class SeqCaches:
                 self._cache(w.seq_id, w.start_pos)
             except torch.OutOfMemoryError:
                 self.caches.pop(w.seq_id, None)
-                bad[w.seq_id] = (f"not enough device memory for this request's {fmt.name} KV cache (a whole "
-                                 f"{self.info.context_length}-token context); requests in the server's --turbo-kv "
-                                 "format take pages of the code pool instead")
+                bad[w.seq_id] = (
+                    f"not enough device memory for this request's {fmt.name} KV cache (a whole "
+                    f"{self.info.context_length}-token context); requests in the server's --turbo-kv "
+                    "format take pages of the code pool instead"
+                )
         if not bad:
             return batch
         failed.update(bad)

@@ -76,7 +76,7 @@ class ForkedCache(SeqCache):
             for i, t in enumerate(lst):
                 new = torch.zeros((t.shape[0], cap, t.shape[2]), dtype=t.dtype, device=t.device)
                 new[:, :base] = pre[i]
-                new[:, base:base + n] = t[:, :n]
+                new[:, base : base + n] = t[:, :n]
                 lst[i] = new
         self.prefix, self.base, self.capacity, self.own = None, 0, cap, base + n
 
@@ -86,12 +86,11 @@ class ForkedCache(SeqCache):
         for lst in (self.k, self.v):
             for i, t in enumerate(lst):
                 n = torch.zeros((t.shape[0], cap, t.shape[2]), dtype=t.dtype, device=t.device)
-                n[:, :self.own] = t[:, :self.own]
+                n[:, : self.own] = t[:, : self.own]
                 lst[i] = n
         self.capacity = cap
 
-    def update_own(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update_own(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write rows at absolute positions [start, start + T) (>= base); the own segment's rows so far."""
         if start < self.base:
             self._unshare()
@@ -118,8 +117,8 @@ class ForkedCache(SeqCache):
         for layer in range(len(self.k)):
             pk = self.prefix.k[layer] if self.prefix is not None else self.k[layer][:, :0]
             pv = self.prefix.v[layer] if self.prefix is not None else self.v[layer][:, :0]
-            ks.append(torch.cat([pk, self.k[layer][:, :self.own]], 1)[:, :n].clone())
-            vs.append(torch.cat([pv, self.v[layer][:, :self.own]], 1)[:, :n].clone())
+            ks.append(torch.cat([pk, self.k[layer][:, : self.own]], 1)[:, :n].clone())
+            vs.append(torch.cat([pv, self.v[layer][:, : self.own]], 1)[:, :n].clone())
         return ks, vs
 
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ import torch
 
 ARENA_BYTES = 8 << 20
 _ALIGN = 64
-_stagers: dict[str, "Stager"] = {}
+_stagers: dict[str, Stager] = {}
 _lock = threading.Lock()
 
 
@@ -50,7 +50,7 @@ class Stager:
                 self.offset = 0
             start = self.half * self.half_bytes + self.offset
             self.offset += need
-        region = self.buf[start:start + n].view(t.dtype).view(t.shape)
+        region = self.buf[start : start + n].view(t.dtype).view(t.shape)
         region.copy_(t)
         return region.to(self.device, non_blocking=True)
 

@@ -41,8 +41,11 @@ class H2DStats:
 
     def snapshot(self) -> dict:
         self.resolve()
-        return {"h2d_bytes": self.bytes, "h2d_seconds": round(self.seconds, 6),
-                "h2d_bandwidth_bytes_per_s": self.bytes / self.seconds if self.seconds else 0.0}
+        return {
+            "h2d_bytes": self.bytes,
+            "h2d_seconds": round(self.seconds, 6),
+            "h2d_bandwidth_bytes_per_s": self.bytes / self.seconds if self.seconds else 0.0,
+        }
 
 
 class StreamedMoE(MoE):
@@ -79,7 +82,7 @@ class StreamedMoE(MoE):
         dts = self.stored_dtypes
         widen = self.copy_stream is None and self.dtype == torch.float32  # the reader threads widen bf16
         for c0 in range(0, len(experts), self.reader.chunk):
-            chunk = experts[c0:c0 + self.reader.chunk]
+            chunk = experts[c0 : c0 + self.reader.chunk]
             if self.copy_stream is not None:
                 self.copy_stream.synchronize()  # the pinned buffers' previous copies are done
             pending = self.reader.start(self.layer, chunk, float32=widen)

@@ -86,8 +86,14 @@ class PeerSum:
         dist.barrier(group)  # both ranks' flags are set before either writes to the other's
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.dtype == self.dtype and x.is_cuda and x.dim() == 2 and x.shape[0] <= self.ROWS
-                and x.numel() <= self.n and x.shape[1] <= 16384)
+        return (
+            x.dtype == self.dtype
+            and x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] <= self.ROWS
+            and x.numel() <= self.n
+            and x.shape[1] <= 16384
+        )
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += all_reduce(y)``; returns ``rmsnorm(x) * w`` (x, y: [rows, N] contiguous, this rank's partial y)."""
@@ -103,7 +109,7 @@ _mode = "nccl"
 
 
 def mode() -> str:
-    """"peer" when decode steps' sums go through ``PeerSum``, "symm_mem" when small all-reduces go through
+    """ "peer" when decode steps' sums go through ``PeerSum``, "symm_mem" when small all-reduces go through
     ``OneShot``, else "nccl" (or gloo on the CPU)."""
     return _mode
 
@@ -139,8 +145,12 @@ def setup(device: torch.device, dtype: torch.dtype, one_host: bool = True) -> st
         return _mode
     if want == "peer":
         if dist.get_world_size() != 2 or not one_host:  # built for two ranks of one machine
-            log.info("tensor-parallel all-reduce: NCCL (the peer-store sums are built for two ranks on one host; "
-                     "this group has %d%s)", dist.get_world_size(), "" if one_host else " over several hosts")
+            log.info(
+                "tensor-parallel all-reduce: NCCL (the peer-store sums are built for two ranks on one host; "
+                "this group has %d%s)",
+                dist.get_world_size(),
+                "" if one_host else " over several hosts",
+            )
             return _mode
         return _setup_peer(device, dtype)
     err = None
@@ -155,8 +165,10 @@ def setup(device: torch.device, dtype: torch.dtype, one_host: bool = True) -> st
         _impl, _mode = impl, "symm_mem"
         log.info("tensor-parallel all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above", MAX_BYTES)
     else:
-        log.warning("tensor-parallel all-reduce: NCCL only (the symmetric-memory one-shot %s)",
-                    err or "disagreed with NCCL on this or another rank")
+        log.warning(
+            "tensor-parallel all-reduce: NCCL only (the symmetric-memory one-shot %s)",
+            err or "disagreed with NCCL on this or another rank",
+        )
     return _mode
 
 
@@ -172,11 +184,16 @@ def _setup_peer(device: torch.device, dtype: torch.dtype) -> str:
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if int(flag.item()) == 1:
         _peer, _mode = peer, "peer"
-        log.info("tensor-parallel all-reduce: decode rows' sums by peer stores fused into the add + RMSNorm "
-                 "(up to %d rows), NCCL elsewhere", PeerSum.ROWS)
+        log.info(
+            "tensor-parallel all-reduce: decode rows' sums by peer stores fused into the add + RMSNorm "
+            "(up to %d rows), NCCL elsewhere",
+            PeerSum.ROWS,
+        )
     else:
-        log.warning("tensor-parallel all-reduce: NCCL only (the peer-store sum %s)",
-                    err or "disagreed with NCCL on this or another rank")
+        log.warning(
+            "tensor-parallel all-reduce: NCCL only (the peer-store sum %s)",
+            err or "disagreed with NCCL on this or another rank",
+        )
     return _mode
 
 

@@ -23,15 +23,17 @@ class TorchMultimodal(MultimodalModel):
         arch = (spec.config.get("architectures") or [""])[0]
         cls = getattr(transformers, arch, None)
         if cls is None:
-            raise UnsupportedArchitecture(f"transformers {transformers.__version__} has no class {arch!r} for "
-                                          f"{spec.path}")
+            raise UnsupportedArchitecture(
+                f"transformers {transformers.__version__} has no class {arch!r} for {spec.path}"
+            )
         self.module = cls.from_pretrained(str(spec.path), dtype=dtype).to(device).eval()
         self.device, self.dtype = device, dtype
         self.tokenizer = load_hf_tokenizer(spec.path, spec.config)
         self.ops = TorchOps(device)
         nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        self.info = multimodal_info(spec, cfg, self.tokenizer, nbytes, torch.finfo(dtype).bits // 8,
-                                    f"{spec.quantization} -> {str(dtype)[6:]}")
+        self.info = multimodal_info(
+            spec, cfg, self.tokenizer, nbytes, torch.finfo(dtype).bits // 8, f"{spec.quantization} -> {str(dtype)[6:]}"
+        )
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -40,8 +40,21 @@ class SwiftLMReplica:
         import httpx
 
         self.port = _free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "swiftlm.cli", "serve", "--model", MODEL,
-                                      "--host", "127.0.0.1", "--port", str(self.port), *SERVE_ARGS])
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "swiftlm.cli",
+                "serve",
+                "--model",
+                MODEL,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *SERVE_ARGS,
+            ]
+        )
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
         deadline = time.time() + 1800
         while time.time() < deadline:  # /health is 503 while the model loads
@@ -57,11 +70,16 @@ class SwiftLMReplica:
 
     async def __call__(self, request: Request):
         body = await request.body()
-        req = self.client.build_request(request.method, request.url.path, content=body,
-                                        headers={"content-type": request.headers.get("content-type", "")})
+        req = self.client.build_request(
+            request.method,
+            request.url.path,
+            content=body,
+            headers={"content-type": request.headers.get("content-type", "")},
+        )
         resp = await self.client.send(req, stream=True)
-        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type"))
+        return StreamingResponse(
+            resp.aiter_raw(), status_code=resp.status_code, media_type=resp.headers.get("content-type")
+        )
 
     def check_health(self) -> None:  # Ray restarts a replica whose server died
         if self.proc.poll() is not None:
@@ -69,5 +87,6 @@ class SwiftLMReplica:
 
 
 if serve is not None:
-    app = serve.deployment(SwiftLMReplica, num_replicas=2, ray_actor_options={"num_gpus": 1},
-                           max_ongoing_requests=128).bind()
+    app = serve.deployment(
+        SwiftLMReplica, num_replicas=2, ray_actor_options={"num_gpus": 1}, max_ongoing_requests=128
+    ).bind()

@@ -28,38 +28,65 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 DEFAULT_CONTEXTS = (512, 4096, 16384, 40960, 102400)
-QUICK = {"contexts": (256, 1024, 2048), "decode_tokens": 24, "batch_sizes": (1, 4), "batch_context": 128,
-         "configs": "vanilla,turbo"}
-FILLER = ("The river bends past the old mill, where the water slows and the light falls in long bands across "
-          "the stones. Farmers bring grain in the autumn, and the wheel turns from dawn until the evening bell. ")
+QUICK = {
+    "contexts": (256, 1024, 2048),
+    "decode_tokens": 24,
+    "batch_sizes": (1, 4),
+    "batch_context": 128,
+    "configs": "vanilla,turbo",
+}
+FILLER = (
+    "The river bends past the old mill, where the water slows and the light falls in long bands across "
+    "the stones. Farmers bring grain in the autumn, and the wheel turns from dawn until the evening bell. "
+)
 
 
 # ----------------------------------------------------------------------------------------------- arguments
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id, directory or .gguf (default: the bundled model)")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
-    p.add_argument("--configs", default=None,
-                   help="comma-separated: vanilla, turbo (every preset), turbo:PRESET, experts, experts+turbo, "
-                        "experts+turbo:PRESET (default: vanilla,turbo and, for MoE models, experts,experts+turbo)")
-    p.add_argument("--contexts", default=None,
-                   help="prompt lengths in tokens, comma-separated (default 512,4096,16384,40960,102400; capped by "
-                        "the model's context)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated: vanilla, turbo (every preset), turbo:PRESET, experts, experts+turbo, "
+        "experts+turbo:PRESET (default: vanilla,turbo and, for MoE models, experts,experts+turbo)",
+    )
+    p.add_argument(
+        "--contexts",
+        default=None,
+        help="prompt lengths in tokens, comma-separated (default 512,4096,16384,40960,102400; capped by "
+        "the model's context)",
+    )
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens decoded per request (default 128)")
     p.add_argument("--batch-sizes", default=None, help="concurrent requests for throughput (default 1,8,32)")
     p.add_argument("--batch-context", type=int, default=None, help="prompt tokens of the batched requests (512)")
-    p.add_argument("--quick", action="store_true",
-                   help="a small matrix (contexts 256,1024,2048; 24 tokens; batches 1,4): minutes on a CPU")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small matrix (contexts 256,1024,2048; 24 tokens; batches 1,4): minutes on a CPU",
+    )
     p.add_argument("--out", default="bench_results", help="directory for the JSON, table and plots")
     p.add_argument("--name", default=None, help="file name stem (default: bench-<model>-<backend>-<date>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
-                   help="draw two earlier runs side by side (table with B/A ratios and plots) instead of running")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine setting for every configuration, e.g. --set max_num_seqs=64 (repeatable)")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        default=None,
+        help="draw two earlier runs side by side (table with B/A ratios and plots) instead of running",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine setting for every configuration, e.g. --set max_num_seqs=64 (repeatable)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one configuration may take")
 
 
@@ -82,15 +109,17 @@ def expand_configs(text: str, is_moe: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         experts = item.startswith("experts")
-        rest = item[len("experts"):].lstrip("+") if experts else item
+        rest = item[len("experts") :].lstrip("+") if experts else item
         if rest in ("", "vanilla"):
             if not experts and rest == "":
                 raise SystemExit(f"swiftlm bench: unknown configuration {item!r}")
             out.append({"name": "experts" if experts else "vanilla", "turbo": None, "experts": experts})
             continue
         if rest != "turbo" and not rest.startswith("turbo:"):
-            raise SystemExit(f"swiftlm bench: unknown configuration {item!r} (use vanilla, turbo, turbo:PRESET, "
-                             "experts, experts+turbo)")
+            raise SystemExit(
+                f"swiftlm bench: unknown configuration {item!r} (use vanilla, turbo, turbo:PRESET, "
+                "experts, experts+turbo)"
+            )
         presets = list(NAMED_PRESETS) if rest == "turbo" else [rest.split(":", 1)[1]]
         for preset in presets:
             try:
@@ -132,7 +161,7 @@ def _reset_peaks(model: Any) -> None:
 
 def _prompt(tok_ids: list[int], n: int, offset: int = 0) -> list[int]:
     reps = n // len(tok_ids) + 2
-    ids = (tok_ids * reps)[offset % len(tok_ids):]
+    ids = (tok_ids * reps)[offset % len(tok_ids) :]
     return ids[:n]
 
 
@@ -169,10 +198,18 @@ def _measure(llm: Any, ids: list[int], decode: int) -> dict[str, Any]:
     if t_first is None:
         raise RuntimeError("the request produced no tokens")
     mem = model.memory()
-    row = {"context": len(ids), "tokens": n, "ttft_s": t_first - t0, "prefill_tps": len(ids) / (t_first - t0),
-           "decode_tps": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else None,
-           "peak_rss_bytes": process_memory()["peak_rss"], "kv_bytes": kv["bytes"], "kv_fp16_bytes": kv["fp16_bytes"],
-           "device": mem.get("device", "cpu"), "output_digest": _digest(out_ids)}
+    row = {
+        "context": len(ids),
+        "tokens": n,
+        "ttft_s": t_first - t0,
+        "prefill_tps": len(ids) / (t_first - t0),
+        "decode_tps": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else None,
+        "peak_rss_bytes": process_memory()["peak_rss"],
+        "kv_bytes": kv["bytes"],
+        "kv_fp16_bytes": kv["fp16_bytes"],
+        "device": mem.get("device", "cpu"),
+        "output_digest": _digest(out_ids),
+    }
     if mem.get("device", "cpu") != "cpu":
         row["device_peak_bytes"] = int(mem.get("peak", 0))
     return row
@@ -187,8 +224,14 @@ def _throughput(llm: Any, base: list[int], context: int, batch: int, decode: int
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"batch": batch, "context": context, "tokens": tokens, "wall_s": wall, "throughput_tps": tokens / wall,
-            "output_digest": _digest([t for o in outs for t in o.token_ids])}
+    return {
+        "batch": batch,
+        "context": context,
+        "tokens": tokens,
+        "wall_s": wall,
+        "throughput_tps": tokens / wall,
+        "output_digest": _digest([t for o in outs for t in o.token_ids]),
+    }
 
 
 def _load(spec: dict[str, Any], ctx_size: int, parallel: int) -> Any:
@@ -223,11 +266,19 @@ def worker(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     try:
         info = llm.engine.info
         mem = llm.engine.model.memory()
-        yield {"kind": "loaded", "load_s": time.perf_counter() - t0, "backend": str(llm.backend_choice).split()[0],
-               "backend_choice": str(llm.backend_choice),
-               "device": mem.get("device", "cpu"), "device_name": mem.get("device_name", ""),
-               "weights_bytes": info.weight_bytes, "kv_bytes_per_token": info.kv_bytes_per_token,
-               "arch": info.arch, "params": info.num_params, "quantization": info.quantization}
+        yield {
+            "kind": "loaded",
+            "load_s": time.perf_counter() - t0,
+            "backend": str(llm.backend_choice).split()[0],
+            "backend_choice": str(llm.backend_choice),
+            "device": mem.get("device", "cpu"),
+            "device_name": mem.get("device_name", ""),
+            "weights_bytes": info.weight_bytes,
+            "kv_bytes_per_token": info.kv_bytes_per_token,
+            "arch": info.arch,
+            "params": info.num_params,
+            "quantization": info.quantization,
+        }
         base = llm.engine.text_prompt(FILLER)[:64] or [1, 2, 3]
         _measure(llm, _prompt(base, 16), 4)  # warm-up: first-step compilation and graph capture
         for ctx in spec["contexts"]:
@@ -272,8 +323,9 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _run_config(spec: dict[str, Any], timeout: float, on_row: Any,
-                cmd: list[str] | None = None) -> list[dict[str, Any]]:
+def _run_config(
+    spec: dict[str, Any], timeout: float, on_row: Any, cmd: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Run one configuration in a child process; a watchdog kills it at ``timeout`` seconds even in the middle of
     a measurement (a 100K-token prefill or a slow decode does not get to overrun the whole matrix)."""
     rows: list[dict[str, Any]] = []
@@ -328,24 +380,41 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve(args.model)
     q = QUICK if args.quick else {}
     decode = args.decode_tokens or q.get("decode_tokens", 128)
-    contexts = cap_contexts(_ints(args.contexts, q.get("contexts", DEFAULT_CONTEXTS), "contexts"),
-                            spec.context_length, decode)
+    contexts = cap_contexts(
+        _ints(args.contexts, q.get("contexts", DEFAULT_CONTEXTS), "contexts"), spec.context_length, decode
+    )
     batches = _ints(args.batch_sizes, q.get("batch_sizes", (1, 8, 32)), "batch-sizes")
     bctx = args.batch_context or q.get("batch_context", 512)
     configs = expand_configs(args.configs or q.get("configs") or default_configs(spec.is_moe), spec.is_moe)
     if args.quick and args.configs is None and spec.is_moe:
         configs += expand_configs("experts", True)
     extra = _settings(args.set)
-    meta = report.run_meta(spec, args, contexts=contexts, decode=decode, batches=batches, batch_context=bctx,
-                           configs=[c["name"] for c in configs], settings=extra)
+    meta = report.run_meta(
+        spec,
+        args,
+        contexts=contexts,
+        decode=decode,
+        batches=batches,
+        batch_context=bctx,
+        configs=[c["name"] for c in configs],
+        settings=extra,
+    )
     results: list[dict[str, Any]] = []
     name = args.name
     t_start = time.perf_counter()
     with report.progress(len(configs) * (1 + len(contexts) + len(batches))) as advance:
         for cfg in configs:
-            wspec = {"model": args.model, "backend": args.backend, "turbo": cfg["turbo"], "experts": cfg["experts"],
-                     "contexts": contexts, "decode_tokens": decode, "batch_sizes": batches, "batch_context": bctx,
-                     "settings": extra}
+            wspec = {
+                "model": args.model,
+                "backend": args.backend,
+                "turbo": cfg["turbo"],
+                "experts": cfg["experts"],
+                "contexts": contexts,
+                "decode_tokens": decode,
+                "batch_sizes": batches,
+                "batch_context": bctx,
+                "settings": extra,
+            }
             entry = {"config": cfg["name"], "turbo": cfg["turbo"], "experts": cfg["experts"], "rows": []}
             results.append(entry)
 
@@ -354,8 +423,9 @@ def run(args: argparse.Namespace) -> int:
                 entry["rows"].append(row)
                 advance(n, row)
                 # every measurement is on disk at once: a matrix cut short keeps what it measured
-                name = report.write({"meta": dict(meta, partial=True), "results": results}, Path(args.out),
-                                    name, plots=False)[0].stem
+                name = report.write(
+                    {"meta": dict(meta, partial=True), "results": results}, Path(args.out), name, plots=False
+                )[0].stem
 
             entry["rows"] = _run_config(wspec, args.timeout, on_row)
     meta["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 PERCENTILES = (50, 90, 99)
+
 
 def percentile(values: Sequence[float], p: float) -> float | None:
     """The p-th percentile (0..100) by linear interpolation between closest ranks; None when empty."""
@@ -102,8 +104,14 @@ def poisson_arrivals(rng: Any, rate: float, n: int) -> list[float]:
     return out
 
 
-def random_prompt(encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], allowed_ids: Sequence[int],
-                  length: int, rng: random.Random, rounds: int = 4) -> str:
+def random_prompt(
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    allowed_ids: Sequence[int],
+    length: int,
+    rng: random.Random,
+    rounds: int = 4,
+) -> str:
     """Text of about ``length`` tokens: random ids from ``allowed_ids`` decoded; re-encoded, trimmed or padded
     and decoded again (a few rounds) because decode -> encode does not always give the same ids back."""
     ids = [rng.choice(allowed_ids) for _ in range(length)]
@@ -127,9 +135,9 @@ class RequestRecord:
     index: int
     ok: bool = False
     error: str | None = None
-    send: float = 0.0                 # s, from the benchmark's start
-    ttft: float | None = None         # s
-    e2e: float = 0.0                  # s
+    send: float = 0.0  # s, from the benchmark's start
+    ttft: float | None = None  # s
+    e2e: float = 0.0  # s
     output_tokens: int = 0
     prompt_tokens: int | None = None
     usage_reported: bool = False
@@ -138,20 +146,38 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         t = tpot(self.chunk_times, self.output_tokens) if self.ok else None
-        return {"index": self.index, "ok": self.ok, "error": self.error, "send_s": self.send,
-                "ttft_ms": None if self.ttft is None else self.ttft * 1e3, "e2e_ms": self.e2e * 1e3,
-                "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
-                "usage_reported": self.usage_reported, "content_chunks": len(self.chunk_times),
-                "max_tokens": self.max_tokens, "chunk_ms": [c * 1e3 for c in self.chunk_times],
-                "tpot_ms": None if t is None else t * 1e3, "stream_tok_s": None if not t else 1.0 / t}
+        return {
+            "index": self.index,
+            "ok": self.ok,
+            "error": self.error,
+            "send_s": self.send,
+            "ttft_ms": None if self.ttft is None else self.ttft * 1e3,
+            "e2e_ms": self.e2e * 1e3,
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "usage_reported": self.usage_reported,
+            "content_chunks": len(self.chunk_times),
+            "max_tokens": self.max_tokens,
+            "chunk_ms": [c * 1e3 for c in self.chunk_times],
+            "tpot_ms": None if t is None else t * 1e3,
+            "stream_tok_s": None if not t else 1.0 / t,
+        }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RequestRecord":
-        return cls(index=d["index"], ok=d["ok"], error=d["error"], send=d["send_s"],
-                   ttft=None if d["ttft_ms"] is None else d["ttft_ms"] / 1e3, e2e=d["e2e_ms"] / 1e3,
-                   output_tokens=d["output_tokens"], prompt_tokens=d["prompt_tokens"],
-                   usage_reported=d["usage_reported"], max_tokens=d["max_tokens"],
-                   chunk_times=[c / 1e3 for c in d["chunk_ms"]])
+    def from_json(cls, d: dict[str, Any]) -> RequestRecord:
+        return cls(
+            index=d["index"],
+            ok=d["ok"],
+            error=d["error"],
+            send=d["send_s"],
+            ttft=None if d["ttft_ms"] is None else d["ttft_ms"] / 1e3,
+            e2e=d["e2e_ms"] / 1e3,
+            output_tokens=d["output_tokens"],
+            prompt_tokens=d["prompt_tokens"],
+            usage_reported=d["usage_reported"],
+            max_tokens=d["max_tokens"],
+            chunk_times=[c / 1e3 for c in d["chunk_ms"]],
+        )
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:

@@ -53,14 +53,28 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from ..errors import SwiftLMError
 from .metrics import (  # noqa: F401  (some re-exported: tests take them from here)
-    PERCENTILES, RequestRecord, chunk_content, chunk_token_counts, describe, itl_samples, merge_parts,
-    parse_sse_line, percentile, poisson_arrivals, random_prompt, sample_lengths, split_share, summarize, tpot,
+    PERCENTILES,
+    RequestRecord,
+    chunk_content,
+    chunk_token_counts,
+    describe,
+    itl_samples,
+    merge_parts,
+    parse_sse_line,
+    percentile,
+    poisson_arrivals,
+    random_prompt,
+    sample_lengths,
+    split_share,
+    summarize,
+    tpot,
 )
 
 
@@ -121,8 +135,11 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[Workload]:
         for i in range(total):
             lineno, d = rows[i % len(rows)]
             if args.endpoint == "chat":
-                payload = {"messages": d["messages"]} if "messages" in d else {
-                    "messages": [{"role": "user", "content": d["prompt"]}]}
+                payload = (
+                    {"messages": d["messages"]}
+                    if "messages" in d
+                    else {"messages": [{"role": "user", "content": d["prompt"]}]}
+                )
             elif "prompt" in d:
                 payload = {"prompt": d["prompt"]}
             else:
@@ -159,9 +176,14 @@ class ClientConfig:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def body(self, w: Workload) -> dict[str, Any]:
-        b: dict[str, Any] = {"model": self.model, **w.payload, "max_tokens": w.max_tokens,
-                             "temperature": self.temperature, "stream": True,
-                             "stream_options": {"include_usage": True}}
+        b: dict[str, Any] = {
+            "model": self.model,
+            **w.payload,
+            "max_tokens": w.max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.ignore_eos_field:
             b["ignore_eos"] = True
         if self.eos_bias_ids:
@@ -250,13 +272,21 @@ def _client(cfg: ClientConfig, pool: int) -> Any:
         raise SwiftLMError("swiftlm bench serve needs httpx: pip install httpx") from None
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    return httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits, http2=False,
-                             timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0)))
+    return httpx.AsyncClient(
+        base_url=cfg.base_url,
+        headers=headers,
+        limits=limits,
+        http2=False,
+        timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0)),
+    )
 
 
-async def run_requests(cfg: ClientConfig, work: Sequence[Workload],
-                       on_done: Callable[[RequestRecord], None] | None = None,
-                       gate: Callable[[], None] | None = None) -> tuple[float, list[RequestRecord]]:
+async def run_requests(
+    cfg: ClientConfig,
+    work: Sequence[Workload],
+    on_done: Callable[[RequestRecord], None] | None = None,
+    gate: Callable[[], None] | None = None,
+) -> tuple[float, list[RequestRecord]]:
     """Send ``work`` (concurrency or Poisson rate from ``cfg``); returns (wall-clock start, records).  ``gate``:
     called (blocking) once the client is ready, just before the first request: the start line of --workers."""
     conc = cfg.concurrency
@@ -318,8 +348,9 @@ async def discover_model(base_url: str, api_key: str | None, timeout: float = 30
             if data:
                 return str(data[0]["id"])
     except Exception as exc:
-        raise SwiftLMError(f"could not list the models of {base_url} ({type(exc).__name__}: {exc}); "
-                           "pass --model") from None
+        raise SwiftLMError(
+            f"could not list the models of {base_url} ({type(exc).__name__}: {exc}); pass --model"
+        ) from None
     raise SwiftLMError(f"{base_url}/v1/models lists no model; pass --model")
 
 
@@ -343,9 +374,13 @@ def _worker_main(cfg_dict: dict[str, Any], work: list[dict[str, Any]], q: Any, g
         q.put(("fail", f"{type(exc).__name__}: {exc}"))
 
 
-def run_workers(cfg: ClientConfig, work: Sequence[Workload], workers: int,
-                on_done: Callable[[bool], None] | None = None,
-                start_delays: Sequence[float] = ()) -> list[RequestRecord]:
+def run_workers(
+    cfg: ClientConfig,
+    work: Sequence[Workload],
+    workers: int,
+    on_done: Callable[[bool], None] | None = None,
+    start_delays: Sequence[float] = (),
+) -> list[RequestRecord]:
     """Run ``work`` in ``workers`` processes (requests dealt round-robin; concurrency or rate split) and merge.
     The processes start together: each gets ready (a spawned process takes a few hundred ms to import and
     connect, differently each time), then all send their first requests at once, so that N concurrent streams
@@ -404,14 +439,21 @@ def run_workers(cfg: ClientConfig, work: Sequence[Workload], workers: int,
 
 # =========================================================================== CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:8080 (a trailing /v1 "
-                   "is accepted)")
-    p.add_argument("--model", default=None, help="model name sent in each request (default: the first id of "
-                   "GET /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: "
-                   "$OPENAI_API_KEY)")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                   help="/v1/chat/completions (prompt as one user message) or /v1/completions (raw prompt)")
+    p.add_argument(
+        "--base-url", required=True, help="server address, e.g. http://127.0.0.1:8080 (a trailing /v1 is accepted)"
+    )
+    p.add_argument(
+        "--model", default=None, help="model name sent in each request (default: the first id of GET /v1/models)"
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions (prompt as one user message) or /v1/completions (raw prompt)",
+    )
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (with --request-rate: the cap)")
     p.add_argument("--request-rate", type=float, default=None, help="requests per second, Poisson arrivals")
     p.add_argument("--num-requests", type=int, default=64, help="measured requests (default 64)")
@@ -420,19 +462,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens-std", type=float, default=0.0, help="standard deviation of the prompt length")
     p.add_argument("--output-tokens", type=int, default=128, help="max_tokens of each request (mean)")
     p.add_argument("--output-tokens-std", type=float, default=0.0, help="standard deviation of max_tokens")
-    p.add_argument("--dataset", default=None, help="JSONL prompts instead of random ones: {\"prompt\": str} or "
-                   "{\"messages\": [...]} per line, optional \"max_tokens\" (used in order, repeated as needed)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for random prompts and EOS ids: an HF directory or "
-                   "tokenizer.json, a .gguf, a model name (default: the bundled SmolLM2's); it should match the "
-                   "served model")
-    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens tokens: sends \"ignore_eos\": true "
-                   "and a logit_bias of -100 on the tokenizer's EOS ids (each switchable below)")
-    p.add_argument("--ignore-eos-field", action=argparse.BooleanOptionalAction, default=None,
-                   help="send \"ignore_eos\": true (default: on with --ignore-eos; servers with strict request "
-                   "schemas may reject it)")
-    p.add_argument("--ban-eos-bias", action=argparse.BooleanOptionalAction, default=None,
-                   help="send logit_bias -100 on the EOS ids, for servers without ignore_eos (default: on with "
-                   "--ignore-eos)")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help='JSONL prompts instead of random ones: {"prompt": str} or '
+        '{"messages": [...]} per line, optional "max_tokens" (used in order, repeated as needed)',
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for random prompts and EOS ids: an HF directory or "
+        "tokenizer.json, a .gguf, a model name (default: the bundled SmolLM2's); it should match the "
+        "served model",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help='generate max_tokens tokens: sends "ignore_eos": true '
+        "and a logit_bias of -100 on the tokenizer's EOS ids (each switchable below)",
+    )
+    p.add_argument(
+        "--ignore-eos-field",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help='send "ignore_eos": true (default: on with --ignore-eos; servers with strict request '
+        "schemas may reject it)",
+    )
+    p.add_argument(
+        "--ban-eos-bias",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send logit_bias -100 on the EOS ids, for servers without ignore_eos (default: on with --ignore-eos)",
+    )
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default 0)")
@@ -444,8 +505,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _host() -> dict[str, Any]:
-    return {"hostname": platform.node(), "platform": platform.platform(), "machine": platform.machine(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -484,14 +550,25 @@ def run(args: argparse.Namespace) -> int:
     work = build_workload(args, tokenizer)
     base = normalize_base_url(args.base_url)
     model = args.model or asyncio.run(discover_model(base, args.api_key))
-    cfg = ClientConfig(base_url=base, model=model, endpoint=args.endpoint, api_key=args.api_key,
-                       temperature=args.temperature, ignore_eos_field=send_field, eos_bias_ids=eos_ids,
-                       concurrency=args.concurrency, request_rate=args.request_rate, timeout=args.timeout,
-                       seed=args.seed, extra_body=extra)
-    warm, measured = work[:args.warmup], work[args.warmup:]
+    cfg = ClientConfig(
+        base_url=base,
+        model=model,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
+        temperature=args.temperature,
+        ignore_eos_field=send_field,
+        eos_bias_ids=eos_ids,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        timeout=args.timeout,
+        seed=args.seed,
+        extra_body=extra,
+    )
+    warm, measured = work[: args.warmup], work[args.warmup :]
     if warm:
-        wcfg = ClientConfig(**{**asdict(cfg), "request_rate": None, "concurrency": min(args.concurrency or 1,
-                                                                                         len(warm))})
+        wcfg = ClientConfig(
+            **{**asdict(cfg), "request_rate": None, "concurrency": min(args.concurrency or 1, len(warm))}
+        )
         _, wrecs = asyncio.run(run_requests(wcfg, warm))
         bad = [r for r in wrecs if not r.ok]
         if bad:
@@ -500,23 +577,39 @@ def run(args: argparse.Namespace) -> int:
     records = _run_measured(cfg, measured, args.workers, progress=not args.no_progress, console=err)
     results = summarize(records)
     config = {
-        "base_url": base, "model": model, "endpoint": args.endpoint, "label": args.label,
-        "concurrency": args.concurrency, "request_rate": args.request_rate, "num_requests": args.num_requests,
-        "warmup": args.warmup, "workers": args.workers,
-        "prompt_tokens": args.prompt_tokens, "prompt_tokens_std": args.prompt_tokens_std,
-        "output_tokens": args.output_tokens, "output_tokens_std": args.output_tokens_std,
-        "dataset": args.dataset, "tokenizer": args.tokenizer or "bundled smollm2-135m-instruct",
-        "ignore_eos": args.ignore_eos, "ignore_eos_field": send_field, "ban_eos_bias": ban, "eos_ids": eos_ids,
-        "temperature": args.temperature, "seed": args.seed, "extra_body": extra,
+        "base_url": base,
+        "model": model,
+        "endpoint": args.endpoint,
+        "label": args.label,
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "num_requests": args.num_requests,
+        "warmup": args.warmup,
+        "workers": args.workers,
+        "prompt_tokens": args.prompt_tokens,
+        "prompt_tokens_std": args.prompt_tokens_std,
+        "output_tokens": args.output_tokens,
+        "output_tokens_std": args.output_tokens_std,
+        "dataset": args.dataset,
+        "tokenizer": args.tokenizer or "bundled smollm2-135m-instruct",
+        "ignore_eos": args.ignore_eos,
+        "ignore_eos_field": send_field,
+        "ban_eos_bias": ban,
+        "eos_ids": eos_ids,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "extra_body": extra,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "swiftlm_version": _version(), "host": _host(),
+        "swiftlm_version": _version(),
+        "host": _host(),
     }
     print_report(config, results)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"config": config, "results": results,
-                                   "requests": [r.to_json() for r in records]}, indent=1))
+        out.write_text(
+            json.dumps({"config": config, "results": results, "requests": [r.to_json() for r in records]}, indent=1)
+        )
     return 0 if results["requests_ok"] > 0 else 1
 
 
@@ -526,15 +619,22 @@ def _version() -> str:
     return __version__
 
 
-def _run_measured(cfg: ClientConfig, work: Sequence[Workload], workers: int, progress: bool,
-                  console: Any) -> list[RequestRecord]:
+def _run_measured(
+    cfg: ClientConfig, work: Sequence[Workload], workers: int, progress: bool, console: Any
+) -> list[RequestRecord]:
     bar = None
     if progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        bar = Progress(TextColumn("[bold]bench serve"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=console,
-                       transient=False)
+        bar = Progress(
+            TextColumn("[bold]bench serve"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[failed]} failed"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
     counts = {"failed": 0}
     task = None
 
@@ -570,8 +670,11 @@ def print_report(config: dict[str, Any], r: dict[str, Any], console: Any = None)
     from rich.table import Table
 
     con = console or Console()
-    mode = (f"rate {config['request_rate']}/s" + (f", cap {config['concurrency']}" if config["concurrency"] else "")
-            if config["request_rate"] else f"concurrency {config['concurrency']}")
+    mode = (
+        f"rate {config['request_rate']}/s" + (f", cap {config['concurrency']}" if config["concurrency"] else "")
+        if config["request_rate"]
+        else f"concurrency {config['concurrency']}"
+    )
     t = Table(title=f"swiftlm bench serve: {config['model']} at {config['base_url']} ({mode})")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -583,8 +686,10 @@ def print_report(config: dict[str, Any], r: dict[str, Any], console: Any = None)
     t.add_row("stream tok/s (mean per request)", _fmt(r["mean_stream_tok_s"], 2))
     for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
         d = r[key]
-        t.add_row(f"{name} ms mean / p50 / p90 / p99",
-                  " / ".join(_fmt(d[k], 1 if key != "itl_ms" else 2) for k in ("mean", "p50", "p90", "p99")))
+        t.add_row(
+            f"{name} ms mean / p50 / p90 / p99",
+            " / ".join(_fmt(d[k], 1 if key != "itl_ms" else 2) for k in ("mean", "p50", "p90", "p99")),
+        )
     con.print(t)
     for e, n in r["errors"].items():
         con.print(f"[red]{n} x[/] {e}")

@@ -100,7 +100,7 @@ def closing_suffix(text: str) -> str | None:
         full = next((w for w in _LITERALS if w.startswith(lit)), None)
         if full is None:
             return None
-        out += full[len(lit):]
+        out += full[len(lit) :]
         expect = "comma_or_end"
     if expect == "colon":
         out += ":null"

@@ -31,7 +31,9 @@ def _content_text(content: Any, where: str, media: tuple[Any, list] | None = Non
             elif part["type"] in ("image_url", "input_image", "input_audio"):
                 parts.append(_media_part(part, f"{where}.content[{j}]", media))
             else:
-                raise InvalidRequest(f"{where}.content[{j}] has unsupported type {part['type']!r}", param=f"{where}.content")
+                raise InvalidRequest(
+                    f"{where}.content[{j}] has unsupported type {part['type']!r}", param=f"{where}.content"
+                )
         return "".join(parts)
     raise InvalidRequest(f"{where}.content must be a string, a list of parts or null", param=f"{where}.content")
 
@@ -43,8 +45,9 @@ def _media_part(part: dict, where: str, media: tuple[Any, list] | None) -> str:
     if media is None:
         what = "an image" if image else "audio"
         flag = "--vision and a vision-language model" if image else "--audio and an audio-language model"
-        raise InvalidRequest(f"{where} is {what}, but this model/server takes text only (start with {flag})",
-                             param=where)
+        raise InvalidRequest(
+            f"{where} is {what}, but this model/server takes text only (start with {flag})", param=where
+        )
     from ..media import collect_part
     from ..media.processor import MARKER
 
@@ -53,8 +56,10 @@ def _media_part(part: dict, where: str, media: tuple[Any, list] | None) -> str:
     limit = policy.max_images if image else policy.max_audio_clips
     if sum(1 for it in bag if it.kind == kind) >= limit:
         flag = "--max-images" if image else "--max-audio-clips"
-        raise InvalidRequest(f"{where}: too many {'images' if image else 'audio clips'} in one request "
-                             f"(the limit is {limit}, {flag})", param=where)
+        raise InvalidRequest(
+            f"{where}: too many {'images' if image else 'audio clips'} in one request (the limit is {limit}, {flag})",
+            param=where,
+        )
     bag.append(collect_part(part, where, policy))
     return MARKER.format(len(bag) - 1)
 
@@ -80,8 +85,9 @@ def normalize_messages(messages: Any, media: tuple[Any, list] | None = None) -> 
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise InvalidRequest(f"{where} has role 'tool' but no 'tool_call_id' string",
-                                     param=f"{where}.tool_call_id")
+                raise InvalidRequest(
+                    f"{where} has role 'tool' but no 'tool_call_id' string", param=f"{where}.tool_call_id"
+                )
         if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
             raise InvalidRequest(f"{where}.reasoning_content must be a string", param=f"{where}.reasoning_content")
         out.append(msg)
@@ -97,18 +103,22 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidRequest(f"{where}.tool_calls[{j}] must have a 'function' with a 'name'",
-                                 param=f"{where}.tool_calls")
+            raise InvalidRequest(
+                f"{where}.tool_calls[{j}] must have a 'function' with a 'name'", param=f"{where}.tool_calls"
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
-                raise InvalidRequest(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
-                                     param=f"{where}.tool_calls") from None
+                raise InvalidRequest(
+                    f"{where}.tool_calls[{j}].function.arguments is not valid JSON", param=f"{where}.tool_calls"
+                ) from None
         if not isinstance(args, dict):
-            raise InvalidRequest(f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
-                                 param=f"{where}.tool_calls")
-        out.append({"id": c.get("id") or f"call_{j}", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+            raise InvalidRequest(
+                f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param=f"{where}.tool_calls"
+            )
+        out.append(
+            {"id": c.get("id") or f"call_{j}", "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out

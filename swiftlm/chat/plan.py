@@ -38,8 +38,9 @@ def validate_tools(tools: Any) -> list[dict]:
             raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidRequest(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.'",
-                                 param="tools")
+            raise InvalidRequest(
+                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.'", param="tools"
+            )
         if name in seen:
             raise InvalidRequest(f"tools[{i}].function.name {name!r} is declared twice", param="tools")
         seen.add(name)
@@ -59,19 +60,21 @@ def parse_tool_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
         return ("auto" if names else "none"), None
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise InvalidRequest(f"'tool_choice' must be none, auto, required or a function, got {choice!r}",
-                                 param="tool_choice")
+            raise InvalidRequest(
+                f"'tool_choice' must be none, auto, required or a function, got {choice!r}", param="tool_choice"
+            )
         if choice == "required" and not names:
             raise InvalidRequest("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
         return choice, None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise InvalidRequest(f"'tool_choice' names function {name!r}, which is not in 'tools'",
-                                 param="tool_choice")
+            raise InvalidRequest(f"'tool_choice' names function {name!r}, which is not in 'tools'", param="tool_choice")
         return "required", name
-    raise InvalidRequest("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
-                         "{'name': ...}}", param="tool_choice")
+    raise InvalidRequest(
+        "'tool_choice' must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def _args_schema(params: dict) -> dict:
@@ -82,11 +85,19 @@ def _args_schema(params: dict) -> dict:
 
 
 def _call_schema(tools: list[dict], only: str | None, args_key: str) -> dict:
-    options = [{"type": "object",
-                "properties": {"name": {"const": t["function"]["name"]},
-                               args_key: _args_schema(t["function"]["parameters"])},
-                "required": ["name", args_key], "additionalProperties": False}
-               for t in tools if only is None or t["function"]["name"] == only]
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                args_key: _args_schema(t["function"]["parameters"]),
+            },
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for t in tools
+        if only is None or t["function"]["name"] == only
+    ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     # compact JSON: with flexible whitespace a weak model can pad with spaces until max_tokens
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
@@ -99,7 +110,9 @@ def forced_call_grammar(fmt: str, tools: list[dict], only: str | None, parallel:
 
     if fmt == "hermes":
         call = _call_schema(tools, only, "arguments")
-        tc = f"tc: {json.dumps('<tool_call>' + chr(10))} %json {json.dumps(call)} {json.dumps(chr(10) + '</tool_call>')}"
+        tc = (
+            f"tc: {json.dumps('<tool_call>' + chr(10))} %json {json.dumps(call)} {json.dumps(chr(10) + '</tool_call>')}"
+        )
         start = "start: tc" if only or not parallel else f"start: tc ({json.dumps(chr(10))} tc)*"
         lark, parse_fmt = f"{start}\n{tc}\n", "hermes"
     else:  # a bare JSON array of calls (read back by the llama3 parser, which accepts it)
@@ -116,8 +129,9 @@ def forced_call_grammar(fmt: str, tools: list[dict], only: str | None, parallel:
         raise InvalidRequest(f"a tool's 'parameters' is not a usable JSON schema: {exc}", param="tools") from None
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_err:
-        raise InvalidRequest(f"a tool's 'parameters' is not a usable JSON schema: {msgs[0] if msgs else ''}",
-                             param="tools")
+        raise InvalidRequest(
+            f"a tool's 'parameters' is not a usable JSON schema: {msgs[0] if msgs else ''}", param="tools"
+        )
     return grammar, parse_fmt
 
 
@@ -133,10 +147,14 @@ def _inject(messages: list[dict], tools: list[dict]) -> list[dict]:
             out.insert(0, {"role": "system", "content": text})
     for m in out:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
-                                                            "arguments": c["function"]["arguments"]},
-                                                           ensure_ascii=False) + "\n</tool_call>"
-                              for c in m.pop("tool_calls"))
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False
+                )
+                + "\n</tool_call>"
+                for c in m.pop("tool_calls")
+            )
             m["content"] = (m["content"] + "\n" if m["content"] else "") + calls
         elif m["role"] == "tool":
             m["role"] = "user"
@@ -146,23 +164,31 @@ def _inject(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 @dataclass
 class ChatPlan:
-    text: str                       # the rendered prompt
-    grammar: str | None = None      # forced tool call (tool_choice required / a named function)
+    text: str  # the rendered prompt
+    grammar: str | None = None  # forced tool call (tool_choice required / a named function)
     tool_format: str | None = None  # parser for tool calls (None: no parsing)
     tool_names: set[str] = field(default_factory=set)
     thinking: bool = False
     media: list = field(default_factory=list)  # decoded image/audio items, in marker order (media.expand)
 
-    def parser(self) -> "ChatOutputParser":
+    def parser(self) -> ChatOutputParser:
         reasoning = ReasoningSplitter.for_prompt(self.text) if self.thinking else None
         tools = ToolCallParser(self.tool_format, self.tool_names) if self.tool_format else None
         return ChatOutputParser(reasoning, tools)
 
 
-def plan_chat(tokenizer: Any, messages: list[dict], *, tools: Any = None, tool_choice: Any = None,
-              thinking: bool = False, template_kwargs: dict | None = None, tool_parser: str = "auto",
-              parallel_tool_calls: bool = True,
-              response_format_grammar: str | None = None) -> ChatPlan:
+def plan_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    tools: Any = None,
+    tool_choice: Any = None,
+    thinking: bool = False,
+    template_kwargs: dict | None = None,
+    tool_parser: str = "auto",
+    parallel_tool_calls: bool = True,
+    response_format_grammar: str | None = None,
+) -> ChatPlan:
     """``messages`` are already normalised (chat.messages.normalize_messages)."""
     template = tokenizer.chat_template
     kwargs = dict(template_kwargs or {})
@@ -188,8 +214,9 @@ def plan_chat(tokenizer: Any, messages: list[dict], *, tools: Any = None, tool_c
         parse_fmt = fmt
         if mode == "required":
             if response_format_grammar is not None:
-                raise InvalidRequest("'response_format' and a required tool call cannot be combined",
-                                     param="tool_choice")
+                raise InvalidRequest(
+                    "'response_format' and a required tool call cannot be combined", param="tool_choice"
+                )
             grammar, parse_fmt = forced_call_grammar(fmt, tool_list, only, parallel_tool_calls)
     elif native is None and any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         messages = _inject(messages, [])
@@ -239,5 +266,9 @@ class ChatOutputParser:
         pieces = self.feed(text) + self.finish(cut=reason == "length")
         content = "".join(v for k, v in pieces if k == "content")  # type: ignore[misc]
         reasoning = "".join(v for k, v in pieces if k == "reasoning")  # type: ignore[misc]
-        return (content if content or not self.calls else None), (reasoning or None), list(self.calls), \
-            self.finish_reason(reason)
+        return (
+            (content if content or not self.calls else None),
+            (reasoning or None),
+            list(self.calls),
+            self.finish_reason(reason),
+        )

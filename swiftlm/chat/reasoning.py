@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from .tool_calls import Piece
 
-MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("◁think▷", "◁/think▷"),
-           ("<seed:think>", "</seed:think>"))
+MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("◁think▷", "◁/think▷"), ("<seed:think>", "</seed:think>"))
 
 
 def _held(text: str, marker: str) -> int:
@@ -30,11 +29,11 @@ class ReasoningSplitter:
         self.fresh = True
 
     @classmethod
-    def for_prompt(cls, prompt_text: str) -> "ReasoningSplitter":
+    def for_prompt(cls, prompt_text: str) -> ReasoningSplitter:
         tail = prompt_text.rstrip()
         for start, end in MARKERS:
             i = tail.rfind(start)
-            if i >= 0 and tail.find(end, i) < 0 and not tail[i + len(start):].strip():
+            if i >= 0 and tail.find(end, i) < 0 and not tail[i + len(start) :].strip():
                 return cls((start, end))
         return cls()
 
@@ -47,7 +46,7 @@ class ReasoningSplitter:
                 pair = next((p for p in MARKERS if stripped.startswith(p[0])), None)
                 if pair:
                     self.pair, self.state = pair, "reasoning"
-                    self.buf = stripped[len(pair[0]):].lstrip("\n")
+                    self.buf = stripped[len(pair[0]) :].lstrip("\n")
                     continue
                 if stripped and not any(p[0].startswith(stripped) for p in MARKERS):
                     self.state = "content"
@@ -65,14 +64,14 @@ class ReasoningSplitter:
                 if j >= 0:
                     if j:
                         out.append(("reasoning", self.buf[:j]))
-                    self.buf = self.buf[j + len(end):]
+                    self.buf = self.buf[j + len(end) :]
                     self.state = "after"
                     continue
                 hold = _held(self.buf, end)
                 emit = self.buf[: len(self.buf) - hold]
                 if emit:
                     out.append(("reasoning", emit))
-                self.buf = self.buf[len(self.buf) - hold:]
+                self.buf = self.buf[len(self.buf) - hold :]
                 return out
             if self.state == "after":  # drop the blank lines between reasoning and answer
                 self.buf = self.buf.lstrip()

@@ -29,8 +29,9 @@ def _lltokenizer(tokenizer: Any) -> Any:
     with _LOCK:
         if key not in _TOKENIZERS:
             eos = sorted(tokenizer.eos_token_ids)
-            _TOKENIZERS[key] = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=tokenizer.vocab_size,
-                                                      eos_token=eos[0] if eos else None)
+            _TOKENIZERS[key] = llguidance.LLTokenizer(
+                tokenizer.tok.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos[0] if eos else None
+            )
         return _TOKENIZERS[key]
 
 
@@ -46,15 +47,18 @@ def grammar_for(response_format: dict[str, Any]) -> str | None:
     elif kind == "json_schema":
         js = response_format.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise InvalidRequest("'response_format.json_schema' must be an object with a 'schema' object",
-                                 param="response_format")
+            raise InvalidRequest(
+                "'response_format.json_schema' must be an object with a 'schema' object", param="response_format"
+            )
         schema = js.get("schema") or {"type": "object"}
     else:
-        raise InvalidRequest(f"'response_format.type' {kind!r} is not one of text, json_object, json_schema",
-                             param="response_format")
+        raise InvalidRequest(
+            f"'response_format.type' {kind!r} is not one of text, json_object, json_schema", param="response_format"
+        )
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
     except Exception as exc:  # llguidance raises ValueError on schemas it cannot compile
         raise InvalidRequest(f"invalid JSON schema: {exc}", param="response_format") from None
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import ast
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 FORMATS = ("hermes", "llama3", "mistral", "gemma")
 
@@ -146,10 +147,10 @@ def _parse_python_calls(body: str, names: set[str] | None) -> list[ToolCall] | N
 
 @dataclass(frozen=True)
 class _Syntax:
-    starts: tuple[str, ...]          # markers that open a call block
-    end: str | None                  # marker that closes it (None: the rest of the output)
+    starts: tuple[str, ...]  # markers that open a call block
+    end: str | None  # marker that closes it (None: the rest of the output)
     parse: Callable[[str, set[str] | None], list[ToolCall] | None]
-    leading: tuple[str, ...] = ()    # openings recognised only at the very start of the output
+    leading: tuple[str, ...] = ()  # openings recognised only at the very start of the output
 
 
 SYNTAX = {
@@ -168,9 +169,9 @@ class ToolCallParser:
             raise ValueError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
         self.syntax = SYNTAX[fmt]
         self.names = tool_names
-        self.buf = ""          # text not yet handed out
+        self.buf = ""  # text not yet handed out
         self.in_call: str | None = None  # the opening marker of the call being read
-        self.at_start = True   # nothing but whitespace handed out so far
+        self.at_start = True  # nothing but whitespace handed out so far
         self.calls = 0
         self.dropped = False  # an incomplete call was cut off by the token limit and left out
 
@@ -211,7 +212,7 @@ class ToolCallParser:
                 j = self.buf.find(end)
                 if j < 0:
                     return out
-                body, self.buf = self.buf[:j], self.buf[j + len(end):]
+                body, self.buf = self.buf[:j], self.buf[j + len(end) :]
                 opener, self.in_call = self.in_call, None
                 self._emit_calls(opener, body, end, out)
                 continue
@@ -230,12 +231,12 @@ class ToolCallParser:
             if hits:
                 i, m = min(hits)
                 self._content(self.buf[:i], out)
-                self.buf = self.buf[i + len(m):]
+                self.buf = self.buf[i + len(m) :]
                 self.in_call = m
                 self.at_start = False
                 continue
             hold = self._hold(self.buf, self.syntax.starts)
-            emit, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+            emit, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
             self._content(emit, out)
             return out
         return out

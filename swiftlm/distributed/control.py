@@ -31,9 +31,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from ..backend import SeqWork, StepBatch
 from ..sampling import SamplingParams
@@ -75,8 +76,10 @@ def _kv_params(p: SamplingParams | None) -> SamplingParams | None:
 
 
 def wire_batch(batch: StepBatch) -> StepBatch:
-    seqs = [SeqWork(w.seq_id, list(w.tokens), w.start_pos, w.sample, _kv_params(w.params), None, w.media)
-            for w in batch.seqs]
+    seqs = [
+        SeqWork(w.seq_id, list(w.tokens), w.start_pos, w.sample, _kv_params(w.params), None, w.media)
+        for w in batch.seqs
+    ]
     ids = None if batch.input_ids is None else LeaderArray(len(batch.seqs))
     return StepBatch(seqs, list(batch.preempted), ids)
 
@@ -85,8 +88,14 @@ class Leader:
     """Rank 0's model: the local shard's ``Model`` with every state-changing call mirrored to the
     followers first.  Read-only attributes (info, tokenizer, ops, memory, ...) are the local model's."""
 
-    def __init__(self, model: Any, conns: dict[int, Connection], procs: dict[int, Any] | None = None,
-                 grace: float = 10.0, label: str = "tensor-parallel"):
+    def __init__(
+        self,
+        model: Any,
+        conns: dict[int, Connection],
+        procs: dict[int, Any] | None = None,
+        grace: float = 10.0,
+        label: str = "tensor-parallel",
+    ):
         self._model = model
         self._label = label  # how messages name the ranks: "tensor-parallel rank 1"
         self._conns = dict(conns)
@@ -222,11 +231,18 @@ class Leader:
         if proc is not None:
             proc.join(2.0)
         code = proc.exitcode if proc is not None else None
-        how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with code {code}" if code is not None else "closed its connection")
+        how = (
+            f"was killed by signal {-code}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+            if code is not None
+            else "closed its connection"
+        )
         err = self._errors.get(r)
-        msg = (f"{self._label} rank {r}{f' (pid {proc.pid})' if proc is not None else ''} {how}"
-               f"{f' ({err})' if err else ''}; the model needs all {self.world} ranks, so it stops")
+        msg = (
+            f"{self._label} rank {r}{f' (pid {proc.pid})' if proc is not None else ''} {how}"
+            f"{f' ({err})' if err else ''}; the model needs all {self.world} ranks, so it stops"
+        )
         self.failed = msg
         log.critical(msg)
         # the process group of a dead peer cannot be torn down reliably (gloo's threads abort the interpreter's
@@ -317,4 +333,4 @@ def follow(model: Any, conn: Connection, rank: int) -> None:
                 conn.send(("error", text))
             except OSError:  # pragma: no cover
                 pass
-            raise SystemExit(1)
+            raise SystemExit(1) from None

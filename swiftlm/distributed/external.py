@@ -40,14 +40,18 @@ CONNECT_TIMEOUT = 120.0  # seconds rank 0 waits for the other ranks to connect t
 def check_settings(settings: Any, backend: Any) -> None:
     """Refuse, with one sentence naming the flag, what --distributed does not do (yet)."""
     if getattr(backend, "join_distributed", None) is None:
-        raise ConfigError(f"--distributed needs a backend with distributed support (mlx, under mlx.launch); "
-                          f"this one is {getattr(backend, 'name', '?')!r} (torch: use --tensor-parallel N)")
+        raise ConfigError(
+            f"--distributed needs a backend with distributed support (mlx, under mlx.launch); "
+            f"this one is {getattr(backend, 'name', '?')!r} (torch: use --tensor-parallel N)"
+        )
     refuse = [
         (int(getattr(settings, "tensor_parallel", 1) or 1) > 1, "--tensor-parallel (the torch backend's)"),
         (int(getattr(settings, "data_parallel", 1) or 1) > 1, "--data-parallel"),
         (getattr(settings, "engine_process", "off") == "on", "--engine-process on"),
-        (getattr(settings, "models_file", None) or isinstance(getattr(settings, "model", None), list),
-         "--models-file / several --model"),
+        (
+            getattr(settings, "models_file", None) or isinstance(getattr(settings, "model", None), list),
+            "--models-file / several --model",
+        ),
         (getattr(settings, "turbo_kv", None), "--turbo-kv"),
         (getattr(settings, "speculative", None) or getattr(settings, "draft_model", None), "--speculative"),
         (getattr(settings, "stream_experts", False), "--stream-experts"),
@@ -64,8 +68,10 @@ def join(settings: Any, backend: Any, spec: Any) -> Any:
     backend.check_distributed(spec, settings)  # can this architecture be split at all (before joining)
     ranks = backend.join_distributed(settings)
     if ranks.size < 2:
-        raise ConfigError("--distributed: this process is the only rank (the distributed group has size 1); "
-                          "start every rank with mlx.launch (see README 'MLX distributed')")
+        raise ConfigError(
+            "--distributed: this process is the only rank (the distributed group has size 1); "
+            "start every rank with mlx.launch (see README 'MLX distributed')"
+        )
     backend.check_distributed(spec, settings, ranks.size)
     return ranks
 
@@ -103,8 +109,10 @@ def _leader(backend: Any, spec: Any, settings: Any, ranks: Any) -> Any:
     try:
         listener = Listener((host, int(getattr(settings, "master_port", 0) or 0)), authkey=key)
     except OSError as exc:
-        raise RankStartupError(f"--distributed: rank 0 cannot listen on {host} for the other ranks ({exc.strerror}); "
-                               "set --master-addr to an address of this host that they can reach") from None
+        raise RankStartupError(
+            f"--distributed: rank 0 cannot listen on {host} for the other ranks ({exc.strerror}); "
+            "set --master-addr to an address of this host that they can reach"
+        ) from None
     port = listener.address[1]
     ranks.share(json.dumps({"host": host, "port": port, "key": key.hex()}).encode())
     log.info("distributed: rank 0 of %d, control socket %s:%d", ranks.size, host, port)
@@ -148,8 +156,9 @@ def run_follower(backend: Any, spec: Any, settings: Any, ranks: Any) -> int:
     try:
         conn = Client(addr, authkey=bytes.fromhex(info["key"]))
     except OSError as exc:
-        raise RankStartupError(f"--distributed: rank {ranks.rank} cannot reach rank 0's control socket "
-                               f"{addr[0]}:{addr[1]} ({exc})") from None
+        raise RankStartupError(
+            f"--distributed: rank {ranks.rank} cannot reach rank 0's control socket {addr[0]}:{addr[1]} ({exc})"
+        ) from None
     conn.send(ranks.rank)
     try:
         model = backend.load(spec, settings)

@@ -111,7 +111,8 @@ def _torchrun() -> dict[str, str] | None:
     env = os.environ
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and int(env["WORLD_SIZE"]) > 1:
         return {k: env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} | {
-            "LOCAL_RANK": env.get("LOCAL_RANK", "0")}
+            "LOCAL_RANK": env.get("LOCAL_RANK", "0")
+        }
     return None
 
 
@@ -133,7 +134,9 @@ def topology(settings: Any) -> Topology:
             raise ConfigError(f"--node-rank {node} needs --nnodes greater than {node}")
         return Topology(world, 1, 0, world, addr, 0, port)
     if world == 1:
-        raise ConfigError("--nnodes needs --pipeline-parallel N or --tensor-parallel N (the ranks spread over the hosts)")
+        raise ConfigError(
+            "--nnodes needs --pipeline-parallel N or --tensor-parallel N (the ranks spread over the hosts)"
+        )
     if node >= nnodes:
         raise ConfigError(f"--node-rank {node} is not below --nnodes {nnodes}")
     if world % nnodes:
@@ -148,8 +151,10 @@ def _authkey(topo: Topology) -> bytes:
         return os.urandom(32)
     key = os.environ.get("SWIFTLM_DIST_KEY", "")
     if len(key) < 16:
-        raise ConfigError("several hosts need a shared secret: set SWIFTLM_DIST_KEY (16+ characters, the same on "
-                          "every host, e.g. `openssl rand -hex 16`) before starting each rank")
+        raise ConfigError(
+            "several hosts need a shared secret: set SWIFTLM_DIST_KEY (16+ characters, the same on "
+            "every host, e.g. `openssl rand -hex 16`) before starting each rank"
+        )
     import hashlib
 
     return hashlib.sha256(b"swiftlm-dist\0" + key.encode()).digest()
@@ -182,16 +187,21 @@ def check_settings(settings: Any, spec: Any, backend: Any) -> None:
         check(spec, n)  # the backend's own split check (head / layer counts), before any process starts
 
 
-def _spawn(topo: Topology, spec: Any, settings: Any, backend: Any, address: Any, authkey: bytes, pg_port: int
-           ) -> dict[int, Any]:
+def _spawn(
+    topo: Topology, spec: Any, settings: Any, backend: Any, address: Any, authkey: bytes, pg_port: int
+) -> dict[int, Any]:
     """Start this host's ranks other than this process (base+1 .. base+per-1)."""
     ctx = mp.get_context("spawn")
     level = logging.getLogger("swiftlm").getEffectiveLevel()
     procs: dict[int, Any] = {}
     for r in range(topo.base + 1, topo.base + topo.per):
         info = RankInfo(r, topo.world, r - topo.base, topo.addr, pg_port, topo.per)
-        procs[r] = ctx.Process(target=_follower_main, name=f"swiftlm-rank{r}", daemon=True,
-                               args=(info, spec, settings, backend.name, address, authkey, level, topo.multi))
+        procs[r] = ctx.Process(
+            target=_follower_main,
+            name=f"swiftlm-rank{r}",
+            daemon=True,
+            args=(info, spec, settings, backend.name, address, authkey, level, topo.multi),
+        )
         procs[r].start()
     return procs
 
@@ -213,8 +223,10 @@ def load_parallel(backend: Any, spec: Any, settings: Any) -> Any:
     try:
         listener = Listener((addr, topo.ctrl_port), authkey=authkey)  # bound first: the free port below differs
     except OSError as exc:
-        raise RankStartupError(f"--{flag}: rank 0 cannot listen on {addr}:{topo.ctrl_port} ({exc.strerror}); "
-                               "--master-addr must be an address of this host that the other hosts reach") from None
+        raise RankStartupError(
+            f"--{flag}: rank 0 cannot listen on {addr}:{topo.ctrl_port} ({exc.strerror}); "
+            "--master-addr must be an address of this host that the other hosts reach"
+        ) from None
     port = topo.pg_port or free_port(addr)
     procs = _spawn(topo, spec, settings, backend, listener.address, authkey, port)
     conns: dict[int, Connection] = {}
@@ -260,8 +272,16 @@ def run_node(topo: Topology, backend: Any, spec: Any, settings: Any, authkey: by
     address = (topo.addr, topo.ctrl_port)
     procs = _spawn(topo, spec, settings, backend, address, authkey, topo.pg_port)
     info = RankInfo(topo.base, topo.world, topo.local_base, topo.addr, topo.pg_port, topo.per)
-    log.info("%s: rank %d of %d (host %d of %d), rank 0 at %s:%d", flag, topo.base, topo.world, topo.node_rank,
-             topo.nnodes, topo.addr, topo.ctrl_port)
+    log.info(
+        "%s: rank %d of %d (host %d of %d), rank 0 at %s:%d",
+        flag,
+        topo.base,
+        topo.world,
+        topo.node_rank,
+        topo.nnodes,
+        topo.addr,
+        topo.ctrl_port,
+    )
     try:
         code = _follow_rank(info, spec, settings, backend.name, address, authkey, True)
     finally:
@@ -272,8 +292,9 @@ def run_node(topo: Topology, backend: Any, spec: Any, settings: Any, authkey: by
     return code
 
 
-def accept_followers(listener: Listener, procs: dict[int, Any], conns: dict[int, Connection], n: int, flag: str,
-            timeout: float | None) -> None:
+def accept_followers(
+    listener: Listener, procs: dict[int, Any], conns: dict[int, Connection], n: int, flag: str, timeout: float | None
+) -> None:
     """Accept one authenticated connection per follower; a follower of this host that dies first is
     an error, and so (several hosts) is a rank that has not connected within ``timeout`` seconds."""
     got: list[Any] = []
@@ -294,10 +315,12 @@ def accept_followers(listener: Listener, procs: dict[int, Any], conns: dict[int,
             if p.exitcode is not None:
                 raise RankStartupError(f"{flag} rank {r} exited with code {p.exitcode} before it connected")
         if end is not None and time.monotonic() > end:
-            raise RankStartupError(f"{flag}: {n - len(got)} of {n} ranks did not connect to rank 0 at "
-                                   f"{listener.address[0]}:{listener.address[1]} within {timeout:.0f} s (are the "
-                                   "other hosts started, with the same --master-addr / --master-port / "
-                                   "SWIFTLM_DIST_KEY?)")
+            raise RankStartupError(
+                f"{flag}: {n - len(got)} of {n} ranks did not connect to rank 0 at "
+                f"{listener.address[0]}:{listener.address[1]} within {timeout:.0f} s (are the "
+                "other hosts started, with the same --master-addr / --master-port / "
+                "SWIFTLM_DIST_KEY?)"
+            )
         time.sleep(0.05)
     for c in got:
         if isinstance(c, Exception):
@@ -306,8 +329,14 @@ def accept_followers(listener: Listener, procs: dict[int, Any], conns: dict[int,
         conns[r] = c
 
 
-def _load_rank0(backend: Any, spec: Any, settings: Any, procs: dict[int, Any], conns: dict[int, Connection],
-                flag: str = "tensor-parallel") -> Any:
+def _load_rank0(
+    backend: Any,
+    spec: Any,
+    settings: Any,
+    procs: dict[int, Any],
+    conns: dict[int, Connection],
+    flag: str = "tensor-parallel",
+) -> Any:
     """Load rank 0's shard on a helper thread while watching the followers: each says ready, or
     its error, or dies; any failure raises here at once (the load thread is left behind, a daemon
     blocked in the rendezvous, when a follower never joins)."""
@@ -331,8 +360,7 @@ def _load_rank0(backend: Any, spec: Any, settings: Any, procs: dict[int, Any], c
             if obj in sentinels:
                 r = sentinels[obj]
                 if r in ready:
-                    raise RankStartupError(f"{flag} rank {r} exited with code {procs[r].exitcode} "
-                                           "during start-up")
+                    raise RankStartupError(f"{flag} rank {r} exited with code {procs[r].exitcode} during start-up")
                 continue  # its error message, if it sent one, comes through its connection
             r = next(k for k, c in waiting.items() if c is obj)
             try:
@@ -342,8 +370,9 @@ def _load_rank0(backend: Any, spec: Any, settings: Any, procs: dict[int, Any], c
                 if p is None:  # a rank on another host
                     raise RankStartupError(f"{flag} rank {r} closed its connection while loading its shard") from None
                 p.join(2.0)
-                raise RankStartupError(f"{flag} rank {r} exited with code {p.exitcode} while "
-                                       "loading its shard") from None
+                raise RankStartupError(
+                    f"{flag} rank {r} exited with code {p.exitcode} while loading its shard"
+                ) from None
             if kind == "error":
                 raise RankStartupError(f"{flag} rank {r} failed to load its shard: {text}")
             ready.add(r)
@@ -354,8 +383,16 @@ def _load_rank0(backend: Any, spec: Any, settings: Any, procs: dict[int, Any], c
     return out["model"]
 
 
-def _follower_main(info: RankInfo, spec: Any, settings: Any, backend_name: str, address: Any, authkey: bytes,
-                   level: int, retry: bool = False) -> None:
+def _follower_main(
+    info: RankInfo,
+    spec: Any,
+    settings: Any,
+    backend_name: str,
+    address: Any,
+    authkey: bytes,
+    level: int,
+    retry: bool = False,
+) -> None:
     """A spawned rank: watch its parent, then ``_follow_rank``."""
     logging.basicConfig(level=level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
@@ -380,15 +417,19 @@ def _connect(address: Any, authkey: bytes, retry: bool, rank: int) -> Connection
             if isinstance(exc, (ConnectionRefusedError, ConnectionResetError)) and time.monotonic() < end:
                 time.sleep(0.5)
                 continue
-            raise RankStartupError(f"rank {rank} cannot reach rank 0's control socket {address[0]}:{address[1]} "
-                                   f"({exc})") from None
+            raise RankStartupError(
+                f"rank {rank} cannot reach rank 0's control socket {address[0]}:{address[1]} ({exc})"
+            ) from None
         except Exception as exc:  # multiprocessing.AuthenticationError: another key
-            raise RankStartupError(f"rank {rank}: rank 0 at {address[0]}:{address[1]} refused this rank ({exc}); "
-                                   "is SWIFTLM_DIST_KEY the same on every host?") from None
+            raise RankStartupError(
+                f"rank {rank}: rank 0 at {address[0]}:{address[1]} refused this rank ({exc}); "
+                "is SWIFTLM_DIST_KEY the same on every host?"
+            ) from None
 
 
-def _follow_rank(info: RankInfo, spec: Any, settings: Any, backend_name: str, address: Any, authkey: bytes,
-                 retry: bool) -> int:
+def _follow_rank(
+    info: RankInfo, spec: Any, settings: Any, backend_name: str, address: Any, authkey: bytes, retry: bool
+) -> int:
     """Rank ``info.rank``: connect, load the shard, then make rank 0's calls until it stops."""
     global _current
     _current = info

@@ -32,7 +32,8 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from ..stats import EngineStats, LatencyHistogram
@@ -43,29 +44,46 @@ log = logging.getLogger(__name__)
 AFFINITY_TOKENS = 64
 AFFINITY_KEYS = 4096
 # attributes that make_engine / the server set on an engine: set on every replica
-_BROADCAST = frozenset({"on_fatal", "json_close", "json_repeat_guard", "tool_parser", "media_processor",
-                        "media_policy", "backend_name", "request_timeout", "default_max_tokens"})
+_BROADCAST = frozenset(
+    {
+        "on_fatal",
+        "json_close",
+        "json_repeat_guard",
+        "tool_parser",
+        "media_processor",
+        "media_policy",
+        "backend_name",
+        "request_timeout",
+        "default_max_tokens",
+    }
+)
 
 
 class ReplicaSet:
-    def __init__(self, engines: Sequence[Any], affinity_tokens: int = AFFINITY_TOKENS, slack: int | None = None,
-                 devices: Sequence[str] | None = None):
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        affinity_tokens: int = AFFINITY_TOKENS,
+        slack: int | None = None,
+        devices: Sequence[str] | None = None,
+    ):
         if not engines:
             raise ValueError("a ReplicaSet needs at least one engine")
         n = len(engines)
         d = self.__dict__  # plain attributes, past __setattr__'s broadcast
         d["replicas"] = list(engines)
-        d["devices"] = list(devices) if devices else [str(getattr(getattr(e, "model", None), "device", ""))
-                                                      for e in engines]
+        d["devices"] = (
+            list(devices) if devices else [str(getattr(getattr(e, "model", None), "device", "")) for e in engines]
+        )
         d["affinity_tokens"] = max(1, int(affinity_tokens))
         d["slack"] = max(1, int(slack if slack is not None else engines[0].scheduler.max_running))
         d["_lock"] = threading.Lock()
         d["_submitted"] = [0] * n  # sequences handed to each replica (successful submits)
-        d["_inflight"] = [0] * n   # routed, inside the replica's submit() now (not yet in its count)
+        d["_inflight"] = [0] * n  # routed, inside the replica's submit() now (not yet in its count)
         d["_home"] = OrderedDict()  # affinity key -> replica index (LRU)
-        d["routed"] = [0] * n       # sequences routed to each replica
-        d["affinity_hits"] = 0      # sequences sent to their key's replica
-        d["affinity_spills"] = 0    # ... sent elsewhere because it was much busier
+        d["routed"] = [0] * n  # sequences routed to each replica
+        d["affinity_hits"] = 0  # sequences sent to their key's replica
+        d["affinity_spills"] = 0  # ... sent elsewhere because it was much busier
         d["_fatal"] = None
         d["_on_fatal"] = None
         for i, e in enumerate(engines):
@@ -214,8 +232,16 @@ class ReplicaSet:
         out = EngineStats()
         for e in self.replicas:
             s = e.stats
-            for f in ("requests_total", "requests_active", "tokens_generated", "prompt_tokens", "decode_seconds",
-                      "steps", "json_closed", "overlapped_steps"):
+            for f in (
+                "requests_total",
+                "requests_active",
+                "tokens_generated",
+                "prompt_tokens",
+                "decode_seconds",
+                "steps",
+                "json_closed",
+                "overlapped_steps",
+            ):
                 setattr(out, f, getattr(out, f) + getattr(s, f))
             for reason, n in list(s.finished.items()):
                 out.finished[reason] = out.finished.get(reason, 0) + n
@@ -225,11 +251,11 @@ class ReplicaSet:
         return out
 
     @property
-    def scheduler(self) -> "_SchedulerView":
+    def scheduler(self) -> _SchedulerView:
         return _SchedulerView([e.scheduler for e in self.replicas])
 
     @property
-    def prefix_cache(self) -> "_CacheView":
+    def prefix_cache(self) -> _CacheView:
         return _CacheView([e.prefix_cache for e in self.replicas])
 
     @property
@@ -245,7 +271,7 @@ class ReplicaSet:
         return out
 
     @property
-    def model(self) -> "_ModelView":
+    def model(self) -> _ModelView:
         return _ModelView([e.model for e in self.replicas])
 
     @property
@@ -256,8 +282,12 @@ class ReplicaSet:
     def kv_stats(self) -> dict[str, Any]:
         per = [e.kv_stats() for e in self.replicas]
         b, f16 = sum(p["bytes"] for p in per), sum(p["fp16_bytes"] for p in per)
-        return {"default_format": per[0]["default_format"], "bytes": b, "fp16_bytes": f16,
-                "compression_ratio": round(f16 / b, 4) if b else 1.0}
+        return {
+            "default_format": per[0]["default_format"],
+            "bytes": b,
+            "fp16_bytes": f16,
+            "compression_ratio": round(f16 / b, 4) if b else 1.0,
+        }
 
     def gc_stats(self) -> dict[str, Any]:
         """Each replica's garbage-collector pauses (replicas on threads share one process's)."""
@@ -278,17 +308,32 @@ class ReplicaSet:
         """Per replica: device, routed requests, outstanding load, tokens, prompt-cache hits."""
         out = []
         for i, e in enumerate(self.replicas):
-            out.append({"replica": i, "device": self.devices[i], "routed": self.routed[i],
-                        "outstanding": self.load(i), "running": len(e.scheduler.running),
-                        "queued": len(e.scheduler.waiting), "tokens_generated": e.stats.tokens_generated,
-                        "prompt_cache_hits": e.prefix_cache.hits, "prompt_cache_misses": e.prefix_cache.misses,
-                        "fatal": e.fatal})
+            out.append(
+                {
+                    "replica": i,
+                    "device": self.devices[i],
+                    "routed": self.routed[i],
+                    "outstanding": self.load(i),
+                    "running": len(e.scheduler.running),
+                    "queued": len(e.scheduler.waiting),
+                    "tokens_generated": e.stats.tokens_generated,
+                    "prompt_cache_hits": e.prefix_cache.hits,
+                    "prompt_cache_misses": e.prefix_cache.misses,
+                    "fatal": e.fatal,
+                }
+            )
         return out
 
     def routing_stats(self) -> dict[str, Any]:
-        return {"replicas": len(self.replicas), "affinity_tokens": self.affinity_tokens, "slack": self.slack,
-                "affinity_hits": self.affinity_hits, "affinity_spills": self.affinity_spills,
-                "affinity_keys": len(self._home), "per_replica": self.replica_stats()}
+        return {
+            "replicas": len(self.replicas),
+            "affinity_tokens": self.affinity_tokens,
+            "slack": self.slack,
+            "affinity_hits": self.affinity_hits,
+            "affinity_spills": self.affinity_spills,
+            "affinity_keys": len(self._home),
+            "per_replica": self.replica_stats(),
+        }
 
 
 def _merge_hist(hs: list[LatencyHistogram]) -> LatencyHistogram:
@@ -378,8 +423,9 @@ class _ModelView:
         per = [dict(m.memory()) for m in self._m]
         distinct = len({str(getattr(m, "device", i)) for i, m in enumerate(self._m)}) == len(self._m)
         out = dict(per[0])
-        summed = ("weights", "kv_allocated") + (("active", "peak", "cache", "reserved", "device_total")
-                                               if distinct else ())
+        summed = ("weights", "kv_allocated") + (
+            ("active", "peak", "cache", "reserved", "device_total") if distinct else ()
+        )
         for k in summed:
             if all(isinstance(p.get(k), (int, float)) for p in per):
                 out[k] = sum(p[k] for p in per)
@@ -408,21 +454,25 @@ def check_settings(settings: Any, backend: Any) -> list[str | None]:
     """The device of each replica, or one sentence why this combination is refused."""
     n = settings.data_parallel
     if backend.name != "torch":
-        raise ConfigError(f"--data-parallel needs the torch backend (the {backend.name} backend runs one model "
-                          "per device here)")
+        raise ConfigError(
+            f"--data-parallel needs the torch backend (the {backend.name} backend runs one model per device here)"
+        )
     if getattr(settings, "tensor_parallel", 1) not in (None, 1):
         raise ConfigError("--data-parallel and --tensor-parallel do not combine in this version")
     if settings.gpu_layers is not None:
-        raise ConfigError("--data-parallel and --gpu-layers do not combine (every replica's offloaded layers "
-                          "would share one CPU)")
+        raise ConfigError(
+            "--data-parallel and --gpu-layers do not combine (every replica's offloaded layers would share one CPU)"
+        )
     if settings.models_file or settings.extra_models:
         raise ConfigError("--data-parallel serves one model (not --models-file or a repeated --model)")
     from ..memory import device_kind
 
     kind = device_kind(backend.available().device or "")
     if settings.device not in (None, "cpu"):
-        raise ConfigError(f"--device {settings.device} with --data-parallel: each replica takes its own device "
-                          "(cuda:0..N-1); leave --device out, or use --device cpu")
+        raise ConfigError(
+            f"--device {settings.device} with --data-parallel: each replica takes its own device "
+            "(cuda:0..N-1); leave --device out, or use --device cpu"
+        )
     if settings.device == "cpu" or kind != "cuda":
         return ["cpu"] * n
     return [f"cuda:{i}" for i in range(n)]
@@ -436,8 +486,7 @@ def build_replicas(settings: Any, backend: Any, spec: Any, make_engine: Any) -> 
     try:
         for i, dev in enumerate(devices):
             log.info("data-parallel replica %d/%d on %s", i + 1, len(devices), dev)
-            engines.append(make_engine(settings.model_copy(update={"data_parallel": 1, "device": dev}),
-                                       backend, spec))
+            engines.append(make_engine(settings.model_copy(update={"data_parallel": 1, "device": dev}), backend, spec))
     except BaseException:
         for e in engines:
             e.shutdown(2.0)

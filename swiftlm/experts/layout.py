@@ -17,18 +17,22 @@ import json
 import logging
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 log = logging.getLogger(__name__)
 
 PROJECTIONS = ("gate", "up", "down")
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-_PER_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?layers\.(?P<L>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<E>\d+)\."
-                         r"(?P<p>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<c>weight|scales|biases)$")
-_STACKED = re.compile(r"^(?P<pre>(?:.*\.)?layers\.(?P<L>\d+)\.(?:mlp|block_sparse_moe))\.switch_mlp\."
-                      r"(?P<p>gate_proj|up_proj|down_proj)\.(?P<c>weight|scales|biases)$")
+_PER_EXPERT = re.compile(
+    r"^(?P<pre>(?:.*\.)?layers\.(?P<L>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<E>\d+)\."
+    r"(?P<p>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<c>weight|scales|biases)$"
+)
+_STACKED = re.compile(
+    r"^(?P<pre>(?:.*\.)?layers\.(?P<L>\d+)\.(?:mlp|block_sparse_moe))\.switch_mlp\."
+    r"(?P<p>gate_proj|up_proj|down_proj)\.(?P<c>weight|scales|biases)$"
+)
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8}
 
 
@@ -40,19 +44,19 @@ class ExpertSlab:
     offset: int
     nbytes: int
     shape: tuple[int, ...]  # one expert's shape, e.g. (out, in) or (out, in // 8) packed
-    dtype: str              # safetensors dtype: BF16, F16, F32, U32
+    dtype: str  # safetensors dtype: BF16, F16, F32, U32
 
 
 @dataclass
 class ExpertLayout:
     files: list[Path]
     num_experts: int
-    style: str                                   # "per_expert" or "stacked"
+    style: str  # "per_expert" or "stacked"
     # layer -> (projection, component) -> per-expert slabs
     slabs: dict[int, dict[tuple[str, str], list[ExpertSlab]]] = field(default_factory=dict)
     module_prefix: dict[int, str] = field(default_factory=dict)  # layer -> "model.layers.L.mlp"
-    expert_tensors: set[str] = field(default_factory=set)        # names never loaded when streaming
-    total_bytes: int = 0                                          # every tensor in the files
+    expert_tensors: set[str] = field(default_factory=set)  # names never loaded when streaming
+    total_bytes: int = 0  # every tensor in the files
     expert_bytes_total: int = 0
 
     @property
@@ -127,8 +131,9 @@ def scan_experts(weight_files: Iterable[Path]) -> ExpertLayout | None:
                 style = style or "per_expert"
                 key = (int(m["L"]), _PROJ[m["p"]], m["c"])
                 e = int(m["E"])
-                found.setdefault(key, {})[e] = ExpertSlab(fi, base + start, end - start, tuple(meta["shape"]),
-                                                          meta["dtype"])
+                found.setdefault(key, {})[e] = ExpertSlab(
+                    fi, base + start, end - start, tuple(meta["shape"]), meta["dtype"]
+                )
                 num_experts = max(num_experts, e + 1)
             else:
                 m = _STACKED.match(name)
@@ -138,16 +143,25 @@ def scan_experts(weight_files: Iterable[Path]) -> ExpertLayout | None:
                 key = (int(m["L"]), _PROJ[m["p"]], m["c"])
                 n_e = int(meta["shape"][0])
                 size = (end - start) // n_e
-                found[key] = {e: ExpertSlab(fi, base + start + e * size, size, tuple(meta["shape"][1:]),
-                                            meta["dtype"]) for e in range(n_e)}
+                found[key] = {
+                    e: ExpertSlab(fi, base + start + e * size, size, tuple(meta["shape"][1:]), meta["dtype"])
+                    for e in range(n_e)
+                }
                 num_experts = max(num_experts, n_e)
             names.add(name)
             expert_total += end - start
             prefix[int(m["L"])] = m["pre"]
     if not found:
         return None
-    layout = ExpertLayout(files=files, num_experts=num_experts, style=style, module_prefix=prefix,
-                          expert_tensors=names, total_bytes=total, expert_bytes_total=expert_total)
+    layout = ExpertLayout(
+        files=files,
+        num_experts=num_experts,
+        style=style,
+        module_prefix=prefix,
+        expert_tensors=names,
+        total_bytes=total,
+        expert_bytes_total=expert_total,
+    )
     for (li, proj, comp), per in found.items():
         missing = [e for e in range(num_experts) if e not in per]
         if missing:
@@ -155,6 +169,7 @@ def scan_experts(weight_files: Iterable[Path]) -> ExpertLayout | None:
         layout.slabs.setdefault(li, {})[(proj, comp)] = [per[e] for e in range(num_experts)]
     for li, parts in layout.slabs.items():
         if {p for p, _ in parts} != set(PROJECTIONS):
-            raise ValueError(f"layer {li}: expert projections {sorted({p for p, _ in parts})}, expected "
-                             "gate, up and down")
+            raise ValueError(
+                f"layer {li}: expert projections {sorted({p for p, _ in parts})}, expected gate, up and down"
+            )
     return layout

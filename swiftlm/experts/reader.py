@@ -18,17 +18,24 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
 from .layout import ExpertLayout, ExpertSlab
 
-NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32,
-             "U8": np.uint8, "I8": np.int8}
+NP_DTYPES = {
+    "BF16": np.uint16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U8": np.uint8,
+    "I8": np.int8,
+}
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 MAX_READ = 1 << 20  # bytes per read request: large slabs are split (1 MiB measured best here, docs/benchmarks.md)
 MODES = ("pread", "mmap")
@@ -36,16 +43,16 @@ MODES = ("pread", "mmap")
 
 @dataclass
 class StreamStats:
-    bytes_read: int = 0          # bytes copied out of the files by expert reads
-    reads: int = 0               # read requests (syscalls, or mmap copies)
-    read_seconds: float = 0.0    # wall time the engine waited for expert reads
-    layer_reads: int = 0         # read() calls (one per MoE layer per step)
+    bytes_read: int = 0  # bytes copied out of the files by expert reads
+    reads: int = 0  # read requests (syscalls, or mmap copies)
+    read_seconds: float = 0.0  # wall time the engine waited for expert reads
+    layer_reads: int = 0  # read() calls (one per MoE layer per step)
     experts_read: int = 0
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
-    prefetch_bytes: int = 0      # bytes hinted to the kernel
-    prefetch_hits: int = 0       # routed experts that had been hinted
-    prefetch_scored: int = 0     # routed experts of layers that had a hint
+    prefetch_bytes: int = 0  # bytes hinted to the kernel
+    prefetch_hits: int = 0  # routed experts that had been hinted
+    prefetch_scored: int = 0  # routed experts of layers that had a hint
 
     def observe(self, seconds: float) -> None:
         i = 0
@@ -55,11 +62,16 @@ class StreamStats:
         self.latency_sum += seconds
 
     def snapshot(self) -> dict:
-        return {"bytes_read": self.bytes_read, "reads": self.reads, "read_seconds": round(self.read_seconds, 6),
-                "layer_reads": self.layer_reads, "experts_read": self.experts_read,
-                "read_bandwidth_bytes_per_s": (self.bytes_read / self.read_seconds) if self.read_seconds else 0.0,
-                "prefetch_bytes": self.prefetch_bytes,
-                "prefetch_hit_rate": (self.prefetch_hits / self.prefetch_scored) if self.prefetch_scored else None}
+        return {
+            "bytes_read": self.bytes_read,
+            "reads": self.reads,
+            "read_seconds": round(self.read_seconds, 6),
+            "layer_reads": self.layer_reads,
+            "experts_read": self.experts_read,
+            "read_bandwidth_bytes_per_s": (self.bytes_read / self.read_seconds) if self.read_seconds else 0.0,
+            "prefetch_bytes": self.prefetch_bytes,
+            "prefetch_hit_rate": (self.prefetch_hits / self.prefetch_scored) if self.prefetch_scored else None,
+        }
 
 
 def proc_io() -> dict[str, int]:
@@ -109,8 +121,14 @@ class ExpertReader:
     widened to float32 with ``float32=True``.  ``start()`` is the asynchronous form.
     ``alloc(nbytes)`` makes a buffer (the torch backend passes pinned host memory)."""
 
-    def __init__(self, layout: ExpertLayout, mode: str = "pread", workers: int = 16,
-                 alloc: Callable[[int], np.ndarray] | None = None, chunk: int = 8):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        mode: str = "pread",
+        workers: int = 16,
+        alloc: Callable[[int], np.ndarray] | None = None,
+        chunk: int = 8,
+    ):
         if mode not in MODES:
             raise ValueError(f"expert read mode must be one of {MODES}, not {mode!r}")
         self.layout, self.mode = layout, mode
@@ -162,14 +180,22 @@ class ExpertReader:
                 out[key] = raw
             for j, e in enumerate(experts):
                 s = slabs[e]
-                view = memoryview(buf)[j * s.nbytes:(j + 1) * s.nbytes]
+                view = memoryview(buf)[j * s.nbytes : (j + 1) * s.nbytes]
                 src = raw[j].reshape(-1) if conv else None
                 dst = out[key][j].view(np.uint32).reshape(-1) if conv else None
                 # large slabs are split so that even a few experts keep many reads in flight
                 for a in range(0, s.nbytes, MAX_READ):
                     b = min(a + MAX_READ, s.nbytes)
-                    pieces.append((s.file, s.offset + a, b - a, view[a:b], j,
-                                   (src[a // 2:b // 2], dst[a // 2:b // 2]) if conv else None))
+                    pieces.append(
+                        (
+                            s.file,
+                            s.offset + a,
+                            b - a,
+                            view[a:b],
+                            j,
+                            (src[a // 2 : b // 2], dst[a // 2 : b // 2]) if conv else None,
+                        )
+                    )
         pieces.sort(key=lambda p: (p[0], p[1]))
         runs: list[list] = []  # [file, offset, views, nbytes, expert slots, conversions]
         for f, off, nb, view, j, conv in pieces:
@@ -203,8 +229,9 @@ class ExpertReader:
             pos = off
             for v, conv in zip(views, convs):
                 if conv is None:
-                    np.copyto(np.frombuffer(v, dtype=np.uint8), np.frombuffer(m, dtype=np.uint8, count=len(v),
-                                                                              offset=pos))
+                    np.copyto(
+                        np.frombuffer(v, dtype=np.uint8), np.frombuffer(m, dtype=np.uint8, count=len(v), offset=pos)
+                    )
                 else:  # widen straight out of the mapping: no intermediate copy
                     src = np.frombuffer(m, dtype=np.uint16, count=len(v) // 2, offset=pos).reshape(conv[1].shape)
                     np.left_shift(src, 16, out=conv[1], dtype=np.uint32, casting="unsafe")
@@ -216,7 +243,7 @@ class ExpertReader:
                 np.left_shift(conv[0], 16, out=conv[1], dtype=np.uint32, casting="unsafe")
         return lat
 
-    def start(self, layer: int, experts: Sequence[int], float32: bool = False) -> "PendingRead":
+    def start(self, layer: int, experts: Sequence[int], float32: bool = False) -> PendingRead:
         """Submit the reads of these experts' slabs; ``float32``: BF16 slabs come back widened to
         float32 (done by the reader threads).  Consume with ``PendingRead.expert(j)`` (waits only
         for expert j's reads) or ``result()``."""
@@ -228,7 +255,7 @@ class ExpertReader:
     def read(self, layer: int, experts: Sequence[int], float32: bool = False) -> dict[tuple[str, str], np.ndarray]:
         return self.start(layer, experts, float32).result()
 
-    def _account(self, pending: "PendingRead", waited: float, lat: list[float]) -> None:
+    def _account(self, pending: PendingRead, waited: float, lat: list[float]) -> None:
         st = self.stats
         with self._lock:
             st.read_seconds += waited
@@ -292,8 +319,16 @@ class PendingRead:
     (sorted) expert's slabs are done, so a backend can compute expert j while later experts are
     still being read; ``result()`` waits for all.  Accounted once, when everything is done."""
 
-    def __init__(self, reader: ExpertReader, layer: int, experts: list[int], out: dict, futures: list,
-                 slots: list[set[int]], nbytes: int):
+    def __init__(
+        self,
+        reader: ExpertReader,
+        layer: int,
+        experts: list[int],
+        out: dict,
+        futures: list,
+        slots: list[set[int]],
+        nbytes: int,
+    ):
         self.reader, self.layer, self.experts, self.out = reader, layer, experts, out
         self.nbytes = nbytes
         self._futures = futures

@@ -45,13 +45,17 @@ def decode_image(data: bytes, where: str, policy: MediaPolicy) -> ImageItem:
     try:
         im = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError):
-        raise InvalidRequest(f"{where} could not be decoded as an image (JPEG, PNG, WebP or GIF)", param=where) from None
+        raise InvalidRequest(
+            f"{where} could not be decoded as an image (JPEG, PNG, WebP or GIF)", param=where
+        ) from None
     if im.format not in IMAGE_FORMATS:
         raise InvalidRequest(f"{where} is a {im.format} image; supported: JPEG, PNG, WebP, GIF", param=where)
     w, h = im.size
     if w * h > policy.max_image_pixels:  # checked from the header, before decoding the pixels
-        raise MediaTooLarge(f"{where} is {w}x{h} = {w * h} pixels, over the limit of {policy.max_image_pixels} "
-                            "(--max-image-pixels)", param=where)
+        raise MediaTooLarge(
+            f"{where} is {w}x{h} = {w * h} pixels, over the limit of {policy.max_image_pixels} (--max-image-pixels)",
+            param=where,
+        )
     try:
         im.seek(0)  # animated GIF / WebP: the first frame
         im.load()
@@ -70,8 +74,11 @@ def decode_audio(data: bytes, fmt: str, where: str, policy: MediaPolicy) -> Audi
     except Exception:
         raise InvalidRequest(f"{where} could not be decoded as {fmt} audio", param=where) from None
     if info.frames / max(1, info.samplerate) > policy.max_audio_seconds:
-        raise MediaTooLarge(f"{where} is {info.frames / info.samplerate:.1f} s of audio, over the limit of "
-                            f"{policy.max_audio_seconds:g} s (--max-audio-seconds)", param=where)
+        raise MediaTooLarge(
+            f"{where} is {info.frames / info.samplerate:.1f} s of audio, over the limit of "
+            f"{policy.max_audio_seconds:g} s (--max-audio-seconds)",
+            param=where,
+        )
     try:
         x, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception:
@@ -110,12 +117,16 @@ def collect_part(part: dict, where: str, policy: MediaPolicy) -> MediaItem:
             raise InvalidRequest(f"{where} is audio, but {policy.why_no_audio}", param=where)
         spec = part.get("input_audio")
         if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
-            raise InvalidRequest(f"{where}.input_audio must be an object with base64 'data' and a 'format'",
-                                 param=where)
+            raise InvalidRequest(
+                f"{where}.input_audio must be an object with base64 'data' and a 'format'", param=where
+            )
         fmt = str(spec.get("format") or "").lower()
         if fmt not in AUDIO_FORMATS:
-            raise InvalidRequest(f"{where}.input_audio.format {spec.get('format')!r} is not supported; "
-                                 f"use one of {', '.join(AUDIO_FORMATS)}", param=where)
+            raise InvalidRequest(
+                f"{where}.input_audio.format {spec.get('format')!r} is not supported; "
+                f"use one of {', '.join(AUDIO_FORMATS)}",
+                param=where,
+            )
         data = _b64(spec["data"], f"{where}.input_audio.data", policy)
         return decode_audio(data, fmt, where, policy)
     raise InvalidRequest(f"{where} has unsupported type {kind!r}", param=where)

@@ -8,26 +8,33 @@ prompt is prefilled in one forward with its arrays, every later row is text.  Ba
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..backend import Forward, ModelInfo, StepBatch
 
 log = logging.getLogger(__name__)
 
 
-def multimodal_info(spec: Any, cfg: Any, tokenizer: Any, weight_bytes: int, kv_dtype_bytes: int,
-                    quantization: str) -> ModelInfo:
+def multimodal_info(
+    spec: Any, cfg: Any, tokenizer: Any, weight_bytes: int, kv_dtype_bytes: int, quantization: str
+) -> ModelInfo:
     """ModelInfo from a multimodal config (the language model's numbers live under text_config)."""
     text = spec.config.get("text_config") or spec.config
     model_ctx = int(text.get("max_position_embeddings") or 4096)
     layers = int(text.get("num_hidden_layers", 0))
     kv = int(text.get("num_key_value_heads") or 1) * int(text.get("head_dim") or 64)
-    return ModelInfo(arch=spec.arch, num_layers=layers,
-                     context_length=min(int(getattr(cfg, "ctx_size", None) or model_ctx), model_ctx),
-                     vocab_size=int(text.get("vocab_size") or tokenizer.vocab_size), num_params=spec.num_params,
-                     quantization=quantization,
-                     modalities=("text",) + tuple(m for m, on in (("image", spec.vision), ("audio", spec.audio)) if on),
-                     weight_bytes=weight_bytes, kv_bytes_per_token=2 * layers * kv * kv_dtype_bytes)
+    return ModelInfo(
+        arch=spec.arch,
+        num_layers=layers,
+        context_length=min(int(getattr(cfg, "ctx_size", None) or model_ctx), model_ctx),
+        vocab_size=int(text.get("vocab_size") or tokenizer.vocab_size),
+        num_params=spec.num_params,
+        quantization=quantization,
+        modalities=("text",) + tuple(m for m, on in (("image", spec.vision), ("audio", spec.audio)) if on),
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=2 * layers * kv * kv_dtype_bytes,
+    )
 
 
 class MultimodalModel:
@@ -73,8 +80,9 @@ class MultimodalModel:
             self.caches[w.seq_id] = self.new_cache()
             self.lengths[w.seq_id] = 0
         if self.lengths.get(w.seq_id) != w.start_pos:
-            raise RuntimeError(f"sequence {w.seq_id}: KV holds {self.lengths.get(w.seq_id)} positions, "
-                               f"step feeds from {w.start_pos}")
+            raise RuntimeError(
+                f"sequence {w.seq_id}: KV holds {self.lengths.get(w.seq_id)} positions, step feeds from {w.start_pos}"
+            )
         media = getattr(w, "media", None)
         if media is not None and w.start_pos != 0:
             raise RuntimeError("a media prompt must be prefilled from its first position in one chunk")

@@ -102,14 +102,16 @@ class Gemma4Media:
         if config.get("vision_config"):
             self.image_proc = Gemma4ImageProcessorPil(**_kwargs(pc.get("image_processor")))
             self.image_id = int(config["image_token_id"])
-            self.image_tok, self.boi, self.eoi = (tok(int(config[k])) for k in
-                                                  ("image_token_id", "boi_token_id", "eoi_token_id"))
+            self.image_tok, self.boi, self.eoi = (
+                tok(int(config[k])) for k in ("image_token_id", "boi_token_id", "eoi_token_id")
+            )
             self.modalities += ("image",)
         if config.get("audio_config"):
             self.audio_fe = Gemma4AudioFeatureExtractor(**_kwargs(pc.get("feature_extractor")))
             self.audio_id = int(config["audio_token_id"])
-            self.audio_tok, self.boa, self.eoa = (tok(int(config[k])) for k in
-                                                  ("audio_token_id", "boa_token_id", "eoa_token_index"))
+            self.audio_tok, self.boa, self.eoa = (
+                tok(int(config[k])) for k in ("audio_token_id", "boa_token_id", "eoa_token_index")
+            )
             self.modalities += ("audio",)
 
     def token_types(self, ids: list[int]) -> np.ndarray:
@@ -186,13 +188,17 @@ def expand(text: str, items: list[MediaItem], processor: MediaProcessor, tokeniz
         raise InvalidRequest("the chat template dropped or repeated a media part", param="messages")
     texts, mi = processor.prepare([items[i] for i in found])
     by_index = dict(zip(found, texts))
-    ids = MediaPrompt(tokenizer.encode(MARKER_RE.sub(lambda m: by_index[int(m.group(1))], text),
-                                       add_special_tokens=False))
+    ids = MediaPrompt(
+        tokenizer.encode(MARKER_RE.sub(lambda m: by_index[int(m.group(1))], text), add_special_tokens=False)
+    )
     for tid, want in mi.tokens.items():
         got = sum(1 for t in ids if t == tid)
         if got != want:
-            raise InvalidRequest(f"the prompt has {got} media placeholder tokens where {want} were expected: the "
-                                 "text must not contain the model's image/audio tokens itself", param="messages")
+            raise InvalidRequest(
+                f"the prompt has {got} media placeholder tokens where {want} were expected: the "
+                "text must not contain the model's image/audio tokens itself",
+                param="messages",
+            )
     types = processor.token_types(ids)
     if types is not None:
         mi.arrays["mm_token_type_ids"] = types
@@ -217,8 +223,10 @@ def check_settings(spec: Any, settings: Any) -> None:
     if (getattr(settings, "vision", False) or getattr(settings, "audio", False)) and not is_multimodal(spec):
         raise ConfigError(f"{what}: media input is built for {', '.join(sorted(FAMILIES))} checkpoints (HF layout)")
     if is_multimodal(spec):
-        for flag, on in (("--turbo-kv", getattr(settings, "turbo_kv", None)),
-                         ("--stream-experts", getattr(settings, "stream_experts", False)),
-                         ("--speculative", getattr(settings, "speculative", None) or getattr(settings, "draft_model", None))):
+        for flag, on in (
+            ("--turbo-kv", getattr(settings, "turbo_kv", None)),
+            ("--stream-experts", getattr(settings, "stream_experts", False)),
+            ("--speculative", getattr(settings, "speculative", None) or getattr(settings, "draft_model", None)),
+        ):
             if on:
                 raise ConfigError(f"{flag} is not available for multimodal models ({what}) yet")

@@ -16,8 +16,10 @@ from .policy import MediaPolicy, MediaTooLarge
 
 def _b64(data: str, where: str, policy: MediaPolicy) -> bytes:
     if len(data) * 3 // 4 > policy.max_part_bytes:
-        raise MediaTooLarge(f"{where} is over the {policy.max_part_bytes} byte limit for one media part "
-                            "(--max-media-bytes)", param=where)
+        raise MediaTooLarge(
+            f"{where} is over the {policy.max_part_bytes} byte limit for one media part (--max-media-bytes)",
+            param=where,
+        )
     try:
         return base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError):
@@ -46,19 +48,28 @@ def fetch(url: str, where: str, policy: MediaPolicy, kind: str) -> bytes:
         return data_uri(url, where, policy)
     if low.startswith(("http://", "https://")):
         if not policy.allow_remote:
-            raise InvalidRequest(f"{where} is a remote URL; fetching {kind} from the network is off (start the "
-                                 "server with --allow-remote-media), or send it inline as a data: URI", param=where)
+            raise InvalidRequest(
+                f"{where} is a remote URL; fetching {kind} from the network is off (start the "
+                "server with --allow-remote-media), or send it inline as a data: URI",
+                param=where,
+            )
         return _download(url, where, policy)
     if low.startswith("file:") or url.startswith(("/", "./", "../", "~")) or (len(url) > 2 and url[1] == ":"):
         return _local(url, where, policy)
-    raise InvalidRequest(f"{where} must be a data: URI (base64){', an http(s) URL' if policy.allow_remote else ''}"
-                         f"{' or a file under --media-dir' if policy.media_dir else ''}", param=where)
+    raise InvalidRequest(
+        f"{where} must be a data: URI (base64){', an http(s) URL' if policy.allow_remote else ''}"
+        f"{' or a file under --media-dir' if policy.media_dir else ''}",
+        param=where,
+    )
 
 
 def _local(url: str, where: str, policy: MediaPolicy) -> bytes:
     if policy.media_dir is None:
-        raise InvalidRequest(f"{where} is a local file path; reading files is off (start the server with "
-                             "--media-dir DIR to allow files under DIR)", param=where)
+        raise InvalidRequest(
+            f"{where} is a local file path; reading files is off (start the server with "
+            "--media-dir DIR to allow files under DIR)",
+            param=where,
+        )
     path = urllib.parse.unquote(urllib.parse.urlparse(url).path) if url.lower().startswith("file:") else url
     p = Path(path).expanduser()
     p = (p if p.is_absolute() else policy.media_dir / p).resolve()  # follows symlinks before the check

@@ -16,28 +16,43 @@ from __future__ import annotations
 import copy
 import json
 import secrets
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .chat_core import ChatRun, prepare_chat, render_chat, renamed
+from .chat_core import ChatRun, prepare_chat, renamed, render_chat
 from .errors import APIError
 from .openai_routes import parse, read_json, sse
 from .schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest
 
 PING_INTERVAL_S = 5.0  # a `ping` event when nothing else was sent for this long (long prefills)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-          429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 _RENAME = {"response_format": "output_config", "max_tokens": "max_tokens"}
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": _TYPES.get(status, "invalid_request_error" if status < 500
-                                                          else "api_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
+            "message": message,
+        },
+    }
 
 
 def _bad(message: str) -> APIError:
@@ -162,8 +177,9 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
     for j, t in enumerate(tools):
         kind = t.get("type", "custom")
         if kind not in ("custom", None):
-            raise _bad(f"tools[{j}].type: {kind!r} is not supported; only custom tools (name, description, "
-                       "input_schema) are")
+            raise _bad(
+                f"tools[{j}].type: {kind!r} is not supported; only custom tools (name, description, input_schema) are"
+            )
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
             raise _bad(f"tools[{j}].input_schema: must be a JSON schema object")
@@ -217,16 +233,27 @@ def _thinking(req: AnthropicCountTokensRequest) -> tuple[bool | None, int | None
 def to_chat_request(req: AnthropicCountTokensRequest) -> tuple[ChatCompletionRequest, int | None]:
     choice, parallel = _tool_choice(req.tool_choice)
     thinking, budget = _thinking(req)
-    body: dict[str, Any] = {"messages": chat_messages(req.system, req.messages), "tools": _tools(req.tools),
-                            "tool_choice": choice, "parallel_tool_calls": parallel, "enable_thinking": thinking}
+    body: dict[str, Any] = {
+        "messages": chat_messages(req.system, req.messages),
+        "tools": _tools(req.tools),
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "enable_thinking": thinking,
+    }
     fmt = (req.output_config or {}).get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
             raise _bad("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
         body["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
     if isinstance(req, AnthropicMessagesRequest):
-        body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    seed=req.seed, stop=req.stop_sequences)
+        body.update(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop_sequences,
+        )
     return parse(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None}), budget
 
 
@@ -248,10 +275,18 @@ class BlockBuilder:
                 args = {}
             idx = len(self.blocks)
             self.blocks.append({"type": "tool_use", "id": tid, "name": val.name, "input": args})
-            out.append(("content_block_start", {"index": idx, "content_block": {"type": "tool_use", "id": tid,
-                                                                                 "name": val.name, "input": {}}}))
-            out.append(("content_block_delta", {"index": idx, "delta": {"type": "input_json_delta",
-                                                                        "partial_json": val.arguments}}))
+            out.append(
+                (
+                    "content_block_start",
+                    {"index": idx, "content_block": {"type": "tool_use", "id": tid, "name": val.name, "input": {}}},
+                )
+            )
+            out.append(
+                (
+                    "content_block_delta",
+                    {"index": idx, "delta": {"type": "input_json_delta", "partial_json": val.arguments}},
+                )
+            )
             out.append(("content_block_stop", {"index": idx}))
             return out
         want = "thinking" if kind == "reasoning" else "text"
@@ -260,14 +295,18 @@ class BlockBuilder:
             out += self.close()
             out += self.start(want)
         self.open[want] += val
-        delta = {"type": "thinking_delta", "thinking": val} if want == "thinking" else {"type": "text_delta",
-                                                                                          "text": val}
+        delta = (
+            {"type": "thinking_delta", "thinking": val} if want == "thinking" else {"type": "text_delta", "text": val}
+        )
         out.append(("content_block_delta", {"index": len(self.blocks) - 1, "delta": delta}))
         return out
 
     def start(self, kind: str) -> list[tuple[str, dict]]:
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-            {"type": "text", "text": ""}
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
         self.blocks.append(block)
         self.open = block
         return [("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
@@ -313,22 +352,34 @@ class MessagesRoutes:
         metrics.prompt_tokens.inc(len(job.prompt))
         run = ChatRun(self.chat, job, reasoning_budget=budget)
         run.start()
-        msg = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
-               "model": self.state.spec.name, "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": len(job.prompt), "output_tokens": 0, "cache_read_input_tokens": 0,
-                         "cache_creation_input_tokens": 0}}
+        msg = {
+            "id": "msg_" + secrets.token_hex(12),
+            "type": "message",
+            "role": "assistant",
+            "model": self.state.spec.name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": len(job.prompt),
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
         events = self._events(run, msg, len(job.prompt), bool(req.stream))
         if req.stream:
-            return StreamingResponse((sse(data, event=name) async for name, data in events),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                (sse(data, event=name) async for name, data in events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         async for name, data in events:
             if name == "error":
                 raise APIError(500, data["error"]["message"])
         return JSONResponse(msg)
 
-    async def _events(self, run: ChatRun, msg: dict, n_prompt: int, stream: bool
-                      ) -> AsyncIterator[tuple[str, dict]]:
+    async def _events(self, run: ChatRun, msg: dict, n_prompt: int, stream: bool) -> AsyncIterator[tuple[str, dict]]:
         out = BlockBuilder()
         yield "message_start", {"type": "message_start", "message": copy.deepcopy(msg)}
         yield "ping", {"type": "ping"}
@@ -356,11 +407,17 @@ class MessagesRoutes:
             yield name, {"type": name, **data}
         reason, seq = _stop_reason(run, finish)
         cached = run.cached_tokens
-        usage = {"input_tokens": n_prompt - cached, "output_tokens": run.completion_tokens,
-                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+        usage = {
+            "input_tokens": n_prompt - cached,
+            "output_tokens": run.completion_tokens,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
         msg.update(content=out.blocks, stop_reason=reason, stop_sequence=seq, usage=usage)
-        yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                "usage": usage}
+        yield (
+            "message_delta",
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage},
+        )
         yield "message_stop", {"type": "message_stop"}
 
 
@@ -380,5 +437,7 @@ def _guard(state: Any, fn: Callable[[Request], Any], needs_key: Callable[[], boo
 
 def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
     impl = MessagesRoutes(state, chat)
-    return [Route("/v1/messages", _guard(state, impl.create, needs_key), methods=["POST"]),
-            Route("/v1/messages/count_tokens", _guard(state, impl.count_tokens, needs_key), methods=["POST"])]
+    return [
+        Route("/v1/messages", _guard(state, impl.create, needs_key), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guard(state, impl.count_tokens, needs_key), methods=["POST"]),
+    ]

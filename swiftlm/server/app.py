@@ -9,37 +9,50 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..config import Settings
-from .errors import APIError, error_response
-from .auth import Gate, run_guarded
-from .models import AppState, ModelEntry, ModelManager, entries_from_toml
-from .metrics import Metrics, health_memory
 from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
 from . import responses as responses_api
-from .openai_routes import OpenAIRoutes
+from .auth import Gate, run_guarded
 from .embeddings import EmbeddingRequest
-from .schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
-                      CompletionRequest, ResponsesRequest)
+from .errors import error_response
+from .metrics import Metrics, health_memory
+from .models import AppState, ModelEntry, ModelManager, entries_from_toml
+from .openai_routes import OpenAIRoutes
+from .schemas import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
 
 log = logging.getLogger(__name__)
 
 
-def _guard(state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
-           ) -> Callable[[Request], Awaitable[Response]]:
+def _guard(
+    state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
+) -> Callable[[Request], Awaitable[Response]]:
     async def handler(request: Request) -> Response:
-        return await run_guarded(state, request, fn, needs_key(), lambda exc, headers: error_response(
-            exc.status, exc.message, exc.param, exc.code, headers=headers))
+        return await run_guarded(
+            state,
+            request,
+            fn,
+            needs_key(),
+            lambda exc, headers: error_response(exc.status, exc.message, exc.param, exc.code, headers=headers),
+        )
+
     return handler
 
 
@@ -52,33 +65,59 @@ def openapi_schema() -> dict:
         defs[model.__name__] = schema
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    err = {"description": "OpenAI-style error", "content": {"application/json": {"schema": {
-        "type": "object", "properties": {"error": {"type": "object"}}}}}}
+    err = {
+        "description": "OpenAI-style error",
+        "content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "object"}}}}},
+    }
 
     def post(model: type, summary: str) -> dict:
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref(model)}}},
-            "responses": {"200": {"description": "completion (JSON, or SSE when stream is true)"},
-                          "400": err, "401": err, "413": err, "429": err, "503": err}}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(model)}}},
+                "responses": {
+                    "200": {"description": "completion (JSON, or SSE when stream is true)"},
+                    "400": err,
+                    "401": err,
+                    "413": err,
+                    "429": err,
+                    "503": err,
+                },
+            }
+        }
 
     def get(summary: str) -> dict:
         return {"get": {"summary": summary, "responses": {"200": {"description": "ok"}, "503": err}}}
 
-    paths = {"/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
-             "/v1/completions": post(CompletionRequest, "Text completion"),
-             "/v1/responses": post(ResponsesRequest, "OpenAI Responses API"),
-             "/v1/messages": post(AnthropicMessagesRequest, "Anthropic Messages API"),
-             "/v1/messages/count_tokens": post(AnthropicCountTokensRequest, "Anthropic token count"),
-             "/v1/embeddings": post(EmbeddingRequest, "Embeddings"),
-             "/v1/models": get("Models served"), "/health": get("Health and stats"),
-             "/metrics": get("Prometheus metrics")}
-    return {"openapi": "3.1.0", "info": {"title": "SwiftLM", "version": "0.1.0"}, "paths": paths,
-            "components": {"schemas": defs}}
+    paths = {
+        "/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
+        "/v1/completions": post(CompletionRequest, "Text completion"),
+        "/v1/responses": post(ResponsesRequest, "OpenAI Responses API"),
+        "/v1/messages": post(AnthropicMessagesRequest, "Anthropic Messages API"),
+        "/v1/messages/count_tokens": post(AnthropicCountTokensRequest, "Anthropic token count"),
+        "/v1/embeddings": post(EmbeddingRequest, "Embeddings"),
+        "/v1/models": get("Models served"),
+        "/health": get("Health and stats"),
+        "/metrics": get("Prometheus metrics"),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "SwiftLM", "version": "0.1.0"},
+        "paths": paths,
+        "components": {"schemas": defs},
+    }
 
 
 def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend: str | None = None) -> Starlette:
-    state = AppState(settings=settings, engine=engine, spec=spec, backend=backend, metrics=Metrics(),
-                     started=time.time(), load_error=None)
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        spec=spec,
+        backend=backend,
+        metrics=Metrics(),
+        started=time.time(),
+        load_error=None,
+    )
     state.gate = Gate(settings)
     routes_impl = OpenAIRoutes(state)
     never = lambda: False  # noqa: E731
@@ -86,33 +125,50 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     async def health(request: Request) -> Response:
         eng = state.engine
         status = "ok" if eng is not None else ("error" if state.load_error else "loading")
-        body: dict[str, Any] = {"status": status, "model": state.spec.name if state.spec else None,
-                                "backend": state.backend}
+        body: dict[str, Any] = {
+            "status": status,
+            "model": state.spec.name if state.spec else None,
+            "backend": state.backend,
+        }
         if state.load_error:
             body["error"] = state.load_error
         if eng is not None:
             st = eng.stats
             kv = eng.kv_stats()
             body["memory"] = health_memory(eng)  # measured; SwiftLM's *_mb fields too (README "Health and metrics")
-            body["stats"] = {"requests_total": st.requests_total, "requests_active": st.requests_active,
-                             "tokens_generated": st.tokens_generated,
-                             "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
-                             "busy_seconds": round(st.busy_wall_seconds(), 3),
-                             "requests_finished": dict(st.finished),
-                             "latency": {"queue": st.queue_time.snapshot(), "ttft": st.ttft.snapshot(),
-                                         "time_per_output_token": st.tpot.snapshot(),
-                                         "duration": st.duration.snapshot()},
-                             "queue_depth": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
-                             "kv_tokens_in_use": eng.scheduler.kv_in_use(),
-                             "kv_bytes_in_use": kv["bytes"], "kv_cache": kv,
-                             "kv_budget_tokens": eng.scheduler.kv_budget, "preemptions": eng.scheduler.preemptions,
-                             "kv_blocks": eng.scheduler.block_stats(),
-                             "prompt_cache": {"entries": len(eng.prefix_cache), "bytes": eng.prefix_cache.bytes,
-                                              "hits": eng.prefix_cache.hits, "misses": eng.prefix_cache.misses,
-                                              "hit_rate": round(eng.prefix_cache.hit_rate, 4),
-                                              "tokens_reused": eng.prefix_cache.tokens_reused},
-                             "steps": st.steps, "overlapped_steps": st.overlapped_steps,
-                             "step_phases": eng.timers.snapshot()}
+            body["stats"] = {
+                "requests_total": st.requests_total,
+                "requests_active": st.requests_active,
+                "tokens_generated": st.tokens_generated,
+                "avg_tokens_per_sec": round(st.avg_tokens_per_sec, 3),
+                "busy_seconds": round(st.busy_wall_seconds(), 3),
+                "requests_finished": dict(st.finished),
+                "latency": {
+                    "queue": st.queue_time.snapshot(),
+                    "ttft": st.ttft.snapshot(),
+                    "time_per_output_token": st.tpot.snapshot(),
+                    "duration": st.duration.snapshot(),
+                },
+                "queue_depth": len(eng.scheduler.waiting),
+                "running": len(eng.scheduler.running),
+                "kv_tokens_in_use": eng.scheduler.kv_in_use(),
+                "kv_bytes_in_use": kv["bytes"],
+                "kv_cache": kv,
+                "kv_budget_tokens": eng.scheduler.kv_budget,
+                "preemptions": eng.scheduler.preemptions,
+                "kv_blocks": eng.scheduler.block_stats(),
+                "prompt_cache": {
+                    "entries": len(eng.prefix_cache),
+                    "bytes": eng.prefix_cache.bytes,
+                    "hits": eng.prefix_cache.hits,
+                    "misses": eng.prefix_cache.misses,
+                    "hit_rate": round(eng.prefix_cache.hit_rate, 4),
+                    "tokens_reused": eng.prefix_cache.tokens_reused,
+                },
+                "steps": st.steps,
+                "overlapped_steps": st.overlapped_steps,
+                "step_phases": eng.timers.snapshot(),
+            }
             if hasattr(eng, "gc_stats"):  # the collector's pauses where the step loop runs (gc_pauses.py)
                 body["stats"]["gc"] = eng.gc_stats()
             cap = getattr(eng.model, "graph_capture", None)  # torch on CUDA: graphs captured at start-up
@@ -126,10 +182,14 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
             if eng.speculator is not None:
                 sp = eng.speculator.stats
                 body["stats"]["speculative"] = {
-                    "drafter": eng.speculator.drafter.name, "num_draft_tokens": eng.speculator.k,
-                    "verify_steps": sp.steps, "drafted": sp.drafted, "accepted": sp.accepted,
+                    "drafter": eng.speculator.drafter.name,
+                    "num_draft_tokens": eng.speculator.k,
+                    "verify_steps": sp.steps,
+                    "drafted": sp.drafted,
+                    "accepted": sp.accepted,
                     "acceptance_rate": round(sp.acceptance_rate, 4),
-                    "tokens_per_target_step": round(sp.tokens_per_step, 3)}
+                    "tokens_per_target_step": round(sp.tokens_per_step, 3),
+                }
         return JSONResponse(body, status_code=200 if eng is not None else 503)
 
     async def metrics(request: Request) -> Response:
@@ -154,8 +214,15 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     middleware = []
     if settings.cors:
         origins = [o.strip() for o in settings.cors.split(",") if o.strip()]
-        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["*"], max_age=600))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+                max_age=600,
+            )
+        )
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
@@ -167,8 +234,9 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         state.metrics.count_error(500)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
-    app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error, Exception: server_error}
+    )
     app.state.swiftlm = state
     return app
 
@@ -179,10 +247,8 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from ..backend import choose_backend
-    from ..engine import Engine
-    from ..registry import resolve
-
     from ..memory import tune_allocator
+    from ..registry import resolve
 
     if tune_allocator():  # glibc: large freed blocks go back to the OS (see memory.tune_allocator)
         from ..memory import DEFAULT_MMAP_THRESHOLD
@@ -206,8 +272,11 @@ def serve(settings: Settings) -> int:
     for e in entries:
         e.pin = e.pin or bool(pins & {e.name, *e.aliases})
     backend, why = choose_backend(settings.backend)
-    for flag, f in (("--ssl-certfile", settings.ssl_certfile), ("--ssl-keyfile", settings.ssl_keyfile),
-                    ("--api-keys-file", settings.api_keys_file)):
+    for flag, f in (
+        ("--ssl-certfile", settings.ssl_certfile),
+        ("--ssl-keyfile", settings.ssl_keyfile),
+        ("--api-keys-file", settings.api_keys_file),
+    ):
         if f and not os.path.isfile(f):
             print(f"swiftlm: error: {flag}: no such file {f}", file=sys.stderr)
             return 2
@@ -220,9 +289,16 @@ def serve(settings: Settings) -> int:
         print(f"swiftlm: error: {exc}", file=sys.stderr)
         return 2
     state = app.state.swiftlm
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + 10,
-                            ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_timeout + 10,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+    )
     draining = threading.Event()
 
     def drain() -> None:
@@ -259,8 +335,14 @@ def serve(settings: Settings) -> int:
     def load_entry(e: ModelEntry) -> tuple[Any, Any]:
         from ..llm import make_engine
 
-        s = settings.model_copy(update={**e.overrides, "model": e.model, "models_file": None,
-                                        "adapter": settings.adapter if e is entries[0] else []})  # LoRA: 1st model
+        s = settings.model_copy(
+            update={
+                **e.overrides,
+                "model": e.model,
+                "models_file": None,
+                "adapter": settings.adapter if e is entries[0] else [],
+            }
+        )  # LoRA: 1st model
         sp = spec if (spec is not None and e.model == settings.model) else resolve(s.model, allow_download=offline)
         be = backend if s.backend == settings.backend else choose_backend(s.backend)[0]
         engine = make_engine(s, be, sp)
@@ -278,9 +360,15 @@ def serve(settings: Settings) -> int:
                 sizes[e.name] = 0
         return sizes[e.name]
 
-    manager = ModelManager(entries, load_entry, max_loaded=settings.max_loaded_models,
-                           memory_budget=settings.models_memory_bytes, ttl=settings.model_ttl,
-                           strict=settings.strict_model_names, size_of=size_of)
+    manager = ModelManager(
+        entries,
+        load_entry,
+        max_loaded=settings.max_loaded_models,
+        memory_budget=settings.models_memory_bytes,
+        ttl=settings.model_ttl,
+        strict=settings.strict_model_names,
+        size_of=size_of,
+    )
 
     def follow() -> None:  # health and metrics read the first loaded model
         state.engine = manager.default_engine()
@@ -306,11 +394,21 @@ def serve(settings: Settings) -> int:
             return
         while not server.started and not server.should_exit:
             time.sleep(0.05)
-        print(json.dumps({"event": "ready", "host": settings.host, "port": settings.port,
-                          "scheme": "https" if settings.ssl_certfile else "http",
-                          "model": spec.name if spec is not None else entries[0].name,
-                          "models": manager.available(), "backend": backend.name, "backend_choice": why}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "ready",
+                    "host": settings.host,
+                    "port": settings.port,
+                    "scheme": "https" if settings.ssl_certfile else "http",
+                    "model": spec.name if spec is not None else entries[0].name,
+                    "models": manager.available(),
+                    "backend": backend.name,
+                    "backend_choice": why,
+                }
+            ),
+            flush=True,
+        )
 
     threading.Thread(target=load, name="swiftlm-load", daemon=True).start()
     server.run()

@@ -87,8 +87,11 @@ class Gate:
         if self.bucket is not None:
             wait = self.bucket.take(who or f"addr:{request.client.host if request.client else '?'}")
             if wait > 0:
-                return 429, f"rate limit exceeded for {'key ' + repr(who) if who else 'this client'}; retry in " \
-                            f"{wait:.1f} s", wait
+                return (
+                    429,
+                    f"rate limit exceeded for {'key ' + repr(who) if who else 'this client'}; retry in {wait:.1f} s",
+                    wait,
+                )
         return None
 
 

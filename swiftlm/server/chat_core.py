@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 from ..engine import Event, QueueFull
 from ..errors import InvalidRequest
@@ -33,13 +34,14 @@ class ChatJob:
     """A rendered chat request, ready to submit."""
 
     req: ChatCompletionRequest
-    plan: Any                 # chat.plan.ChatPlan: prompt text, grammar, tool format, thinking
-    prompt: list[int]         # prompt token ids (a MediaPrompt with image/audio parts)
+    plan: Any  # chat.plan.ChatPlan: prompt text, grammar, tool format, thinking
+    prompt: list[int]  # prompt token ids (a MediaPrompt with image/audio parts)
     params: SamplingParams
 
 
-async def prepare_chat(routes: Any, req: ChatCompletionRequest, *, clamp_max_tokens: bool = False,
-                       rename: dict[str, str] | None = None) -> ChatJob:
+async def prepare_chat(
+    routes: Any, req: ChatCompletionRequest, *, clamp_max_tokens: bool = False, rename: dict[str, str] | None = None
+) -> ChatJob:
     """Template, grammar and sampling parameters of a chat request; APIError (4xx) on bad input.
 
     ``clamp_max_tokens``: a max_tokens at or beyond the context is cut to what fits instead of
@@ -73,15 +75,23 @@ async def render_chat(routes: Any, req: ChatCompletionRequest) -> tuple[Any, lis
         except InvalidRequest as exc:
             raise APIError(400, str(exc), param="response_format") from None
     kwargs = dict(req.chat_template_kwargs or {})
-    thinking = req.enable_thinking if req.enable_thinking is not None else kwargs.pop(
-        "enable_thinking", routes.state.settings.thinking)
+    thinking = (
+        req.enable_thinking
+        if req.enable_thinking is not None
+        else kwargs.pop("enable_thinking", routes.state.settings.thinking)
+    )
     kwargs.pop("enable_thinking", None)
 
     def render() -> tuple[Any, list[int]]:  # media decoding and preprocessing run off the event loop
-        plan = engine.plan_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
-                                parallel_tool_calls=req.parallel_tool_calls,
-                                thinking=bool(thinking), template_kwargs=kwargs,
-                                response_format_grammar=grammar)
+        plan = engine.plan_chat(
+            req.messages,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            thinking=bool(thinking),
+            template_kwargs=kwargs,
+            response_format_grammar=grammar,
+        )
         return plan, engine.encode_plan(plan)
 
     try:
@@ -107,8 +117,8 @@ async def _prepare(routes: Any, req: ChatCompletionRequest, clamp_max_tokens: bo
 class Step:
     """One engine event of one choice, with its output parsed."""
 
-    index: int                       # the choice
-    event: Event | None              # None: nothing arrived for ``idle`` seconds (a keep-alive slot)
+    index: int  # the choice
+    event: Event | None  # None: nothing arrived for ``idle`` seconds (a keep-alive slot)
     pieces: list = field(default_factory=list)  # chat.tool_calls.Piece: reasoning / content / tool_call
     finish_reason: str | None = None  # on the choice's last step: stop, length, tool_calls, cancelled, error
 
@@ -129,15 +139,15 @@ class ChatRun:
         self.routes, self.job, self.n = routes, job, n
         self.engine = routes.engine
         self.parsers = [job.plan.parser() for _ in range(n)]
-        self.reasoning_tokens = [0] * n    # output tokens produced while reasoning
+        self.reasoning_tokens = [0] * n  # output tokens produced while reasoning
         self.output_ids: list[list[int]] = [[] for _ in range(n)]
-        self.text = [""] * n               # the raw output text (before parsing)
-        self.completion_tokens = 0         # all choices, finished ones
-        self.cached_tokens = 0             # prompt tokens served from the prompt cache
+        self.text = [""] * n  # the raw output text (before parsing)
+        self.completion_tokens = 0  # all choices, finished ones
+        self.cached_tokens = 0  # prompt tokens served from the prompt cache
         self.budget = reasoning_budget if n == 1 and job.params.grammar is None else None
         self.budget_hit = False
-        self._seq: dict[int, int] = {}     # live sequence id -> choice
-        self._done_tokens = [0] * n        # tokens of sequences stopped for the budget
+        self._seq: dict[int, int] = {}  # live sequence id -> choice
+        self._done_tokens = [0] * n  # tokens of sequences stopped for the budget
         self._q: asyncio.Queue | None = None
         self._buf: deque = deque()  # events taken from _q, not yet handled
         self._sink: Any = None
@@ -190,8 +200,12 @@ class ChatRun:
                     self.reasoning_tokens[i] += len(ev.token_ids)
                 self.output_ids[i] += ev.token_ids
                 self.text[i] += ev.text
-                if (self.budget is not None and not ev.finished and _in_reasoning(parser)
-                        and self.reasoning_tokens[i] >= self.budget):
+                if (
+                    self.budget is not None
+                    and not ev.finished
+                    and _in_reasoning(parser)
+                    and self.reasoning_tokens[i] >= self.budget
+                ):
                     pieces += self._close_reasoning(ev.seq_id, i)
                     if not self._seq:  # no room left for an answer
                         pieces += parser.finish(cut=True)
@@ -224,8 +238,13 @@ class ChatRun:
             return ev
         while self._buf and _mergeable(ev, self._buf[0]):
             nxt = self._buf.popleft()
-            ev = replace(nxt, text=ev.text + nxt.text, token_ids=ev.token_ids + nxt.token_ids,
-                         logprobs=ev.logprobs + nxt.logprobs, cached_tokens=max(ev.cached_tokens, nxt.cached_tokens))
+            ev = replace(
+                nxt,
+                text=ev.text + nxt.text,
+                token_ids=ev.token_ids + nxt.token_ids,
+                logprobs=ev.logprobs + nxt.logprobs,
+                cached_tokens=max(ev.cached_tokens, nxt.cached_tokens),
+            )
         return ev
 
     def _close_reasoning(self, seq_id: int, i: int) -> list:
@@ -258,12 +277,18 @@ class ChatRun:
         if not stops or not ids or ids[-1] in self.engine.tokenizer.eos_token_ids:
             return None
         full = self.engine.tokenizer.decode(ids)
-        rest = full[len(self.text[i]):] if full.startswith(self.text[i]) else full
+        rest = full[len(self.text[i]) :] if full.startswith(self.text[i]) else full
         hits = [(rest.find(s), k, s) for k, s in enumerate(stops) if rest.find(s) >= 0]
         return min(hits)[2] if hits else None
 
 
 def _mergeable(a: Event, b: Event) -> bool:
     """Two consecutive token events of one sequence, the first neither final nor an error."""
-    return (a.seq_id == b.seq_id and a.progress is None and b.progress is None and not a.finished
-            and a.error is None and b.error is None)
+    return (
+        a.seq_id == b.seq_id
+        and a.progress is None
+        and b.progress is None
+        and not a.finished
+        and a.error is None
+        and b.error is None
+    )

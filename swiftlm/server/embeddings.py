@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -73,10 +74,16 @@ def routes(state: Any, chat: Any, needs_key: Callable[[], bool], guard: Callable
         except QueueFull as exc:
             raise APIError(503, str(exc), code="shutting_down") from None
         n = sum(len(p) for p in prompts)
-        return JSONResponse({
-            "object": "list", "model": state.spec.name if state.spec else req.model,
-            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
-                     for i, v in enumerate(vecs)],
-            "usage": {"prompt_tokens": n, "total_tokens": n}})
+        return JSONResponse(
+            {
+                "object": "list",
+                "model": state.spec.name if state.spec else req.model,
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+                    for i, v in enumerate(vecs)
+                ],
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
 
     return [Route("/v1/embeddings", guard(embeddings), methods=["POST"])]

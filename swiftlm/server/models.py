@@ -24,19 +24,45 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # Settings a models-file entry may override (the rest are server-wide: host, port, keys, limits)
-PER_MODEL = frozenset({
-    "backend", "turbo_kv", "kv_bits", "kv_group_size", "stream_experts", "expert_top_k", "draft_model",
-    "speculative", "num_draft_tokens", "ctx_size", "parallel", "prefill_size", "max_batched_tokens", "max_tokens", "temp", "top_p",
-    "top_k", "min_p", "repeat_penalty", "vision", "audio", "thinking", "tool_parser", "prompt_cache_bytes",
-    "max_queue", "kv_budget_bytes", "seed",
-})
+PER_MODEL = frozenset(
+    {
+        "backend",
+        "turbo_kv",
+        "kv_bits",
+        "kv_group_size",
+        "stream_experts",
+        "expert_top_k",
+        "draft_model",
+        "speculative",
+        "num_draft_tokens",
+        "ctx_size",
+        "parallel",
+        "prefill_size",
+        "max_batched_tokens",
+        "max_tokens",
+        "temp",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "vision",
+        "audio",
+        "thinking",
+        "tool_parser",
+        "prompt_cache_bytes",
+        "max_queue",
+        "kv_budget_bytes",
+        "seed",
+    }
+)
 
 
 class ModelNotFound(Exception):
@@ -99,8 +125,10 @@ def entries_from_toml(path: str | Path) -> list[ModelEntry]:
         pin = bool(t.pop("pin", False))
         bad = sorted(set(t) - PER_MODEL)
         if bad:
-            raise ValueError(f"{path}: model {name!r}: unknown or server-wide setting(s) {', '.join(bad)}; "
-                             f"per-model settings are {', '.join(sorted(PER_MODEL))}")
+            raise ValueError(
+                f"{path}: model {name!r}: unknown or server-wide setting(s) {', '.join(bad)}; "
+                f"per-model settings are {', '.join(sorted(PER_MODEL))}"
+            )
         out.append(ModelEntry(name=name, model=model, overrides=t, aliases=aliases, pin=pin))
     return out
 
@@ -128,9 +156,17 @@ def release_memory() -> None:
 
 
 class ModelManager:
-    def __init__(self, entries: list[ModelEntry], load: Callable[[ModelEntry], tuple[Any, Any]], *,
-                 max_loaded: int = 0, memory_budget: int = 0, ttl: float = 0.0, strict: bool = False,
-                 size_of: Callable[[ModelEntry], int] | None = None):
+    def __init__(
+        self,
+        entries: list[ModelEntry],
+        load: Callable[[ModelEntry], tuple[Any, Any]],
+        *,
+        max_loaded: int = 0,
+        memory_budget: int = 0,
+        ttl: float = 0.0,
+        strict: bool = False,
+        size_of: Callable[[ModelEntry], int] | None = None,
+    ):
         names: dict[str, ModelEntry] = {}
         for e in entries:
             for n in [e.name, *e.aliases]:
@@ -294,21 +330,40 @@ class ModelManager:
     def listing(self) -> list[dict[str, Any]]:
         out = []
         for e in self.entries:
-            out.append({"id": e.name, "object": "model", "owned_by": "swiftlm", "created": e.created,
-                        "status": {"value": e.state, "in_flight": e.in_flight, "pinned": e.pin,
-                                   **({"error": e.error} if e.error else {})},
-                        "aliases": e.aliases})
+            out.append(
+                {
+                    "id": e.name,
+                    "object": "model",
+                    "owned_by": "swiftlm",
+                    "created": e.created,
+                    "status": {
+                        "value": e.state,
+                        "in_flight": e.in_flight,
+                        "pinned": e.pin,
+                        **({"error": e.error} if e.error else {}),
+                    },
+                    "aliases": e.aliases,
+                }
+            )
             for name, base in self.adapters.items():  # LoRA adapters served on this entry
                 if base == e.name:
-                    out.append({"id": name, "object": "model", "owned_by": "swiftlm", "created": e.created,
-                                "parent": e.name, "kind": "lora_adapter",
-                                "status": {"value": e.state, "in_flight": e.in_flight, "pinned": e.pin}})
+                    out.append(
+                        {
+                            "id": name,
+                            "object": "model",
+                            "owned_by": "swiftlm",
+                            "created": e.created,
+                            "parent": e.name,
+                            "kind": "lora_adapter",
+                            "status": {"value": e.state, "in_flight": e.in_flight, "pinned": e.pin},
+                        }
+                    )
         return out
 
 
 # ---------------------------------------------------------------------- the app's view
-CURRENT: "contextvars.ContextVar[ModelEntry | None]" = contextvars.ContextVar("swiftlm_model", default=None)
-ADAPTER: "contextvars.ContextVar[str | None]" = contextvars.ContextVar("swiftlm_adapter", default=None)  # LoRA
+CURRENT: contextvars.ContextVar[ModelEntry | None] = contextvars.ContextVar("swiftlm_model", default=None)
+ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("swiftlm_adapter", default=None)  # LoRA
 
 
 class AppState:

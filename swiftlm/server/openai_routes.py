@@ -6,8 +6,9 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -55,8 +56,9 @@ def _check_shape(body: Any, max_depth: int, max_items: int) -> None:
             raise APIError(400, f"request body is nested deeper than {max_depth} levels (--max-json-depth)")
         items = node.values() if isinstance(node, dict) else node
         if len(node) > max_items:
-            raise APIError(400, f"request body has a list or object of {len(node)} items; at most {max_items} "
-                                "(--max-json-items)")
+            raise APIError(
+                400, f"request body has a list or object of {len(node)} items; at most {max_items} (--max-json-items)"
+            )
         stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
 
 
@@ -87,7 +89,9 @@ async def read_json(request: Request, limit: int) -> dict:
     except RecursionError:
         raise APIError(400, "request body is nested too deeply") from None
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise APIError(
+            400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     st = getattr(getattr(request.app.state, "swiftlm", None), "settings", None) if "app" in request.scope else None
@@ -125,13 +129,21 @@ class _ProgressPacer:
             return None
         self.last = now
         n_past, n_total = ev.progress
-        return sse({"n_past": n_past, "n_prompt_tokens": n_total, "fraction": n_past / n_total,
-                    "elapsed_seconds": round(now - self.t0, 3)}, event="prefill_progress")
+        return sse(
+            {
+                "n_past": n_past,
+                "n_prompt_tokens": n_total,
+                "fraction": n_past / n_total,
+                "elapsed_seconds": round(now - self.t0, 3),
+            },
+            event="prefill_progress",
+        )
 
 
 def _stream_error(error: str) -> str:
-    return sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "param": None,
-                          "code": None}})
+    return sse(
+        {"error": {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}}
+    )
 
 
 def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
@@ -141,9 +153,14 @@ def _deltas(kind: str, val: Any, parser: Any) -> list[dict]:
     if kind == "reasoning":
         return [{"reasoning_content": val}]
     index = parser.calls.index(val)
-    return [{"tool_calls": [{"index": index, "id": val.id, "type": "function",
-                             "function": {"name": val.name, "arguments": ""}}]},
-            {"tool_calls": [{"index": index, "function": {"arguments": val.arguments}}]}]
+    return [
+        {
+            "tool_calls": [
+                {"index": index, "id": val.id, "type": "function", "function": {"name": val.name, "arguments": ""}}
+            ]
+        },
+        {"tool_calls": [{"index": index, "function": {"arguments": val.arguments}}]},
+    ]
 
 
 def best_of(req: Any) -> int:
@@ -157,14 +174,19 @@ def best_of(req: Any) -> int:
     if b > MAX_CHOICES:
         raise APIError(400, f"'best_of' is {b}; at most {MAX_CHOICES}", param="best_of")
     if req.stream and b > req.n:
-        raise APIError(400, "'best_of' greater than 'n' cannot be streamed: the best choices are known only at "
-                            "the end; set stream to false or best_of to n", param="best_of")
+        raise APIError(
+            400,
+            "'best_of' greater than 'n' cannot be streamed: the best choices are known only at "
+            "the end; set stream to false or best_of to n",
+            param="best_of",
+        )
     return b
 
 
 def ranked(lps: list[list[TokenLogprob]], how: str) -> list[int]:
     """Candidate indices, best first: by the sum of their tokens' logprobs (``cumulative``, OpenAI's
     ranking) or by its mean per token (``mean``, length-normalised).  Ties keep generation order."""
+
     def score(i: int) -> float:
         total = sum(x.logprob for x in lps[i])
         return total / max(1, len(lps[i])) if how == "mean" else total
@@ -217,11 +239,18 @@ class OpenAIRoutes:
             min_p=s.min_p if req.min_p is None else req.min_p,
             repetition_penalty=s.repeat_penalty if req.repetition_penalty is None else req.repetition_penalty,
             repetition_context_size=s.repeat_last_n,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            logit_bias=bias, seed=req.seed if req.seed is not None else s.seed, stop=stop,
-            logprobs=logprobs, top_logprobs=top,
-            turbo_kv=req.turbo_kv, kv_bits=req.kv_bits, kv_group_size=req.kv_group_size,
-            adapter=ADAPTER.get())  # a LoRA adapter named by the request's 'model' (server/models.py)
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias,
+            seed=req.seed if req.seed is not None else s.seed,
+            stop=stop,
+            logprobs=logprobs,
+            top_logprobs=top,
+            turbo_kv=req.turbo_kv,
+            kv_bits=req.kv_bits,
+            kv_group_size=req.kv_group_size,
+            adapter=ADAPTER.get(),
+        )  # a LoRA adapter named by the request's 'model' (server/models.py)
         try:
             return p.validate(self.engine.info.vocab_size)
         except InvalidRequest as exc:
@@ -263,8 +292,9 @@ class OpenAIRoutes:
             for sid in left:  # client went away or we stopped early: free the slots
                 self.engine.cancel(sid)
 
-    async def _gather(self, ids: list[int], q: asyncio.Queue
-                      ) -> tuple[list[str], list[str | None], list[list[TokenLogprob]], int, int]:
+    async def _gather(
+        self, ids: list[int], q: asyncio.Queue
+    ) -> tuple[list[str], list[str | None], list[list[TokenLogprob]], int, int]:
         """Collect a non-streamed request: per choice text, finish reason and logprobs; total
         completion tokens; prompt tokens served from the prompt cache."""
         texts, reasons = [""] * len(ids), [None] * len(ids)
@@ -305,8 +335,9 @@ class OpenAIRoutes:
         def item(text: str, lp: float) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-        return {"content": [{**item(x.text, x.logprob), "top_logprobs": [item(t, v) for _, t, v in x.top]}
-                            for x in lps]}
+        return {
+            "content": [{**item(x.text, x.logprob), "top_logprobs": [item(t, v) for _, t, v in x.top]} for x in lps]
+        }
 
     @staticmethod
     def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
@@ -339,25 +370,39 @@ class OpenAIRoutes:
         if req.enable_thinking is not None:
             kwargs.setdefault("enable_thinking", req.enable_thinking)
         try:
-            result = await asyncio.to_thread(test_time.run, self.engine, list(req.messages), job.params, spec,
-                                             kwargs, job.prompt)
+            result = await asyncio.to_thread(
+                test_time.run, self.engine, list(req.messages), job.params, spec, kwargs, job.prompt
+            )
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full") from None
         except InvalidRequest as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         message, reason = _chat_message(job.plan.parser(), result.text, "stop")
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
-                             "system_fingerprint": "swiftlm", "test_time": result.to_dict(),
-                             "usage": {"prompt_tokens": len(job.prompt), "completion_tokens": result.completion_tokens,
-                                       "total_tokens": len(job.prompt) + result.completion_tokens}})
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+                "system_fingerprint": "swiftlm",
+                "test_time": result.to_dict(),
+                "usage": {
+                    "prompt_tokens": len(job.prompt),
+                    "completion_tokens": result.completion_tokens,
+                    "total_tokens": len(job.prompt) + result.completion_tokens,
+                },
+            }
+        )
 
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request: Request) -> Response:
         if getattr(self.state, "models", None) is not None:  # every servable model, with its state
             return JSONResponse({"object": "list", "data": self.state.models.listing()})
         name = self.state.spec.name if self.state.spec else None
-        data = [{"id": name, "object": "model", "created": int(self.state.started), "owned_by": "swiftlm"}] if name else []
+        data = (
+            [{"id": name, "object": "model", "created": int(self.state.started), "owned_by": "swiftlm"}] if name else []
+        )
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ chat
@@ -384,10 +429,13 @@ class OpenAIRoutes:
         if req.stream:
             run = ChatRun(self, job, req.n)
             run.start()
-            return StreamingResponse(self._chat_stream(req, run, cid, created, model, len(job.prompt),
-                                                       request.headers.get(PROGRESS_HEADER) == "1"),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._chat_stream(
+                    req, run, cid, created, model, len(job.prompt), request.headers.get(PROGRESS_HEADER) == "1"
+                ),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         sink, q = self._sink()
         params = job.params
         if k > req.n and not params.logprobs:  # ranking needs the candidates' logprobs
@@ -395,22 +443,51 @@ class OpenAIRoutes:
         ids = self._submit(job.prompt, params, k, sink)
         texts, reasons, lps, completion, cached = await self._gather(ids, q)
         choices = []
-        for i, c in enumerate(ranked(lps, req.best_of_rank)[:req.n] if k > req.n else range(req.n)):
+        for i, c in enumerate(ranked(lps, req.best_of_rank)[: req.n] if k > req.n else range(req.n)):
             message, reason = _chat_message(job.plan.parser(), texts[c], reasons[c])
-            choices.append({"index": i, "message": message,
-                            "logprobs": self._chat_logprobs(lps[c]) if req.logprobs else None,
-                            "finish_reason": reason})
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._chat_logprobs(lps[c]) if req.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
         n_prompt = len(job.prompt)
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "system_fingerprint": "swiftlm",
-                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                       "total_tokens": n_prompt + completion,
-                                       "prompt_tokens_details": {"cached_tokens": cached}}})
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "system_fingerprint": "swiftlm",
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": n_prompt + completion,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
 
-    async def _chat_stream(self, req: ChatCompletionRequest, run: ChatRun, cid: str, created: int, model: str,
-                           n_prompt: int, progress: bool) -> AsyncIterator[str]:
-        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": "swiftlm"}
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        run: ChatRun,
+        cid: str,
+        created: int,
+        model: str,
+        n_prompt: int,
+        progress: bool,
+    ) -> AsyncIterator[str]:
+        base = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": "swiftlm",
+        }
         usage_on = self._check_stream_opts(req)
         started = [False] * req.n
         pacer = _ProgressPacer(time.perf_counter())
@@ -445,9 +522,18 @@ class OpenAIRoutes:
                 yield chunk(i, {}, finish=step.finish_reason)
         if usage_on:
             completion, cached = run.completion_tokens, run.cached_tokens
-            yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                                        "total_tokens": n_prompt + completion,
-                                                        "prompt_tokens_details": {"cached_tokens": cached}}})
+            yield sse(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": n_prompt,
+                        "completion_tokens": completion,
+                        "total_tokens": n_prompt + completion,
+                        "prompt_tokens_details": {"cached_tokens": cached},
+                    },
+                }
+            )
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ completions
@@ -458,8 +544,7 @@ class OpenAIRoutes:
         if req.suffix:
             raise APIError(400, "'suffix' is not supported", param="suffix")
         if req.echo and req.logprobs:
-            raise APIError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported yet",
-                           param="echo")
+            raise APIError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported yet", param="echo")
         raw = req.prompt
         if isinstance(raw, str):
             prompts: list[Any] = [raw]
@@ -482,8 +567,10 @@ class OpenAIRoutes:
             token_prompts.append(toks)
         top = req.logprobs or 0
         k = best_of(req)  # choices generated per prompt; the best n of them are returned
-        plans = [(toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None or k > req.n, top))
-                 for toks in token_prompts]
+        plans = [
+            (toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None or k > req.n, top))
+            for toks in token_prompts
+        ]
         self.state.metrics.requests.labels("completions").inc()
         cid = "cmpl-" + secrets.token_hex(12)
         created = int(time.time())
@@ -501,29 +588,63 @@ class OpenAIRoutes:
         n_prompt = sum(len(t) for t, _ in plans)
         echo = [engine.tokenizer.decode(t) if req.echo else "" for t, _ in plans]
         if req.stream:
-            return StreamingResponse(self._completion_stream(req, all_ids, q, cid, created, model, n_prompt,
-                                                             echo[0], request.headers.get(PROGRESS_HEADER) == "1"),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._completion_stream(
+                    req, all_ids, q, cid, created, model, n_prompt, echo[0], request.headers.get(PROGRESS_HEADER) == "1"
+                ),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         texts, reasons, lps, completion, _ = await self._gather(all_ids, q)
         picked = []  # (prompt, candidate) in output order: per prompt its best n of k (or its n)
         for j in range(len(plans)):
             cand = list(range(j * k, (j + 1) * k))
-            order = ranked([lps[c] for c in cand], req.best_of_rank)[:req.n] if k > req.n else range(req.n)
+            order = ranked([lps[c] for c in cand], req.best_of_rank)[: req.n] if k > req.n else range(req.n)
             picked += [(j, cand[r]) for r in order]
-        choices = [{"index": i, "text": echo[j] + texts[c],
-                    "logprobs": (self._completion_logprobs(lps[c], len(echo[j]))
-                                 if req.logprobs is not None else None),
-                    "finish_reason": reasons[c]} for i, (j, c) in enumerate(picked)]
-        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "system_fingerprint": "swiftlm",
-                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                       "total_tokens": n_prompt + completion}})
+        choices = [
+            {
+                "index": i,
+                "text": echo[j] + texts[c],
+                "logprobs": (self._completion_logprobs(lps[c], len(echo[j])) if req.logprobs is not None else None),
+                "finish_reason": reasons[c],
+            }
+            for i, (j, c) in enumerate(picked)
+        ]
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "system_fingerprint": "swiftlm",
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": n_prompt + completion,
+                },
+            }
+        )
 
-    async def _completion_stream(self, req: CompletionRequest, ids: list[int], q: asyncio.Queue, cid: str,
-                                 created: int, model: str, n_prompt: int, echo: str, progress: bool
-                                 ) -> AsyncIterator[str]:
-        base = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": "swiftlm"}
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        ids: list[int],
+        q: asyncio.Queue,
+        cid: str,
+        created: int,
+        model: str,
+        n_prompt: int,
+        echo: str,
+        progress: bool,
+    ) -> AsyncIterator[str]:
+        base = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": "swiftlm",
+        }
         usage_on = self._check_stream_opts(req)
         completion = 0
         t0 = time.perf_counter()
@@ -559,6 +680,15 @@ class OpenAIRoutes:
                 completion += ev.completion_tokens
                 yield chunk(i, "", finish=ev.finish_reason)
         if usage_on:
-            yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                                        "total_tokens": n_prompt + completion}})
+            yield sse(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": n_prompt,
+                        "completion_tokens": completion,
+                        "total_tokens": n_prompt + completion,
+                    },
+                }
+            )
         yield "data: [DONE]\n\n"

@@ -18,7 +18,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -176,8 +177,10 @@ def input_messages(items: list[dict], instructions: str | None) -> list[dict]:
                     break
             reasoning = "\n".join(texts) or None
         else:
-            raise _bad(f"'{w}.type' {kind!r} is not supported (message, function_call, function_call_output, "
-                       "reasoning)", f"{w}.type")
+            raise _bad(
+                f"'{w}.type' {kind!r} is not supported (message, function_call, function_call_output, reasoning)",
+                f"{w}.type",
+            )
     if not msgs:
         raise _bad("'input' holds no messages", "input")
     return msgs
@@ -189,8 +192,7 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for j, t in enumerate(tools):
         if t.get("type") != "function":
-            raise _bad(f"'tools[{j}].type' {t.get('type')!r} is not supported: only 'function' tools are",
-                       "tools")
+            raise _bad(f"'tools[{j}].type' {t.get('type')!r} is not supported: only 'function' tools are", "tools")
         if isinstance(t.get("function"), dict):  # the chat-completions shape, accepted as well
             out.append({"type": "function", "function": t["function"]})
             continue
@@ -202,8 +204,10 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
 def _tool_choice(choice: Any) -> Any:
     if choice is None or isinstance(choice, str):
         if choice not in (None, "auto", "none", "required"):
-            raise _bad(f"'tool_choice' must be auto, none, required or {{'type': 'function', 'name': ...}}, "
-                       f"got {choice!r}", "tool_choice")
+            raise _bad(
+                f"'tool_choice' must be auto, none, required or {{'type': 'function', 'name': ...}}, got {choice!r}",
+                "tool_choice",
+            )
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
@@ -221,8 +225,10 @@ def _response_format(text: Any) -> dict | None:
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
             raise _bad("'text.format.schema' must be a JSON schema object", "text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema,
-                                                       "strict": fmt.get("strict")}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name"), "schema": schema, "strict": fmt.get("strict")},
+        }
     raise _bad(f"'text.format.type' must be text, json_object or json_schema, got {kind!r}", "text.format.type")
 
 
@@ -234,16 +240,25 @@ def _thinking(req: ResponsesRequest) -> bool | None:
         return True
     if effort in _EFFORT_OFF:
         return False
-    raise _bad(f"'reasoning.effort' must be one of none, minimal, low, medium, high, xhigh, got {effort!r}",
-               "reasoning.effort")
+    raise _bad(
+        f"'reasoning.effort' must be one of none, minimal, low, medium, high, xhigh, got {effort!r}", "reasoning.effort"
+    )
 
 
 def to_chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    body: dict[str, Any] = {"messages": messages, "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
-                            "parallel_tool_calls": req.parallel_tool_calls is not False,
-                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                            "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed,
-                            "enable_thinking": _thinking(req)}
+    body: dict[str, Any] = {
+        "messages": messages,
+        "tools": _tools(req.tools),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "enable_thinking": _thinking(req),
+    }
     rf = _response_format(req.text)
     if rf is not None:
         body["response_format"] = rf
@@ -272,16 +287,32 @@ class OutputBuilder:
     def feed(self, kind: str, val: Any) -> list[dict]:
         if kind == "tool_call":
             out = self.close()
-            item = {"id": _rid("fc_"), "type": "function_call", "status": "in_progress", "call_id": val.id,
-                    "name": val.name, "arguments": ""}
+            item = {
+                "id": _rid("fc_"),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": val.id,
+                "name": val.name,
+                "arguments": "",
+            }
             idx = len(self.items)
             self.items.append(item)
             out.append(self.event("response.output_item.added", output_index=idx, item=dict(item)))
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                  delta=val.arguments))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=val.arguments
+                )
+            )
             item.update(arguments=val.arguments, status="completed")
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  name=val.name, arguments=val.arguments))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    name=val.name,
+                    arguments=val.arguments,
+                )
+            )
             out.append(self.event("response.output_item.done", output_index=idx, item=dict(item)))
             return out
         want = "reasoning" if kind == "reasoning" else "message"
@@ -292,17 +323,20 @@ class OutputBuilder:
         self.text += val
         idx, iid = len(self.items) - 1, self.open["id"]
         if want == "message":
-            out.append(self.event("response.output_text.delta", item_id=iid, output_index=idx, content_index=0,
-                                  delta=val, logprobs=[]))
+            out.append(
+                self.event(
+                    "response.output_text.delta", item_id=iid, output_index=idx, content_index=0, delta=val, logprobs=[]
+                )
+            )
         else:
-            out.append(self.event("response.reasoning_text.delta", item_id=iid, output_index=idx, content_index=0,
-                                  delta=val))
+            out.append(
+                self.event("response.reasoning_text.delta", item_id=iid, output_index=idx, content_index=0, delta=val)
+            )
         return out
 
     def start(self, kind: str) -> list[dict]:
         if kind == "message":
-            item = {"id": _rid("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
-                    "content": []}
+            item = {"id": _rid("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item = {"id": _rid("rs_"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
@@ -310,9 +344,10 @@ class OutputBuilder:
         idx = len(self.items)
         self.items.append(item)
         self.open, self.text = item, ""
-        return [self.event("response.output_item.added", output_index=idx, item=copy.deepcopy(item)),
-                self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                           part=part)]
+        return [
+            self.event("response.output_item.added", output_index=idx, item=copy.deepcopy(item)),
+            self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part=part),
+        ]
 
     def close(self, status: str = "completed") -> list[dict]:
         item = self.open
@@ -322,16 +357,20 @@ class OutputBuilder:
         idx, iid = len(self.items) - 1, item["id"]
         if item["type"] == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-            done = self.event("response.output_text.done", item_id=iid, output_index=idx, content_index=0,
-                              text=self.text, logprobs=[])
+            done = self.event(
+                "response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=self.text, logprobs=[]
+            )
         else:
             part = {"type": "reasoning_text", "text": self.text}
-            done = self.event("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0,
-                              text=self.text)
+            done = self.event(
+                "response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0, text=self.text
+            )
         item.update(content=[part], status=status)
-        return [done, self.event("response.content_part.done", item_id=iid, output_index=idx, content_index=0,
-                                 part=dict(part)),
-                self.event("response.output_item.done", output_index=idx, item=copy.deepcopy(item))]
+        return [
+            done,
+            self.event("response.content_part.done", item_id=iid, output_index=idx, content_index=0, part=dict(part)),
+            self.event("response.output_item.done", output_index=idx, item=copy.deepcopy(item)),
+        ]
 
 
 # ---------------------------------------------------------------- routes
@@ -343,17 +382,32 @@ class ResponsesRoutes:
 
     def _skeleton(self, rid: str, req: ResponsesRequest, model: str) -> dict:
         tools = [dict(t) for t in req.tools or []]
-        return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-                "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "model": model,
-                "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id,
-                "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-                "store": req.store is not False,
-                "temperature": req.temperature, "top_p": req.top_p,
-                "text": {"format": (req.text.format if req.text and req.text.format else {"type": "text"})},
-                "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": tools,
-                "truncation": "disabled", "usage": None, "user": req.user}
+        return {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "model": model,
+            "output": [],
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "store": req.store is not False,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "text": {"format": (req.text.format if req.text and req.text.format else {"type": "text"})},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": tools,
+            "truncation": "disabled",
+            "usage": None,
+            "user": req.user,
+        }
 
     async def create(self, request: Request) -> Response:
         body = await read_json(request, self.chat._chat_body_limit())
@@ -363,8 +417,12 @@ class ResponsesRoutes:
         if req.previous_response_id is not None:
             hit = self.store.get(req.previous_response_id)
             if hit is None:
-                raise APIError(404, f"previous response with id {req.previous_response_id!r} not found",
-                               param="previous_response_id", code="not_found")
+                raise APIError(
+                    404,
+                    f"previous response with id {req.previous_response_id!r} not found",
+                    param="previous_response_id",
+                    code="not_found",
+                )
             history = hit[1]
         chat_req = to_chat_request(req, input_messages(history + items, req.instructions))
         job = await prepare_chat(self.chat, chat_req, clamp_max_tokens=True, rename=_RENAME)
@@ -376,14 +434,17 @@ class ResponsesRoutes:
         resp = self._skeleton(_rid("resp_"), req, self.state.spec.name)
         events = self._events(run, resp, history + items, len(job.prompt))
         if req.stream:
+
             def counted(ev: dict) -> dict:  # an error inside a stream whose 200 went out already
                 if ev["type"] == "response.failed":
                     metrics.count_error(500, where="stream")
                 return ev
 
-            return StreamingResponse((sse(counted(ev), event=ev["type"]) async for ev in events),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                (sse(counted(ev), event=ev["type"]) async for ev in events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         last = None
         async for ev in events:
             last = ev
@@ -403,8 +464,11 @@ class ResponsesRoutes:
                 continue
             if ev.error:
                 out.close("incomplete")
-                resp.update(status="failed", output=out.items,
-                            error={"code": "server_error", "message": f"generation failed: {ev.error}"})
+                resp.update(
+                    status="failed",
+                    output=out.items,
+                    error={"code": "server_error", "message": f"generation failed: {ev.error}"},
+                )
                 yield out.event("response.failed", response=resp)
                 return
             for kind, val in step.pieces:
@@ -419,12 +483,18 @@ class ResponsesRoutes:
         for e in out.close("incomplete" if cut else "completed"):
             yield e
         completion = run.completion_tokens
-        resp.update(status="incomplete" if cut else "completed", output=out.items,
-                    incomplete_details={"reason": "max_output_tokens"} if cut else None,
-                    usage={"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": run.cached_tokens},
-                           "output_tokens": completion,
-                           "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens[0]},
-                           "total_tokens": n_prompt + completion})
+        resp.update(
+            status="incomplete" if cut else "completed",
+            output=out.items,
+            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            usage={
+                "input_tokens": n_prompt,
+                "input_tokens_details": {"cached_tokens": run.cached_tokens},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens[0]},
+                "total_tokens": n_prompt + completion,
+            },
+        )
         if resp["store"]:
             self.store.put(copy.deepcopy(resp), items + copy.deepcopy(out.items))
         yield out.event("response.incomplete" if cut else "response.completed", response=resp)
@@ -445,5 +515,7 @@ def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
     from .app import _guard  # app imports this module first
 
     impl = ResponsesRoutes(state, chat)
-    return [Route("/v1/responses", _guard(state, impl.create, needs_key), methods=["POST"]),
-            Route("/v1/responses/{response_id}", _guard(state, impl.item, needs_key), methods=["GET", "DELETE"])]
+    return [
+        Route("/v1/responses", _guard(state, impl.create, needs_key), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _guard(state, impl.item, needs_key), methods=["GET", "DELETE"]),
+    ]

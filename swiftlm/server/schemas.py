@@ -6,7 +6,6 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 # template arguments the server fills in itself (a request's chat_template_kwargs may not shadow them)
 SERVER_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 MAX_TOOLS = 128  # as OpenAI
@@ -72,8 +71,10 @@ class ChatCompletionRequest(_Sampling):
     def _not_server_owned(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         clash = sorted(set(v or {}) & SERVER_TEMPLATE_KWARGS)
         if clash:
-            raise ValueError(f"{', '.join(clash)} cannot be set here: the server passes "
-                             f"{'it' if len(clash) == 1 else 'them'} to the template itself")
+            raise ValueError(
+                f"{', '.join(clash)} cannot be set here: the server passes "
+                f"{'it' if len(clash) == 1 else 'them'} to the template itself"
+            )
         return v
 
 
@@ -91,8 +92,8 @@ class ResponsesText(_Req):
 
 
 class ResponsesReasoning(_Req):
-    effort: str | None = None     # none / minimal: thinking off; low / medium / high / xhigh: on
-    summary: str | None = None    # accepted, ignored (reasoning comes back whole)
+    effort: str | None = None  # none / minimal: thinking off; low / medium / high / xhigh: on
+    summary: str | None = None  # accepted, ignored (reasoning comes back whole)
     generate_summary: str | None = None
 
 

@@ -50,10 +50,10 @@ class CompressedHead:
     def attend(self, q: np.ndarray, scale: float | None = None) -> np.ndarray:
         """softmax(q K^T * scale) V for one query [d], reading the compressed rows directly."""
         d = self.kq.d
-        scale = d ** -0.5 if scale is None else scale
+        scale = d**-0.5 if scale is None else scale
         q = np.asarray(q, np.float64)
         q_rot = self.kq.rotation.forward(q)  # once per query
-        scores, parts = [], []
+        scores = []
         for ek in self.keys:
             scores.append(ek.norms.astype(np.float64) * (self.kq.decode_unit(ek) @ q_rot))
         if self.recent_k is not None and len(self.recent_k):
@@ -65,7 +65,7 @@ class CompressedHead:
         i = 0
         for ev in self.values:  # the weighted sum stays in the rotated domain...
             n = len(ev.norms)
-            out_rot += (p[i:i + n] * ev.norms.astype(np.float64)) @ self.vq.decode_unit(ev)
+            out_rot += (p[i : i + n] * ev.norms.astype(np.float64)) @ self.vq.decode_unit(ev)
             i += n
         out = self.vq.rotation.inverse(out_rot)  # ...and is rotated back once
         if self.recent_v is not None and len(self.recent_v):
@@ -74,8 +74,10 @@ class CompressedHead:
 
     def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
         """The full history decoded to float64 (for tests and the fallback path)."""
-        ks = [self.kq.decode(e) for e in self.keys] + ([self.recent_k.astype(np.float64)]
-                                                        if self.recent_k is not None else [])
-        vs = [self.vq.decode(e) for e in self.values] + ([self.recent_v.astype(np.float64)]
-                                                          if self.recent_v is not None else [])
+        ks = [self.kq.decode(e) for e in self.keys] + (
+            [self.recent_k.astype(np.float64)] if self.recent_k is not None else []
+        )
+        vs = [self.vq.decode(e) for e in self.values] + (
+            [self.recent_v.astype(np.float64)] if self.recent_v is not None else []
+        )
         return np.concatenate(ks), np.concatenate(vs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -22,11 +22,11 @@ GRID = 1 << 16
 
 @dataclass(frozen=True)
 class Codebook:
-    d: int | None        # None: the Gaussian limit (unit variance, scaled by 1/sqrt(d) at use)
+    d: int | None  # None: the Gaussian limit (unit variance, scaled by 1/sqrt(d) at use)
     bits: int
     centroids: np.ndarray  # sorted, float64, 2^bits entries
     boundaries: np.ndarray  # 2^bits - 1 decision thresholds
-    mse: float             # expected squared error per coordinate under the density
+    mse: float  # expected squared error per coordinate under the density
 
     @property
     def vector_mse(self) -> float:
@@ -54,7 +54,7 @@ def _density(d: int | None) -> tuple[np.ndarray, np.ndarray]:
     return x, w / w.sum()
 
 
-@lru_cache(maxsize=None)
+@cache
 def lloyd_max(d: int | None, bits: int, iters: int = 400) -> Codebook:
     """The MSE-optimal ``2^bits``-level codebook for a coordinate at head dim ``d`` (cached)."""
     if not 1 <= bits <= 8:

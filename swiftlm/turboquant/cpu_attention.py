@@ -41,8 +41,8 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 # no NaN/Inf assumptions: the running max starts at -inf
 _FM = {"reassoc", "contract", "arcp", "nsz", "afn"}
-TILE = 64          # rows scored before their softmax update
-MIN_SPAN = 512     # rows per task at least
+TILE = 64  # rows scored before their softmax update
+MIN_SPAN = 512  # rows per task at least
 # one kernel at a time per process: numba's thread pool (workqueue/omp layers) does not take
 # concurrent launches from two threads (two engines, e.g. two models served at once)
 _LOCK = threading.Lock()
@@ -123,7 +123,7 @@ if nb is not None:
     _helpers()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
     """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc).
 
@@ -134,8 +134,7 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
     vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
     nsb = D // 8
 
-    def kernel(qr, st, qjl_scale, ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S,
-               m_out, l_out, acc_out):
+    def kernel(qr, st, qjl_scale, ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S, m_out, l_out, acc_out):
         KVH = qr.shape[0]
         span = (n + S - 1) // S
         for task in nb.prange(KVH * S):
@@ -180,10 +179,11 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
             m_out[h, s] = m
             l_out[h, s] = l
             acc_out[h, s] = acc
+
     return _compile(kernel, f"turbo_d{D}_m{M}_k{kbits}{'q' if qjl else ''}_v{vbits}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def affine_kernel(D: int, M: int, bits: int, group: int):
     """Split-K attention over affine codes (``kv_bits``): codes [KVH, cap, D*bits/8] (4 bits: code
     2k in the low nibble of byte k), fp32 scale / bias [KVH, >=n, D/group] per row and group.
@@ -191,7 +191,6 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
     q [KVH, M, D] scaled; qs [KVH, M, G] Σ q per group; kp, kscale, kbias, vp, vscale, vbias; n; S;
     outputs as ``turbo_kernel``."""
     G = D // group
-
 
     def kernel(q, qs, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
         KVH = q.shape[0]
@@ -247,6 +246,7 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
             m_out[h, s] = m
             l_out[h, s] = l
             acc_out[h, s] = acc
+
     return _compile(kernel, f"affine_d{D}_m{M}_b{bits}_g{group}")
 
 
@@ -277,12 +277,26 @@ def qjl_table(sq: np.ndarray) -> np.ndarray:
     """sq [KVH, M, D] (scaled S q) -> st [KVH, D/8, 256, M]: Σ over the eight signs of sign byte k
     with value b of sq * sign, the kernel's per-byte QJL table."""
     KVH, M, D = sq.shape
-    t = sq.reshape(KVH, M, D // 8, 8).astype(np.float32, copy=False) @ SIGNS.T    # [KVH, M, D/8, 256]
+    t = sq.reshape(KVH, M, D // 8, 8).astype(np.float32, copy=False) @ SIGNS.T  # [KVH, M, D/8, 256]
     return np.ascontiguousarray(t.transpose(0, 2, 3, 1))
 
 
-def turbo_spans(qr, n: int, kbits: int, vbits: int, ktab, kplanes, kn, vtab, vplanes, vn,
-                st=None, ks=None, kr=None, qjl_scale: float = 0.0):
+def turbo_spans(
+    qr,
+    n: int,
+    kbits: int,
+    vbits: int,
+    ktab,
+    kplanes,
+    kn,
+    vtab,
+    vplanes,
+    vn,
+    st=None,
+    ks=None,
+    kr=None,
+    qjl_scale: float = 0.0,
+):
     """Run ``turbo_kernel`` over compressed rows [0, n): qr [KVH, M, D] rotated, scaled queries;
     k/v tables, plane lists [KVH, cap, bytes] and fp32 norms [KVH, >=n]; QJL keys: st
     (``qjl_table``), ks sign bytes, kr fp32 residual norms.  All C-contiguous numpy arrays (views
@@ -299,8 +313,7 @@ def turbo_spans(qr, n: int, kbits: int, vbits: int, ktab, kplanes, kn, vtab, vpl
     kp0, kp1 = planes(kplanes)
     vp0, vp1 = planes(vplanes)
     with _LOCK:
-        kernel(qr, st, np.float32(qjl_scale), ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S,
-               m_o, l_o, a_o)
+        kernel(qr, st, np.float32(qjl_scale), ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S, m_o, l_o, a_o)
     return m_o, l_o, a_o
 
 
@@ -322,10 +335,9 @@ def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, gro
 
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
     """Per-task partials -> (m, l) [KVH, M, 1] and acc [KVH, M, D] over all tasks."""
-    m = m_o.max(1, keepdims=True)                      # [KVH, 1, M]
-    w = np.exp(m_o - m)                                # tasks with no rows: m = -inf -> 0
-    return (m[:, 0, :, None], (l_o * w).sum(1)[..., None],
-            (a_o * w[..., None]).sum(1))
+    m = m_o.max(1, keepdims=True)  # [KVH, 1, M]
+    w = np.exp(m_o - m)  # tasks with no rows: m = -inf -> 0
+    return (m[:, 0, :, None], (l_o * w).sum(1)[..., None], (a_o * w[..., None]).sum(1))
 
 
 _WARMED: set[tuple] = set()
@@ -353,8 +365,12 @@ def warm_up_turbo(D: int, M: int, kbits: int, vbits: int, qjl: bool) -> threadin
             vtab, vps, vn = side(vbits)
             extra = {}
             if qjl:
-                extra = dict(st=qjl_table(np.ones((1, M, D), np.float32)), ks=np.zeros((1, 1, D // 8), np.uint8),
-                             kr=np.ones((1, 1), np.float32), qjl_scale=1.0)
+                extra = dict(
+                    st=qjl_table(np.ones((1, M, D), np.float32)),
+                    ks=np.zeros((1, 1, D // 8), np.uint8),
+                    kr=np.ones((1, 1), np.float32),
+                    qjl_scale=1.0,
+                )
             turbo_spans(np.ones((1, M, D), np.float32), 1, kbits, vbits, ktab, kps, kn, vtab, vps, vn, **extra)
         except Exception as e:  # pragma: no cover - the first decode step compiles it instead
             log.warning("numba kernel warm-up (d=%d, m=%d, k%d v%d) failed: %s", D, M, kbits, vbits, e)

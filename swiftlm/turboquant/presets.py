@@ -17,14 +17,13 @@ sequence holds more than ``threshold`` positions, and the first and last ``keep_
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 
 DEFAULT_PRESET = "k4v3"
 NAMED_PRESETS = ("k4v3", "k3qjl-v3", "k3v2")
 GROUP_SIZES = (32, 64, 128)
-COMPRESS_BLOCK = 32      # dense rows beyond the window are compressed this many (or more) at a time
+COMPRESS_BLOCK = 32  # dense rows beyond the window are compressed this many (or more) at a time
 CODE_CAPACITY_STEP = 1024  # compressed storage grows in steps of this many positions (64 up to 1,024)
 
 _PRESET = re.compile(r"^k([1-4])(qjl)?-?v([1-4])$")
@@ -32,14 +31,14 @@ _PRESET = re.compile(r"^k([1-4])(qjl)?-?v([1-4])$")
 
 @dataclass(frozen=True)
 class KVFormat:
-    kind: str = "fp16"            # "fp16" | "turbo" | "affine"
-    key_bits: int = 16            # turbo: bits of the key's MSE code
+    kind: str = "fp16"  # "fp16" | "turbo" | "affine"
+    key_bits: int = 16  # turbo: bits of the key's MSE code
     value_bits: int = 16
-    key_qjl: bool = False         # turbo: plus one QJL residual-sign bit per coordinate
+    key_qjl: bool = False  # turbo: plus one QJL residual-sign bit per coordinate
     window: int = 128
     threshold: int = 0
     keep_layers: int = 0
-    group_size: int = 64          # affine
+    group_size: int = 64  # affine
     seed: int = 0
 
     @property
@@ -77,8 +76,9 @@ class KVFormat:
         return self.key_row_bytes(d) * 8 / d, self.value_row_bytes(d) * 8 / d
 
 
-def parse_turbo(preset: str | None, *, window: int = 128, threshold: int = 0, keep_layers: int = 0,
-                seed: int = 0) -> KVFormat:
+def parse_turbo(
+    preset: str | None, *, window: int = 128, threshold: int = 0, keep_layers: int = 0, seed: int = 0
+) -> KVFormat:
     """'default' / None -> k4v3; 'off' / 'none' / 'fp16' -> the 16-bit format; raises ValueError."""
     p = (preset or "default").strip().lower()
     if p in ("off", "none", "fp16", "16", "16-bit"):
@@ -87,8 +87,10 @@ def parse_turbo(preset: str | None, *, window: int = 128, threshold: int = 0, ke
         p = DEFAULT_PRESET
     m = _PRESET.match(p)
     if not m:
-        raise ValueError(f"unknown TurboQuant preset {preset!r}: use {', '.join(NAMED_PRESETS)}, kXvY or kXqjl-vY "
-                         "(X, Y in 1..4), or 'off'")
+        raise ValueError(
+            f"unknown TurboQuant preset {preset!r}: use {', '.join(NAMED_PRESETS)}, kXvY or kXqjl-vY "
+            "(X, Y in 1..4), or 'off'"
+        )
     kb, qjl, vb = int(m.group(1)), bool(m.group(2)), int(m.group(3))
     if window < 0 or threshold < 0 or keep_layers < 0:
         raise ValueError("window, threshold and keep_layers must be >= 0")
@@ -130,8 +132,9 @@ def code_capacity(n_code: int) -> int:
     return -(-n_code // step) * step
 
 
-def turbo_layout_bytes(fmt: KVFormat, *, n_code: int, n_dense: int, layers: int, kv_heads: int, head_dim: int,
-                       dense_bytes: int = 2) -> dict[str, int]:
+def turbo_layout_bytes(
+    fmt: KVFormat, *, n_code: int, n_dense: int, layers: int, kv_heads: int, head_dim: int, dense_bytes: int = 2
+) -> dict[str, int]:
     """Storage of a TurboQuant cache holding ``n_code`` compressed and ``n_dense`` 16-bit positions
     per compressed layer, by the layout rules (what the cache's tensors must add up to): compressed
     rows allocated in steps of CODE_CAPACITY_STEP positions (codes, fp16 norms, QJL signs and
@@ -154,8 +157,12 @@ def settings_format(cfg: object | None) -> KVFormat:
     """The server-wide default format from Settings (``--turbo-kv [PRESET]`` and its options)."""
     if cfg is None or getattr(cfg, "turbo_kv", None) in (None, False):
         return KVFormat(window=int(getattr(cfg, "turbo_kv_window", 128) or 0) if cfg is not None else 128)
-    return parse_turbo(str(cfg.turbo_kv), window=int(cfg.turbo_kv_window), threshold=int(cfg.turbo_kv_threshold),
-                       keep_layers=int(cfg.turbo_kv_keep_layers))
+    return parse_turbo(
+        str(cfg.turbo_kv),
+        window=int(cfg.turbo_kv_window),
+        threshold=int(cfg.turbo_kv_threshold),
+        keep_layers=int(cfg.turbo_kv_keep_layers),
+    )
 
 
 def request_format(params: object, default: KVFormat) -> KVFormat:
@@ -166,6 +173,5 @@ def request_format(params: object, default: KVFormat) -> KVFormat:
         return affine(bits, getattr(params, "kv_group_size", 64) or 64)
     preset = getattr(params, "turbo_kv", None)
     if preset is not None:
-        return parse_turbo(preset, window=default.window, threshold=default.threshold,
-                           keep_layers=default.keep_layers)
+        return parse_turbo(preset, window=default.window, threshold=default.threshold, keep_layers=default.keep_layers)
     return default

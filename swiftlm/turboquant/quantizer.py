@@ -28,8 +28,8 @@ def _codebook(d: int, bits: int) -> Codebook:
 
 @dataclass
 class MSEEncoded:
-    norms: np.ndarray          # [n] float16
-    planes: list[np.ndarray]   # packed codes (see packing)
+    norms: np.ndarray  # [n] float16
+    planes: list[np.ndarray]  # packed codes (see packing)
 
     def nbytes(self) -> int:
         return self.norms.nbytes + sum(p.nbytes for p in self.planes)
@@ -69,7 +69,7 @@ class TurboQuantMSE:
 @dataclass
 class ProdEncoded:
     mse: MSEEncoded
-    signs: np.ndarray          # [n, d/8] uint8: the QJL sign bits, packed
+    signs: np.ndarray  # [n, d/8] uint8: the QJL sign bits, packed
     residual_norms: np.ndarray  # [n] float16
 
     def nbytes(self) -> int:
@@ -104,7 +104,9 @@ class TurboQuantProd:
         u_hat = self.mse.rotation.inverse(self.mse.decode_unit(enc.mse))
         signs = unpack([enc.signs], 1, self.d).astype(np.float64) * 2 - 1
         qjl = (q @ self.S.T) * signs
-        est = (q * u_hat).sum(-1) + enc.residual_norms.astype(np.float64) * math.sqrt(math.pi / 2) / self.d * qjl.sum(-1)
+        est = (q * u_hat).sum(-1) + enc.residual_norms.astype(np.float64) * math.sqrt(math.pi / 2) / self.d * qjl.sum(
+            -1
+        )
         return enc.mse.norms.astype(np.float64) * est
 
     def bytes_per_vector(self) -> int:
