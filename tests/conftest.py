@@ -13,6 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# the fake backend plugin (tests/plugins: a module and its dist-info with the swiftlm.backends entry point)
+sys.path.insert(0, str(ROOT / "tests" / "plugins"))
+
+import tiers  # noqa: E402  (tests/ is on sys.path: pytest puts a rootdir conftest's folder there)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -107,3 +111,50 @@ def hf_reference(bundled_gguf):
     )
     model.eval()
     return model
+
+
+# ------------------------------------------------------------------ markers by what a test needs (tests/tiers.py)
+def pytest_configure(config):
+    for name, (what, _) in tiers.MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        have = {m.name for m in item.iter_markers()}
+        for name in sorted(tiers.needs(item) - have):
+            item.add_marker(getattr(pytest.mark, name))
+
+
+# ------------------------------------------------------------------ the fake backend (fast tier)
+@pytest.fixture(scope="session")
+def fake_llm():
+    """An LLM on the fake backend plugin over the bundled model's tokenizer: no torch, no MLX, milliseconds a
+    step.  Tests set ``swiftlm_fake_backend.REPLIES`` to choose what it answers."""
+    from swiftlm import LLM
+
+    llm = LLM(backend="fake", parallel=4, max_tokens=64, ctx_size=1024)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def fake_replies():
+    """The fake model's scripted replies (prompt substring -> reply), emptied after the test."""
+    import swiftlm_fake_backend
+
+    swiftlm_fake_backend.REPLIES.clear()
+    yield swiftlm_fake_backend.REPLIES
+    swiftlm_fake_backend.REPLIES.clear()
+
+
+@pytest.fixture(scope="session")
+def fake_app(fake_llm):
+    """The whole HTTP app in this process (Starlette's TestClient) around the fake engine."""
+    from starlette.testclient import TestClient
+
+    from swiftlm.server.app import create_app
+
+    app = create_app(fake_llm.settings, engine=fake_llm.engine, spec=fake_llm.spec, backend="fake")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
