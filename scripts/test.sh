@@ -37,6 +37,6 @@ fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "$fast" = 1 ]; then
   fast_expr="$(cd tests && ../.venv/bin/python -c 'import tiers; print(tiers.FAST_EXPR)')"
-  exec .venv/bin/python -m pytest -q -ra -p no:xdist --durations=25 -m "$fast_expr" "$@"
+  exec .venv/bin/python -m pytest -q -ra -n 2 --durations=25 -m "$fast_expr" "$@"
 fi
 exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --durations=25 "$@"

@@ -53,13 +53,59 @@ def bundled_gguf() -> Path:
     return bundled_model_path()
 
 
+# Checkpoints are written once per test run and copied to where each test wants them: the same arguments give
+# the same files (make_checkpoint.py is seeded).  The cache is shared by the xdist workers of one run.
+_CKPT_SOURCES = [
+    ROOT / "scripts" / "make_checkpoint.py",
+    ROOT / "scripts" / "make_multimodal.py",
+    ROOT / "swiftlm" / "convert.py",
+    ROOT / "swiftlm" / "tokenizer.py",
+]
+_ckpt_cache: Path | None = None
+
+
+def _make_ckpt_uncached(out: Path, args: tuple[str, ...]) -> None:
+    if "--quantize" in args:  # mlx-lm's converter: in its own process, as a user runs it
+        subprocess.run(
+            [PY, str(ROOT / "scripts" / "make_checkpoint.py"), str(out), "--force", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return
+    import contextlib
+    import io
+    import runpy
+
+    main = runpy.run_path(str(ROOT / "scripts" / "make_checkpoint.py"))["main"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        main([str(out), "--force", *args])
+
+
 def make_ckpt(out: Path, *args: str) -> Path:
-    subprocess.run(
-        [PY, str(ROOT / "scripts" / "make_checkpoint.py"), str(out), "--force", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    """scripts/make_checkpoint.py OUT ARGS, from this run's cache when the same checkpoint was written before."""
+    import fcntl
+    import hashlib
+    import shutil
+
+    if _ckpt_cache is None:
+        _make_ckpt_uncached(out, args)
+        return out
+    h = hashlib.sha256("\0".join(args).encode())
+    for f in _CKPT_SOURCES:
+        h.update(f.read_bytes() if f.exists() else b"")
+    entry = _ckpt_cache / h.hexdigest()[:24]
+    _ckpt_cache.mkdir(parents=True, exist_ok=True)
+    with open(str(entry) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not entry.exists():
+            tmp = Path(str(entry) + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _make_ckpt_uncached(tmp, args)
+            tmp.rename(entry)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(entry, out)
     return out
 
 
@@ -115,8 +161,29 @@ def hf_reference(bundled_gguf):
 
 # ------------------------------------------------------------------ markers by what a test needs (tests/tiers.py)
 def pytest_configure(config):
+    global _ckpt_cache
     for name, (what, _) in tiers.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    import tempfile
+    import uuid
+
+    if hasattr(config, "workerinput"):
+        run = config.workerinput["testrunuid"]
+    else:  # the controller picks the run's id, and xdist hands it to every worker
+        run = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        if hasattr(config.option, "testrunuid"):
+            config.option.testrunuid = run
+    _ckpt_cache = Path(tempfile.gettempdir()) / f"swiftlm-test-ckpts-{os.getuid()}" / run
+    if not hasattr(config, "workerinput"):
+        config._swiftlm_ckpt_cache = _ckpt_cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    cache = getattr(config, "_swiftlm_ckpt_cache", None)  # the controller (or a run without xdist) cleans up
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

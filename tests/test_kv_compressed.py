@@ -199,6 +199,7 @@ def test_rollback_equals_feeding_only_accepted_rows():
     assert x.length == y.length == 63
 
 
+@pytest.mark.slow
 def test_storage_equals_layout_formula_and_8k_ratio():
     """8K positions, SmolLM2's KV shape (30 layers, 3 KV heads, d = 64), 16-bit rows: the tensors
     the cache holds add up to the layout's formula, and k4v3 is <= 0.30x the 16-bit cache."""
@@ -304,7 +305,16 @@ CODE_FORMATS = [
 
 
 @pytest.mark.parametrize("fmt", CODE_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 2, 128), (2, 2, 32), (2, 6, 96)])
+# the fast tier runs the smallest shape; the whole suite every shape (slow: ~a minute per shape over every format)
+@pytest.mark.parametrize(
+    "kv_heads,heads,d",
+    [
+        pytest.param(3, 9, 64, marks=pytest.mark.slow),
+        pytest.param(1, 2, 128, marks=pytest.mark.slow),
+        (2, 2, 32),
+        pytest.param(2, 6, 96, marks=pytest.mark.slow),
+    ],
+)
 def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads, d, monkeypatch):
     """The vectorised path over the codes (one table gather per packed byte, scores of every query
     per block, values summed from the probabilities) equals softmax attention over the decoded rows,

@@ -33,6 +33,9 @@ MARKERS: dict[str, tuple[str, tuple[str, ...]]] = {
             "Backend().load(",
             "mlx_lm.load(",
             "from_pretrained(",
+            '"torch_llm"',
+            '"mlx_llm"',
+            "tiny_llm",
         ),
     ),
     "checkpoint": (
@@ -42,6 +45,10 @@ MARKERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "subprocess": (
         "runs the CLI or a script in a Python subprocess",
         ("run_cli(", "subprocess.", "Popen("),
+    ),
+    "jit": (
+        "compiles numba kernels (seconds to minutes of compilation the first time in a process)",
+        ("numba",),
     ),
     "interp": (
         "runs Triton kernels under TRITON_INTERPRET=1",
@@ -65,7 +72,7 @@ MARKERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "install": (
         "builds wheels or fresh virtual environments",
-        ("install.sh", "bundle.sh", "uninstall.sh", "venv", "pip wheel", "-m build"),
+        ("install.sh", "bundle.sh", "uninstall.sh", '"venv"', "-m venv", "pip wheel", '"build"', "pipx", "uv tool"),
     ),
     "fuzz": (
         "property-based or schema fuzzing (schemathesis, hypothesis)",
@@ -81,8 +88,11 @@ MARKERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 # what the fast tier leaves out (the slow marker is written by hand on a test)
-HEAVY = ("server", "model", "checkpoint", "subprocess", "interp", "multiproc", "install", "fuzz", "slow")
+HEAVY = ("server", "model", "subprocess", "jit", "interp", "multiproc", "install", "fuzz", "slow")
 FAST_EXPR = "not (" + " or ".join(HEAVY) + ")"
+
+# fixtures that are light by design (the fake backend plugin): not looked into
+LIGHT_FIXTURES = {"fake_llm", "fake_app", "fake_replies"}
 
 _CALL = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
@@ -92,6 +102,17 @@ def _source(obj) -> str:
         return textwrap.dedent(inspect.getsource(obj))
     except (OSError, TypeError):
         return ""
+
+
+@cache
+def _module_toplevel(module) -> str:
+    """A test module's own statements outside its functions and classes (imports, importorskip, pytestmark)."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return ""
+    keep = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
 
 
 @cache
@@ -140,10 +161,14 @@ def needs(item) -> set[str]:
             if name in helpers:
                 add(helpers[name])
 
+    if module is not None:
+        add(_module_toplevel(module))
     add(_source(getattr(item, "function", None)))
     info = getattr(item, "_fixtureinfo", None)
     if info is not None:
         for name in info.names_closure:
+            if name in LIGHT_FIXTURES:
+                continue
             for fdef in info.name2fixturedefs.get(name, ()):
                 add(_source(fdef.func))
     text = "\n".join(sources)
