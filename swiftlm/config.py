@@ -59,6 +59,7 @@ class Settings(BaseSettings):
         "Repeat --model to serve several (the first loads at start-up, the others on "
         "demand; see --models-file).",
         append=True,
+        aliases=("-m",),
     )
     adapter: list[str] = _f(
         [],
@@ -74,7 +75,10 @@ class Settings(BaseSettings):
     )
     offline: bool = _f(False, "Never download from the Hugging Face hub (HF_HUB_OFFLINE=1 does the same).")
     ctx_size: int | None = _f(
-        None, "Context length in tokens (prompt + output); default: the model's own.", flag="--ctx-size"
+        None,
+        "Context length in tokens (prompt + output); default: the model's own.",
+        flag="--ctx-size",
+        aliases=("-c",),
     )
     prefill_size: int = _f(
         512, "Prompt tokens processed per sequence per engine step (chunked prefill).", group="engine"
@@ -83,7 +87,7 @@ class Settings(BaseSettings):
         1,
         "Sequences decoded concurrently (vLLM's --max-num-seqs); more requests wait in the queue.",
         group="engine",
-        aliases=("--max-num-seqs",),
+        aliases=("-np", "--max-num-seqs"),
     )
     kv_block_size: int = _f(64, "Positions per block of the paged KV cache (torch backend on CUDA).", group="engine")
     kv_cache_memory: str | None = _f(
@@ -170,6 +174,25 @@ class Settings(BaseSettings):
     # server
     host: str = _f("127.0.0.1", "Address to bind.", group="server")
     port: int = _f(5413, "Port to listen on.", group="server")
+    served_model_name: str | None = _f(
+        None,
+        "Name the model is served under: the id /v1/models lists and responses' 'model' field "
+        "(default: the --model string, or smollm2-135m-instruct for the bundled model).",
+        group="server",
+        aliases=("-a", "--alias"),
+    )
+    access_log: bool = _f(
+        False,
+        "Log one line per request on stderr: method, route, status, model, tokens in and out, "
+        "time to first token and duration.",
+        group="server",
+    )
+    quiet: bool = _f(
+        False,
+        "No loading progress line on stderr (it is drawn only when stderr is a terminal).",
+        group="output",
+        aliases=("-q",),
+    )
     api_key: str | None = _f(None, "Require 'Authorization: Bearer <key>' on /v1 routes.", group="server")
     api_keys_file: str | None = _f(
         None,
@@ -196,6 +219,11 @@ class Settings(BaseSettings):
         group="server",
     )
     cors: str | None = _f(None, "Allowed CORS origin ('*' for any); no CORS headers unless set.", group="server")
+    webui: bool = _f(
+        True,
+        "Serve the built-in chat page at / (its files need no API key; its API calls do); --no-webui turns it off.",
+        group="server",
+    )
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 beyond).", group="server")
     max_json_depth: int = _f(
         64, "Deepest nesting of lists and objects accepted in a request body (400 beyond).", group="server"
@@ -304,6 +332,7 @@ class Settings(BaseSettings):
         "Partial offload (torch backend): the first N transformer layers on the GPU, "
         "the rest on the CPU in --offload-dtype (embedding, final norm and LM head stay "
         "on the GPU; CUDA graphs off). Default: every layer on the GPU.",
+        aliases=("-ngl", "--n-gpu-layers"),
     )
     offload_dtype: str = _f("float32", "dtype of the CPU layers under --gpu-layers: float32 or bfloat16.")
     torch_dtype: str = _f(
@@ -610,6 +639,13 @@ class Settings(BaseSettings):
             raise ValueError("must be a TCP port, 0 to 65535")
         return v
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name_ok(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or v != v.strip()):
+            raise ValueError("must be a non-empty name without leading or trailing spaces")
+        return v
+
     @field_validator("log_level")
     @classmethod
     def _log_level_ok(cls, v: str) -> str:
@@ -688,7 +724,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
                 kw["const"] = extra["const"]
             if extra.get("append"):
                 kw["action"] = "append"
-        parser.add_argument(flag_of(name), *extra.get("aliases", ()), **kw)
+        opts = [flag_of(name), *extra.get("aliases", ())]
+        opts.sort(key=lambda o: o.startswith("--"))  # short forms first, as llama-server's help shows them
+        parser.add_argument(*opts, **kw)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -4,7 +4,7 @@ Downloads go through ``huggingface_hub.snapshot_download`` (its tqdm progress ba
 as ``.incomplete`` and resumed with an HTTP range request next time), into the same cache the registry reads:
 ``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``.  ``HF_TOKEN`` is sent when set,
 ``HF_HUB_OFFLINE=1`` (or ``SWIFTLM_OFFLINE=1``) forbids the network, ``HF_ENDPOINT`` names another hub.
-Every failure is one sentence (``HubError``, exit code 1; a malformed id is a usage error, exit code 2).
+Every failure is one sentence (``registry.HubError``, exit code 1; a malformed id is a usage error, exit code 2).
 """
 
 from __future__ import annotations
@@ -18,17 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SwiftLMError
-from .registry import _hf_cache_dir, _looks_like_repo_id, _offline
-
-
-class HubError(SwiftLMError):
-    """A download, listing or removal that failed for a reason outside the command line (network, hub, disk)."""
-
-    exit_code = 1
-
-
-def endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+from .registry import HubError, _first_line, _hf_cache_dir, _looks_like_repo_id, _offline, explain_hub_error
 
 
 def _check_id(repo_id: str) -> None:
@@ -37,68 +27,6 @@ def _check_id(repo_id: str) -> None:
             f"{repo_id!r} is not a Hugging Face repo id; give it as owner/name, "
             "e.g. HuggingFaceTB/SmolLM2-135M-Instruct"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _explain(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
-    """One sentence for whatever snapshot_download raised."""
-    from huggingface_hub import errors as e
-
-    hub = endpoint()
-    rev = f" at revision {revision!r}" if revision else ""
-    chain = [exc]
-    while chain[-1].__cause__ is not None and len(chain) < 5:
-        chain.append(chain[-1].__cause__)
-    names = {type(x).__name__ for x in chain}
-    if isinstance(exc, e.RevisionNotFoundError):
-        return HubError(f"{repo_id} has no revision {revision!r} on {hub}")
-    if isinstance(exc, e.GatedRepoError):
-        return HubError(
-            f"{repo_id} is gated on {hub}: accept its terms on the model page and set HF_TOKEN to a "
-            "token of that account"
-        )
-    if isinstance(exc, e.RepositoryNotFoundError):
-        tok = (
-            " (HF_TOKEN is set: check that it can read it)"
-            if os.environ.get("HF_TOKEN")
-            else " (if it is private, set HF_TOKEN)"
-        )
-        return HubError(f"{repo_id} was not found on {hub}{tok}")
-    if isinstance(exc, e.HfHubHTTPError) and getattr(getattr(exc, "response", None), "status_code", 0) in (401, 403):
-        return HubError(
-            f"{hub} refused access to {repo_id} (HTTP {exc.response.status_code}): set HF_TOKEN to a "
-            "token that can read it"
-        )
-    if "OfflineModeIsEnabled" in names or (isinstance(exc, e.LocalEntryNotFoundError) and _offline()):
-        return HubError(
-            f"{repo_id}{rev} is not in the local cache {_hf_cache_dir()} and downloads are off "
-            "(HF_HUB_OFFLINE=1 or SWIFTLM_OFFLINE=1): unset it to download"
-        )
-    if isinstance(exc, e.LocalEntryNotFoundError) or names & {
-        "ConnectError",
-        "ConnectTimeout",
-        "ReadTimeout",
-        "TimeoutException",
-        "ProxyError",
-        "RemoteProtocolError",
-        "ReadError",
-        "NetworkError",
-    }:
-        return HubError(
-            f"could not reach {hub} to download {repo_id}{rev}; check the network connection "
-            "(or HF_ENDPOINT), then run the same command again: finished files are kept and a "
-            "partial file resumes"
-        )
-    if isinstance(exc, e.HfHubHTTPError):
-        code = getattr(getattr(exc, "response", None), "status_code", "?")
-        return HubError(f"{hub} answered HTTP {code} for {repo_id}{rev}: {_first_line(exc)}")
-    if isinstance(exc, OSError):
-        return HubError(f"downloading {repo_id} failed writing to disk: {_first_line(exc)}")
-    return HubError(f"downloading {repo_id}{rev} failed: {type(exc).__name__}: {_first_line(exc)}")
 
 
 def download(
@@ -126,7 +54,7 @@ def download(
     except KeyboardInterrupt:
         raise
     except Exception as exc:
-        raise _explain(exc, repo_id, revision) from exc
+        raise explain_hub_error(exc, repo_id, revision) from None
     return Path(path)
 
 

@@ -102,8 +102,9 @@ def build_engine(settings: Settings) -> tuple[Engine, ModelSpec, str]:
     return make_engine(settings, backend, spec), spec, why
 
 
-def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
-    """Load the model (and a draft model) with ``backend`` and start the engine."""
+def check_engine_settings(settings: Settings, backend: Any) -> None:
+    """Settings that do not fit together or with ``backend``, refused in one sentence.  ``make_engine``
+    runs this before it loads anything; ``swiftlm serve`` before it binds its port."""
     if settings.tensor_parallel > 1 and settings.data_parallel > 1:
         raise ConfigError("--data-parallel cannot be combined with --tensor-parallel yet")
     pipeline = (settings.pipeline_parallel or 1) > 1
@@ -119,10 +120,27 @@ def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
             f"--gpu-layers is built for the torch backend only (this is {backend.name}): the MLX "
             "backend keeps every layer on the GPU of Apple's unified memory"
         )
+    if settings.adapter and (settings.speculative or settings.draft_model):
+        raise ConfigError(
+            "--adapter does not combine with speculative decoding yet (drafts would be verified on "
+            "the base weights, not the adapter's)"
+        )
+    if settings.speculative == "draft" and not settings.draft_model:
+        raise ConfigError("--speculative draft needs --draft-model")
     if settings.distributed:  # one rank of an mlx.launch group: no replicas, no engine child process
         from .distributed.external import check_settings as check_distributed
 
         check_distributed(settings, backend)
+    if settings.data_parallel > 1:
+        from .distributed.replicas import check_settings as check_replicas
+
+        check_replicas(settings, backend)
+
+
+def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
+    """Load the model (and a draft model) with ``backend`` and start the engine."""
+    check_engine_settings(settings, backend)
+    pipeline = (settings.pipeline_parallel or 1) > 1
     if settings.data_parallel > 1:  # N engines, one per device, behind one interface
         from .distributed.replicas import build_replicas
 
@@ -142,11 +160,6 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     from .media import MediaPolicy, processor_for
     from .media.processor import check_settings
 
-    if settings.adapter and (settings.speculative or settings.draft_model):
-        raise ConfigError(
-            "--adapter does not combine with speculative decoding yet (drafts would be verified on "
-            "the base weights, not the adapter's)"
-        )
     check_settings(spec, settings)
     if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1:  # ranks 1..N-1 elsewhere; this is 0
         from .distributed.launch import load_parallel
@@ -212,8 +225,7 @@ def _speculator(settings: Settings, backend: Any, model: Any, dspec: ModelSpec |
     if mode == "ngram":
         drafter: Any = NgramDrafter()
     else:
-        if dspec is None:
-            raise ConfigError("--speculative draft needs --draft-model")
+        assert dspec is not None, "check_engine_settings refuses --speculative draft without --draft-model"
         log.info("loading draft model %s", dspec.name)
         dmodel = backend.load(dspec, settings)
         check_same_tokenizer(model.tokenizer, dmodel.tokenizer, dspec.name)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptModel, ModelNotFound
+from .errors import CorruptModel, ModelNotFound, SwiftLMError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED = {
@@ -137,6 +137,93 @@ def _looks_like_repo_id(s: str) -> bool:
     )
 
 
+# --------------------------------------------------------------------------- hub errors
+class HubError(SwiftLMError):
+    """A download, listing or removal that failed for a reason outside the command line (network, hub, disk)."""
+
+    exit_code = 1
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_NETWORK_ERRORS = {
+    "ConnectError",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "TimeoutException",
+    "ProxyError",
+    "RemoteProtocolError",
+    "ReadError",
+    "NetworkError",
+    "ConnectionError",
+}
+
+
+def explain_hub_error(
+    exc: BaseException, repo_id: str, revision: str | None = None, *, loading: bool = False
+) -> HubError:
+    """One sentence for whatever ``snapshot_download`` raised: for ``swiftlm download``, or, with
+    ``loading``, for a ``--model`` that is not in the local cache (then the advice is `swiftlm download`)."""
+    from huggingface_hub import errors as e
+
+    hub = endpoint()
+    rev = f" at revision {revision!r}" if revision else ""
+    chain = [exc]
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 5:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    names = {type(x).__name__ for x in chain}
+    if isinstance(exc, e.RevisionNotFoundError):
+        return HubError(f"{repo_id} has no revision {revision!r} on {hub}")
+    if isinstance(exc, e.GatedRepoError):
+        return HubError(
+            f"{repo_id} is gated on {hub}: accept its terms on the model page and set HF_TOKEN to a "
+            "token of that account"
+        )
+    if isinstance(exc, e.RepositoryNotFoundError):
+        tok = (
+            " (HF_TOKEN is set: check that it can read it)"
+            if os.environ.get("HF_TOKEN")
+            else " (if it is private, set HF_TOKEN)"
+        )
+        where = f" and is not in the local cache {_hf_cache_dir()} (`swiftlm models` lists it)" if loading else ""
+        return HubError(f"{repo_id} was not found on {hub}{tok}{where}")
+    if isinstance(exc, e.HfHubHTTPError) and getattr(getattr(exc, "response", None), "status_code", 0) in (401, 403):
+        return HubError(
+            f"{hub} refused access to {repo_id} (HTTP {exc.response.status_code}): set HF_TOKEN to a "
+            "token that can read it"
+        )
+    if "OfflineModeIsEnabled" in names or (isinstance(exc, e.LocalEntryNotFoundError) and _offline()):
+        return HubError(
+            f"{repo_id}{rev} is not in the local cache {_hf_cache_dir()} and downloads are off "
+            "(--offline, HF_HUB_OFFLINE=1 or SWIFTLM_OFFLINE=1): unset it to download"
+        )
+    if isinstance(exc, e.LocalEntryNotFoundError) or names & _NETWORK_ERRORS:
+        if loading:
+            return HubError(
+                f"{repo_id}{rev} is not in the local cache {_hf_cache_dir()} and {hub} cannot be reached "
+                f"to download it; check the network connection (or HF_ENDPOINT), or fetch it first with "
+                f"`swiftlm download {repo_id}`"
+            )
+        return HubError(
+            f"could not reach {hub} to download {repo_id}{rev}; check the network connection "
+            "(or HF_ENDPOINT), then run the same command again: finished files are kept and a "
+            "partial file resumes"
+        )
+    if isinstance(exc, e.HfHubHTTPError):
+        code = getattr(getattr(exc, "response", None), "status_code", "?")
+        return HubError(f"{hub} answered HTTP {code} for {repo_id}{rev}: {_first_line(exc)}")
+    if isinstance(exc, OSError):
+        return HubError(f"downloading {repo_id} failed writing to disk: {_first_line(exc)}")
+    return HubError(f"downloading {repo_id}{rev} failed: {type(exc).__name__}: {_first_line(exc)}")
+
+
 def _from_hf_cache(repo_id: str, allow_download: bool) -> Path | None:
     from huggingface_hub import snapshot_download
 
@@ -150,11 +237,10 @@ def _from_hf_cache(repo_id: str, allow_download: bool) -> Path | None:
         return None
     try:
         return Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=patterns))
+    except KeyboardInterrupt:
+        raise
     except Exception as exc:
-        raise ModelNotFound(
-            f"could not download {repo_id!r} from the Hugging Face hub: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from exc
+        raise explain_hub_error(exc, repo_id, loading=True) from None
 
 
 def resolve(model: str | None, allow_download: bool | None = None) -> ModelSpec:
@@ -183,9 +269,10 @@ def resolve(model: str | None, allow_download: bool | None = None) -> ModelSpec:
         if path is not None:
             return inspect_hf_dir(path, source)
         if offline:
-            looked.append("(download disabled by SWIFTLM_OFFLINE/HF_HUB_OFFLINE)")
+            looked.append("(download disabled by --offline, SWIFTLM_OFFLINE or HF_HUB_OFFLINE)")
     looked.append(f"bundled models {', '.join(sorted(_BUNDLED))}")
-    raise ModelNotFound(f"model {source!r} not found; looked in: " + "; ".join(looked))
+    fetch = f" (`swiftlm download {source}` fetches it)" if _looks_like_repo_id(source) else ""
+    raise ModelNotFound(f"model {source!r} not found; looked in: " + "; ".join(looked) + fetch)
 
 
 # --------------------------------------------------------------------------- HF directories

@@ -183,12 +183,18 @@ def test_bad_chat_bodies_name_the_field(fake_app, body, param):
     assert err["type"] == "invalid_request_error" and param in (err.get("param") or "") + err["message"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+# An app built around one engine has no models manager: unloading answers 400 "does not load or unload models"
+# there, where a server's manager answers 409 for its pinned model (that case runs in test_hostile_inputs.py).
+INPROC_CASES = [c for c in CASES if c[0] != "ollama-unload-pinned"]
+
+
+@pytest.mark.parametrize("case", INPROC_CASES, ids=[c[0] for c in INPROC_CASES])
 def test_hostile_catalogue_in_process(fake_app, case):
     _, path, kw, status, words = case
-    r = fake_app.post(path, **kw)
+    r = fake_app.request(kw.get("method", "POST"), path, **{k: v for k, v in kw.items() if k != "method"})
     assert r.status_code == status, r.text[:300]
-    assert words in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert words in (err if isinstance(err, str) else err["message"])  # Ollama's error is a string
     ok = fake_app.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
     assert ok.status_code == 200
 

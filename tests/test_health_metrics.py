@@ -453,8 +453,8 @@ def test_count_error_api():
     m.count_error(404)
     m.count_error(500, "stream")
     text = m.render(None).decode()
-    assert 'swiftlm_request_errors_total{status="404"} 1.0' in text
-    assert 'swiftlm_request_errors_total{status="500"} 1.0' in text and "swiftlm_stream_errors_total 1.0" in text
+    assert 'swiftlm_request_errors_total{status="404"} 1\n' in text  # counts print as integers
+    assert 'swiftlm_request_errors_total{status="500"} 1\n' in text and "swiftlm_stream_errors_total 1\n" in text
 
 
 def test_error_counter_counts_404_405(inproc):
@@ -513,4 +513,4 @@ def test_error_counter_counts_errors_sent_mid_stream(inproc, monkeypatch):
     assert r.status_code == 200 and '"error"' in r.text
     assert _errors(state, "500") == before + 1
     text = state.metrics.render(state.engine).decode()
-    assert "swiftlm_stream_errors_total 1.0" in text
+    assert "swiftlm_stream_errors_total 1\n" in text

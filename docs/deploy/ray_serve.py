@@ -1,7 +1,7 @@
 """SwiftLM replicas under Ray Serve: each Ray Serve replica is one SwiftLM server process on one
 GPU (``--data-parallel 1``; Ray places and restarts them), and Ray's HTTP proxy routes clients.
 
-    pip install "ray[serve]" "swiftlm[torch]"
+    pip install "ray[serve]" "./dist/swiftlm-0.1.0-py3-none-any.whl[torch]"   # the wheel from `python -m build`
     serve run docs/deploy/ray_serve.py:app  # then POST http://127.0.0.1:8000/v1/chat/completions
 
 Ray Serve is the cluster manager; this file only starts SwiftLM inside each replica and forwards

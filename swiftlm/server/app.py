@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,12 +24,15 @@ from starlette.routing import Route
 from ..config import Settings
 from . import anthropic as anthropic_api
 from . import embeddings as embeddings_api
+from . import ollama as ollama_api
 from . import responses as responses_api
+from .access_log import AccessLog
 from .auth import Gate, run_guarded
 from .embeddings import EmbeddingRequest
 from .errors import error_response
 from .metrics import Metrics, health_memory
 from .models import AppState, ModelEntry, ModelManager, entries_from_toml
+from .ollama_schemas import openapi_paths as ollama_paths
 from .openai_routes import OpenAIRoutes
 from .schemas import (
     AnthropicCountTokensRequest,
@@ -37,6 +41,7 @@ from .schemas import (
     CompletionRequest,
     ResponsesRequest,
 )
+from .webui_route import routes as webui_routes
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,7 @@ def openapi_schema() -> dict:
         "/health": get("Health and stats"),
         "/metrics": get("Prometheus metrics"),
     }
+    paths.update(ollama_paths(post, get))  # the Ollama API (/api/...)
     return {
         "openapi": "3.1.0",
         "info": {"title": "SwiftLM", "version": "0.1.0"},
@@ -209,9 +215,13 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
         *responses_api.routes(state, routes_impl, v1_key),
         *anthropic_api.routes(state, routes_impl, v1_key),
+        *ollama_api.routes(state, routes_impl, v1_key),
         *embeddings_api.routes(state, routes_impl, v1_key, lambda fn: _guard(state, fn, v1_key)),
+        *(webui_routes(state, lambda fn: _guard(state, fn, v1_key)) if settings.webui else []),  # the chat page
     ]
     middleware = []
+    if settings.access_log:  # one line per request on stderr (access_log.py)
+        middleware.append(Middleware(AccessLog, model_of=lambda: state.spec.name if state.spec else None))
     if settings.cors:
         origins = [o.strip() for o in settings.cors.split(",") if o.strip()]
         middleware.append(
@@ -241,7 +251,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     return app
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None) -> int:
     """Resolve the model (fail fast), start listening, load in the background (503 until
     ready), print the ready line, and run until SIGINT/SIGTERM."""
     import uvicorn
@@ -265,7 +275,7 @@ def serve(settings: Settings) -> int:
         spec = None
     else:
         spec = resolve(settings.model, allow_download=offline)
-        entries = [ModelEntry(name=spec.name, model=settings.model, pin=True)]
+        entries = [ModelEntry(name=settings.served_model_name or spec.name, model=settings.model, pin=True)]
         for m in settings.extra_models:  # --model repeated: served side by side, loaded on demand
             entries.append(ModelEntry(name=resolve(m, allow_download=offline).name, model=m))
     pins = {n.strip() for n in (settings.pin or "").split(",") if n.strip()}
@@ -384,7 +394,8 @@ def serve(settings: Settings) -> int:
         try:
             # at start-up: the one model, or the pinned ones of a models file (else its first)
             for e in [x for x in entries if x.pin] or entries[:1]:
-                engine, sp = load_entry(e)
+                with loading(e) if loading is not None else contextlib.nullcontext():  # the CLI's loading line
+                    engine, sp = load_entry(e)
                 manager.adopt(e, engine, sp)
         except Exception as exc:
             state.load_error = str(exc)
@@ -401,7 +412,7 @@ def serve(settings: Settings) -> int:
                     "host": settings.host,
                     "port": settings.port,
                     "scheme": "https" if settings.ssl_certfile else "http",
-                    "model": spec.name if spec is not None else entries[0].name,
+                    "model": entries[0].name,
                     "models": manager.available(),
                     "backend": backend.name,
                     "backend_choice": why,
@@ -415,7 +426,7 @@ def serve(settings: Settings) -> int:
     for e in manager.entries:
         if e.engine is not None:
             e.engine.shutdown()
-    code = 2 if "error" in outcome else (1 if "fatal" in outcome else 0)
+    code = getattr(outcome["error"], "exit_code", 1) if "error" in outcome else (1 if "fatal" in outcome else 0)
     if os.environ.get("SWIFTLM_FINALIZE") != "1":
         # Everything is shut down (the engine thread joined, streams ended): leave without the
         # interpreter's finalization, where a daemon thread still inside a C++ extension can be

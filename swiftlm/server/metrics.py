@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from . import access_log
+
 
 def memory_figures(engine: Any) -> dict[str, Any]:
     """Every memory figure /health and /metrics report, measured (see README "Health and metrics").
@@ -351,6 +353,48 @@ class _Uptime:
         )
 
 
+class _Noted:
+    """A counter or histogram whose increments and observations are also noted on the current request's
+    access-log record (server/access_log.py; nothing is noted when the access log is off)."""
+
+    def __init__(self, metric: Any, note: Any) -> None:
+        self.metric, self._note = metric, note
+
+    def inc(self, amount: float = 1) -> None:
+        self.metric.inc(amount)
+        self._note(amount)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value)
+        self._note(value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
+
+
+def whole_counts(text: bytes) -> bytes:
+    """Counts printed as integers: ``swiftlm_tokens_generated_total 487``, not ``487.0`` (prometheus_client
+    prints every value as a float, and as ``4.87e+08`` from a million up), as SwiftLM's Swift server does and
+    shell scripts reading /metrics expect.  Integral values of counters and of histograms' bucket and count
+    samples are rewritten; counters in seconds, sums, gauges and ``_created`` stamps stay floats."""
+    whole: set[str] = set()
+    out = []
+    for ln in text.decode().split("\n"):
+        if ln.startswith("# TYPE "):
+            _, _, name, kind = ln.split(" ", 3)
+            if kind == "counter" and not name.endswith("_seconds_total"):
+                whole.add(name)
+            elif kind == "histogram":
+                whole.update((name + "_bucket", name + "_count"))
+        elif ln and not ln.startswith("#") and ln.split("{", 1)[0].split(" ", 1)[0] in whole:
+            head, _, value = ln.rpartition(" ")
+            v = float(value)
+            if v.is_integer() and abs(v) < 2**53:  # exactly representable: the count itself
+                ln = f"{head} {int(v)}"
+        out.append(ln)
+    return "\n".join(out).encode()
+
+
 class Metrics:
     """The server's registry.  Routes count requests, errors and streamed tokens here; the rest
     is read from the engine when /metrics is scraped."""
@@ -376,13 +420,20 @@ class Metrics:
             "response (also counted in swiftlm_request_errors_total, as status 500)",
             registry=r,
         )
-        self.prompt_tokens = Counter("swiftlm_prompt_tokens", "Prompt tokens of requests submitted", registry=r)
-        self.gen_tokens = Counter("swiftlm_generation_tokens", "Tokens delivered to API clients", registry=r)
-        self.ttft = Histogram(
-            "swiftlm_time_to_first_token_seconds",
-            "Request received to first token delivered (HTTP side)",
-            registry=r,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        self.prompt_tokens = _Noted(
+            Counter("swiftlm_prompt_tokens", "Prompt tokens of requests submitted", registry=r), access_log.note_prompt
+        )
+        self.gen_tokens = _Noted(
+            Counter("swiftlm_generation_tokens", "Tokens delivered to API clients", registry=r), access_log.note_output
+        )
+        self.ttft = _Noted(
+            Histogram(
+                "swiftlm_time_to_first_token_seconds",
+                "Request received to first token delivered (HTTP side)",
+                registry=r,
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            ),
+            access_log.note_ttft,
         )
         self.itl = Histogram(
             "swiftlm_inter_token_latency_seconds",
@@ -403,4 +454,4 @@ class Metrics:
         self.engine_collector.engine = engine
         self.experts.engine = engine
         self.steps.engine = engine
-        return generate_latest(self.registry)
+        return whole_counts(generate_latest(self.registry))
