@@ -35,6 +35,9 @@ if [ "$fast" = 0 ] && [ "${free_gb:-0}" -lt 16 ]; then
   echo "test.sh: only ${free_gb} GB free under ${TMPDIR:-/tmp}; the suite needs ~13 GB (old /tmp/pytest-of-* runs can go)" >&2
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Two xdist workers on two cores, each starting servers and engines: one OpenMP thread per process.  With more,
+# OpenMP's spinning threads of one process take the cores another is waiting for (a token took 4x as long).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$fast" = 1 ]; then
   fast_expr="$(cd tests && ../.venv/bin/python -c 'import tiers; print(tiers.FAST_EXPR)')"
   exec .venv/bin/python -m pytest -q -ra -n 2 --durations=25 -m "$fast_expr" "$@"
