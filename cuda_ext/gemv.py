@@ -86,11 +86,11 @@ def _gemv_kernel(
 
 
 def _config(M: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, split_k, num_warps) from the H100 sweep of ``scripts/bench_gemv.py``.  No split of
+    """(BLOCK_N, BLOCK_K, split_k, num_warps) as the sweep of ``scripts/bench_gemv.py`` picks them.  No split of
     K by default (atomic partial sums would make the result depend on their order: decode stays
     deterministic); a decode step's matrices have N >= 2048, 256+ programs."""
-    if M == 1:  # the sweep's best for every matrix of the 1B and 8B steps had 4 output features a program
-        # (docs/results/gemv_h100.json: o_proj / down 9-11% faster than 8; gate_up and the LM head equal)
+    if M == 1:  # 4 output features a program: the sweep's best for every matrix of a decode step
+        # (docs/results/gemv_h100.json)
         return 4, min(2048, triton.next_power_of_2(K)), 1, 4
     return 32, 128, 1, 4
 

@@ -17,11 +17,11 @@ sequence and a contiguous range of its positions (the sequence's length divided 
 range past a short sequence's end is empty and contributes nothing).  It loads each K/V tile
 once for all ``rep = H // KVH`` query heads of that KV head: with ``tl.dot`` on the query group
 padded to 16 rows (tensor cores; the default), or with a broadcast multiply + sum
-(``use_dot=False``).  Measured on an H100 (bf16, D=128, CUDA-graph replay): for rep 4 the dot is
-4-5x faster (the broadcast form holds a [rep, BLOCK_N, D] fp32 product in registers, which forces
-BLOCK_N=16 and still runs at ~20% of HBM bandwidth), and even for rep 1, where 15 of the 16 MMA
-rows are padding, the dot is 1.4x faster (88-91% vs 62-65% of peak) - the tensor cores have
-compute to spare at decode's arithmetic intensity, the CUDA cores do not.
+(``use_dot=False``).  The dot is the faster form: the broadcast form holds a [rep, BLOCK_N, D] fp32
+product in registers, which forces BLOCK_N=16 and leaves it far below the memory bandwidth, and even
+for rep 1, where 15 of the 16 MMA rows are padding, the dot wins - the tensor cores have compute to
+spare at decode's arithmetic intensity, the CUDA cores do not (``scripts/bench_paged_attention.py``
+times both).
 Scores and the output are accumulated in fp32 with an online softmax (running max and sum, in
 the exp2 domain).  Kernel 2 (``_combine_kernel``), grid ``(B, H)``, merges the per-split
 ``(log-sum-exp, normalised output)`` pairs; with one split kernel 1 writes ``out`` directly.
@@ -230,10 +230,9 @@ def default_splits(
     several of these small programs are resident per SM, which is what keeps enough loads in
     flight), never cut a sequence into ranges shorter than ``min_chunk`` positions, and use one
     split (no partials, no combine launch) once the batch alone fills the GPU.  A power of two, so
-    few values occur (few graph / compile variants).  Calibrated on an H100 with the Llama-3-8B
-    shape (scripts/bench_paged_attention.py sweeps 1..64 splits under CUDA-graph replay): the pick
-    is the fastest or within 4% of it for B in 1..128 x context 256..32768, except B=32 at
-    context 256 (2 splits, +1 us over 1)."""
+    few values occur (few graph / compile variants).  Calibrated with the Llama-3-8B shape
+    (scripts/bench_paged_attention.py sweeps 1..64 splits under CUDA-graph replay): the pick is the
+    fastest or close to it for B in 1..128 x context 256..32768."""
     progs = max(1, batch * kv_heads)
     want = max(1, waves * sm_count // progs)
     cap = max(1, -(-max(1, max_len) // min_chunk))
@@ -243,7 +242,7 @@ def default_splits(
 
 def _config(rep: int, DP: int, use_dot: bool | None, block_n: int | None) -> tuple[bool, int, int]:
     if use_dot is None:
-        use_dot = True  # measured faster for rep 4 (4-5x) and for rep 1 (1.4x) on an H100
+        use_dot = True  # tensor cores: faster for every rep, rep 1 included (see the module docstring)
     RP = max(16, triton.next_power_of_2(rep)) if use_dot else triton.next_power_of_2(rep)
     if block_n is None:
         if use_dot:

@@ -6,9 +6,8 @@ kernel of its own with a fixed latency, and it breaks the chain of programmatic 
 of the Triton kernels around it.  Here the sum costs two Triton kernels, both PDL-launched:
 
 - ``push``: each rank stores its partial rows straight into its peer's receive buffer (peer-mapped symmetric
-  memory, over NVLink), then raises the peer's per-row ``full`` flag (a release at system scope).  (Tried: the
-  one-row GEMV sending its own result from its last program, to save this launch: slower, 265-269 against
-  277-278 tok/s for an 8B shape at one stream: docs/results/tp_peer_h100x2_s17/gemv_send_tried);
+  memory, over NVLink), then raises the peer's per-row ``full`` flag (a release at system scope).  A kernel of
+  its own: sending from the one-row GEMV's last program would save this launch but slows the step down;
 - ``recv_add_rmsnorm``: each rank waits for its own ``full`` flag (acquire), adds its partial and the
   received one (rounded to the model's dtype, as NCCL rounds its sum), then does what ``add_rmsnorm`` does
   (``x += sum``; returns ``rmsnorm(x) * w``), clears its ``full`` flag and raises the peer's ``free`` flag.

@@ -3,7 +3,7 @@
 ``swiftlm.sampler`` draws a row's token as the first index whose cumulative probability reaches
 ``u * total`` (``u`` from the row's counter-based generator).  In torch that is ~9 kernels per step
 (a float copy, the bias scatter, the division, a softmax and an argmax that run one thread block per row,
-a scan, a binary search ...): ~45 us of every one-stream decode step of a 1B model on an H100, on the
+a scan, a binary search ...), a noticeable share of a one-stream decode step of a small model, on the
 device's critical path (the next step's input ids are these).  Here:
 
 - ``_chunk_kernel``, grid (rows, chunks of ``CHUNK`` tokens): per chunk of the row,

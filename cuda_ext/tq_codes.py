@@ -8,7 +8,7 @@ and 3-bit ones); under the CPU interpreter, trees of selects on the code bits.  
 read as whole words: 32-bit words of the 2-bit plane (16 codes) with 16-bit words of the 1-bit plane, turned into
 selector nibbles inside the asm (``prmt_asm16``), and 32-bit words of 4-bit codes, whose nibbles are selectors
 already (``prmt_asm4s``).
-The inline PTX is checked on this CPU by an emulator of the instructions it uses (tests/ptx_emu.py).
+The inline PTX is checked on a CPU by an emulator of the instructions it uses (tests/ptx_emu.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def _page_of(pt_ptr, first, N, PAGE: tl.constexpr):
     """The page holding row ``first`` of the sequence (its table entry; 0 past N).  The codes are pages of PAGE
     rows, a multiple of the tile, so a tile sits in one page: row r of the sequence is row r % PAGE of page
     ``pt_ptr[r // PAGE]``.  The loops read the next tile's entry one tile ahead (a load that waits for nothing),
-    so its latency hides behind the current tile (read in the tile itself, it cost 5% of the step at 128K)."""
+    so its latency hides behind the current tile (read in the tile itself, every tile would wait for it)."""
     return tl.load(pt_ptr + first // PAGE, mask=first < N, other=0).to(tl.int64)
 
 
@@ -399,7 +399,7 @@ def dense_rows_online(
 @triton.jit
 def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB: tl.constexpr):
     """``merge_splits`` over SB splits at a time (two passes: the max, then the weighted sums), so that
-    a head's [S, len(cols)] partials never sit in registers at once (S is ~130 on an H100)."""
+    a head's [S, len(cols)] partials never sit in registers at once (S grows with the GPU's SM count)."""
     sidx = tl.arange(0, SB)
     mv = tl.full((SB,), float("-inf"), tl.float32)
     for s0 in range(0, S, SB):
@@ -507,17 +507,17 @@ _COMBINE: dict[str, int] = {}  # the combine pass's knobs (SB, BLOCK_R, num_warp
 _LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
 _REGS: dict[tuple, tuple] = {}  # (key bits, value bits, TRANS, N_PTR, BATCH) -> the split kernel's (registers, spills)
 # the split kernel's register cap where the code tiles are first operands (ptxas maxnreg; SWIFTLM_TQ_MAXNREG, 0:
-# none): four 4-warp programs per SM need <= 128.  The graphed step's k4v3 kernel (row count read on the device)
-# took 130 on an H100's Triton 3.6, three programs per SM: 141.2 -> 144.0 tok/s at 32K, 102.2 -> 105.2 at 128K with
-# the cap, no spills (docs/results/tq_s19/e2e_*_s19h*).
+# none): four 4-warp programs per SM need <= 128.  Uncapped, ptxas can give the graphed step's k4v3 kernel (row
+# count read on the device) a few registers more, which leaves room for only three programs per SM; the cap costs
+# no spills (scripts/bench_tq_kernel.py --maxnreg times the caps).
 MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
-    """Splits per KV head: about eight programs per SM in all (H100, 8B shape at 32K: 91.5 us
-    against 98 us at four and 185 us at one; docs/results/tq_kernel_h100_b1_splits.log), never more
-    than the row tiles (on the CPU interpreter, ranges of 256 rows)."""
+    """Splits per KV head: about eight programs per SM in all (enough loads in flight to keep the
+    memory busy; ``scripts/bench_tq_kernel.py --splits`` sweeps the count), never more than the row
+    tiles (on the CPU interpreter, ranges of 256 rows)."""
     if device.type != "cuda":
         return max(1, triton.cdiv(rows, 256))
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -575,9 +575,8 @@ def _split_pass(
     kasm = _prmt_for(k_centroids, kw0 + kw1, kswar) if knat else ""
     vasm = _prmt_for(v_centroids, vw0 + vw1, vswar) if vnat else ""
     tune = dict(_TUNE)
-    # code tiles as first operands where the keys are read as words (H100, 8B shape, split pass at 32K / 128K:
-    # k3v2 48.1 / 154.3 -> 41.9 / 123.2 us; k4v3 with prmt_asm4s 51.8 / 160.7 -> 44.1 / 127.5 us, where the
-    # byte path's k4v3 was 46.4 / ~139 us whole; docs/results/tq_s19/); SWIFTLM_TQ_TRANS=0/1 overrides
+    # code tiles as first operands where the keys are read as words: the looked-up tiles then need no move
+    # into the second operand's layout (scripts/bench_tq_kernel.py times both); SWIFTLM_TQ_TRANS=0/1 overrides
     trans = tune.pop("TRANS", kswar if TRANS_DEFAULT is None else TRANS_DEFAULT) and knat and vnat and qjl is None
     if "GDC" not in tune:
         tune.update(launch_kw(q_rot))
@@ -764,8 +763,7 @@ def tq_decode_attention_full(
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
     R = dk.shape[1]
-    # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10 (H100, 8B
-    # shape at 32K, whole attention 52.0 -> 46.8 us; tq_kernel_s18e.log)
+    # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10
     kw = {"SB": 32, "BLOCK_R": 64, "num_warps": 4, "DS": min(D, 32)}
     kw.update(_COMBINE)
     ds = kw["DS"]

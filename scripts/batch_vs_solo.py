@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Do greedy outputs of N concurrent requests equal their solo runs? (issue 18's exactness report)
+"""Do greedy outputs of N concurrent requests equal their solo runs?
 
     python scripts/batch_vs_solo.py --model DIR [--backend torch] [--requests 64] [--tokens 64] [--json out.json]
 

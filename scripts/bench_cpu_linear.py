@@ -2,12 +2,12 @@
 """fp32 linear layers on this CPU, the way a decode step runs them: every matrix of a model's layers once
 per step (so they stream from DRAM, not from cache), for 1 / 4 / 16 rows, through
 
-  mkl         ``F.linear`` (x @ W^T; what the torch backend runs today, with ``rows_linear``'s (W @ x^T)^T
-              for 3-64 rows)
+  mkl         ``F.linear`` (x @ W^T; the torch backend's path for weights without a packed copy, with
+              ``rows_linear``'s (W @ x^T)^T for 3-64 rows)
   onednn      oneDNN's prepacked weights (``torch.ops.mkldnn._reorder_linear_weight(w, hint)`` once, then
-              ``_linear_pointwise`` per call): a second, blocked copy of every weight -- what the torch backend
-              runs since session 15 (``backends/torch/cpu_packed.py``, hint 64).  The hint is the row count
-              oneDNN picks its blocking for: 1 (what this script used before) is 1.5x slower at 3-64 rows
+              ``_linear_pointwise`` per call): a second, blocked copy of every weight -- the torch backend's
+              CPU path (``backends/torch/cpu_packed.py``, hint 64).  The hint is the row count oneDNN picks
+              its blocking for: a hint of 1 is slower at 3-64 rows
 
 Fewer than three rows are padded to three on both paths, as ``rows_linear`` does.
 
@@ -121,8 +121,8 @@ def main() -> int:
         Path(a.json).write_text(
             json.dumps(
                 {
-                    "what": "fp32 linears of one decode step (every layer matrix once) on this CPU: MKL (the torch backend's "
-                    "path before session 15) vs oneDNN prepacked weights (its path since)",
+                    "what": "fp32 linears of one decode step (every layer matrix once) on this CPU: MKL (F.linear) "
+                    "vs oneDNN prepacked weights (the torch backend's CPU path)",
                     "shapes": vars(a),
                     "read_bound_gbs": round(read_gbs, 1),
                     "host": {

@@ -112,7 +112,7 @@ def bench(args: argparse.Namespace, base: str, out: Path, extra: list[str], conc
         "--json",
         str(out),
         "--no-progress",
-        # one client process tops out near 4-5K SSE events/s (issue 18's H100 runs): spread the load
+        # one client process tops out at a few thousand SSE events/s: spread the load
         "--workers",
         str(args.workers or (4 if n >= 32 else 1)),
         *extra,

@@ -7,7 +7,7 @@
 Each configuration runs in its own process (clean peak RSS) and decodes ``--tokens`` greedy
 tokens after a 16-token prompt, one token per step (decode is what streaming serves).  With
 ``--repeat N`` every configuration runs N times, interleaved, and the median run is reported
-(this machine's disk and memory bandwidth vary a lot between runs).
+(a shared machine's disk and memory bandwidth vary a lot between runs).
 
 - seq bandwidth: the checkpoint's files read sequentially in 16 MiB reads after
   ``POSIX_FADV_DONTNEED`` (cold).  The cold bound is that bandwidth / expert bytes per token.

@@ -18,8 +18,8 @@
 # bench_peers_cpu_quick.json) and a table: aggregate output tok/s per server and N, and the ratios
 # swiftlm-torch / transformers-serve and swiftlm-mlx / mlx-lm-server.
 #
-# Run it on an otherwise idle machine: on 2 cores shared with another CPU-bound job, torch's intra-op threads
-# stall each other and decode was seen 10x slower (both torch servers alike, but the numbers mean nothing then).
+# Run it on an otherwise idle machine: on a few cores shared with another CPU-bound job, torch's intra-op threads
+# stall each other and decode slows down many times over (both torch servers alike, but the numbers mean nothing then).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -124,7 +124,7 @@ start_server() {
       "$PY" -m swiftlm.cli serve --model "$MODEL_DIR" --backend mlx --parallel "$n" --host 127.0.0.1 \
         --port "$port" --log-level warning >"$logf" 2>&1 & ;;
     # its /v1/models scans the HF cache and answers 500 when the cache directory is missing; its KV cache takes
-    # 60-90% of free RAM by default (11 GB here): 64 blocks of 256 tokens hold 16 streams of ~200 tokens 5 times over
+    # 60-90% of free RAM by default: 64 blocks of 256 tokens hold 16 streams of ~200 tokens 5 times over
     transformers-serve)
       mkdir -p "$WORK/hf-cache"
       HF_HUB_CACHE="$WORK/hf-cache" "$PEERS/bin/transformers" serve "$MODEL_DIR" --continuous-batching \

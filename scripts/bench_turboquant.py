@@ -200,7 +200,7 @@ def torch_bench(a, presets, contexts):
                         step(L + w)
                     runners.append((name, mode, step, nbytes))
         # rounds: every format once per round, each round decoding the same positions again (the
-        # caches roll back by position), median per format: this VM's speed drifts between runs
+        # caches roll back by position), median per format: a shared machine's speed drifts between runs
         times: dict[tuple[str, str], list[float]] = {}
         with torch.inference_mode():
             for _ in range(a.rounds):

@@ -1,4 +1,4 @@
-"""TurboQuant code pages on a GPU (issue 23): greedy outputs and speed of a ``--turbo-kv`` engine whose
+"""TurboQuant code pages on a GPU: greedy outputs and speed of a ``--turbo-kv`` engine whose
 compressed sequences keep their codes in pages of one pool, against the same engine with whole-context codes
 per sequence (``SWIFTLM_CODE_PAGES=0``), through the Python API (the served engine's step loop, CUDA graphs on).
 
@@ -6,7 +6,7 @@ per sequence (``SWIFTLM_CODE_PAGES=0``), through the Python API (the served engi
 
 Runs, each on a fresh engine, N greedy requests at once (``--parallel`` N, EOS banned), prompts of ~100-300
 tokens and ``--max-tokens`` new ones (so every sequence compresses rows: the window is 128):
-- ``whole``: ``SWIFTLM_CODE_PAGES=0``, each sequence a whole-context static cache (the layout before pages);
+- ``whole``: ``SWIFTLM_CODE_PAGES=0``, each sequence a whole-context static cache (no pages);
 - ``pages``: the default: code pages, the pool sized for every sequence at full context;
 - ``whole_again`` / ``pages_again``: both once more, alternating (run to run);
 - ``tight``: code pages in ``--kv-cache-memory`` bytes that hold about a third of what the sequences need, so the
@@ -74,7 +74,7 @@ def main() -> None:
         prompts = [enc(" ".join(words[(i * 3 + j) % len(words)] for j in range(100 + 13 * i))) for i in range(a.n)]
     base = {"ctx_size": a.ctx, "parallel": a.n, "prompt_cache_bytes": 0}
     res: dict = {}
-    # alternating engines (whole, pages, whole, pages): the speeds of one configuration vary run to run by ~10%
+    # alternating engines (whole, pages, whole, pages): the speeds of one configuration vary from run to run
     res["whole"] = run(a.model, prompts, a.max_tokens, pages=False, **base)
     ref = res["whole"]["tokens"]
     res["pages"] = run(a.model, prompts, a.max_tokens, **base)

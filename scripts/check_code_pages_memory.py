@@ -1,4 +1,4 @@
-"""How many concurrent TurboQuant sequences one GPU serves at a long context (issue 23): N greedy requests of a
+"""How many concurrent TurboQuant sequences one GPU serves at a long context: N greedy requests of a
 few hundred positions each, all at once (``--parallel`` N), under ``--turbo-kv k4v3`` with code pages (the
 default) and with whole-context codes per sequence (``SWIFTLM_CODE_PAGES=0``), each in a fresh process.
 

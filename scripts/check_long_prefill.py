@@ -1,5 +1,5 @@
-"""Time to first token of long prompts through the Python API (issue 18: prompt chunks past position 0 on the
-paged KV pool attend over gathered blocks; this measures what that costs against another build).
+"""Time to first token of long prompts through the Python API (prompt chunks past position 0 on the paged KV
+pool attend over gathered blocks: this measures what that costs, against another build).
 
     PYTHONPATH=... python scripts/check_long_prefill.py --model /tmp/m8b --lengths 2000,7900 --json out.json
 

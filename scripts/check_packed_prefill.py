@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The packed prefill on a GPU (issue 18): the variable-length flash attention against the masked SDPA
-it replaced, and the captured (graphed) chunk against the eager one.
+"""The packed prefill on a GPU: the variable-length flash attention against masked SDPA, and the captured
+(graphed) chunk against the eager one.
 
     python scripts/check_packed_prefill.py --model DIR [--prompt-tokens 40] [--json out.json]
 

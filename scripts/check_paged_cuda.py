@@ -1,10 +1,10 @@
-"""The paged KV pool on a GPU (issue 18): greedy outputs across block layouts, under forced preemption and
+"""The paged KV pool on a GPU: greedy outputs across block layouts, under forced preemption and
 with prefix caching, through the Python API (the served engine's step loop, CUDA graphs on).
 
     python scripts/check_paged_cuda.py --model /tmp/m1b --json out.json
 
 Runs, each on a fresh engine, N greedy requests at once (``--parallel`` N, EOS banned):
-- ``slots``: one block per sequence (``--kv-block-size`` = the context: the old slot pool's layout);
+- ``slots``: one block per sequence (``--kv-block-size`` = the context: a slot pool's layout);
 - ``slots_again``: the same once more (is the engine deterministic from run to run?);
 - ``bs64`` / ``bs32`` / ``bs16``: 64-, 32- and 16-position blocks (64 is the default);
 - ``preempt``: 16-position blocks in a pool that holds about a third of what the sequences need, so the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a one-stream decode step's device time goes on the GPU, and A/B of what changes it (issue 18, bs1):
+# Where a one-stream decode step's device time goes on the GPU, and A/B of what changes it (batch size 1):
 #   gemv   the decode matmuls at one row, cuBLAS vs the Triton kernel of cuda_ext/gemv.py (scripts/bench_gemv.py)
 #   1b 8b  the in-process engine (scripts/profile_engine.py, no HTTP) at N streams in each of $MODES, runs
 #          alternating between modes (REPS rounds), then one run of the last mode under torch.profiler (kernel

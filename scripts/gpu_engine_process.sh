@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The engine core in its own process vs on a thread (issue 18 item 3): one server per shape and
+# The engine core in its own process vs on a thread: one server per shape and
 # setting (SWIFTLM_ENGINE_PROCESS=off, then =on), each measured by `swiftlm bench serve` at N
 # concurrent streams (~40-token prompts, OUTTOK new tokens, EOS banned, prompt cache off).
 #
-# On the lent H100 (the lead; ~7 minutes for both shapes: ~1 min of checkpoints, 4 servers):
+# On the lent GPU (a few minutes for both shapes: the checkpoints, then 4 servers):
 #   bash scripts/gpu_engine_process.sh 1b 8b
 # Needs carried: .whl (wheels), .gpu/tok (SmolLM2 tokenizer files).  No extra wheel: the IPC is
 # a multiprocessing Pipe with pickle (standard library).

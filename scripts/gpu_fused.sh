@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fused decode kernels (backends/torch/fused_decode.py) and the step token budget (--max-batched-tokens)
-# A/B on the GPU, issue 18: one server per (shape, mode), each measured by `swiftlm bench serve` at N
+# A/B on the GPU: one server per (shape, mode), each measured by `swiftlm bench serve` at N
 # concurrent streams (~40-token prompts, OUTTOK new tokens, EOS banned, prompt cache off), the same way
 # as scripts/gpu_engine_process.sh; then the in-process engine's step phases (scripts/profile_engine.py)
 # for both kernel settings.
@@ -8,18 +8,17 @@
 #   bash scripts/gpu_fused.sh 1b 8b            # on the lent GPU; carry .whl .gpu
 #   MODES="unfused fused" NS="1 64" REPS=2 bash scripts/gpu_fused.sh 1b
 # Every mode's server is up at once on the GPU and the runs alternate between them, REPS times (the 8B shape: at
-# most two modes fit an 80 GB GPU at once).  (The first run of this A/B, one server after the other, is
-# docs/results/fused_decode_gpu_h100_1b_first_run.json.)
+# most two modes fit an 80 GB GPU at once).
 #
 # STEPLOG=1: each server writes the engine's step log (SWIFTLM_STEP_LOG) to $OUT/fd_steps_<shape>_<mode>.jsonl
 # (scripts/step_timeline.py reads it).
 # Modes: unfused (SWIFTLM_FUSED_DECODE=0), fused (the default), nofreeze (fused, SWIFTLM_GC_FREEZE=0: the
-# garbage collector walks the whole heap as before, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
-# base (one stream as in session 12: cuBLAS GEMV and SDPA attention), noprefillgraph (prompt chunks
+# garbage collector walks the whole heap, swiftlm/gc_pauses.py), fused4k (+ --max-batched-tokens 4096),
+# base (cuBLAS for one-row matmuls and SDPA attention: no Triton GEMV, no paged kernel), noprefillgraph (prompt chunks
 # eager: SWIFTLM_PREFILL_GRAPHS=0), novarlen (packed prompts' attention by masked SDPA), nomixed
 # (a step's decode rows and prompts in two forwards: SWIFTLM_MIXED_STEP=0), swNN (GIL switch interval 0.NN ms),
 # torchsample (the sampler's captured torch graph instead of its Triton kernels: SWIFTLM_SAMPLE_KERNEL=0),
-# slots (one KV block per sequence, the old slot pool's layout: --kv-block-size 1024), bsNN (--kv-block-size NN),
+# slots (one KV block per sequence, a slot pool's layout: --kv-block-size 1024), bsNN (--kv-block-size NN),
 # old (the servers of another checkout, OLD_TREE=path: e.g. `git archive <rev> | tar -x -C .gpu/old`, carried),
 # memSIZE (--kv-cache-memory SIZE, e.g. mem2GB).  CTX=8192: the servers' --ctx-size (default 1024).
 # Results: $OUT/fd_<shape>_<mode>_n<N>.json, $OUT/fd_prof_<shape>_<mode>.json, $OUT/fused_<shape>.json.
@@ -51,7 +50,7 @@ mode_env() {  # the environment of a mode's server
   case $1 in
     unfused) echo "SWIFTLM_FUSED_DECODE=0" ;;
     nofreeze) echo "SWIFTLM_GC_FREEZE=0" ;;
-    base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;  # one stream as in session 12: cuBLAS + SDPA
+    base) echo "SWIFTLM_GEMV=0 SWIFTLM_PAGED_ATTENTION=0" ;;  # cuBLAS + SDPA: no Triton GEMV or paged kernel
     nopdl) echo "SWIFTLM_PDL=0" ;;                            # kernels launched without PDL (cuda_ext/pdl.py)
     noprefillgraph) echo "SWIFTLM_PREFILL_GRAPHS=0" ;;        # prompt chunks eager (backends/torch/prefill_graphs.py)
     novarlen) echo "SWIFTLM_VARLEN_ATTENTION=0" ;;            # packed prompts' attention masked SDPA (packed_attention.py)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (issue 23): the TurboQuant kernel tests on CUDA, the one-layer kernel benchmark with
+# On the lent GPU machine: the TurboQuant kernel tests on CUDA, the one-layer kernel benchmark with
 # its variants (scripts/bench_tq_kernel.py) and the 8B-shape decode benchmark (bench_turboquant.py).
 #   bash scripts/gpu_issue23.sh [kernel] [e2e] [e2e128] [e2eb8] [e2eb8rows]    (carry .whl; see scripts/gpu_prepare.sh)
 # Knobs: E2E_PRESETS (default fp16,k4v3,k3v2), KCTX (kernel contexts), KPRESETS, KKVBITS, TAG (file-name suffix),

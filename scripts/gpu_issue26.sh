@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 26 on a lent 2-GPU machine (nvidia-h100-x2 or nvidia-h200-x2), no network.  Stages, in the order given:
+# Tensor and data parallel runs on a lent 2-GPU machine (nvidia-h100-x2 or nvidia-h200-x2), no network.  Stages,
+# in the order given:
 #   env    the GPUs, how they are linked (nvidia-smi topo -m), torch / NCCL versions
 #   tp8b   random bf16 Llama-3-8B shape served with --tensor-parallel 1 and 2 (--engine-process off for both:
 #          TP=2 cannot use it, so the comparison is like for like): greedy tokens of 16 prompts one at a time
@@ -9,8 +10,8 @@
 #   tpar   TP=1, TP=2 with NCCL only, TP=2 with the one-shot symmetric-memory all-reduce (8B; greedy + N=1/64);
 #          TPAR_CFGS="tp1 tp2nccl tp2peer" for the peer-store sum fused into add + RMSNorm (SWIFTLM_TP_ALLREDUCE=peer),
 #          TPAR_REPS=n rounds, TPAR_N128=1 adds N=128, TPAR_NO64=1 drops N=64, TPAR_NOPROBE1=1 skips TP=1's greedy
-#          probe, TPAR_KILL=1 kills a rank of the tp2peer server at the end; cfg tp2peerpush: the peer sums with
-#          SWIFTLM_TP_PEER_GEMV=0 (the one-row GEMV's result sent by a push kernel)
+#          probe, TPAR_KILL=1 kills a rank of the tp2peer server at the end; cfg tp2peerpush: tp2peer with
+#          SWIFTLM_TP_PEER_GEMV=0 (a switch this tree does not read: the push kernel always sends the sums)
 #   tpprof torch.profiler on rank 0 of TP=2 at one stream, NCCL vs SWIFTLM_TP_ALLREDUCE=peer (kernel tables, gaps)
 #   tp8b-ep  TP=1 once more with the engine in its own process (the default on CUDA), N=1/64/128
 #   dp     scripts/bench_data_parallel.py --replicas 1,2 (N=128; 8 shared system prompts: prefix-affinity hits)
@@ -203,7 +204,7 @@ open('/tmp/py-spy', 'wb').write(z.read([n for n in z.namelist() if n.endswith('s
         fi
         stop_server; pack
       done ;;
-    archs-bg)  # scripts/gpu_archs.py (issue 22) on the second GPU while tp32b's TP=1 uses the first; its
+    archs-bg)  # scripts/gpu_archs.py on the second GPU while tp32b's TP=1 uses the first; its
                # swiftlm is $ARCHS_SITE's (installed by the caller), waited for at the end
       [ -n "${ARCHS_ROOT:-}" ] && (cd /tmp && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=${ARCHS_SITE:-/tmp/site2}:/tmp/site \
           timeout ${ARCHS_TIMEOUT:-400} python3 $ARCHS_ROOT/scripts/gpu_archs.py --tokenizer-from $TOK \

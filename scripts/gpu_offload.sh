@@ -4,7 +4,7 @@
 # bf16): load time, GPU memory held, bs1 decode tok/s, and greedy tokens vs the all-GPU run (equal, and the length
 # of the common prefix).  With REAL=/path/to/model (e.g. the SmolLM2 GGUF) the same greedy check on real weights.
 # Carries: .whl/ (wheels), .gpu/tok (SmolLM2 tokenizer files).  Results: $OUT/gpu_offload.json and .md.
-#   bash scripts/gpu_offload.sh            # about 3-4 minutes on an H100 host (the checkpoint: ~1 of them)
+#   bash scripts/gpu_offload.sh            # a few minutes on one GPU host (writing the checkpoint is a good part)
 # Env: LAYERS (default "32 24 16 8"; empty: no 8B runs), TOKENS (decode tokens per run, default 32), REAL (optional model path).
 set -uo pipefail
 REPO=$(pwd)

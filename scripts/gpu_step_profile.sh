@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a serving step's host time goes on the lent GPU (issue 18): one server of a shape, the engine's step log
+# Where a serving step's host time goes on the lent GPU: one server of a shape, the engine's step log
 # (SWIFTLM_STEP_LOG) and py-spy (--native, sampling the engine process) over a `swiftlm bench serve` run at N
 # streams (~40-token prompts, 128 new tokens, EOS banned, prompt cache off), after a warm-up run.
 #

@@ -81,7 +81,7 @@ for what in "$@"; do
     8b) CKPT_EXTRA=--reuse-layers ckpt 8b 4096 32 32 8 128 14336; equal 8b
         for tp in ${TPS:-1 2 pp2}; do serve_and_bench $tp 8b; done
         NS=64 serve_and_bench pp2m 8b ;;
-    8b-base)  # the TP=1 baseline of issue 26 on a one-GPU machine (an H200): N=1/64/128, --parallel 128
+    8b-base)  # the TP=1 baseline of gpu_issue26.sh's runs on a one-GPU machine: N=1/64/128, --parallel 128
       CKPT_EXTRA=--reuse-layers ckpt 8b 4096 32 32 8 128 14336; PAR=128 NS=${BASE_NS:-"1 64 128"} serve_and_bench 1 8b ;;
   esac
 done

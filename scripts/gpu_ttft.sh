@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One stream's time to first token on the lent GPU, issue 18 (the 1B shape's one-stream aim): where the ~9-15 ms
-# to the first token go, in-process (scripts/ttft_breakdown.py: engine step phases, the prefill alone, one prefill
+# One stream's time to first token on the lent GPU, 1B shape: where the time to the first token goes,
+# in-process (scripts/ttft_breakdown.py: engine step phases, the prefill alone, one prefill
 # under torch.profiler) and through HTTP (`swiftlm bench serve` at one stream: 128-token and 1-token requests).
 #
 #   bash scripts/gpu_ttft.sh            # on the lent GPU; carry .whl .gpu (PARTS="inproc http" by default)

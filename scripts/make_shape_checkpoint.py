@@ -2,8 +2,8 @@
 """A large random-weight checkpoint of a given shape in seconds, for speed runs (values do not matter):
 scripts/make_checkpoint.py writes the config, tokenizer, embeddings, head and ONE layer, then this script
 repeats that layer's tensors under every other layer's names, one safetensors file per layer, and writes
-the index.  A 32B shape (65 GB in bf16) takes about a minute where make_checkpoint.py --reuse-layers
-takes several (it converts and writes every layer from numpy).
+the index: much faster for a large shape (a 32B one is 65 GB in bf16) than make_checkpoint.py --reuse-layers,
+which converts and writes every layer from numpy.
 
     python scripts/make_shape_checkpoint.py /dev/shm/m32b --layers 64 -- --arch llama --hidden 5120 \
         --heads 40 --kv-heads 8 --head-dim 128 --intermediate 27648 --ctx 8192 --dtype bfloat16 --no-tie \

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One TurboQuant split pass (8B shape: 32 query / 8 KV heads, head_dim 128) on random codes, launched a few
-times, for Nsight Compute to profile on the GPU machine (issue 23):
+times, for Nsight Compute to profile on the GPU machine:
 
     ncu -k regex:_tq_attn --launch-skip 2 --launch-count 1 --section ... python3 scripts/ncu_tq_split.py 131072 k4v3
 

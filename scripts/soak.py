@@ -364,9 +364,9 @@ async def sample(hc: httpx.AsyncClient, pid: int | None, t0: float, t: Tally) ->
 
 def summarize(series: list[dict], t: Tally, a: argparse.Namespace, active_after: int | None, elapsed: float) -> dict:
     """One round: the RSS peak after the warm-up against the RSS peak during the warm-up (peak
-    against peak: under a steady load RSS swings with the KV of whichever sequences are running --
-    +-5% here -- so a peak compared with one instant of the warm-up measures that swing, not growth;
-    that older figure is still reported as ``rss_growth_vs_warmup_end``).  ``rss_windows`` gives the
+    against peak: under a steady load RSS swings with the KV of whichever sequences are running, so a
+    peak compared with one instant of the warm-up measures that swing, not growth; that comparison is
+    still reported, as ``rss_growth_vs_warmup_end``).  ``rss_windows`` gives the
     peak and median of every window of ``warmup`` seconds, to show a trend.  Several rounds (load,
     then every client gone and requests_active back to 0): the warm-up is the first round; each
     later round's RSS peak against the first round's, and the idle RSS after each round against the

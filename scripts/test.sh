@@ -36,7 +36,7 @@ if [ "$fast" = 0 ] && [ "${free_gb:-0}" -lt 16 ]; then
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two xdist workers on two cores, each starting servers and engines: one OpenMP thread per process.  With more,
-# OpenMP's spinning threads of one process take the cores another is waiting for (a token took 4x as long).
+# OpenMP's spinning threads of one process take the cores another is waiting for, and every token slows down.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$fast" = 1 ]; then
   fast_expr="$(cd tests && ../.venv/bin/python -c 'import tiers; print(tiers.FAST_EXPR)')"

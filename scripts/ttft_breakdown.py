@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Where one stream's time to first token goes, in-process (issue 18: the 1B shape's one-stream aim of 900 tok/s
-is paid partly in each request's ~9-15 ms to the first token, against ~1.05 ms per later token on an H100).
+"""Where one stream's time to first token goes, in-process: a one-stream request pays its time to the first
+token once, and that time is many times a later token's, so it weighs on one stream's throughput.
 
     python scripts/ttft_breakdown.py [--model M] [--backend torch] [--reps 20] [--json out.json]
 

@@ -6,8 +6,8 @@ shared-memory, ldmatrix, wgmma and shuffle instructions of the PTX (static count
 
     python scripts/ttgir_tq.py --preset k4v3 --trans 1 [--block-n 64] [--stages 3] [--dump /tmp/tq]
 
-Issue 23's Nsight profile found the split pass bound by the L1/shared-memory path (docs/benchmarks.md,
-session 19); this shows where those trips come from without spending GPU time.
+The split pass is bound by the L1/shared-memory path (Nsight Compute on scripts/ncu_tq_split.py shows it);
+this shows where those trips come from without spending GPU time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Remove what scripts/install.sh installed: the virtual environment (.venv, or $SWIFTLM_VENV), and, unless
 # --keep-models, the models in the Hugging Face cache that `swiftlm models` lists (HF_HOME / HF_HUB_CACHE; the
-# bundled model goes with the venv).  Other install methods: README "Install, update, uninstall".
+# bundled model goes with the venv).  Other install methods: docs/guide/getting-started.md ("Other ways to install").
 # Usage: scripts/uninstall.sh [--keep-models] [--yes]
 #   --keep-models  leave the Hugging Face cache alone
 #   --yes          do not ask before deleting models (needed when not run from a terminal)

@@ -118,7 +118,7 @@ class Settings(BaseSettings):
         1,
         "Data-parallel replicas: N engines (torch backend), one per GPU (cuda:0..N-1; on a "
         "CPU-only machine N engines on the CPU) behind one server; each request goes to the "
-        "least-loaded replica, with prefix affinity (see README 'Data-parallel replicas').",
+        "least-loaded replica, with prefix affinity (see docs/guide/distributed.md).",
         group="engine",
     )
     prompt_cache_bytes: int = _f(
@@ -415,8 +415,8 @@ class Settings(BaseSettings):
         False,
         "MLX distributed: run every rank under `mlx.launch` (ring, JACCL or MPI; "
         "mx.distributed gives the rank and size) with the same command; rank 0 serves "
-        "HTTP and schedules, the other ranks run its steps on their shard (see README "
-        "'MLX distributed').",
+        "HTTP and schedules, the other ranks run its steps on their shard (see "
+        "docs/guide/distributed.md).",
         group="distributed",
     )
     distributed_sharding: str = _f(

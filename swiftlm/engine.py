@@ -212,8 +212,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
                 # looked up and restored at admission, not now: a queued request holds no KV, not even a
-                # reference to a cache entry (the 30-minute soak found ~184 queued requests pinning entries
-                # the cache had evicted: ~400 MiB of malloc'd memory counted nowhere)
+                # reference to a cache entry (queued requests holding entries would keep what the cache
+                # evicts alive: memory that no figure counts)
                 arg.prefix_pending = self._prefix_eligible(arg)
                 self._mark_paged(arg)
                 self.scheduler.add(arg.seq)

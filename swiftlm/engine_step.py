@@ -18,7 +18,7 @@ from .speculative import eligible
 if TYPE_CHECKING:
     from .engine_requests import _Live
 
-log = logging.getLogger("swiftlm.engine")  # the engine's logger: these records read as they did before the split
+log = logging.getLogger("swiftlm.engine")  # the engine's logger: a step's records sit with the engine's own
 
 
 JSON_CLOSE_WINDOW = 48  # tokens left at which structured output starts checking what closing it takes

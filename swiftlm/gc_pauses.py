@@ -76,8 +76,8 @@ class GcPauses:
             self._t0 = None
 
     def snapshot(self) -> dict:
-        # not gc.get_freeze_count(): it counts a linked list of ~10^6 objects, and the engine process
-        # snapshots its stats every 100 ms on the step loop (it cost 1.4 ms per step at 64 streams)
+        # not gc.get_freeze_count(): it walks a linked list of every frozen object, and the engine process
+        # snapshots its stats every SNAPSHOT_EVERY seconds on the step loop, which would pay that walk
         out = {"frozen_objects": _frozen}
         for g, h in self.hist.items():
             out[f"gen{g}"] = {"collections": h.count, "seconds": round(h.sum, 6), "max_ms": round(1e3 * h.max, 3)}

@@ -4,8 +4,8 @@ CPython hands the GIL over on request only every ``sys.getswitchinterval()`` (5 
 that releases it around a blocking call (each CUDA launch and copy through torch, a socket or pipe write)
 and wants it back while another thread is running Python (the output worker detokenising and framing a
 step's tokens, the HTTP loop) waits until that thread blocks or until the interval ends.  At many streams
-the engine loop releases the GIL dozens of times per step, so these waits add up to milliseconds per step
-on the GPU (issue 18).  ``SWIFTLM_GIL_SWITCH_MS`` sets the interval for the engine's process (the HTTP
+the engine loop releases the GIL dozens of times per step, so these waits add up to a large share of a GPU
+step.  ``SWIFTLM_GIL_SWITCH_MS`` sets the interval for the engine's process (the HTTP
 server's too, when the engine runs in it); unset or empty leaves Python's default.
 """
 

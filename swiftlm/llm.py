@@ -206,8 +206,8 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
 def _rank_failed(engine: Engine, msg: str) -> None:
     """A tensor-parallel rank died (distributed.control.Leader's watchdog): refuse new requests, end
     every open request with the error at once, and stop the server as a dead engine loop does.  On
-    CUDA the step in flight may never fail on its own (NCCL waits on the dead peer: measured on two
-    H100s, the streams got no error and were cut by the server's shutdown 20 s later)."""
+    CUDA the step in flight may never fail on its own (NCCL waits on the dead peer, so the streams
+    would get no error until the server's shutdown cut them)."""
     engine.fatal = engine.fatal or msg
     engine.end_streams_now(msg)  # on CUDA the loop may sit in an NCCL collective on the dead peer
     if engine.on_fatal is not None:

@@ -129,9 +129,9 @@ def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """Pin glibc malloc's mmap threshold (mallopt(M_MMAP_THRESHOLD)).  By default glibc raises
     the threshold to the size of each large block freed (up to 32 MiB), after which the tensors
     and buffers of a server's steps -- activations, KV caches that grow, prompt-cache copies --
-    come from the heap arenas and stay there when freed: measured here, ~300 MiB of free memory
-    held by malloc under a batched torch CPU load, against ~7 MiB with the threshold pinned at
-    128 KiB (large blocks are then mmapped and returned to the OS on free).  The environment
+    come from the heap arenas and stay there when freed, so malloc holds free memory that grows
+    with the load.  With the threshold pinned at 128 KiB large blocks are mmapped and returned to
+    the OS on free.  The environment
     variable MALLOC_MMAP_THRESHOLD_ does the same from outside; when it is set this does nothing.
     False where there is no glibc."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):

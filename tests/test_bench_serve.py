@@ -503,8 +503,8 @@ def test_workers_start_together():
 def test_bench_serve_against_real_server(tmp_path, monkeypatch):
     from server_util import ServerProc
 
-    # one torch thread: on 2 cores shared with other jobs, two intra-op threads stall each other (a 10x slower
-    # decode was seen); alone on the machine one thread costs ~20% here
+    # one torch thread: on a few cores shared with other jobs, two intra-op threads stall each other and slow
+    # decode down many times over; alone on the machine one thread costs little
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     srv = ServerProc("--backend", "torch", "--parallel", "4")
     try:

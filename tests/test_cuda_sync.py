@@ -1,7 +1,7 @@
 """On CUDA nothing between a step's forward launch and its one read-back may wait for the device:
 the batched sampler's launch (every knob) and a batched decode forward run under torch's sync
-debug mode, which raises on any synchronising call.  (Measured before this test existed: a
-scalar ``torch.tensor(x, device="cuda")`` in the sampler made every step wait for its forward.)
+debug mode, which raises on any synchronising call (e.g. a scalar ``torch.tensor(x, device="cuda")``
+in the sampler would make every step wait for its forward).
 Needs a CUDA GPU; skipped elsewhere."""
 
 from __future__ import annotations

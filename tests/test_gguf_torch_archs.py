@@ -8,7 +8,7 @@ biases.  GGUFs: scripts/write_gguf.py, which names and lays out tensors and meta
 convert_hf_to_gguf.py (gguf-py's TensorNameMap; Q/K rows permuted for llama only).
 
 Tolerances.  F32 GGUF vs the HF directory, both through the torch backend: the same fp32 weights in
-the same code, so the first-step logits agree within 1e-5 x max |logit| (measured: identical).  Against
+the same code, so the first-step logits agree within 1e-5 x max |logit| (they are expected identical).  Against
 transformers' AutoModelForCausalLM on the HF directory: the fp32 summation-order bound of
 tests/tolerances.py.  Q8_0: the reference is an HF directory holding the Q8_0 round-tripped weights
 (gguf-py's quantize then dequantize), so the same 1e-5 bound applies and the test checks that the

@@ -45,7 +45,7 @@ def test_not_json_or_complete():
 
 def test_structured_output_cut_by_max_tokens_still_parses(torch_llm):
     """The bundled model under a JSON grammar with a small max_tokens: every output parses and none
-    is longer than max_tokens (before json_close most were cut mid-structure)."""
+    is longer than max_tokens (without json_close most would be cut mid-structure)."""
     from swiftlm import SamplingParams
     from swiftlm.chat.structured import grammar_for
 
@@ -69,7 +69,7 @@ def test_repetition_guard_ends_a_loop():
 
 def test_a_loop_is_closed_and_the_text_parses(torch_llm, monkeypatch):
     """The repetition guard's ending keeps every forced token's text (an end marked 'stop' on the
-    last forced token used to drop it, as for EOS)."""
+    last forced token must not drop it, as it would for EOS)."""
     from swiftlm import SamplingParams
     from swiftlm.chat.structured import grammar_for
 

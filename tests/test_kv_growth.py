@@ -1,5 +1,5 @@
-"""A growing (CPU) KV cache holds at most ~1.25x its rows plus one block, and growing keeps every row.
-(The 15-minute soak found doubling from 256 rows held ~3x the KV of 200 short streams.)"""
+"""A growing (CPU) KV cache holds at most ~1.25x its rows plus one block, and growing keeps every row
+(doubling from a fixed start would hold several times the KV of many short streams)."""
 
 import pytest
 

@@ -152,7 +152,7 @@ def _logits(model, ids, adapter=0, sid=900) -> np.ndarray:
 def test_adapter_logits_equal_mlx_lm_load(lora_llm, tiny, adapters):
     """First-step logits with an adapter = mlx-lm's ``load(path, adapter_path=...)`` model (its
     LoRALinear layers) on the same ids; fp32, the same ops in the same order: within 1e-5
-    (measured: equal).  The base (no adapter) = mlx-lm's plain ``load``, and the PEFT copy of the
+    (expected equal).  The base (no adapter) = mlx-lm's plain ``load``, and the PEFT copy of the
     same weights gives the same logits."""
     import mlx.core as mx
     from mlx_lm.utils import load

@@ -7,9 +7,9 @@ blocking), O and down projections split by input columns and summed across ranks
 all-sum.  Only the summation order of those reductions differs, so greedy tokens must be equal and
 first-step logits equal within the fp32 rounding bound of tests/tolerances.py.
 
-Cost: MLX's ring backend takes ~15 ms per all-sum between two processes on this 2-core machine
-(4 per token for the 2-layer test model), and each rank imports mlx-lm (transformers) on the same
-2 cores, so one launch takes ~20 s; the server test is marked slow."""
+Cost: every all-sum of MLX's ring backend is a round trip between two processes (4 per token for
+the 2-layer test model), and each rank imports mlx-lm (transformers) on the same few cores, so one
+launch takes a while; the server test is marked slow."""
 
 from __future__ import annotations
 

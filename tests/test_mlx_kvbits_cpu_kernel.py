@@ -15,10 +15,10 @@ rows in ``quantized_matmul``, a softmax over the whole row).  The bound is ``tol
   scales, and the biases, summed apart in the kernel) stay within Mv = max(|v|, v - b, |b|).
   tol = fp32_matmul_tol(D + 2 D / group, Ms) * max|v - out| + fp32_matmul_tol(n, Mv, 2).
 
-That is 3e-4 to 1.3e-3 at 37 to 1,537 rows (the largest difference seen: 2e-6; for one row, where nothing is
-summed over rows, 5e-6 to 1e-5 and the difference is 0).  A kernel that drops one of 37 or 257 rows moves the
-output by 50 to 2,000 times the bound (checked below; at 1,537 rows one row weighs too little for that), a
-misread code or scale by more at every length, and every routed case checks that the kernel actually ran.
+That is 3e-4 to 1.3e-3 at 37 to 1,537 rows (for one row, where nothing is summed over rows, 5e-6 to 1e-5).  A
+kernel that drops one of 37 or 257 rows moves the output by 50 to 2,000 times the bound (checked below; at 1,537
+rows one row weighs too little for that), a misread code or scale by more at every length, and every routed case
+checks that the kernel actually ran.
 """
 
 from __future__ import annotations

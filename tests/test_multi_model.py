@@ -157,7 +157,7 @@ def test_eviction_and_ttl_return_memory(tmp_path, tiny_llama, big):
             time.sleep(0.5)
         assert states(s.base)["b"] == "unloaded"
         # the state flips when the unload starts; the memory goes back as it completes (engine threads end,
-        # malloc trims): read RSS until it has dropped or 15 s passed (a loaded CI machine once read it early)
+        # malloc trims): read RSS until it has dropped or 15 s passed (a loaded machine can read it early)
         deadline = time.time() + 15
         after_ttl = rss(pid)
         while loaded_again - after_ttl <= 0.75 * (with_b - base) and time.time() < deadline:

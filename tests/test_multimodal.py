@@ -127,7 +127,7 @@ def test_n_images_insert_their_placeholder_tokens(loaded):
 def test_mlx_and_torch_agree_on_first_step_logits(gemma4):
     """Same checkpoint, same image and audio: mlx-vlm and transformers, both fp32 on the CPU.
     The two libraries sum in different orders (conv, attention, softmax kernels): equal to the fp32
-    rounding bound (1.7e-4 of the largest logit; measured ~1e-6); a wiring difference (a missing
+    rounding bound (1.7e-4 of the largest logit); a wiring difference (a missing
     scale, a wrong position) is orders larger (different media move logits by > 1e-3 of it)."""
     t, m = Loaded(gemma4, "torch"), Loaded(gemma4, "mlx")
     for conv in (msgs(img(IMG_A)), msgs(aud(AUD_B)), msgs(img(IMG_B), aud(AUD_A), img(IMG_A[:60]))):

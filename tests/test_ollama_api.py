@@ -2,7 +2,7 @@
 `ollama` client: chat and generate (streamed and not; greedy text equal to /v1's), format, tool-call
 history, embeddings, the model routes, pull / delete against the loopback stand-in for the Hugging
 Face hub (test_hub.FakeHub), keep_alive, and 4xx for bad bodies.  One server for the module; few
-tokens per request (a 2-core machine).  The wire translation (tool calls out, messages in,
+tokens per request (CI machines have few cores).  The wire translation (tool calls out, messages in,
 keep_alive) is also checked in-process, without a server."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def hub(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(hub, tmp_path_factory):
     # ServerProc starts the server offline; this one may download (from the stand-in only)
-    # one compute thread: with the cores shared by other processes, OpenMP's waiting threads made each
-    # step several times slower here (measured: 6 tokens in 4 s with one thread, 14-21 s with two)
+    # one compute thread: with the cores shared by other processes, OpenMP's waiting threads make each
+    # step several times slower
     extra = {**hub.env, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     # a models file: its one entry is loaded at start-up but not pinned, so keep_alive may unload it
     models = tmp_path_factory.mktemp("cfg") / "models.toml"

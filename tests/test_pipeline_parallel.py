@@ -98,8 +98,8 @@ def test_batched_concurrent_requests_equal(pair):
 def test_first_step_logits_equal_within_fp32_rounding(pair):
     """One prompt chunk: the same fp32 operations on the two stages as in one process (the boundary is a
     copy), so the logits are bit for bit equal when every process runs its matmuls on the same number of
-    threads (OMP_NUM_THREADS=1 here: measured equal); a BLAS that splits a reduction differently over
-    another thread count re-associates sums (CI measured 2.2e-5 on SmolLM2's logits of ~20), bounded by
+    threads (OMP_NUM_THREADS=1 here); a BLAS that splits a reduction differently over another thread
+    count re-associates sums, bounded by
     L * K * 2**-24 * max|logit| as in tests/test_tensor_parallel.py.  A wrong stage split moves logits by O(1)."""
     import torch
 

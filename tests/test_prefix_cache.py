@@ -131,9 +131,8 @@ def test_torch_static_slot_pool_on_cpu(tiny_llama):
 
 @needs_torch
 def test_a_queued_request_holds_no_kv_until_it_runs(tiny_llama):
-    """A prompt-cache hit is restored when its request is admitted, not when it is queued (the
-    soak found 19 queued hits holding 225 MiB of KV); the hit still counts and the output equals
-    the uncached one."""
+    """A prompt-cache hit is restored when its request is admitted, not when it is queued (queued
+    hits would hold KV while they wait); the hit still counts and the output equals the uncached one."""
     import threading
 
     from swiftlm import LLM
@@ -156,8 +155,8 @@ def test_a_queued_request_holds_no_kv_until_it_runs(tiny_llama):
         waiting = list(llm.engine.scheduler.waiting)
         assert waiting, "the second request should be queued behind the first"
         assert all(s.seq_id not in llm.engine.model.caches for s in waiting)  # no KV while queued
-        # nor a reference to the cache entry it will hit: one the cache evicts meanwhile is freed (the
-        # 30-minute soak found queued requests pinning evicted entries: ~400 MiB counted nowhere)
+        # nor a reference to the cache entry it will hit: one the cache evicts meanwhile is freed (a
+        # queued request pinning an evicted entry would hold memory that no figure counts)
         payload = next(iter(llm.engine.prefix_cache._entries.values())).payload
         held = [v for s in waiting for v in vars(llm.engine._live[s.seq_id]).values()]
         assert not any(v is payload or (isinstance(v, tuple) and any(x is payload for x in v)) for v in held)

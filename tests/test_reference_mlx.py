@@ -18,8 +18,8 @@ N_TOKENS = 16
 # matmul); the reference dequantizes the same codes to fp32 weights first.  The products
 # are the same numbers summed in another order, so first-step logits agree to fp32
 # accumulation error over 30 layers: the rounding bound of tests/tolerances.py (widths
-# <= 1536, 181 chained reductions: ~5e-4 of the largest logit, ~1e-2 at logits of ~20;
-# measured max |diff| ~1e-4).  The argmax is compared exactly as well.
+# <= 1536, 181 chained reductions: ~5e-4 of the largest logit, ~1e-2 at logits of ~20).
+# The argmax is compared exactly as well.
 
 
 def _ref_greedy(model, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:

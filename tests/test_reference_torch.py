@@ -14,10 +14,10 @@ N_TOKENS = 32
 # Both sides hold the same fp32 weights (gguf-py's dequantization, Q/K rows un-permuted by
 # us and by transformers); only the kernels and summation order differ, so logits agree to
 # the fp32 rounding bound of tests/tolerances.py (30 blocks, widths <= 1536: ~5e-4 of the
-# largest logit; measured max ~2e-5 absolute).
+# largest logit).
 # Against MLX: MLX multiplies the 4-bit codes with fp16 scales in its quantized kernel; torch
 # multiplies pre-dequantized fp32 weights.  Same numbers, different order (and at most one more
-# rounding per weight): the same bound (measured max ~1e-4).
+# rounding per weight): the same bound.
 
 
 def _torch_greedy(llm, ids, n):

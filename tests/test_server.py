@@ -24,8 +24,8 @@ def backend(request):
 
 
 # The shared server: the tiny checkpoint on every backend, and the bundled SmolLM2 on torch
-# (on MLX's CPU backend a real 135M model is too slow for a suite of this size: ~150 ms per
-# prompt token here; MLX's real-model behaviour is covered in test_engine_api / test_cli_convert).
+# (on MLX's CPU backend a real 135M model is too slow per prompt token for a suite of this size;
+# MLX's real-model behaviour is covered in test_engine_api / test_cli_convert).
 TARGETS = [
     pytest.param(("mlx", "tiny"), marks=BACKENDS[0].marks, id="mlx-tiny"),
     pytest.param(("torch", "tiny"), marks=BACKENDS[1].marks, id="torch-tiny"),

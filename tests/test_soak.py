@@ -2,7 +2,8 @@
 tiny checkpoint on torch (streams with random disconnects, non-streamed requests, bad requests).
 Every well-formed request completes or is cancelled by its client, no 5xx, requests_active goes
 back to 0, and RSS after the warm-up stays within the limit.  The 30-minute run with 200 streams on
-the bundled model is in docs/results/ (README "Health and metrics")."""
+the bundled model is on the benchmark page (docs/benchmarks.md, "Memory under load"; how to run it:
+docs/guide/measuring.md)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_soak_short(tiny_llama, tmp_path):
         # a prompt cache small enough to fill during the warm-up: its bytes are a bounded, wanted cost
         "--server-arg=--prompt-cache-bytes",
         "--server-arg=8000000",
-        # glibc's dynamic mmap threshold otherwise keeps ~100 MB of freed tensors in its arenas, a level
+        # glibc's dynamic mmap threshold otherwise keeps freed tensors in its arenas, a level
         # reached only after minutes (swiftlm.memory.tune_allocator pins the threshold the same way)
         "--server-env",
         "MALLOC_MMAP_THRESHOLD_=131072",
@@ -79,7 +80,7 @@ def _series(rss_at):
 
 def test_rss_growth_is_peak_against_peak():
     """A load whose RSS swings +-5% around a flat level passes (the warm-up's peak is the level it
-    swings to); a 1%-per-5-minutes trend on the same swing fails; the older 'warm-up end' figure is
+    swings to); a 1%-per-5-minutes trend on the same swing fails; the 'warm-up end' figure is
     still reported."""
     import argparse
     import math

@@ -63,7 +63,7 @@ def test_smollm2_greedy_is_identical_torch(torch_llm, mode):
 
 @needs_mlx
 def test_smollm2_greedy_is_identical_mlx(mlx_llm):
-    """MLX on this CPU decodes SmolLM2 at a few tokens/s: one copy prompt, n-gram and self-draft."""
+    """MLX on a CPU decodes SmolLM2 slowly: one copy prompt, n-gram and self-draft."""
     prompts = ["Repeat exactly: red green blue, red green blue, red green blue."]
     plain = _greedy(mlx_llm, prompts, 16)
     for kw in ({"speculative": "ngram"}, {"draft_model": "smollm2-135m-instruct"}):

@@ -301,7 +301,7 @@ def test_smollm2_tool_call_through_injected_prompt(torch_llm):
 @pytest.mark.parametrize("max_tokens", [3, 9, 17])
 def test_tool_call_cut_by_max_tokens(client, max_tokens):
     """A call cut off by the token limit: no markup in content, finish_reason 'length', streamed
-    and not (issue 20 item 7); calls completed before the cut are kept."""
+    and not; calls completed before the cut are kept."""
     kw = dict(model="x", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=max_tokens)
     r = client.chat.completions.create(**kw)
     ch = r.choices[0]

@@ -13,9 +13,9 @@ the same directory: fp32, CPU, eager attention (the path that applies GPT-OSS's 
 
 Tolerance of the first-step logits: 1e-4 x max(1, max |logit|).  Both sides compute in fp32; what differs is
 the order of operations (fused projections, SDPA against eager softmax, MLA decode in the latent space
-against transformers' expanded keys and values, rope tables computed in fp64 then rounded): measured
-differences are 2e-6 to 4e-6 at logits of ~4-5, while a feature left out moves the logits by far more than the
-tolerance (``test_feature_bites`` requires 100x).  Greedy tokens must be identical.
+against transformers' expanded keys and values, rope tables computed in fp64 then rounded), which moves the
+logits by rounding only, while a feature left out moves them by far more than the tolerance
+(``test_feature_bites`` requires 100x).  Greedy tokens must be identical.
 """
 
 from __future__ import annotations

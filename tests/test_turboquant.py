@@ -30,7 +30,7 @@ def test_gaussian_limit_codebooks_match_the_classic_values(bits):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_distortion_on_10000_unit_vectors_matches_the_derived_value(d, bits):
     """Measured mean ||x - x̂||² against d * (Lloyd-Max MSE of the exact coordinate density):
-    the issue allows 5%; with 10,000 vectors the sampling error is well under 1%, so 2% is
+    the design allows 5%; with 10,000 vectors the sampling error is well under 1%, so 2% is
     asserted (fp16 norms add nothing measurable for unit vectors)."""
     x = _unit(10_000, d, seed=d * 10 + bits)
     q = TurboQuantMSE(d, bits, seed=3)

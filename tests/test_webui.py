@@ -181,7 +181,7 @@ def served(tmp_path_factory):
 
     tiny = make_ckpt(tmp_path_factory.mktemp("ck") / "llama", "--arch", "llama", "--dtype", "float32")
     # one torch thread: on a small machine shared with other work, torch's spinning worker threads
-    # made each token ~10x slower (measured on 2 busy cores); the page is under test, not the speed
+    # slow each token down many times over; the page is under test, not the speed
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:

@@ -6,8 +6,8 @@ one row, torch vs MLX, a kernel vs its reference) sum the same products in diffe
 BLAS kernels block the reduction dimension differently per CPU (AVX2 vs AVX-512 register
 tiles, MKL vs OpenBLAS, GEMV for one row vs GEMM for several, FMA or not, the thread count),
 so the last bits of every output depend on where the tests run.  A fixed ``atol=1e-5`` on
-logits of magnitude ~34 is ~2.5 ulp of relative error: one CPU met it, the next did not
-(issue 18: 5e-5 to 9e-5 observed, argmax equal).
+logits of magnitude ~34 is ~2.5 ulp of relative error: one CPU meets it, the next one need not
+(with the argmax still equal).
 
 The bound.  Summing K products in floating point (unit roundoff u = eps/2) gives, to first
 order, an error  E = sum_j delta_j * s_j  with |delta_j| <= u and s_j the partial sums.
@@ -31,8 +31,8 @@ The constant: lam = 8.  A test compares up to ~1e6 numbers (a few rows of a 49k 
 over several steps); with the union bound, 1e6 * 2 exp(-lam^2 / 2) = 2.5e-8 at lam = 8, so a
 correct implementation is not expected to fail on any CPU, and the headroom covers the modest
 gain of softmax and gated MLPs over the idealised model.  For the tiny test transformer
-(K = 256, 13 chained reductions, logits up to ~35-40) this is ~2e-3: 20x the largest difference
-seen (9e-5 on the CI machine of issue 18; 1.7e-5 on a development one), while a real bug (rope
+(K = 256, 13 chained reductions, logits up to ~35-40) this is ~2e-3, well above the differences
+two machines give, while a real bug (rope
 one position off, the newest row masked out) moves these logits by 4 to 13: tests that use the
 bound also check that such a bug exceeds it by orders of magnitude, so the tolerance cannot
 silently hide one.

@@ -1,13 +1,12 @@
 """MLX on a CPU: every projection's output rows split over the cores.
 
 MLX's CPU backend runs the operations of one stream one after another on that stream's thread, and its
-matmul uses one core: on this project's 2-core machine a SmolLM2 decode step took 133 ms with one core busy
-and the other idle, whatever the batch.  Here each projection (``nn.Linear``, ``nn.QuantizedLinear``, and a
-tied embedding's ``as_linear``, the LM head) computes its output rows in ``n`` slices, slice 0 on the calling
-thread's default stream and slice i on CPU stream i, and joins them: each output element is the same dot
-product over the same weights as before, only the rows are shared out, so the logits are bit-for-bit those of
-the unsplit model (tested).  Measured in-process on that machine (fp32 SmolLM2, 2 streams): 1.56x at one row,
-1.85x at four, 1.72x at eight.
+matmul uses one core: a decode step keeps one core busy and leaves the others idle, whatever the batch.  Here
+each projection (``nn.Linear``, ``nn.QuantizedLinear``, and a tied embedding's ``as_linear``, the LM head)
+computes its output rows in ``n`` slices, slice 0 on the calling thread's default stream and slice i on CPU
+stream i, and joins them: each output element is the same dot product over the same weights as unsplit, only
+the rows are shared out, so the logits are bit-for-bit those of the unsplit model (tested).
+``scripts/bench_mlx_cpu_split.py`` measures the gain per batch size.
 
 The switch: ``SWIFTLM_MLX_CPU_SPLIT`` = the number of slices (default: the cores this process may use, at most
 8; ``0`` or ``1``: off).  It applies only when MLX's default device is the CPU (Metal runs a matmul on the whole

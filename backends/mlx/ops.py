@@ -112,8 +112,8 @@ class MLXOps:
         return np.array(x)
 
     def start_copy(self, x):
-        # No mx.async_eval here: before end_thread existed it made about 1 in 10 processes abort
-        # at exit (measured with `swiftlm generate --backend mlx`); not re-measured since
+        # No mx.async_eval here: an evaluation left queued on a stream can abort the process at
+        # exit; the copy is made synchronously in wait() instead
         return x
 
     def wait(self, handle):

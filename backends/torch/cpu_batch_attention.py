@@ -3,8 +3,8 @@
 ``decode_batch`` attends B decode rows, each over its own ``SeqCache``.  The torch path writes each
 row's new key / value with a Python call per row and layer, copies every row's whole history into a
 padded [B, KVH, Lmax, D] batch (``pad_sequence``), then runs a masked batched matmul, softmax and
-matmul: at 16 streams of a few hundred tokens on two cores that is a third of the step, most of it
-per-op overhead and the copy, not arithmetic.  This kernel does the whole layer's attention in one
+matmul: at many streams that is a large share of a CPU decode step, most of it per-op overhead and
+the copy, not arithmetic.  This kernel does the whole layer's attention in one
 call: one task per (sequence, KV head) writes the new row into the sequence's cache in place, scores
 the query heads of that KV head against its rows, takes the softmax and sums the values, reading
 each cache where it lies (its tensors are passed by address: the rows have different lengths and

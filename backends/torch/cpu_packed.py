@@ -2,13 +2,12 @@
 
 MKL's sgemm re-packs the whole weight on every call when it multiplies a few rows (a decode step's
 [B, hidden] activations), and with the weights streaming from DRAM each step it reaches neither the
-memory bound nor the compute bound: SmolLM2-135M's step matmuls at 16 rows take 56 ms on this
-project's 2-core CPU (9.5 GB/s of weights, 76 GFLOP/s), against 31 ms with the weights packed once
-into oneDNN's blocked layout at load (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied by
-``torch.ops.mkldnn._linear_pointwise`` (the op torch.compile's CPU backend uses for the same job):
-1.2x at 3 rows, 1.7-1.8x at 8-32 (``scripts/bench_cpu_linear.py``).  Used for up to 64 rows (decode steps,
-short chunks): longer prefill chunks, though 1.3-1.5x faster packed too, stay on MKL, because oneDNN keeps a
-primitive per row count and prompts of every length grew the soak test's process ~9% past its warm-up.  The packed
+memory bound nor the compute bound.  Here the weights are packed once into oneDNN's blocked layout at load
+(``torch.ops.mkldnn._reorder_linear_weight``) and multiplied by ``torch.ops.mkldnn._linear_pointwise`` (the op
+torch.compile's CPU backend uses for the same job), which skips the per-call packing
+(``scripts/bench_cpu_linear.py`` compares the two).  Used for up to 64 rows (decode steps, short chunks):
+longer prefill chunks, though faster packed too, stay on MKL, because oneDNN keeps a primitive per row count
+and prompts of every length would grow the process's memory with each new length.  The packed
 copy is a second copy of those weights (the originals stay: embeddings, LoRA, export and the other paths read
 them), so it is made only when it fits in a quarter of the memory available at load; ``SWIFTLM_CPU_PACK=0`` turns
 it off, ``=1`` forces it.
@@ -25,7 +24,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ATTR = "_swiftlm_mkldnn"  # the packed weight, attached to the weight tensor it was made from
-HINT_ROWS = 64  # the row count oneDNN picks its blocking for (3-256 rows measured: 64 is as good as any)
+HINT_ROWS = 64  # the row count oneDNN picks its blocking for (a blocking for 64 rows serves 3-256 rows as well as any)
 
 
 def packed(w: torch.Tensor) -> torch.Tensor | None:

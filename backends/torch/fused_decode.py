@@ -1,7 +1,7 @@
 """Decode steps whose elementwise stages are the Triton kernels of ``swiftlm.cuda_ext.decode_kernels``:
 rope + KV write in one kernel, the residual add + RMSNorm in one, SiLU * up in one.  A layer is then
 ~9 kernels (3 of them GEMMs and one attention) instead of ~25, which is most of a small model's step
-on the GPU (each kernel costs ~2-4 us of launch and tail even inside a CUDA graph) and of the graph's
+on the GPU (each kernel pays a launch and a tail even inside a CUDA graph) and of the graph's
 host-side launch cost.
 
 ``decode_static_fused``: one sequence, its own cache (``graphs.decode_static``'s fixed shapes).

@@ -19,8 +19,8 @@ from .staging import stager
 
 
 def simple_sample(logits: torch.Tensor, inputs: torch.Tensor, greedy_rows: bool = True) -> torch.Tensor:
-    """``greedy_rows`` False: no row is greedy, the argmax (one thread block per row: ~13 us for a 49k
-    vocabulary on an H100) is skipped."""
+    """``greedy_rows`` False: no row is greedy, the argmax (one thread block per row: slow for a large
+    vocabulary) is skipped."""
     K = (inputs.shape[1] - 3) // 2
     x = logits.float()
     temp, u, greedy = inputs[:, 0:1], inputs[:, 1:2], inputs[:, 2] > 0.5

@@ -402,7 +402,8 @@ class GraphDecoder:
             Bp *= 2
         # the Triton kernel reads each sequence up to its own length: one graph per batch size serves every
         # length; a lone row (one stream) gets a graph per length bucket, with the split-K ranges of that
-        # length rather than of the whole context (measured on an H100, 1B shape: ~2.5% of its tok/s)
+        # length rather than of the whole context (the splits share out the rows the sequence holds, not
+        # ranges of the whole context that are mostly empty)
         L = pool.capacity if self.paged_attention and Bp > 1 else bucket_for(max(positions), pool.capacity)
         pad = Bp - B
         on_dev = torch.is_tensor(tokens)  # overlapped decode: last step's ids, never read back
@@ -420,8 +421,8 @@ class GraphDecoder:
         entry = self.graphs.get(key)
         if entry is None:
             t, s_, p = (x.clone() for x in host.to(self.device).unbind(0))
-            # float32 logits out of the graph: the sampler's cast was its slowest call on the H100 (the
-            # op re-takes the GIL inside, so it queued behind the HTTP loop: py-spy --native)
+            # float32 logits out of the graph: a cast in the sampler would re-take the GIL inside the op
+            # and queue behind the HTTP loop
             entry = self._capture(
                 key,
                 lambda a, b, c: self.batch_fn(self.model, pool, a, b, c, L, self.arange, splits).float(),

@@ -27,8 +27,8 @@ class WindowRowsDropped(RuntimeError):
 class SeqCache:
     """One sequence's KV cache: per layer [KVH, capacity, D] tensors.  A growing (CPU) cache starts
     at ``GROW_ROWS`` rows and grows to the rows needed plus a quarter, rounded up to ``GROW_ROWS``:
-    it holds at most ~1.25x its rows plus one block (doubling from 256 held up to ~3x for short
-    sequences: the soak's 200 streams of a few hundred tokens), for ~log1.25 growth copies.
+    it holds at most ~1.25x its rows plus one block (doubling from a fixed start holds several times
+    the rows of a short sequence, and a server keeps many of those), for ~log1.25 growth copies.
 
     Sliding-window layers (``Args.window``) keep bounded memory: when such a layer runs out of rows
     (or holds more than a block over what it needs), the rows before ``start - window + 1`` (no query

@@ -39,21 +39,19 @@ def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a few rows.  On CPU, MKL's sgemm for x @ W^T with 3-64 rows packs the
-    whole weight each call and runs up to 2.5x slower than ``(W @ x^T)^T`` (measured on this
-    project's CPU: [8, 576] x [49152, 576]^T 21.8 ms vs 12.5 ms).  One or two rows are padded to
-    three: MKL's GEMV reads the weights at ~12 GB/s here, its GEMM at ~20-26 GB/s
-    (scripts/bench_cpu_linear.py: SmolLM2's layer matrices 34.3 -> 21.6 ms, its LM head 9.3 -> 4.1 ms
-    for one row; the padded rows are zeros and their results are dropped).  One row on CUDA (half precision)
-    is the Triton matrix-vector kernel of ``cuda_ext.gemv``: on an H100, 5-18% faster than cuBLAS for every
-    matrix of the 1B and 8B decode steps (``scripts/bench_gemv.py``, docs/results/gemv_h100.json).
+    whole weight each call, which ``(W @ x^T)^T`` does not.  One or two rows are padded to three:
+    MKL's GEMV reads the weights more slowly than its GEMM (scripts/bench_cpu_linear.py; the padded
+    rows are zeros and their results are dropped).  One row on CUDA (half precision) is the Triton
+    matrix-vector kernel of ``cuda_ext.gemv``, which beats cuBLAS on the matrices of a decode step
+    (``scripts/bench_gemv.py``, docs/results/gemv_h100.json).
     A CPU weight with a oneDNN-packed copy (``cpu_packed``) is multiplied through that, for any row count
     (fewer than three rows padded to three, as above), unless gradients flow through ``x`` (fine-tuning
     LoRA adapters: the op has no backward)."""
     n = x.shape[0]
     if x.device.type == "cpu" and x.dim() == 2:
         p = _packed(w)
-        # (a prefill chunk of any length stays on MKL: oneDNN keeps a primitive per row count, and the
-        # soak test's prompts of every length grew the process ~9% over its warm-up that way)
+        # (a prefill chunk of any length stays on MKL: oneDNN keeps a primitive per row count, so
+        # prompts of every length would grow the process's memory)
         if p is not None and n <= 64 and x.dtype == torch.float32 and not x.requires_grad:  # (no backward)
             if n < 3:
                 return _packed_linear(torch.cat([x, x.new_zeros(3 - n, x.shape[1])]), p, b)[:n]

@@ -1,8 +1,8 @@
 """Decode rows and first prompt chunks of one engine step in one forward, replayed from CUDA graphs.
 
-A step that admits new prompts while other streams decode ran two forwards: the decode rows'
-batched graph and the packed prompt chunk's graph (``prefill_graphs``), each reading every weight
-once.  On the 8B shape that is ~7 ms of HBM time paid twice (engine step log, docs/engine.md).  Here
+Run as two forwards, a step that admits new prompts while other streams decode would replay the decode
+rows' batched graph and the packed prompt chunk's graph (``prefill_graphs``), each reading every weight
+once: on a large model the step pays the weights' memory traffic twice.  Here
 the prompt rows (packed, padded to a token bucket as in ``prefill_graphs``) and the decode rows
 (padded to the pool's size with scratch rows, as the batched decode pads) go through the matmuls
 together; attention is split: the prompts' by the variable-length flash kernel over their own new

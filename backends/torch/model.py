@@ -93,8 +93,8 @@ class Attention(nn.Module):
             # [start + T - S, start + T), so the chunk starts at row S - T
             out = chunk_attention(q, keys, values, keys.shape[1] - T, rep, window=w)
         elif T == 1:
-            # One query row attends to everything so far: two small matmuls beat the fused
-            # kernel's setup cost on CPU (measured ~1 ms/layer for SDPA vs ~0.1 ms here).
+            # One query row attends to everything so far: two small matmuls, cheaper on CPU than
+            # the fused kernel's setup for a single query row.
             qg = q.reshape(a.kv_heads, rep, a.head_dim)
             scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim**-0.5)  # [KVH, rep, S]
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
@@ -114,8 +114,8 @@ def chunk_attention(
 ) -> torch.Tensor:
     """Attention of a prompt chunk at positions [start, start + T) over keys [0, start + T): causal
     within the chunk, full to the past.  On CUDA through a lower-right causal bias, which SDPA runs in
-    its flash kernel; an explicit [T, S] mask sent every chunk of a long prompt to a slow kernel (an
-    8B shape on an H100: 100K tokens prefilled at 588 tok/s, 512-token chunks).  Returns [1, H, T, D].
+    its flash kernel; an explicit [T, S] mask would send every chunk of a long prompt to SDPA's slow
+    masked kernel.  Returns [1, H, T, D].
     ``window``: each query sees only the last ``window`` keys up to itself (sliding-window attention)."""
     T, S = q.shape[1], keys.shape[1]
     if window:
@@ -228,7 +228,7 @@ class PackedAttend:
             ]
             return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape[1], -1)
         # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
-        # (sum T)^2 and leave SDPA's fused kernels for its masked fallback: measured 2x slower)
+        # (sum T)^2 and leave SDPA's fused kernels for its slower masked fallback)
         gqa = q.shape[0] != k.shape[0]
         outs = [
             F.scaled_dot_product_attention(

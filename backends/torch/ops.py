@@ -18,9 +18,8 @@ def release_omp_pool() -> None:
     the next parallel region on this thread makes a new one).  The thread that loaded a CPU model calls it
     when it is done: while it keeps its pool, libgomp manages more threads than there are cores and
     throttles the spin-wait of the engine thread's team, so each of the many small GEMMs of a decode
-    step waits for its worker to wake (measured on this project's 2-core CPU: 60 GEMMs of [960, 576] x 3
-    rows 5.3 ms on the first computing thread vs 10.2 ms on a second one, one thread's speed; a SmolLM2
-    decode step 34 ms vs 53 ms).  A no-op where torch does not use libgomp."""
+    step waits for its worker to wake and runs at one thread's speed.  A no-op where torch does not use
+    libgomp."""
     global _GOMP
     import os
 
@@ -177,7 +176,7 @@ class TorchOps:
             return x
         key = (tuple(x.shape), x.dtype)
         ring = self._pinned.get(key)
-        if ring is None:  # allocated once per shape (page-locked allocations cost ~1 ms)
+        if ring is None:  # allocated once per shape (a page-locked allocation is slow: never one per step)
             ring = self._pinned[key] = [[torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for _ in range(3)], 0]
         buf = ring[0][ring[1]]
         ring[1] = (ring[1] + 1) % 3  # at most two steps are in flight: a buffer is read before reuse

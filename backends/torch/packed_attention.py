@@ -3,10 +3,9 @@
 On CUDA in half precision this is FlashAttention-2's variable-length kernel (PyTorch's bundled
 ``aten._flash_attention_forward`` with cumulative sequence lengths): one kernel per layer, each
 prompt causal within itself, grouped-query heads read in place.  Elsewhere (the CPU, fp32, head
-sizes the kernel lacks) SDPA with the block-diagonal causal mask.  The mask path was what the
-packed prefill ran on CUDA before: SDPA has no fused kernel for an arbitrary mask with grouped
-heads, so it ran the unfused math ([H, T, T] scores): a 555-token chunk of the 8B shape took
-~60-65 ms on an H100 where its matmuls need ~15 (engine step log, docs/engine.md).
+sizes the kernel lacks) SDPA with the block-diagonal causal mask.  The mask path is not used on
+CUDA where the kernel applies: SDPA has no fused kernel for an arbitrary mask with grouped heads,
+so it runs the unfused math ([H, T, T] scores), which costs a long chunk several times its matmuls.
 """
 
 from __future__ import annotations
@@ -97,9 +96,9 @@ def packed_causal(
 def prefill_attention(device: torch.device, T: int) -> Any:
     """SDPA without its cuDNN backend for prompt chunks on CUDA.  cuDNN (torch's first choice for
     bf16 on Hopper) builds and NVRTC-compiles a kernel for every new query/key length: with prompts
-    of varied lengths that was 25% of the engine thread's time and 100-350 ms stalls in the
-    inter-token latency (py-spy --native, H100).  Decode keeps it: its shapes are fixed per captured
-    graph, and turning it off there cost 1B/8B single-stream decode ~20% (measured)."""
+    of varied lengths that is a large share of the engine thread's time and long stalls in the
+    inter-token latency.  Decode keeps it: its shapes are fixed per captured graph, and there cuDNN's
+    kernel is the fastest."""
     if device.type != "cuda" or T <= 1:
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

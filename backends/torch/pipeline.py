@@ -24,11 +24,10 @@ micro-batch times, of which each rank is busy M: idle (P - 1) / (M + P - 1) of a
 their own, so a step with several prompts pipelines them too.
 
 But each micro-batch reads the stage's weights again, and a decode step of a modest batch is
-bound by weight reads, not arithmetic: measured here (SmolLM2-135M, 2 stages on a 2-core CPU,
-8 and 32 concurrent streams) micro-batching cut rank 0's in-step idle time from 40% to 25% (8
-streams) and 29% to 21% (32) yet lowered throughput 63 -> 43 and 132 -> 110 tok/s.  So decode
-rows are split only when every micro-batch gets at least ``SWIFTLM_PP_MICRO_MIN_ROWS`` rows
-(default 64, where a step starts to be bound by arithmetic on a GPU; unmeasured here), into
+bound by weight reads, not arithmetic: there micro-batching cuts the ranks' idle time yet lowers
+throughput, as the extra weight reads cost more than the overlap gains.  So decode rows are split
+only when every micro-batch gets at least ``SWIFTLM_PP_MICRO_MIN_ROWS`` rows (default 64, where a
+step starts to be bound by arithmetic on a GPU), into
 ``SWIFTLM_PP_MICROBATCHES`` parts (default P).  Rank 0's values are sent to every rank at load
 (every rank must cut a step into the same units).
 

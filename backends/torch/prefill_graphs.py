@@ -1,9 +1,9 @@
 """Prompt chunks of up to ``BUCKETS[-1]`` tokens (the default step budget of 640 included) replayed
 from CUDA graphs, alone or with a step's decode rows (``PackedGraphs``).
 
-A short prompt is ~2 ms of device work on an H100 behind ~7 ms of eager launches (388 kernels
-for the 1B shape; docs/engine.md "One stream's time to first token"), so each new stream waited
-for the host before its first token.  First chunks (position 0) of one or more prompts in pool
+Run eagerly, a short prompt's forward is a few hundred kernel launches that take the host longer
+than the device takes to run them, so each new stream would wait for the host before its first
+token.  First chunks (position 0) of one or more prompts in pool
 slots are packed as in ``graphs.prefill_packed_static`` and padded to a token bucket; one graph
 per bucket, captured at start-up, replays the whole forward with one launch.
 

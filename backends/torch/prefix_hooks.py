@@ -67,7 +67,7 @@ class PrefixHooks:
             k, v = c.rows(n)
             return (k, v), sum(t.numel() * t.element_size() for t in k + v), n
         # a compact copy: the slot goes back to the pool, and a view of a grown CPU cache would keep
-        # its whole buffer (up to 2x the rows counted) alive in the prompt cache
+        # its whole buffer (grown past the rows counted) alive in the prompt cache
         k = [t[:, :n].clone() for t in c.k]
         v = [t[:, :n].clone() for t in c.v]
         nbytes = sum(t.numel() * t.element_size() for t in k + v)

@@ -299,8 +299,8 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         """Short prompt chunks past position 0 on the paged pool (the rest of a prompt after its cached prefix
         blocks) as rows of one batched decode graph replay: each token a row at its own position in its
         sequence's slot; every row's K/V is written before any row attends, and a row attends up to its own
-        position, so the chunk is causal.  Instead of an eager forward per chunk (launch-bound: 1B shape on an
-        H100, a 46-token rest after 1,984 cached tokens, ~16 ms).  Their last rows' logits."""
+        position, so the chunk is causal.  Instead of an eager forward per chunk, which is bound by its kernel
+        launches.  Their last rows' logits."""
         g = self.graphs
         if g is None or self.pool is None or (g.use_graph and not g.paged_attention):  # (no graph per length)
             return {}

@@ -38,8 +38,8 @@ class SeqCaches:
                     c.blocks = self.kv_blocks.table(seq_id)
                 c.length = 0
             else:
-                # a fresh cache sized to this sequence (reusing finished sequences' caches was tried: their
-                # capacities only ratchet up, KV allocated rose 250 -> 400 MiB over a 30-minute soak)
+                # a fresh cache sized to this sequence, not a finished sequence's: reused caches' capacities
+                # only ratchet up, so the KV allocated would grow over a long run
                 c = SeqCache(self.module.a, self.dtype, self.device)
             self.caches[seq_id] = c
         if isinstance(c, PagedSeqCache):

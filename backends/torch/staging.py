@@ -2,7 +2,7 @@
 
 A copy from pageable memory may make the CUDA driver wait for the stream's queued work before it
 stages the bytes; from page-locked memory ``cudaMemcpyAsync`` only queues.  Allocating page-locked
-memory per copy costs ~1 ms (measured), so one arena is allocated per device and carved per copy:
+memory is slow, far too slow for every copy, so one arena is allocated per device and carved per copy:
 two halves used in turn, and before a half is reused the event recorded when it was last left is
 waited on (it is long done in practice: a half holds many steps' inputs).  Copies larger than a
 quarter of the arena go the pageable way.  ``SWIFTLM_PINNED_H2D=0`` turns the arena off (the A/B

@@ -3,18 +3,17 @@ decode step's ``out_proj_add_rmsnorm``).  ``SWIFTLM_TP_ALLREDUCE`` picks it on C
 
 - ``peer`` (the default with two ranks): the sums after ``o_proj`` / ``down_proj`` of a decode step are peer
   stores into the other GPU's memory, added inside the residual add + RMSNorm that follows
-  (``PeerSum``, ``swiftlm.cuda_ext.peer_sum``); every other all-reduce is NCCL's.  Measured on two H100s (NV18),
-  a graph of 64 sum + add + RMSNorm calls of one 4096-wide row: 8.1 us per call against 9.5 us for NCCL's
-  all-reduce then ``add_rmsnorm`` (1.4 us of which is the add + norm alone), and the Triton kernels keep their
-  programmatic dependent launches; an 8B shape at one stream, TP=2: 264.9 -> 280.4 tok/s, the same greedy
-  tokens (16/16 prompts): docs/benchmarks.md, ``scripts/bench_tp_allreduce.py``.  Checked against NCCL bit for
+  (``PeerSum``, ``swiftlm.cuda_ext.peer_sum``); every other all-reduce is NCCL's.  A sum through peer stores is
+  shorter than NCCL's all-reduce kernel followed by ``add_rmsnorm``, and the Triton kernels keep their
+  programmatic dependent launches (``scripts/bench_tp_allreduce.py`` times the three paths; the tensor-parallel
+  figures are on the benchmark page, docs/benchmarks.md).  Checked against NCCL bit for
   bit on every rank at load; any disagreement or error there falls back to NCCL with a log line.
 - ``nccl``: NCCL's all-reduce everywhere (gloo on the CPU, always).
 - ``symm``: a *one-shot* all-reduce over symmetric memory (``torch.distributed._symmetric_memory``) for
   messages up to ``MAX_BYTES``: every rank copies its partial sums into a buffer that all ranks map, a barrier
   over the buffer's signal pad, then each rank reads the others' buffers over NVLink and adds them (peer
-  loads only: no NVLink multicast, which this project leaves off).  12.8 us per call in the graph above: kept
-  for other topologies (with more ranks a ring's latency grows, a one-shot's does not), not measured there.
+  loads only: no NVLink multicast, which this project leaves off).  Slower than ``peer`` for two ranks; kept
+  for other topologies (with more ranks a ring's latency grows, a one-shot's does not).
   Messages larger than the buffer, sizes that are not a multiple of 8 elements, other dtypes and CPU tensors
   take ``dist.all_reduce``.
 
@@ -51,7 +50,7 @@ class OneShot:
 
     def fits(self, y: torch.Tensor) -> bool:
         # the kernel loads 16-byte vectors: sizes that are not a multiple of 8 elements go to NCCL
-        # (torch refuses sizes that are not a multiple of 4 bytes: measured, "at least 4-byte aligned")
+        # (torch refuses sizes that are not a multiple of 4 bytes: "at least 4-byte aligned")
         return y.dtype == self.dtype and y.is_cuda and y.numel() <= self.n and y.numel() % 8 == 0
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:

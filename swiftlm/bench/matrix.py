@@ -1,6 +1,6 @@
 """``swiftlm bench``: the speed and memory matrix of one model, one command.
 
-    swiftlm bench --quick                                  # bundled model, this machine, under 3 minutes on CPU
+    swiftlm bench --quick                                  # bundled model, this machine, a few minutes on CPU
     swiftlm bench --model DIR --contexts 512,4096,16384 --configs vanilla,turbo,experts,experts+turbo
     swiftlm bench --compare before.json after.json        # two runs side by side
 

@@ -5,7 +5,7 @@ keep the output a valid prefix; the sampler masks every other token before sampl
 ``sampling.sample_row``).  Chosen over xgrammar/outlines-core because it builds its token
 trie straight from a ``tokenizers`` JSON (no transformers or torch on the MLX path), hands
 the mask as plain bytes (fed to MLX or torch logits through the ops shim) and computes a
-mask in well under a millisecond for JSON grammars (measured: scripts/bench_structured.py).
+mask cheaply enough to run on every decode step (scripts/bench_structured.py times it).
 """
 
 from __future__ import annotations

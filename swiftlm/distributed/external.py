@@ -70,7 +70,7 @@ def join(settings: Any, backend: Any, spec: Any) -> Any:
     if ranks.size < 2:
         raise ConfigError(
             "--distributed: this process is the only rank (the distributed group has size 1); "
-            "start every rank with mlx.launch (see README 'MLX distributed')"
+            "start every rank with mlx.launch (see docs/guide/distributed.md)"
         )
     backend.check_distributed(spec, settings, ranks.size)
     return ranks

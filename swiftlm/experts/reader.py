@@ -37,7 +37,7 @@ NP_DTYPES = {
     "I8": np.int8,
 }
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-MAX_READ = 1 << 20  # bytes per read request: large slabs are split (1 MiB measured best here, docs/benchmarks.md)
+MAX_READ = 1 << 20  # bytes per read request: large slabs are split, so that one slab's reads are in flight together
 MODES = ("pread", "mmap")
 
 

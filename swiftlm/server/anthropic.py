@@ -1,4 +1,4 @@
-"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (issue 19).
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
 
 The request is translated into the internal chat request (``ChatCompletionRequest``) and runs
 through the chat path shared with /v1/chat/completions (``chat_core``); this module maps

@@ -141,7 +141,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         if eng is not None:
             st = eng.stats
             kv = eng.kv_stats()
-            body["memory"] = health_memory(eng)  # measured; SwiftLM's *_mb fields too (README "Health and metrics")
+            body["memory"] = health_memory(eng)  # measured; SwiftLM's *_mb fields too (docs/reference/health.md)
             body["stats"] = {
                 "requests_total": st.requests_total,
                 "requests_active": st.requests_active,
@@ -431,8 +431,8 @@ def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None
         # Everything is shut down (the engine thread joined, streams ended): leave without the
         # interpreter's finalization, where a daemon thread still inside a C++ extension can be
         # killed mid-frame and abort the process ("terminate called without an active exception",
-        # SIGABRT instead of exit 0: seen twice on CI with the torch multimodal server; the
-        # mechanism is described in ml-explore/mlx#4110). SWIFTLM_FINALIZE=1 keeps the normal exit.
+        # SIGABRT instead of exit 0, as the torch multimodal server can; the mechanism is
+        # described in ml-explore/mlx#4110). SWIFTLM_FINALIZE=1 keeps the normal exit.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -227,8 +227,8 @@ class ChatRun:
         """The next event, merged with the token events of the same sequence already queued behind
         it: a client (or an event loop) that falls behind the engine gets one chunk with several
         tokens instead of a backlog of one chunk per token, so the loop's cost per step stops
-        growing with its lag (the h11/ASGI send per chunk was half the loop's time at 64 streams
-        on the H100).  Without lag nothing merges.  Not with a reasoning budget, which counts
+        growing with its lag (the h11/ASGI send per chunk is a large share of the loop's time at
+        many streams).  Without lag nothing merges.  Not with a reasoning budget, which counts
         tokens event by event."""
         q = self._q
         while not q.empty():

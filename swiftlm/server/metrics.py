@@ -19,7 +19,7 @@ from . import access_log
 
 
 def memory_figures(engine: Any) -> dict[str, Any]:
-    """Every memory figure /health and /metrics report, measured (see README "Health and metrics").
+    """Every memory figure /health and /metrics report, measured (docs/reference/health.md, metrics.md).
 
     ``active``/``peak``/``cache``: the backend's device allocator (CUDA caching allocator, MLX
     allocator) -- or, for torch on the CPU, this process's RSS / peak RSS / malloc's free bytes.

@@ -1,4 +1,4 @@
-"""POST /v1/responses, GET/DELETE /v1/responses/{id}: the OpenAI Responses API (issue 19).
+"""POST /v1/responses, GET/DELETE /v1/responses/{id}: the OpenAI Responses API.
 
 The request is translated into the internal chat request (``ChatCompletionRequest``) and runs
 through the chat path shared with /v1/chat/completions (``chat_core``); this module only maps
