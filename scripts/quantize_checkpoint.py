@@ -41,7 +41,19 @@ FORMATS = (
     "gptq-8bit",
     "w4a16",
 )
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 FP8_MAX = 448.0
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -237,7 +249,7 @@ def convert(src: Path, out: Path, fmt: str, group: int = 32, dequantized: bool =
         tensors, deq = quantize_layer(t.float(), fmt, group, gen)
         m = name[: -len(".weight")]
         if dequantized:
-            written[name] = deq.to(dtype)
+            written[name] = deq.to(dtype).contiguous()
         else:
             written.update({f"{m}.{k}": v.contiguous() for k, v in tensors.items()})
     out.mkdir(parents=True, exist_ok=True)
