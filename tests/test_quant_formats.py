@@ -242,3 +242,88 @@ def test_deepseek_v3_block_fp8(quant_root):
     r_logits, r_toks, _ = run(ckpt(quant_root, "fp8-deepseek", *arch, dequantized=True))
     assert float((q_logits - r_logits).abs().max()) <= 1e-5 * float(r_logits.abs().max())
     assert q_toks == r_toks
+
+
+# --------------------------------------------------------------------------- the seam for quantized GPU paths
+INT_AND_FP8 = ("fp8-tensor", "fp8-channel", "fp8-deepseek", "awq", "gptq-act-order", "gptq-8bit", "w4a16")
+
+SEAM_CODE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+from swiftlm.quant_config import parse
+from swiftlm.backends.torch.quant_linear import from_checkpoint
+from swiftlm.backends.torch.quant_weights import dequantize_state, quantized_layers
+interpret = sys.argv[1] == "1"
+out = {}
+torch.manual_seed(0)
+for path in sys.argv[2:]:
+    p = Path(path)
+    s = parse(json.loads((p / "config.json").read_text()))
+    st = load_file(str(p / "model.safetensors"))
+    ref = dequantize_state(dict(st), s)
+    worst = 0.0
+    layers = quantized_layers(st, s)
+    for m in layers[:1] if interpret else layers:
+        local = {k[len(m) + 1 :]: v for k, v in st.items() if k.rsplit(".", 1)[0] == m}
+        ql = from_checkpoint(local, s)
+        w = ref[m + ".weight"]
+        assert torch.equal(ql.dequantized(), w), (p.name, m)
+        x = torch.randn(3, w.shape[1])
+        r = x @ w.T
+        ys = [ql(x)]
+        if interpret and ql.kind in ("fp8", "int4"):
+            from swiftlm.cuda_ext.quant_gemv import fp8_linear_small_m, int4_linear_small_m
+            xp = x if ql.perm is None else x[:, ql.perm]
+            for M in (1, 3):
+                xm = xp[:M].contiguous()
+                if ql.kind == "fp8":
+                    ys.append(fp8_linear_small_m(xm, ql.weight, ql.scale, ql.block))
+                else:
+                    ys.append(int4_linear_small_m(xm, ql.weight, ql.scale, ql.zeros, ql.group))
+        for y in ys:
+            worst = max(worst, float((y - r[: y.shape[0]]).abs().max() / r.abs().max()))
+    out[p.name] = [ql.kind, worst]
+print(json.dumps(out))
+"""
+
+
+def _seam(quant_root: Path, interpret: bool) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    paths = [str(ckpt(quant_root, f)) for f in INT_AND_FP8]
+    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
+    r = subprocess.run(
+        [sys.executable, "-c", SEAM_CODE, "1" if interpret else "0", *paths],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_quant_linear_layouts_equal_the_dequantised_weights(quant_root):
+    """backends/torch/quant_linear.py's kernel layouts (FP8 [N, K] + scales; int4 codes [N, K/8], act-order
+    permuted to contiguous groups) dequantise to exactly quant_weights' weights; off the GPU ``QuantLinear(x)``
+    is F.linear on them (float32: the same products, another summation order)."""
+    res = _seam(quant_root, interpret=False)
+    kinds = {k: v[0] for k, v in res.items()}
+    assert kinds["gptq-8bit"] == "dense" and kinds["awq"] == kinds["w4a16"] == kinds["gptq-act-order"] == "int4"
+    assert all(err <= 1e-5 for _, err in res.values()), res
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
+def test_quant_gemv_kernels_interpreted(quant_root):
+    """cuda_ext/quant_gemv.py's FP8 and int4 decode kernels (1 and 3 rows) against the float32 reference,
+    under TRITON_INTERPRET=1: fp32 accumulation of the same products in another order (bound 1e-5 of the
+    largest output; observed ~2e-7)."""
+    res = _seam(quant_root, interpret=True)
+    assert all(err <= 1e-5 for _, err in res.values()), res
