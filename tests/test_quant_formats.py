@@ -105,10 +105,10 @@ def test_gptq_words_pack_input_rows_low_bits_first():
 
     qweight = torch.tensor([[0x76543210]], dtype=torch.int32)  # [in/8, out] = [1, 1]
     qzeros = torch.tensor([[0x77777777]], dtype=torch.int32)  # [groups, out/8]: 8 zero points, one used
-    w = gptq_weight(qweight, qzeros, torch.full((1, 1), 0.5, dtype=torch.float16), None, 4, 0, 1, True)
+    w = gptq_weight(qweight, qzeros, torch.full((1, 1), 0.5, dtype=torch.float16), None, 4, 0, 1)
     assert w.shape == (1, 8) and w[0].tolist() == [(c - 8) * 0.5 for c in range(8)]
     word = torch.tensor([[-1]], dtype=torch.int32)  # the sign bit set: every code 15
-    assert gptq_weight(word, None, torch.ones(1, 1), None, 4, 0, 0, True)[0].tolist() == [7.0] * 8
+    assert gptq_weight(word, None, torch.ones(1, 1), None, 4, 0, 0)[0].tolist() == [7.0] * 8
 
 
 def test_awq_reader_agrees_with_compressed_tensors_converter(quant_root):

@@ -58,12 +58,12 @@ def gptq_weight(
     bits: int,
     group: int,
     zero_offset: int,
-    symmetric: bool,
 ) -> torch.Tensor:
     """GPTQ: ``qweight [in*bits/32, out]`` (packed along the input dim), ``qzeros [groups, out*bits/32]``,
-    ``scales [groups, out]``, ``g_idx [in]`` (each input column's group; act-order permutes it);
-    ``w[o, i] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]``.  The original format stores z - 1
-    (``zero_offset`` 1).  Symmetric checkpoints without qzeros use the mid code 2^(bits-1)."""
+        ``scales [groups, out]``, ``g_idx [in]`` (each input column's group; act-order permutes it);
+        ``w[o, i] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]``.  The original format stores z - 1
+        (``zero_offset`` 1).  Symmetric checkpoints store the mid code 2^(bits-1) as their zero points; without
+    qzeros it is assumed."""
     q = unpack_last(qweight.t(), bits).t()  # [in, out]
     cols = q.shape[0]
     if g_idx is None:
@@ -73,7 +73,6 @@ def gptq_weight(
         z = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
     else:
         z = unpack_last(qzeros, bits)[:, : scales.shape[1]] + zero_offset
-    del symmetric  # the zero points carry it: sym checkpoints store 2^(bits-1) (minus the offset)
     return ((q - z[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]).t().contiguous()
 
 

@@ -108,7 +108,7 @@ def _one(state: dict[str, torch.Tensor], m: str, s: QuantScheme) -> torch.Tensor
             raise CorruptModel(f"{m}.g_idx has {g_idx.shape[0]} entries for {cols} input columns")
         if g_idx is not None and g_idx.numel() and int(g_idx.max()) >= scales.shape[0]:
             raise CorruptModel(f"{m}.g_idx names group {int(g_idx.max())} of {scales.shape[0]}")
-        return U.gptq_weight(qweight, qzeros, scales, g_idx, s.bits, s.group_size, s.zero_offset, s.symmetric)
+        return U.gptq_weight(qweight, qzeros, scales, g_idx, s.bits, s.group_size, s.zero_offset)
     packed, scale = _take(state, m, "weight_packed"), _take(state, m, "weight_scale")
     shape_t = _take(state, m, "weight_shape", required=False)
     shape = (
