@@ -327,3 +327,53 @@ def test_quant_gemv_kernels_interpreted(quant_root):
     largest output; observed ~2e-7)."""
     res = _seam(quant_root, interpret=True)
     assert all(err <= 1e-5 for _, err in res.values()), res
+
+
+GPU_CODE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+from swiftlm.quant_config import parse
+from swiftlm.backends.torch.quant_linear import from_checkpoint
+from swiftlm.backends.torch.quant_weights import dequantize_state, quantized_layers
+out = {}
+torch.manual_seed(0)
+for path in sys.argv[1:]:
+    p = Path(path)
+    s = parse(json.loads((p / "config.json").read_text()))
+    st = load_file(str(p / "model.safetensors"))
+    ref = dequantize_state(dict(st), s)
+    for m in quantized_layers(st, s)[:3]:
+        local = {k[len(m) + 1 :]: v for k, v in st.items() if k.rsplit(".", 1)[0] == m}
+        ql = from_checkpoint(local, s).to(torch.device("cuda"))
+        w = ref[m + ".weight"].cuda()
+        for M in (1, 3, 64):
+            x = torch.randn(M, w.shape[1], device="cuda").bfloat16()
+            r = x.float() @ w.T
+            err = float((ql(x).float() - r).norm() / r.norm())
+            key = f"{p.name}/{ql.kind}/{M}"
+            out[key] = max(out.get(key, 0.0), err)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
+def test_quant_linear_on_gpu(quant_root):
+    """On a GPU: the Triton decode kernels (1 and 3 rows) and, for FP8 with per-tensor or per-row scales,
+    torch._scaled_mm (64 rows) against the float32 reference.  Bounds: bf16 output (and input) rounding, 1e-2
+    relative norm; _scaled_mm also rounds the activations to e4m3 (3 mantissa bits, ~2**-4 per element),
+    5e-2."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    paths = [str(ckpt(quant_root, f)) for f in INT_AND_FP8]
+    r = subprocess.run([sys.executable, "-c", GPU_CODE, *paths], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    errs = json.loads(r.stdout.strip().splitlines()[-1])
+    for key, err in errs.items():
+        fmt, kind, M = key.split("/")
+        scaled = kind == "fp8" and int(M) > 16 and fmt != "fp8-deepseek"
+        assert err <= (5e-2 if scaled else 1e-2), (key, err)

@@ -82,17 +82,24 @@ class QuantLinear:
     def _gpu(self, x: torch.Tensor) -> torch.Tensor | None:
         M = x.shape[0]
         x = x.contiguous()
-        if self.kind == "fp8" and M <= 16:
+        kernels = M <= 16 and _triton()
+        if self.kind == "fp8" and kernels:
             from swiftlm.cuda_ext.quant_gemv import fp8_linear_small_m
 
             return fp8_linear_small_m(x, self.weight, self.scale, self.block)
-        if self.kind == "int4" and M <= 16:
+        if self.kind == "int4" and kernels:
             from swiftlm.cuda_ext.quant_gemv import int4_linear_small_m
 
             return int4_linear_small_m(x, self.weight, self.scale, self.zeros, self.group)
         if self.kind == "fp8" and self.block is None and scaled_mm_ok(x.device):
             return fp8_scaled_mm(x, self.weight, self.scale)
         return None
+
+
+def _triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def scaled_mm_ok(device: torch.device) -> bool:
