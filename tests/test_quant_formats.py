@@ -5,7 +5,8 @@ compressed-tensors formats by the compressed-tensors package itself, the others 
 packing.  Beside each one, ``--dequantized`` writes the float32 checkpoint its weights stand for, dequantised by
 an independent reader: compressed-tensors' decompressor (float-quantized, pack-quantized), its FP8 block
 dequantizer (``fp8`` with ``weight_block_size``), and the writer's own arithmetic on the integer codes before
-packing (AWQ, GPTQ), whose bit layout the known-answer tests below pin to the published words.
+packing (AWQ, GPTQ), whose bit layout the known-answer tests below pin to the published words.  AWQ is also
+read by compressed-tensors' AutoAWQ converter and by mlx-lm's AWQ loader (the mlx backend).
 
 Bound: the quantized checkpoint and its reference hold the same float32 weights (the reader's
 ``(q - z) * s`` / ``q * s`` in float32 is exact for these codes and fp16/fp32 scales), and both run the same
@@ -377,3 +378,34 @@ def test_quant_linear_on_gpu(quant_root):
         fmt, kind, M = key.split("/")
         scaled = kind == "fp8" and int(M) > 16 and fmt != "fp8-deepseek"
         assert err <= (5e-2 if scaled else 1e-2), (key, err)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("mlx") is None, reason="mlx not installed")
+def test_awq_checkpoint_reads_the_same_through_mlx_lm(quant_root):
+    """mlx-lm's own AutoAWQ reader (the mlx backend) and the torch backend run the same AWQ checkpoint: greedy 32
+    tokens equal, logits within 5e-3 of the largest.  Bound: mlx-lm keeps the weights 4-bit with an fp16 bias
+    -z * s per group, rounded (2**-11 relative, of up to 15 s against weights up to 15 s: ~1e-3 per weight,
+    random in sign); observed 1e-3."""
+    import mlx.core as mx
+    import numpy as np
+
+    from swiftlm import LLM
+    from swiftlm.sampling import SamplingParams
+
+    path = ckpt(quant_root, "awq")
+    out = {}
+    for backend in ("torch", "mlx"):
+        llm = LLM(str(path), backend=backend)
+        try:
+            m = llm.engine.model
+            m.free([-1])
+            lg = m.logits(-1, PROMPT, 0)
+            lg = lg.float().numpy() if backend == "torch" else np.array(lg.astype(mx.float32))
+            m.free([-1])
+            toks = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)).token_ids
+            out[backend] = (lg, toks)
+        finally:
+            llm.close()
+    (t, t_toks), (x, x_toks) = out["torch"], out["mlx"]
+    assert float(np.abs(t - x).max()) <= 5e-3 * float(np.abs(t).max())
+    assert t_toks == x_toks
