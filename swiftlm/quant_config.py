@@ -77,7 +77,7 @@ def parse(config: dict) -> QuantScheme | None:
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
-    if qc is None:
+    if qc is None or _is_mlx(config, qc):
         return None
     if not isinstance(qc, dict):
         raise _refuse("", qc, "not a JSON object")
@@ -94,6 +94,15 @@ def parse(config: dict) -> QuantScheme | None:
         "quant_method",
         qc.get("quant_method"),
         "readable layouts: compressed-tensors (float-quantized, pack-quantized), fp8, awq, gptq",
+    )
+
+
+def _is_mlx(config: dict, qc: Any) -> bool:
+    """mlx-lm writes its own ``quantization`` block and mirrors it as ``quantization_config`` (no quant_method):
+    MLX's format, which the mlx backend reads and the torch backend refuses on its own."""
+    mlx = config.get("quantization")
+    return (isinstance(mlx, dict) and "bits" in mlx) or (
+        isinstance(qc, dict) and "quant_method" not in qc and "bits" in qc and "group_size" in qc
     )
 
 

@@ -199,6 +199,16 @@ def test_unsupported_layouts_refused_in_one_sentence(qc, words):
     assert "unreadable" in (describe(_config(qc)) or "")
 
 
+def test_mlx_quantized_config_is_not_this_reader():
+    """mlx-lm mirrors its ``quantization`` block as ``quantization_config`` without a quant_method: that is MLX's
+    format (the torch backend refuses it with its own sentence), not a layout this reader names or refuses."""
+    from swiftlm.quant_config import parse
+
+    q = {"group_size": 64, "bits": 4}
+    assert parse({"model_type": "llama", "quantization": q, "quantization_config": q}) is None
+    assert parse({"model_type": "llama", "quantization_config": q}) is None
+
+
 def test_group_size_not_dividing_is_refused(quant_root, tmp_path):
     """A group size that does not divide a layer's input columns: refused at load, naming the setting."""
     import json
