@@ -11,6 +11,7 @@ FORMAT (the tensors each writes: swiftlm/quant_config.py):
   awq                                  AutoAWQ GEMM, 4-bit, zero points (by hand, after AutoAWQ's packing)
   gptq, gptq-act-order, gptq-8bit      GPTQ, symmetric, original checkpoint_format (zero points stored
                                        minus one); act-order draws a column order and writes its g_idx
+  gptq-v2-asym                         GPTQ, asymmetric, checkpoint_format gptq_v2 (zero points as they are)
   w4a16                                compressed-tensors pack-quantized, asymmetric (by the package)
 
 ``--dequantized``: the same weights dequantised by the writer's own arithmetic on the integer codes (or
@@ -39,6 +40,7 @@ FORMATS = (
     "gptq",
     "gptq-act-order",
     "gptq-8bit",
+    "gptq-v2-asym",
     "w4a16",
 )
 LINEARS = (
@@ -169,8 +171,10 @@ def _awq_layer(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], to
 
 # --------------------------------------------------------------------------- GPTQ (by hand)
 def _gptq_layer(
-    w: torch.Tensor, group: int, bits: int, act_order: bool, gen: torch.Generator
+    w: torch.Tensor, group: int, bits: int, act_order: bool, gen: torch.Generator, v2_asym: bool = False
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Symmetric (zero point 2^(bits-1)) in the original format, which stores each zero point minus one; or
+    (``v2_asym``) min/max zero points per group stored as they are (``checkpoint_format: gptq_v2``)."""
     out, cols = w.shape
     maxq = (1 << bits) - 1
     mid = 1 << (bits - 1)
@@ -180,14 +184,21 @@ def _gptq_layer(
     g_idx[perm] = (torch.arange(cols) // group).to(torch.int32)
     groups = cols // group
     scales = torch.empty(groups, out)
+    zeros = torch.full((groups, out), mid, dtype=torch.int32)
     for g in range(groups):
-        amax = w[:, g_idx == g].abs().amax(dim=1).clamp(min=1e-5)
-        scales[g] = amax / (maxq - mid)
+        cols_g = w[:, g_idx == g]
+        if v2_asym:
+            lo, hi = cols_g.amin(dim=1).clamp(max=0), cols_g.amax(dim=1).clamp(min=0)
+            scales[g] = ((hi - lo) / maxq).clamp(min=1e-5)
+            zeros[g] = torch.round(-lo / scales[g].half().float()).clamp(0, maxq).to(torch.int32)
+        else:
+            scales[g] = cols_g.abs().amax(dim=1).clamp(min=1e-5) / (maxq - mid)
     scales = scales.half().float()
-    s_col = scales[g_idx.long()]  # [in, out]
-    q = (torch.round(w.t() / s_col) + mid).clamp(0, maxq)  # [in, out]
-    deq = ((q - mid) * s_col).t().contiguous()
-    zeros = torch.full((groups, out), mid - 1, dtype=torch.int32)  # the original format stores z - 1
+    s_col, z_col = scales[g_idx.long()], zeros[g_idx.long()]  # [in, out]
+    q = (torch.round(w.t() / s_col) + z_col).clamp(0, maxq)  # [in, out]
+    deq = ((q - z_col) * s_col).t().contiguous()
+    if not v2_asym:
+        zeros = zeros - 1  # the original format stores z - 1
     t = {
         "qweight": _pack_cols(q.to(torch.int32).t().contiguous(), bits).t().contiguous(),
         "qzeros": _pack_cols(zeros, bits),
@@ -210,8 +221,8 @@ def quant_config(fmt: str, group: int) -> dict:
         "bits": 8 if fmt == "gptq-8bit" else 4,
         "group_size": group,
         "desc_act": fmt == "gptq-act-order",
-        "sym": True,
-        "checkpoint_format": "gptq",
+        "sym": fmt != "gptq-v2-asym",
+        "checkpoint_format": "gptq_v2" if fmt == "gptq-v2-asym" else "gptq",
         "damp_percent": 0.01,
         "true_sequential": True,
     }
@@ -225,7 +236,9 @@ def quantize_layer(
     if fmt == "awq":
         return _awq_layer(w, group)
     if fmt.startswith("gptq"):
-        return _gptq_layer(w, group, 8 if fmt == "gptq-8bit" else 4, fmt == "gptq-act-order", gen)
+        return _gptq_layer(
+            w, group, 8 if fmt == "gptq-8bit" else 4, fmt == "gptq-act-order", gen, fmt == "gptq-v2-asym"
+        )
     return _ct_layer(w, fmt, group)
 
 

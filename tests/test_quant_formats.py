@@ -34,6 +34,7 @@ FORMATS = {
     "gptq": "int4, group 32 (gptq)",
     "gptq-act-order": "int4, group 32, act-order (gptq)",
     "gptq-8bit": "int8, group 32 (gptq)",
+    "gptq-v2-asym": "int4, group 32, zero points (gptq)",
     "w4a16": "int4, group 32, zero points (compressed-tensors pack-quantized)",
 }
 
@@ -257,7 +258,16 @@ def test_deepseek_v3_block_fp8(quant_root):
 
 
 # --------------------------------------------------------------------------- the seam for quantized GPU paths
-INT_AND_FP8 = ("fp8-tensor", "fp8-channel", "fp8-deepseek", "awq", "gptq-act-order", "gptq-8bit", "w4a16")
+INT_AND_FP8 = (
+    "fp8-tensor",
+    "fp8-channel",
+    "fp8-deepseek",
+    "awq",
+    "gptq-act-order",
+    "gptq-8bit",
+    "gptq-v2-asym",
+    "w4a16",
+)
 
 SEAM_CODE = r"""
 import json, sys, torch
