@@ -131,6 +131,9 @@ def load_stage_state(spec: ModelSpec, config: dict, l0: int, l1: int, first: boo
             f"{spec.path} holds MLX-quantized weights, which the torch backend does "
             "not read; use the mlx backend or a 16-bit checkpoint"
         )
+    from .loader import refuse_quantized
+
+    refuse_quantized(spec, "--pipeline-parallel")
     names: dict[str, Any] = {}
     try:
         for f in spec.weight_files:
