@@ -181,7 +181,7 @@ def test_raw_sse_framing(tiny_server):
 
 
 def test_prefill_progress_frames_on_request(tiny_server):
-    body = {"prompt": "word " * 1500, "max_tokens": 2, "temperature": 0, "stream": True}
+    body = {"prompt": "word " * 800, "max_tokens": 2, "temperature": 0, "stream": True}
     with httpx.stream(
         "POST",
         tiny_server.base + "/v1/completions",
@@ -194,7 +194,7 @@ def test_prefill_progress_frames_on_request(tiny_server):
     assert frames, "expected at least one progress frame"
     data = json.loads(frames[0].split("data: ", 1)[1])
     assert set(data) == {"n_past", "n_prompt_tokens", "fraction", "elapsed_seconds"}
-    assert 0 < data["fraction"] < 1 and data["n_prompt_tokens"] >= 1500
+    assert 0 < data["fraction"] < 1 and data["n_prompt_tokens"] >= 800
     with httpx.stream("POST", tiny_server.base + "/v1/completions", json=body, timeout=120) as r:
         assert "prefill_progress" not in r.read().decode()
 
