@@ -69,8 +69,14 @@ def prompt_attention(cache: Any, L: Any, q: torch.Tensor, start: int) -> torch.T
 
 
 def _kernel_ok(cache: Any, D: int) -> bool:
-    """Decode through ``cuda_ext.code_rows`` (the cache runs its Triton kernels; D a power of two)?"""
-    return bool(cache.use_triton) and D & (D - 1) == 0 and cache.kc.d == D
+    """Decode through ``cuda_ext.code_rows`` (the cache runs its Triton kernels, on shapes they take)?"""
+    if not cache.use_triton:
+        return False
+    from swiftlm.cuda_ext import code_rows  # Triton: imported only where the cache runs its kernels
+
+    if cache.fmt.kind == "affine":
+        return code_rows.affine_supported(D, cache.kc.group, cache.kc.bits)
+    return code_rows.tq_supported(D)
 
 
 def _turbo_codes(cache: Any, L: Any, keys: torch.Tensor, vals: torch.Tensor, kernel: bool) -> None:
@@ -80,7 +86,7 @@ def _turbo_codes(cache: Any, L: Any, keys: torch.Tensor, vals: torch.Tensor, ker
     kc, vc = cache.kc, cache.vc
     qjl = (kc.S_rows @ kc.R.T) * kc.qjl_scale if kc.qjl else None  # ±1 signs (``sign_rows`` order) -> rotated
     if kernel:
-        from swiftlm.cuda_ext.code_rows import tq_rows  # Triton: imported only where the cache runs its kernels
+        from swiftlm.cuda_ext.code_rows import tq_rows
 
         pages = cache._pages_arg(n)
         tq_rows(L.kp, L.kn, kc.centroids, kc.mse_bits, n, keys, pages)
@@ -107,7 +113,7 @@ def _affine_codes(cache: Any, L: Any, keys: torch.Tensor, vals: torch.Tensor, ke
     n = L.n_code
     kc = cache.kc
     if kernel:
-        from swiftlm.cuda_ext.code_rows import affine_rows  # Triton (see ``_turbo_codes``)
+        from swiftlm.cuda_ext.code_rows import affine_rows
 
         affine_rows(L.kp, L.kn, L.ks, kc.bits, kc.group, n, keys)
         affine_rows(L.vp, L.vn, L.vb, kc.bits, kc.group, n, vals)
