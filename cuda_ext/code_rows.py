@@ -6,14 +6,20 @@
   code pages (``code_pages.py``).
 - ``affine_rows``: ``kv_bits`` codes -> code times scale plus bias per group, coordinates in their natural order.
 
-Neither writes the packed layout again: the codes are read by the decode-attention kernels' own helpers,
-``tq_codes._codes`` (the bit planes of ``swiftlm.turboquant.packing``, in the "s-major" column order, put back in
-coordinate order by the store) and ``affine_kv_kernels._dequant``.  One program writes BLOCK_N rows of one KV
-head; centroids, norms, scales and biases are fp32 and each row value is rounded once, to the output dtype, so the
-rows equal the codecs' torch decoders (``TurboCodec.unit_rows`` times the norm, ``AffineCodec.decode_planes``).
-The references (``*_ref``) decode through ``swiftlm.turboquant.packing.unpack``, the layout's specification;
-``selfcheck`` and tests/test_prompt_attention.py compare them (CPU tensors under ``TRITON_INTERPRET=1``, and on a
-GPU where one exists).
+Neither writes the packed layout again: the codes are read by the decode-attention kernels' own helpers
+(the bit planes of ``swiftlm.turboquant.packing``) and ``affine_kv_kernels._dequant``.  One program writes BLOCK_N
+rows of one KV head, each value rounded once, to the output dtype:
+
+- 16-bit outputs (the GPU's case) of 2- to 4-bit codes: ``tq_codes._mux_tile``, the decode kernels' lookups of the
+  fp16 centroids (byte permutes on CUDA), in coordinate order, times the fp32 norm: the rows the decode kernels
+  attend to for a 16-bit model.
+- otherwise: ``tq_codes._codes`` (codes in "s-major" column order, put back in coordinate order by the store) and
+  the fp32 centroids, so that the rows equal the codecs' torch decode (``TurboCodec.unit_rows`` times the norm).
+
+Affine rows are code times scale plus bias in fp32, as ``AffineCodec.decode_planes``.  The references (``*_ref``)
+decode through ``swiftlm.turboquant.packing.unpack``, the layout's specification (16-bit outputs: the centroids
+rounded to fp16 first); ``selfcheck`` and tests/test_prompt_attention.py compare them (CPU tensors under
+``TRITON_INTERPRET=1``, and on a GPU where one exists).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import triton.language as tl
 
 from .affine_kv_kernels import _dequant
 from .affine_kv_kernels import supported as affine_supported
-from .tq_codes import _PLANES, _codes
+from .tq_codes import _PLANES, _codes, _mux_tile, _prmt_for, _swar_ok
 
 BLOCK_N = 64
 
@@ -58,6 +64,10 @@ def _tq_rows_kernel(
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
+    NAT: tl.constexpr,
+    ASM: tl.constexpr,
+    PRMT: tl.constexpr,
+    SWAR: tl.constexpr,
 ):
     h = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,26 +77,19 @@ def _tq_rows_kernel(
         src = tl.where(ok, page * PAGE + rows % PAGE, 0)
     else:
         src = tl.where(ok, rows, 0).to(tl.int64)
-    PER: tl.constexpr = 8 // W0
-    SW: tl.constexpr = D // PER
-    code = _codes(
-        p0_ptr + h * p0_sh,
-        p1_ptr + h * p1_sh,
-        p0_sr,
-        p1_sr,
-        src,
-        tl.arange(0, SW),
-        tl.arange(0, PER),
-        W0,
-        W1,
-        PER,
-        BLOCK_N,
-        D,
-    )
-    col = tl.arange(0, D)
-    coord = (col % SW) * PER + col // SW  # s-major column -> coordinate
+    p0, p1 = p0_ptr + h * p0_sh, p1_ptr + h * p1_sh
     nrm = tl.load(norm_ptr + h * nrm_sh + src * nrm_sr).to(tl.float32)
-    val = tl.load(cent_ptr + code) * nrm[:, None]
+    col = tl.arange(0, D)
+    if NAT:  # the decode kernels' fp16 lookups (byte permutes on CUDA), coordinates in natural order
+        val = _mux_tile(p0, p1, p0_sr, p1_sr, src, cent_ptr, W0, W1, BLOCK_N, D, ASM, PRMT, SWAR).to(tl.float32)
+        val = val * nrm[:, None]
+        coord = col
+    else:  # fp32 centroids gathered by code; codes in s-major column order
+        PER: tl.constexpr = 8 // W0
+        SW: tl.constexpr = D // PER
+        code = _codes(p0, p1, p0_sr, p1_sr, src, tl.arange(0, SW), tl.arange(0, PER), W0, W1, PER, BLOCK_N, D)
+        val = tl.load(cent_ptr + code) * nrm[:, None]
+        coord = (col % SW) * PER + col // SW  # s-major column -> coordinate
     ptrs = out_ptr + h * out_sh + rows.to(tl.int64)[:, None] * out_sr + coord[None, :]
     tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -109,6 +112,9 @@ def tq_rows(
     p1 = planes[1] if w1 else p0
     paged = pages is not None
     table, page = (pages[0], int(pages[1])) if paged else (p0, 1)
+    nat = out.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and bits in (2, 3, 4)
+    swar = nat and _swar_ok(planes, w0, w1, D, centroids)
+    asm = _prmt_for(centroids, bits, swar) if nat else ""
     _tq_rows_kernel[(triton.cdiv(n, BLOCK_N), KVH)](
         p0,
         p1,
@@ -131,6 +137,10 @@ def tq_rows(
         BLOCK_N=BLOCK_N,
         PAGED=paged,
         PAGE=page,
+        NAT=int(nat),
+        ASM=asm or "none",
+        PRMT=int(bool(asm)),
+        SWAR=int(swar),
     )
     return out
 
@@ -220,6 +230,8 @@ def _unpack_ref(planes: list[torch.Tensor], bits: int, d: int) -> torch.Tensor:
 def tq_rows_ref(planes, norms, centroids, bits, n, out, pages=None) -> torch.Tensor:
     """``tq_rows`` through the specification."""
     codes = _unpack_ref([_rows_ref(p, n, pages) for p in planes], bits, out.shape[-1])
+    if out.dtype in (torch.float16, torch.bfloat16) and out.shape[-1] % 8 == 0 and bits in (2, 3, 4):
+        centroids = centroids.half()  # the fp16 lookups of ``tq_rows``
     out.copy_(centroids.float()[codes] * _rows_ref(norms, n, pages).float().unsqueeze(-1))
     return out
 
