@@ -1,7 +1,8 @@
 """`swiftlm bench serve` at several prompt lengths (``--prompt-tokens 8000,32000``), prompts sent as token ids
 (``--prompt-ids``: the server sees exactly that many tokens), ``--results NAME`` (a stable JSON name), and
 scripts/bench_kv_formats_serve.py, which drives it per KV format: the option parsing and workloads, a run
-against the fake SSE server of test_bench_serve.py, and short runs against the real server with a tiny model."""
+against the fake SSE server of test_bench_serve.py, one short run against the real server with a tiny model, and
+the script's ratios, steady inter-token latency and acceptance in-process."""
 
 from __future__ import annotations
 
@@ -169,32 +170,52 @@ def test_prompt_ids_reach_the_real_server_exactly(tiny_llama, monkeypatch):
     ]
 
 
-@needs_torch
-def test_kv_formats_script_on_a_tiny_model(tiny_llama, tmp_path):
-    """scripts/bench_kv_formats_serve.py end to end: a server per format (a preset through --turbo-kv, kv_bits
-    through the request), every format's row and ratios in the JSON named after the tag."""
-    import subprocess
-    import sys
+def test_steady_itl_keeps_the_gaps_where_every_stream_decodes():
+    """Two streams: the first streams alone before the second's first token (its gaps there are dropped), both
+    stream together until the first one ends; gaps straddling either edge are dropped too."""
+    m = _kv_script()
+    a = {"ok": True, "send_s": 0.0, "chunk_ms": [10.0, 20.0, 30.0, 40.0, 45.0, 50.0]}
+    b = {"ok": True, "send_s": 0.025, "chunk_ms": [10.0, 15.0, 20.0, 40.0]}  # absolute 35, 40, 45, 65
+    assert m.steady_itl([a, b]) == [5.0] * 4  # window [35, 50]: a's 40-45, 45-50; b's 35-40, 40-45 (not 45-65)
+    assert m.steady_itl([a, {**b, "ok": False}]) == [10.0, 10.0, 10.0, 5.0, 5.0]  # one stream: all its gaps
+    assert m.steady_itl([]) == []
 
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_kv_formats_serve.py"),
-            *("--model", str(tiny_llama), "--formats", "16bit,k4v3,kv8", "--prompt-tokens", "200"),
-            *("--output-tokens", "4", "--warmup-prompt-tokens", "32", "--tag", "test", "--out", str(tmp_path)),
-            "--serve-arg=--turbo-kv-window=32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "decode x" in r.stdout
-    doc = json.loads((tmp_path / "kv_formats_serve_test.json").read_text())
-    assert set(doc["rows"]) == {"16bit", "k4v3", "kv8"}
-    assert doc["config"]["formats"]["kv8"]["request_fields"] == {"kv_bits": 8}
-    assert doc["config"]["formats"]["k4v3"]["serve_flags"] == ["--turbo-kv", "k4v3"]
-    for name, rows in doc["rows"].items():
-        assert rows[0]["requests_ok"] == 1 and rows[0]["server_prompt_tokens"] == 200, name
-        assert all(doc["ratios"][name][0][k] > 0 for k in ("ttft", "itl_p50", "decode")), name
+
+def test_kv_formats_script_main(tmp_path, monkeypatch, capsys):
+    """scripts/bench_kv_formats_serve.py in-process, with its server and client replaced (the real HTTP path is
+    test_prompt_ids_reach_the_real_server_exactly's): a server per format and round with the format's flags, the
+    request fields sent, --streams adding a row of the longest length, every compressed format (kv_bits too)
+    held to the acceptance ratios, the JSON named after the tag."""
+    m = _kv_script()
+    started = []
+    itl = {"16bit": 10.0, "k4v3": 9.0, "kv8": 12.0}  # kv8 decodes slower than 0.9x of 16-bit: it fails
+
+    class FakeServer:
+        def __init__(self, args, flags, log):
+            started.append((flags, args.streams))
+
+        def stop(self):
+            pass
+
+    def fake_bench(args, srv, fields, out, streams=1, lengths=None):
+        name = {"kv_bits": "kv8"}.get(next(iter(fields), ""), "k4v3" if started[-1][0] else "16bit")
+        rows = []
+        for n in lengths or args.prompt_tokens:
+            row = {"prompt_tokens": n, "ttft_ms_p50": n / 10, "itl_ms_p50": itl[name], "itl_ms_p99": 2 * itl[name]}
+            rows.append({**row, "steady_itl_ms_p50": itl[name] * streams, "requests_ok": 1})
+        return rows
+
+    monkeypatch.setattr(m, "Server", FakeServer)
+    monkeypatch.setattr(m, "bench", fake_bench)
+    argv = ["x", "--formats", "k4v3,kv8,16bit", "--prompt-tokens", "100,400", "--rounds", "2", "--streams", "3"]
+    monkeypatch.setattr("sys.argv", [*argv, "--tag", "t", "--out", str(tmp_path), "--note", "idle", "--check"])
+    assert m.main() == 1  # kv8 misses the decode ratio
+    out = capsys.readouterr().out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith(("k4v3", "kv8"))] == ["ok"] * 3 + ["FAIL"] * 3
+    assert started == [([], 3), (["--turbo-kv", "k4v3"], 3), ([], 3)] * 2  # 16-bit first, then in the order given
+    doc = json.loads((tmp_path / "kv_formats_serve_t.json").read_text())
+    assert list(doc["rows"]) == ["16bit", "k4v3", "kv8"] and doc["config"]["note"] == "idle"
+    assert [(r["prompt_tokens"], r["streams"]) for r in doc["rows"]["k4v3"]] == [(100, 1), (400, 1), (400, 3)]
+    r = doc["ratios"]["kv8"]
+    assert [x["decode"] for x in r[:2]] == [10 / 12] * 2 and r[2]["steady_decode"] == 10 / 12
+    assert doc["ratios"]["k4v3"][0]["ttft"] == 1.0 and doc["accepted"] is False

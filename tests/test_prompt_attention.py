@@ -53,7 +53,7 @@ SHAPES = [(3, 9, 64), (1, 2, 128), (2, 6, 96), (3, 9, 64), (1, 2, 128), (2, 6, 6
 
 
 @pytest.fixture(autouse=True)
-def _no_numba(monkeypatch):
+def _torch_decode_rows(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "enabled", lambda: False)
 
 
