@@ -21,8 +21,8 @@ rows and short verify blocks keep that path (and the decode kernels): their numb
 Numerics: the decoded rows are the values the blockwise path multiplies (centroid times fp16 norm, code times scale
 plus bias), so with fp32 models (CPU) the output equals attention over the decoded history to fp32 rounding.  With
 16-bit models (CUDA) keys, values and queries are rounded once to the model's dtype so that the flash kernel runs,
-as the 16-bit cache's prompt chunks are; the blockwise path kept them in fp32, so a prompt's logits move by about
-that rounding.
+as the 16-bit cache's prompt chunks are, and TurboQuant centroids are the decode kernels' fp16 ones; the blockwise
+path kept everything in fp32, so a prompt's logits move by about that rounding.
 """
 
 from __future__ import annotations
