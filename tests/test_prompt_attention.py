@@ -131,7 +131,10 @@ def test_fused_call_attends_exactly_the_decoded_cache(fmt, monkeypatch):
     assert len(seen) >= 3 * (3 - 2 * fmt.keep_layers) and seen[-1] > 3 * 37, seen
 
 
-@pytest.mark.parametrize("fmt,shp", list(zip(FORMATS, SHAPES)), ids=lambda x: getattr(x, "name", None))
+@pytest.mark.parametrize(
+    "fmt,shp",
+    [pytest.param(f, s, id=f"{f.name}-keep{f.keep_layers}-{s[0]}x{s[1]}x{s[2]}") for f, s in zip(FORMATS, SHAPES)],
+)
 def test_prompt_chunks_equal_attention_over_decoded_history(fmt, shp, monkeypatch):
     """fp32: within the rounding of 5 chained reductions of the reference; DECODE_ROWS shrunk so that the codes
     are decoded across many blocks, ending anywhere."""
