@@ -5,7 +5,9 @@ Per format a ``swiftlm serve`` is started (16-bit KV; ``--turbo-kv PRESET``; ``k
 its requests carry ``{"kv_bits": B}`` to a 16-bit server), ``swiftlm bench serve`` sends it random prompts of each
 length as token ids (``--prompt-ids``: the server sees exactly that many tokens) one request at a time, and the
 server is stopped.  ``--rounds R`` repeats the formats R times in turn (16-bit, k4v3, ..., 16-bit, k4v3, ...), so
-that each format is measured next to its 16-bit baseline under the same background load.  The table shows TTFT
+that each format is measured next to its 16-bit baseline under the same background load; ``--one-server`` serves
+every format from one 16-bit server, chosen per request (``turbo_kv`` / ``kv_bits``), so that they alternate
+request by request.  The table shows TTFT
 (p50), ITL (p50, p99) and decode (16-bit ITL p50 / the format's) per length: times are medians over the rounds,
 ratios the median of each round's ratio to that round's 16-bit run.  The JSON goes to
 ``docs/results/kv_formats_serve_<tag>.json``.
@@ -290,6 +292,30 @@ def print_table(rows: dict[str, list[dict]], rat: dict[str, list[dict]], args: a
     return ok
 
 
+def request_fields(name: str) -> dict:
+    """The request fields that choose format ``name`` on a 16-bit server (``--one-server``)."""
+    flags, fields = FORMATS[name]
+    return {"turbo_kv": flags[1]} if flags else dict(fields)
+
+
+def _measure(args: argparse.Namespace, name: str, tmp: Path, rnd: int, shared: Server | None) -> list[dict]:
+    """One round of format ``name``: its own server (``--turbo-kv`` for a preset), or requests to the shared one."""
+    flags, fields = FORMATS[name]
+    srv = shared or Server(args, flags, tmp / f"serve_{name}_{rnd}.log")
+    if shared is not None:
+        fields = request_fields(name)
+    try:
+        rs = [{**r, "streams": 1} for r in bench(args, srv, fields, tmp / f"{name}_{rnd}.json")]
+        if args.streams > 1:
+            out = tmp / f"{name}_{rnd}_x{args.streams}.json"
+            longest = [max(args.prompt_tokens)]
+            rs += [{**r, "streams": args.streams} for r in bench(args, srv, fields, out, args.streams, longest)]
+        return rs
+    finally:
+        if shared is None:
+            srv.stop()
+
+
 def main() -> int:
     from swiftlm.bench.lengths import parse_lengths
 
@@ -318,6 +344,13 @@ def main() -> int:
     ap.add_argument("--streams-output-tokens", type=int, default=768, help="their output tokens (default 768)")
     ap.add_argument("--step-log", action="store_true", help="keep each server's SWIFTLM_STEP_LOG in --logs")
     ap.add_argument("--note", default="", help="free text kept in the JSON (e.g. what else ran on the machine)")
+    ap.add_argument(
+        "--one-server",
+        action="store_true",
+        help="one 16-bit server for every format, chosen per request (turbo_kv / kv_bits fields): formats alternate "
+        "request by request, so a busy machine's load falls on each alike (CPU; on CUDA --turbo-kv's code pages "
+        "are the server default's only)",
+    )
     args = ap.parse_args()
     for k in ("model", "tokenizer"):  # the servers run in a scratch directory: paths made absolute
         v = getattr(args, k)
@@ -333,28 +366,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.logs or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
-        for rnd in range(args.rounds):
-            for name in names:
-                flags, fields = FORMATS[name]
-                t0 = time.time()
-                srv = Server(args, flags, Path(tmp) / f"serve_{name}_{rnd}.log")
-                try:
-                    rs = [{**r, "streams": 1} for r in bench(args, srv, fields, Path(tmp) / f"{name}_{rnd}.json")]
-                    if args.streams > 1:
-                        longest = [max(args.prompt_tokens)]
-                        out = Path(tmp) / f"{name}_{rnd}_x{args.streams}.json"
-                        rs += [
-                            {**r, "streams": args.streams} for r in bench(args, srv, fields, out, args.streams, longest)
-                        ]
-                    runs[name].append(rs)
-                finally:
-                    srv.stop()
-                r0 = runs[name][-1][0]
-                print(
-                    f"[round {rnd + 1}/{args.rounds}] {name}: TTFT {r0['ttft_ms_p50']:.0f} ms, "
-                    f"ITL p50 {r0['itl_ms_p50']:.2f} ms ({time.time() - t0:.0f} s)",
-                    file=sys.stderr,
-                )
+        shared = Server(args, [], Path(tmp) / "serve_shared.log") if args.one_server else None
+        try:
+            for rnd in range(args.rounds):
+                for name in names:
+                    t0 = time.time()
+                    runs[name].append(_measure(args, name, Path(tmp), rnd, shared))
+                    r0 = runs[name][-1][0]
+                    print(
+                        f"[round {rnd + 1}/{args.rounds}] {name}: TTFT {r0['ttft_ms_p50']:.0f} ms, "
+                        f"ITL p50 {r0['itl_ms_p50']:.2f} ms ({time.time() - t0:.0f} s)",
+                        file=sys.stderr,
+                    )
+        finally:
+            if shared is not None:
+                shared.stop()
     rows = {n: median_rows(rs) for n, rs in runs.items()}
     rat = round_ratios(runs)
     ok = print_table(rows, rat, args)
@@ -374,6 +400,7 @@ def main() -> int:
             "streams": args.streams,
             "streams_output_tokens": args.streams_output_tokens if args.streams > 1 else None,
             "serve_args": args.serve_arg,
+            "one_server": args.one_server,
             "note": args.note,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "host": {"hostname": platform.node(), "platform": platform.platform(), "cpu_count": os.cpu_count()},

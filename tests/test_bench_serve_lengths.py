@@ -197,8 +197,11 @@ def test_kv_formats_script_main(tmp_path, monkeypatch, capsys):
         def stop(self):
             pass
 
+    sent = []
+
     def fake_bench(args, srv, fields, out, streams=1, lengths=None):
-        name = {"kv_bits": "kv8"}.get(next(iter(fields), ""), "k4v3" if started[-1][0] else "16bit")
+        sent.append(fields)
+        name = fields.get("turbo_kv") or ("kv8" if fields else "k4v3" if started[-1][0] else "16bit")
         rows = []
         for n in lengths or args.prompt_tokens:
             row = {"prompt_tokens": n, "ttft_ms_p50": n / 10, "itl_ms_p50": itl[name], "itl_ms_p99": 2 * itl[name]}
@@ -219,3 +222,10 @@ def test_kv_formats_script_main(tmp_path, monkeypatch, capsys):
     r = doc["ratios"]["kv8"]
     assert [x["decode"] for x in r[:2]] == [10 / 12] * 2 and r[2]["steady_decode"] == 10 / 12
     assert doc["ratios"]["k4v3"][0]["ttft"] == 1.0 and doc["accepted"] is False
+    # --one-server: one 16-bit server, the format chosen by each request's fields
+    started.clear(), sent.clear()
+    monkeypatch.setattr("sys.argv", [*argv[:-2], "--one-server", "--tag", "u", "--out", str(tmp_path)])
+    assert m.main() == 0  # no --check
+    assert started == [([], 1)]
+    assert sent == [{}, {"turbo_kv": "k4v3"}, {"kv_bits": 8}] * 2
+    assert json.loads((tmp_path / "kv_formats_serve_u.json").read_text())["config"]["one_server"] is True

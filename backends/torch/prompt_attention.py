@@ -91,12 +91,15 @@ def _turbo_codes(cache: Any, L: Any, keys: torch.Tensor, vals: torch.Tensor, ker
         pages = cache._pages_arg(n)
         tq_rows(L.kp, L.kn, kc.centroids, kc.mse_bits, n, keys, pages)
         tq_rows(L.vp, L.vn, vc.centroids, vc.mse_bits, n, vals, pages)
-        if qjl is not None:  # the sign term in torch, block by block (code view: signs by position)
-            V = cache._code_view(L)
+        if qjl is not None:  # the sign term in torch, block by block, signs and norms by position
+            ks, kr, kn = L.ks, L.kr, L.kn
+            if cache.paged:  # only these three gathered out of the pool (not the whole code view)
+                idx = cache._rows_at(0, n)
+                ks, kr, kn = ks.index_select(1, idx), kr.index_select(1, idx), kn.index_select(1, idx)
             for b in range(0, n, DECODE_ROWS):
                 e = min(n, b + DECODE_ROWS)
-                w = (V.kr[:, b:e].float() * V.kn[:, b:e].float()).unsqueeze(-1)
-                keys[:, b:e] += torch.matmul(kc.sign_rows(V.ks, b, e).mul_(w), qjl).to(keys.dtype)
+                w = (kr[:, b:e].float() * kn[:, b:e].float()).unsqueeze(-1)
+                keys[:, b:e] += torch.matmul(kc.sign_rows(ks, b, e).mul_(w), qjl).to(keys.dtype)
         return
     for b in range(0, n, DECODE_ROWS):
         e = min(n, b + DECODE_ROWS)
