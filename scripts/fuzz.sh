@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The long fuzz run: schemathesis against a real server on each backend with many examples per API operation
-# (the suite runs the same test with 25).  Usage: scripts/fuzz.sh [EXAMPLES] [PYTEST_ARGS ...]   (default 200)
+# (the suite runs the same test with 10).  Usage: scripts/fuzz.sh [EXAMPLES] [PYTEST_ARGS ...]   (default 200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n="${1:-200}"; [ $# -gt 0 ] && shift

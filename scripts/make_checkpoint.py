@@ -8,11 +8,14 @@
         [--sliding-window 16 --attn-softcap 50 --final-softcap 30 --partial-rotary 0.5 --longrope 64] \
         [--yarn 64 --swiglu-limit 7 --kv-lora-rank 32 --q-lora-rank 24 --qk-nope 16 --qk-rope 8 --v-head-dim 12 \
          --shared-experts 1 --first-dense 1 --n-group 4 --topk-group 2 --routed-scale 2.5 --mscale 1 1] \
-        [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--stacked-experts] [--seed 0]
+        [--dtype bfloat16|float16|float32] [--shard-mb 50] [--quantize 4] [--stacked-experts] [--seed 0] \
+        [--quant-format fp8-channel|fp8-tensor|fp8-block|fp8-deepseek|awq|gptq|gptq-act-order|gptq-8bit|w4a16 \
+         --quant-group-size 32 --dequantized]
 
 config.json, sharded safetensors with model.safetensors.index.json, and the SmolLM2
 tokenizer (from the bundled GGUF) with its chat template.  ``--quantize BITS`` writes MLX's
-quantized format through mlx-lm (needs mlx).  For shape coverage, MoE streaming and speed
+quantized format through mlx-lm (needs mlx); ``--quant-format`` the FP8 / AWQ / GPTQ / compressed-tensors
+layouts of scripts/quantize_checkpoint.py (``--dequantized``: the 16-bit checkpoint they stand for).  For shape coverage, MoE streaming and speed
 only: random weights say nothing about output quality.  ``--arch gemma4`` writes a multimodal
 (vision + audio; ``--no-vision`` / ``--no-audio``) Gemma 4 through transformers (see
 scripts/make_multimodal.py; needs torch and transformers).
@@ -428,6 +431,17 @@ def main(argv: list[str] | None = None) -> Path:
     )
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument(
+        "--quant-format",
+        default=None,
+        help="write the linear layers in this quantized layout (scripts/quantize_checkpoint.py --format)",
+    )
+    ap.add_argument("--quant-group-size", type=int, default=32, help="--quant-format awq / gptq / w4a16: group size")
+    ap.add_argument(
+        "--dequantized",
+        action="store_true",
+        help="with --quant-format: write the 16-bit weights the quantized ones stand for (a reference)",
+    )
+    ap.add_argument(
         "--stacked-experts",
         action="store_true",
         help="write MoE experts as stacked [E, out, in] switch_mlp tensors (mlx-lm's layout)",
@@ -555,7 +569,7 @@ def main(argv: list[str] | None = None) -> Path:
                 indent=2,
             )
         )
-    target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize else out
+    target = Path(tempfile.mkdtemp(prefix="swiftlm-ckpt-")) if a.quantize or a.quant_format else out
     target.mkdir(parents=True, exist_ok=True)
     save_sharded(weights, target, a.dtype, int(a.shard_mb * 1e6) if a.shard_mb else 1 << 62)
     (target / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -564,7 +578,12 @@ def main(argv: list[str] | None = None) -> Path:
             shutil.copy(Path(a.tokenizer_from) / f, target / f)
     else:
         tok.save_pretrained(target)
-    if a.quantize:
+    if a.quant_format:
+        from quantize_checkpoint import convert as quant_convert
+
+        quant_convert(target, out, a.quant_format, a.quant_group_size, a.dequantized, a.seed)
+        shutil.rmtree(target)
+    elif a.quantize:
         from mlx_lm.convert import convert
 
         convert(str(target), str(out), quantize=True, q_bits=a.quantize, q_group_size=a.group_size)

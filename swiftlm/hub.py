@@ -118,9 +118,22 @@ def runnable_by(spec: Any, archs: dict[str, set[str]] | None = None) -> list[str
             ok = arch in supported
             if name == "torch" and (spec.config.get("quantization") or {}).get("bits"):
                 ok = False  # MLX-quantized weights: MLX only
+            if name == "torch" and ok and not _torch_reads_quantization(spec.config):
+                ok = False  # a quantization_config layout swiftlm/quant_config.py refuses
         if ok:
             names.append(name)
     return names
+
+
+def _torch_reads_quantization(config: dict) -> bool:
+    from .errors import UnsupportedArchitecture
+    from .quant_config import parse
+
+    try:
+        parse(config)
+    except UnsupportedArchitecture:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- the cache

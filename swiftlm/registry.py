@@ -338,15 +338,18 @@ def inspect_hf_dir(path: Path, source: str) -> ModelSpec:
         raise ModelNotFound(f"{path} has config.json but no .safetensors weights")
     num_params = 0
     qbits = (config.get("quantization") or {}).get("bits")
+    packed_bits = _packed_bits(config)
     for f in files:
         for name, t in _read_safetensors_header(f).items():
-            if name == "__metadata__" or name.endswith((".scales", ".biases")):
+            if name == "__metadata__" or name.endswith(_QUANT_AUX):
                 continue
             n = 1
             for d in t["shape"]:
                 n *= d
             if qbits and t["dtype"] == "U32":
                 n = n * 32 // qbits
+            elif packed_bits and name.endswith((".qweight", ".weight_packed")):
+                n = n * 32 // packed_bits
             num_params += n
     arch = config.get("model_type") or (config.get("text_config") or {}).get("model_type") or "unknown"
     spec = ModelSpec(
@@ -367,13 +370,41 @@ def inspect_hf_dir(path: Path, source: str) -> ModelSpec:
     return spec
 
 
+# scales, zero points and group maps of quantized layouts (MLX, AWQ, GPTQ, FP8, compressed-tensors): not parameters
+_QUANT_AUX = (
+    ".scales",
+    ".biases",
+    ".qzeros",
+    ".g_idx",
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".weight_shape",
+    ".input_scale",
+    ".k_scale",
+    ".v_scale",
+)
+
+
+def _packed_bits(config: dict) -> int:
+    """Bits per code of int32-packed weights (AWQ, GPTQ, compressed-tensors pack-quantized), 0 for none."""
+    from .quant_config import parse
+
+    try:
+        s = parse(config)
+    except SwiftLMError:
+        return 0
+    return s.bits if s is not None and s.kind == "int" else 0
+
+
 def _hf_quantization(config: dict) -> str:
-    q = config.get("quantization") or config.get("quantization_config")
-    if isinstance(q, dict):
-        if "bits" in q:
-            return f"mlx {q['bits']}-bit (group {q.get('group_size', 64)})"
-        return str(q.get("quant_method", "quantized"))
-    return str(config.get("torch_dtype") or config.get("dtype") or "unknown")
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return f"mlx {q['bits']}-bit (group {q.get('group_size', 64)})"
+    from .quant_config import describe
+
+    return describe(config) or str(config.get("torch_dtype") or config.get("dtype") or "unknown")
 
 
 def _fill_moe(spec: ModelSpec, config: dict) -> None:

@@ -58,6 +58,7 @@ def bundled_gguf() -> Path:
 _CKPT_SOURCES = [
     ROOT / "scripts" / "make_checkpoint.py",
     ROOT / "scripts" / "make_multimodal.py",
+    ROOT / "scripts" / "quantize_checkpoint.py",
     ROOT / "swiftlm" / "convert.py",
     ROOT / "swiftlm" / "tokenizer.py",
 ]

@@ -1,9 +1,10 @@
 """Static TurboQuant caches whose codes are pages of a shared pool (``code_pages.CodePages``) against the same
 caches holding whole-context codes of their own: prompts in two chunks (the second attends to codes already
-written), then 40 decode steps one cache at a time (``run_turbo``) and two at a time (``run_compressed_batch``,
-the batched kernels), compressing through ``compress_block`` (the graphed path) across page boundaries.  The
-pages are handed out in a shuffled order, so a sequence's codes are scattered over the pool.  Same kernels,
-same tiles, same order: the logits must be equal bit for bit.  CPU tensors under TRITON_INTERPRET=1."""
+written), then 16 decode steps one cache at a time (``run_turbo``) and two at a time (``run_compressed_batch``,
+the batched kernels), compressing through ``compress_block`` (the graphed path); the longer sequence's codes
+span two 64-row pages.  The pages are handed out in a shuffled order, so a sequence's codes are scattered over the
+pool.  Same kernels, same tiles, same order: the logits must be equal bit for bit.  CPU tensors under
+TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     pool = CodePages(model.a, fmt, 10, torch.device("cpu"), page_rows=64)
     random.Random(3).shuffle(pool.free)
     free0 = sorted(pool.free)
-    starts = [45, 30]
+    starts = [84, 45]
     toks = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def caches(paged):
@@ -62,7 +63,7 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
             cs = caches(paged)
             pos, got = list(starts), []
             with torch.inference_mode():
-                for step in range(40):
+                for step in range(16):
                     ids = [toks[p] for p in pos]
                     if mode == "batch":
                         got.append(gd.run_compressed_batch(cs, ids, pos))
@@ -100,7 +101,7 @@ def test_paged_codes_equal_whole_context_codes(preset):
         assert res[mode + "_equal"], res
         assert res[mode + "_counts"][0] == res[mode + "_counts"][1], res
         for pages, n_code in res[mode + "_pages"]:
-            assert n_code > 64 or pages >= 1, res
+            assert pages >= 1, res
             assert pages == -(-n_code // 64), res  # pages as the codes need them, no more
         assert res[mode + "_returned"], res  # reset gives every page back
         assert res[mode + "_bytes"] == [p * res["page_bytes"][0] for p, _ in res[mode + "_pages"]], res

@@ -1,8 +1,8 @@
 """``n`` / ``best_of``: one prefill per request, the prompt's KV forked into every choice.
 
-- Engine: n=8 on a ~1K-token prompt prefills the prompt once (counted by ``fork_stats``), its KV is
-  shared (``kv_stats`` bytes vs 8 separate requests: 7 prompts' worth less, from the arithmetic),
-  and greedy choices equal each other and a single greedy request token for token.  Seeded choices
+- Engine: n=8 on a ~600-token prompt (two prefill chunks of 512) prefills the prompt once (counted by
+  ``fork_stats``), its KV is shared (``kv_stats`` bytes vs 8 separate requests: 7 prompts' worth less,
+  from the arithmetic), and greedy choices equal each other and a single greedy request token for token.  Seeded choices
   equal separate requests with the per-choice seeds.  Cancelling the leader before its prompt ran
   hands the group on; cancelling one choice leaves the others.  The same through the engine process,
   and on MLX (where the KV is copied into each fork, not shared).
@@ -67,8 +67,9 @@ def llm():
 @needs_torch
 def test_n8_prefills_once_shares_kv_and_greedy_equals_single(llm):
     eng = llm.engine
-    prompt = _prompt(eng)
-    P, T = len(prompt), 24  # 24 > the 16 steps that 8 separate prompts take to prefill: all 8 overlap
+    prompt = _prompt(eng, 600)  # > prefill_size (512): the group's prompt prefills in two chunks before the fork
+    # 16 > the <= 11 steps (512 prompt tokens each) that 8 separate prompts take to prefill: all 8 overlap
+    P, T = len(prompt), 16
     p = SamplingParams(max_tokens=T, temperature=0, ignore_eos=True)
     single = llm.generate(prompt, p).token_ids
     assert len(single) == T
@@ -128,7 +129,8 @@ def test_cancelling_the_leader_or_one_choice(llm):
     assert got[ids[1]] == got[ids[2]] == single
     assert eng.fork_stats.prefill_tokens - pre == len(prompt)
 
-    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    # 64 tokens: the cancel (after choice 1's third token) lands ~60 steps before the others end
+    long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     q = queue.Queue()
     ids = eng.submit_group(prompt, [long.for_choice(i) for i in range(3)], q.put)
     reasons, n = {}, {i: 0 for i in ids}
@@ -140,7 +142,7 @@ def test_cancelling_the_leader_or_one_choice(llm):
         if ev.finished:
             reasons[ev.seq_id] = ev.finish_reason
     assert reasons[ids[1]] == "cancelled" and reasons[ids[0]] == reasons[ids[2]] == "length"
-    assert n[ids[0]] == n[ids[2]] == 200 and n[ids[1]] < 200
+    assert n[ids[0]] == n[ids[2]] == 64 and n[ids[1]] < 64
     assert eng.live_requests == 0
 
 

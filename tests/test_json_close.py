@@ -52,8 +52,10 @@ def test_structured_output_cut_by_max_tokens_still_parses(torch_llm):
     grammar = grammar_for({"type": "json_object"})
     prompt = torch_llm.engine.chat_prompt([{"role": "user", "content": "Describe a cat as JSON."}])
     for mt in (12, 24):
-        for seed in range(4):
-            o = torch_llm.generate(prompt, SamplingParams(max_tokens=mt, temperature=0.8, seed=seed, grammar=grammar))
+        # seeds 0..3 as the four choices of one request (choice i: seed 0 + i), decoded in one batch
+        outs = torch_llm.generate(prompt, SamplingParams(max_tokens=mt, temperature=0.8, seed=0, n=4, grammar=grammar))
+        assert len(outs.outputs) == 4
+        for o in outs.outputs:
             json.loads(o.text)
             assert len(o.token_ids) <= mt and o.finish_reason in ("length", "stop")
 
@@ -78,8 +80,10 @@ def test_a_loop_is_closed_and_the_text_parses(torch_llm, monkeypatch):
     grammar = grammar_for({"type": "json_object"})
     prompt = eng.chat_prompt([{"role": "user", "content": "Nested JSON please."}])
     stops = 0
-    for seed in range(8):
-        o = torch_llm.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar))
+    # seeds 0..7 as the eight choices of one request (choice i: seed 0 + i), decoded together
+    outs = torch_llm.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=0, n=8, grammar=grammar))
+    assert len(outs.outputs) == 8
+    for o in outs.outputs:
         json.loads(o.text)
         stops += o.finish_reason == "stop"
     assert stops  # the guard (or EOS after a complete object) ended some before the limit

@@ -96,8 +96,11 @@ def test_on_demand_aliases_404_and_concurrency(tmp_path, tiny_llama, big):
         assert r.status_code == 200 and r.json()["model"] == "b"
         assert states(s.base) == {"a": "loaded", "b": "loaded"}
         solo_a = chat(s.base, "a", 6).json()["choices"][0]["message"]["content"]
-        # two models progress at once: a answers while b is busy with a long stream
-        b_done = threading.Event()
+        # two models progress at once: a answers while b is busy with a long stream.  b's stream is
+        # closed (cancelling it) once a has answered, instead of decoding all 400 tokens: were the models
+        # served one after the other, a's answer would come only after b had finished on its own.
+        b_streaming, b_stop = threading.Event(), threading.Event()
+        b_ended_on_its_own = threading.Event()
 
         def long_b():
             with httpx.stream(
@@ -114,15 +117,24 @@ def test_on_demand_aliases_404_and_concurrency(tmp_path, tiny_llama, big):
                     "ignore_eos": True,
                 },
             ) as resp:
-                for _ in resp.iter_lines():
-                    pass
-            b_done.set()
+                chunks = 0
+                for line in resp.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks >= 3:
+                        b_streaming.set()  # b is decoding: tokens are coming back
+                    if line == "data: [DONE]":
+                        b_ended_on_its_own.set()
+                    if b_stop.is_set():
+                        break
+            b_streaming.set()  # (or failed: the assertions below say so)
 
         t = threading.Thread(target=long_b)
         t.start()
-        time.sleep(0.5)
+        assert b_streaming.wait(120)
+        assert not b_ended_on_its_own.is_set()  # b is still running as a's request goes in
         r = chat(s.base, "a", 6)
-        a_finished_while_b_ran = not b_done.is_set()
+        a_finished_while_b_ran = not b_ended_on_its_own.is_set()
+        b_stop.set()
         t.join(300)
         assert r.status_code == 200 and r.json()["model"] == "a"
         assert r.json()["choices"][0]["message"]["content"] == solo_a  # unaffected by the other model

@@ -340,10 +340,14 @@ def test_a_failing_request_frees_its_blocks_and_spares_the_others(tiny_llama):
 
         def failing_forward(batch):
             fwd = forward(batch)
+            sampling = [w for w in batch.seqs if w.sample]
             for w in batch.seqs:
                 if w.seq_id in doomed and w.start_pos > 20:  # past its prompt: it holds blocks by now
                     seen.append(len(eng.kv_blocks.table(w.seq_id)))
                     fwd.failed[w.seq_id] = "injected failure"
+            if fwd.failed and fwd.logits is not None:  # as a backend does: no logits row for a failed sequence
+                keep = [i for i, w in enumerate(sampling) if w.seq_id not in fwd.failed]
+                fwd.logits = fwd.logits[keep] if keep else None
             return fwd
 
         m.forward = failing_forward

@@ -46,11 +46,11 @@ def untied5(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=[pytest.param("bundled", marks=pytest.mark.slow), "tiny_llama", "untied5"])
+@pytest.fixture(scope="module", params=["tiny_llama", "untied5"])
 def pair(request, tiny_llama, untied5):
     from swiftlm import LLM
 
-    model = {"bundled": None, "tiny_llama": str(tiny_llama), "untied5": str(untied5)}[request.param]
+    model = {"tiny_llama": str(tiny_llama), "untied5": str(untied5)}[request.param]
     single = LLM(model, backend="torch", parallel=4)
     old = os.environ.get("SWIFTLM_PP_MICRO_MIN_ROWS")
     os.environ["SWIFTLM_PP_MICRO_MIN_ROWS"] = "1"  # micro-batch even 2-row decode batches (rank 0's value rules)

@@ -30,9 +30,13 @@ def test_longest_prefix_lru_and_byte_bound():
 @needs_torch
 @pytest.mark.slow
 def test_shared_system_prompt_ttft_and_identical_outputs():
+    """A ~1,100-token system prompt shared by two chats: the second reuses it (TTFT at most a fifth of the
+    first's) and both give the tokens of an engine without the cache.  The prompt spans three prefill
+    chunks (512 tokens each), long enough for prefill to dominate the first TTFT; each uncached prefill of
+    it is a few CPU-seconds, and the test runs three."""
     from swiftlm import LLM
 
-    system = " ".join(f"Rule {i}: answer politely and cite the relevant section number." for i in range(170))
+    system = " ".join(f"Rule {i}: answer politely and cite the relevant section number." for i in range(90))
     chats = [
         [{"role": "system", "content": system}, {"role": "user", "content": q}]
         for q in ("What is rule 3 about?", "Summarise the rules in one line.")
@@ -42,7 +46,7 @@ def test_shared_system_prompt_ttft_and_identical_outputs():
     plain = LLM(backend="torch", prompt_cache_bytes=0)
     try:
         n_prompt = len(cached.engine.chat_prompt(chats[0]))
-        assert n_prompt >= 2000
+        assert n_prompt >= 2 * cached.settings.prefill_size  # more than two prefill chunks
 
         def ttft(llm, chat):
             t0 = time.perf_counter()

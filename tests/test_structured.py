@@ -63,17 +63,23 @@ def test_random_logits_under_the_mask_always_give_schema_valid_json(tok):
 def test_smollm2_json_schema_validates(mlx_llm):
     g = grammar_for({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}})
     msgs = [{"role": "user", "content": "Invent a person. Answer in JSON with a name and an age."}]
-    for seed in range(3):
-        out = mlx_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=seed, grammar=g))
+    # seeds 0..2 as the three choices of one request (seed 0 + i), decoded in one batch
+    outs = mlx_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=0, n=3, grammar=g)).outputs
+    assert len(outs) == 3
+    for out in outs:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
 
 
 @pytest.mark.slow
 def test_smollm2_json_schema_twenty_of_twenty_on_torch(torch_llm):
+    """Twenty seeded samples (seeds 0..19), each a stopped, schema-valid object.  They run as one
+    request with n=20 (choice i gets seed 0 + i): the prompt is prefilled once and forked, and the
+    choices decode together in the engine's batch, each under its own grammar state."""
     g = grammar_for({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}})
     msgs = [{"role": "user", "content": "Invent a person. Answer in JSON with a name and an age."}]
-    for seed in range(20):
-        out = torch_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=seed, grammar=g))
+    outs = torch_llm.generate(msgs, SamplingParams(max_tokens=48, temperature=0.8, seed=0, n=20, grammar=g)).outputs
+    assert len(outs) == 20
+    for out in outs:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)

@@ -53,9 +53,34 @@ def _pair(model: str | None):
     return single, tp
 
 
-@pytest.fixture(scope="module", params=[pytest.param("bundled", marks=pytest.mark.slow), "tiny_llama", "kv1"])
-def pair(request, tiny_llama, kv1_llama):
-    model = {"bundled": None, "tiny_llama": str(tiny_llama), "kv1": str(kv1_llama)}[request.param]
+@pytest.fixture(scope="module")
+def uneven_llama(tmp_path_factory) -> Path:
+    """Nine query heads over three KV heads (SmolLM2's grouping) and 257 MLP columns: over 2 ranks one rank holds
+    one KV group and the other two, and the MLP columns split 128/129."""
+    return make_ckpt(
+        tmp_path_factory.mktemp("ck") / "uneven",
+        "--arch",
+        "llama",
+        "--dtype",
+        "float32",
+        "--hidden",
+        "144",
+        "--heads",
+        "9",
+        "--kv-heads",
+        "3",
+        "--head-dim",
+        "16",
+        "--intermediate",
+        "257",
+        "--seed",
+        "4",
+    )
+
+
+@pytest.fixture(scope="module", params=["uneven", "tiny_llama", "kv1"])
+def pair(request, tiny_llama, kv1_llama, uneven_llama):
+    model = {"uneven": str(uneven_llama), "tiny_llama": str(tiny_llama), "kv1": str(kv1_llama)}[request.param]
     single, tp = _pair(model)
     yield request.param, single, tp
     tp.close()

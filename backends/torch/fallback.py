@@ -29,11 +29,23 @@ NAME = "transformers fallback"
 
 
 def path_for(spec: ModelSpec) -> str:
-    """Which torch path loads ``spec``: "native" or "transformers fallback"."""
+    """Which torch path loads ``spec``: "native" or "transformers fallback"; for a quantized checkpoint on
+    the native path also how its weights run (or the sentence refusing them)."""
+    from swiftlm.quant_config import parse
+
     from .model_config import SUPPORTED
 
     arch = spec.config.get("model_type") or spec.arch
-    return "native" if spec.format == "gguf" or arch in SUPPORTED else NAME
+    path = "native" if spec.format == "gguf" or arch in SUPPORTED else NAME
+    if spec.format != "hf" or path != "native":
+        return path
+    try:
+        scheme = parse(spec.config)
+    except UnsupportedArchitecture as exc:
+        return f"refused: {exc}"
+    if scheme is None:
+        return path
+    return f"{path}: {scheme.describe()} weights dequantised at load (bfloat16 on a GPU, float32 on the CPU)"
 
 
 class TransformersFallback(MultimodalModel):

@@ -1,4 +1,5 @@
-"""Weights for the torch backend: HF safetensors directories, and GGUF (dequantized)."""
+"""Weights for the torch backend: HF safetensors directories (16-bit, or quantized FP8 / AWQ / GPTQ /
+compressed-tensors layouts dequantised at load: quant_weights.py), and GGUF (dequantized)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,32 @@ import torch
 
 from swiftlm.convert import GGUF_ARCHS, iter_dequantized
 from swiftlm.errors import CorruptModel, UnsupportedArchitecture
+from swiftlm.quant_config import QuantScheme, parse
 from swiftlm.registry import ModelSpec
 
 from .model_config import SUPPORTED
 
 
-def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint but those named in ``skip`` (streamed experts: never read)."""
+def quant_scheme(spec: ModelSpec) -> QuantScheme | None:
+    """The checkpoint's quantized-weight format (None: 16-bit weights, and GGUF); one sentence if unreadable."""
+    return parse(spec.config) if spec.format == "hf" else None
+
+
+def refuse_quantized(spec: ModelSpec, what: str) -> None:
+    """One sentence when ``what`` (a flag) cannot take this checkpoint's quantized weights."""
+    s = quant_scheme(spec)
+    if s is not None:
+        raise UnsupportedArchitecture(
+            f"{what} does not read quantized checkpoints ({spec.path} holds {s.describe()} weights); "
+            "serve it without it, or give a 16-bit checkpoint"
+        )
+
+
+def load_hf_state(
+    spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint but those named in ``skip`` (streamed experts: never read); the
+    layers of a quantized checkpoint dequantised to ``dtype``."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -33,6 +53,11 @@ def load_hf_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()
                 state.update(load_file(str(f)))
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
+    scheme = quant_scheme(spec)
+    if scheme is not None:
+        from .quant_weights import dequantize_state
+
+        dequantize_state(state, scheme, dtype)
     return state
 
 
@@ -95,6 +120,7 @@ def check_gguf(spec: ModelSpec) -> None:
 def check_arch(spec: ModelSpec) -> None:
     if spec.format == "gguf":
         check_gguf(spec)
+    quant_scheme(spec)  # an unreadable quantization_config: one sentence before any tensor is read
     arch = spec.config.get("model_type") or spec.arch
     if arch not in SUPPORTED:
         raise UnsupportedArchitecture(
@@ -102,10 +128,18 @@ def check_arch(spec: ModelSpec) -> None:
         )
 
 
-def load_state(spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict, dict[str, Any]]:
+def load_state(
+    spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32
+) -> tuple[dict, dict[str, Any]]:
+    """(config, tensors).  A quantized checkpoint's layers come dequantised to ``dtype`` and its config
+    without ``quantization_config`` (the weights are plain from here on)."""
     check_arch(spec)
     if spec.format == "gguf":
         from swiftlm.convert import hf_config
 
         return hf_config(spec, "float32"), load_gguf_state(spec)
-    return dict(spec.config), load_hf_state(spec, skip)
+    if skip:
+        refuse_quantized(spec, "--stream-experts")
+    config = dict(spec.config)
+    config.pop("quantization_config", None)
+    return config, load_hf_state(spec, skip, dtype)

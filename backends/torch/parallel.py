@@ -148,6 +148,9 @@ def load_shard(spec: ModelSpec, config: dict, p: Plan) -> dict[str, torch.Tensor
             f"{spec.path} holds MLX-quantized weights, which the torch backend does "
             "not read; use the mlx backend or a 16-bit checkpoint"
         )
+    from .loader import refuse_quantized
+
+    refuse_quantized(spec, "--tensor-parallel")
     for f in spec.weight_files:
         try:
             with safe_open(str(f), framework="pt") as fh:

@@ -52,14 +52,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
 from .archs import refuse_flag
+from .cpu_packed import pack
 from .decode_rows import decode_batch
+from .linear_rows import rows_linear
 from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
 from .model_config import Args
 from .rope import rope_tables
@@ -130,6 +131,9 @@ def load_stage_state(spec: ModelSpec, config: dict, l0: int, l1: int, first: boo
             f"{spec.path} holds MLX-quantized weights, which the torch backend does "
             "not read; use the mlx backend or a 16-bit checkpoint"
         )
+    from .loader import refuse_quantized
+
+    refuse_quantized(spec, "--pipeline-parallel")
     names: dict[str, Any] = {}
     try:
         for f in spec.weight_files:
@@ -199,6 +203,8 @@ def build_stage(
     model.cos, model.sin = rope_tables(la, device)
     model.to(device)
     finish_load(model, dtype)
+    if device.type == "cpu":  # the single-process model's oneDNN-packed matrices: its speed and its bits
+        pack(model)
     return model
 
 
@@ -307,7 +313,7 @@ def pipeline_model_class(base: type) -> type:
         def _head(self, x: torch.Tensor) -> torch.Tensor:
             m = self.module
             w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
-            return F.linear(m.norm(x), w)
+            return rows_linear(m.norm(x), w)  # as Transformer.forward: the same kernels, the same bits
 
         @torch.inference_mode()
         def forward(self, batch: StepBatch) -> Forward:
