@@ -258,7 +258,7 @@ KERNELS = textwrap.dedent("""
             g = torch.Generator().manual_seed(1)
             got, pos = [], 0
             with torch.inference_mode():
-                for T in (100, 150, 64):
+                for T in (100, 80, 40):  # codes end inside a 64-row block each time
                     q, k, v = (torch.randn(h, T, 64, generator=g) for h in (4, 2, 2))
                     got.append(c.update_attend(0, pos, q, k, v))
                     pos += T
