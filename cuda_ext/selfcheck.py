@@ -64,6 +64,9 @@ def check_all(
 
     # affine kv_bits decode attention (4 and 8 bits) and the row encoder (an inexact code counts as 1.0)
     errs["affine_decode_attention"] = affine_selfcheck(device, dtype, seed)
+    from .code_rows import selfcheck as code_rows_selfcheck
+
+    errs["code_rows"] = code_rows_selfcheck(device, dtype, seed)  # compressed rows -> 16-bit rows (prompt chunks)
     from .gemv import linear_small_m, linear_small_m_ref
 
     x, w = rnd(1, 3 * N), rnd(I, 3 * N) * 0.05  # odd N and K: masked tails

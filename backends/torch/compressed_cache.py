@@ -9,7 +9,8 @@ Layout per compressed layer (positions are absolute; nothing is renumbered):
   compressed), in a buffer of ``dense_capacity`` rows.
 
 A step writes its new rows to the dense part, attends (queries see the compressed rows through
-their codes, one block at a time, and the dense rows exactly), and then, once the sequence holds
+their codes, one block at a time, and the dense rows exactly; a prompt chunk decodes the codes once
+and attends through one fused call, ``prompt_attention.py``), and then, once the sequence holds
 more than ``threshold`` positions and the dense part reaches ``window + COMPRESS_BLOCK`` rows,
 compresses all but the last ``window`` dense rows.  Rolling back to an earlier position (speculative
 decoding, recompute after preemption) just lowers the counters.  TurboQuant attention rotates the
@@ -35,6 +36,7 @@ from . import cpu_kernels
 from .code_pages import PagedCodes
 from .compressed_graph import GraphSteps
 from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
+from .prompt_attention import PROMPT_ROWS, prompt_attention
 
 log = logging.getLogger(__name__)
 
@@ -327,9 +329,11 @@ class CompressedCache(PagedCodes, GraphSteps):
         H, T, D = q.shape
         KVH, rep = a.kv_heads, H // a.kv_heads
         scale = D**-0.5
-        qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
         if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self._affine_kernel()):
             return self._attend_triton(L, q, scale)
+        if T >= PROMPT_ROWS:  # a prompt chunk: the codes decoded once, one fused attention call
+            return prompt_attention(self, L, q, start)
+        qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
         L = self._code_view(L)
 
         def blocks() -> Iterator[tuple]:
@@ -354,86 +358,6 @@ class CompressedCache(PagedCodes, GraphSteps):
             out = out + acc[1] @ self.vc.R  # the rotated-domain sum, rotated back once
         out = out / l
         return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
-
-    def _affine_kernel(self) -> bool:
-        from .affine_decode import kernel_ok  # affine caches: cuda_ext/affine_kv_kernels.py
-
-        return self.fmt.kind == "affine" and kernel_ok(self)
-
-    def _attend_triton(self, L: _Layer, q: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.fmt.kind == "affine":
-            from .affine_decode import attend_row
-
-            return attend_row(self, L, q[:, 0], *self._dense(L))
-        n = L.n_code
-        dk, dv = self._dense(L)
-        if self.paged:  # the pool's tensors, read through the page table
-            return self._kernel_row(L, q[:, 0], (L.kp, L.kn, L.vp, L.vn, L.ks), None, dk, dv, None, self._pages_arg(n))
-        views = (
-            [p[:, :n] for p in L.kp],
-            L.kn[:, :n],
-            [p[:, :n] for p in L.vp],
-            L.vn[:, :n],
-            L.ks[:, :n] if L.ks is not None else None,
-        )
-        return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
-
-    def rotations(self, scale: float) -> tuple:
-        """(R^T, S^T or None) with the softmax scale folded in, fp32, for ``rotate_rows`` (made once)."""
-        if self._rot is None:
-            self._rot = (
-                (self.kc.R.T * scale).float().contiguous(),
-                (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None,
-            )
-        return self._rot
-
-    def _kernel_row(
-        self,
-        L: _Layer,
-        q: torch.Tensor,
-        views: tuple,
-        n_rows: torch.Tensor | None,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        valid: torch.Tensor | None,
-        pages: tuple | None = None,
-    ) -> torch.Tensor:
-        """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
-        planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
-        (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
-        from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
-
-        a = self.a
-        H, D = q.shape
-        rep = H // a.kv_heads
-        scale = D**-0.5
-        kp, kn, vp, vn, ks = views
-        rt, st = self.rotations(scale)
-        qjl = (rotate_rows(q, st), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
-        # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
-        out = tq_decode_attention_full(
-            q,
-            rotate_rows(q, rt),
-            kp,
-            kn,
-            self.kc.centroids,
-            self.kc.mse_bits,
-            vp,
-            vn,
-            self.vc.centroids,
-            self.vc.bits,
-            self.vc.R,
-            dk,
-            dv,
-            scale,
-            rep=rep,
-            qjl=qjl,
-            n_rows=n_rows,
-            valid=valid,
-            f16=q.dtype in (torch.float16, torch.bfloat16),
-            pages=pages,
-        )
-        return out.reshape(1, H * D)
 
     def truncate(self, L: _Layer, start: int) -> None:
         held = L.n_code + L.n_dense

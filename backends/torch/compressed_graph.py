@@ -1,6 +1,6 @@
-"""The CUDA-graph side of a static ``CompressedCache``: decode-row attention with every shape fixed, the host
-bookkeeping after a replayed step, and the block compression a graph replays (``graphs.GraphDecoder.run_turbo``,
-``run_compressed_batch``)."""
+"""The kernel and CUDA-graph side of a ``CompressedCache``: a decode row through the Triton kernels (eager, or with
+every shape fixed for a graph), the host bookkeeping after a replayed step, and the block compression a graph replays
+(``graphs.GraphDecoder.run_turbo``, ``run_compressed_batch``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from swiftlm.turboquant.presets import COMPRESS_BLOCK
 
 class GraphSteps:
     """Mixed into ``compressed_cache.CompressedCache`` (``layers``, ``fmt``, ``static``, ``capacity``, ``window``,
-    ``kc`` / ``vc``, ``device``, the paged-code hooks and ``_kernel_row`` / ``_compress``)."""
+    ``kc`` / ``vc``, ``a``, ``device``, ``_rot``, the paged-code hooks, ``_dense`` and ``_compress``)."""
 
     def attend_static(
         self,
@@ -102,3 +102,83 @@ class GraphSteps:
             rest_k, rest_v = L.dk[:, c : c + n].clone(), L.dv[:, c : c + n].clone()
             L.dk[:, :n] = rest_k
             L.dv[:, :n] = rest_v
+
+    def _attend_triton(self, L: Any, q: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fmt.kind == "affine":
+            from .affine_decode import attend_row
+
+            return attend_row(self, L, q[:, 0], *self._dense(L))
+        n = L.n_code
+        dk, dv = self._dense(L)
+        if self.paged:  # the pool's tensors, read through the page table
+            return self._kernel_row(L, q[:, 0], (L.kp, L.kn, L.vp, L.vn, L.ks), None, dk, dv, None, self._pages_arg(n))
+        views = (
+            [p[:, :n] for p in L.kp],
+            L.kn[:, :n],
+            [p[:, :n] for p in L.vp],
+            L.vn[:, :n],
+            L.ks[:, :n] if L.ks is not None else None,
+        )
+        return self._kernel_row(L, q[:, 0], views, None, dk, dv, None)
+
+    def rotations(self, scale: float) -> tuple:
+        """(R^T, S^T or None) with the softmax scale folded in, fp32, for ``rotate_rows`` (made once)."""
+        if self._rot is None:
+            self._rot = (
+                (self.kc.R.T * scale).float().contiguous(),
+                (self.kc.S.T * scale).float().contiguous() if self.kc.qjl else None,
+            )
+        return self._rot
+
+    def _kernel_row(
+        self,
+        L: Any,
+        q: torch.Tensor,
+        views: tuple,
+        n_rows: torch.Tensor | None,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        valid: torch.Tensor | None,
+        pages: tuple | None = None,
+    ) -> torch.Tensor:
+        """One decode row (q [H, D]): the compressed rows through the Triton kernel (``views`` of the
+        planes/norms/signs; ``n_rows`` on the device for graphs), merged with the 16-bit rows ``dk``/``dv``
+        (``valid`` masks buffer rows) in the original domain; the code part is rotated back once."""
+        from swiftlm.cuda_ext.turboquant_kernels import rotate_rows, tq_decode_attention_full
+
+        a = self.a
+        H, D = q.shape
+        rep = H // a.kv_heads
+        scale = D**-0.5
+        kp, kn, vp, vn, ks = views
+        rt, st = self.rotations(scale)
+        qjl = (rotate_rows(q, st), ks, L.kr, self.kc.qjl_scale) if self.kc.qjl else None
+        # 16-bit models: fp16 operands in the code dots (fp32 accumulation); fp32 models: fp32 throughout
+        out = tq_decode_attention_full(
+            q,
+            rotate_rows(q, rt),
+            kp,
+            kn,
+            self.kc.centroids,
+            self.kc.mse_bits,
+            vp,
+            vn,
+            self.vc.centroids,
+            self.vc.bits,
+            self.vc.R,
+            dk,
+            dv,
+            scale,
+            rep=rep,
+            qjl=qjl,
+            n_rows=n_rows,
+            valid=valid,
+            f16=q.dtype in (torch.float16, torch.bfloat16),
+            pages=pages,
+        )
+        return out.reshape(1, H * D)
+
+    def _affine_kernel(self) -> bool:
+        from .affine_decode import kernel_ok  # affine caches: cuda_ext/affine_kv_kernels.py
+
+        return self.fmt.kind == "affine" and kernel_ok(self)

@@ -11,6 +11,7 @@ numba, or with ``SWIFTLM_NUMBA=0``, the torch path (``compressed_cache._code_blo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import numpy as np
@@ -45,6 +46,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# numba's thread pool runs on its "workqueue" layer unless the user chose one (NUMBA_THREADING_LAYER).  Its
+# default, the OpenMP layer, is the libgomp that torch's CPU ops run on: starting it (the first compressed decode
+# step) sets the process's OpenMP thread count to numba's, every core, so every later torch op of the engine thread
+# would run on that many threads whatever OMP_NUM_THREADS says, and wake numba's spinning pool thread; on a few
+# shared cores that slows the prompts and decode steps of a compressed-KV server several times over.  The kernels'
+# tasks, their split (``splits``: numba's thread count) and their merge are the same on every layer.
+if nb is not None and not os.environ.get("NUMBA_THREADING_LAYER"):
+    nb.config.THREADING_LAYER = "workqueue"
 
 
 # ---------------------------------------------------------------------------------------- glue

@@ -5,7 +5,10 @@ Every request is streamed (``stream: true``, ``stream_options: {"include_usage":
 ``--concurrency N`` workers (each sends its next request when the previous one finishes) or at ``--request-rate
 R`` requests/s with Poisson arrivals (exponential gaps, seeded; ``--concurrency`` then caps the requests in
 flight).  ``--workers K`` runs K processes, each with a share of the concurrency (or the rate) and of the
-requests; their records are merged before the statistics are taken.
+requests; their records are merged before the statistics are taken.  ``--prompt-tokens 8000,32000,131072`` runs
+the whole benchmark once per prompt length and reports TTFT and inter-token latency per length (``lengths.py``);
+``--prompt-ids`` sends random prompts as token ids so that the server sees exactly that many tokens.  The HTTP
+client and the worker processes live in ``client.py``.
 
 How each number is measured (times from ``time.perf_counter``; a request's clock starts just before its
 HTTP request is written):
@@ -39,7 +42,8 @@ HTTP request is written):
 total_prompt_tokens, mean_stream_tok_s, ttft_ms, itl_ms, tpot_ms, e2e_ms`` (each ``*_ms`` a dict ``mean, p50,
 p90, p99, min, max, n``) and ``errors`` (error text -> count); each request record: ``index, ok, error,
 send_s, ttft_ms, e2e_ms, output_tokens, prompt_tokens, usage_reported, content_chunks, max_tokens, chunk_ms``
-(content-chunk arrival times from the send, ms), ``tpot_ms, stream_tok_s``.
+(content-chunk arrival times from the send, ms), ``tpot_ms, stream_tok_s``.  With several prompt lengths,
+``--json`` and ``--results NAME`` write the per-length document of ``lengths.py``.
 """
 
 from __future__ import annotations
@@ -52,13 +56,21 @@ import os
 import platform
 import random
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..errors import SwiftLMError
+from .client import (  # noqa: F401  (some re-exported: tests take them from here)
+    ClientConfig,
+    Workload,
+    discover_model,
+    normalize_base_url,
+    run_requests,
+    run_workers,
+)
+from .lengths import document, parse_lengths, print_lengths, results_path, single_length, summary_row, write_json
 from .metrics import (  # noqa: F401  (some re-exported: tests take them from here)
     PERCENTILES,
     RequestRecord,
@@ -76,15 +88,6 @@ from .metrics import (  # noqa: F401  (some re-exported: tests take them from he
     summarize,
     tpot,
 )
-
-
-@dataclass
-class Workload:
-    """One request's body parts: ``payload`` is {"messages": [...]} or {"prompt": "..."}."""
-
-    index: int
-    payload: dict[str, Any]
-    max_tokens: int
 
 
 def load_tokenizer(spec: str | None) -> Any:
@@ -111,8 +114,11 @@ def load_tokenizer(spec: str | None) -> Any:
     return load_hf_tokenizer(p, {"eos_token_id": sorted(set(eos))} if eos else None)
 
 
-def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[Workload]:
-    """The measured requests plus ``args.warmup`` warmup requests in front (indices -K..-1), seeded."""
+def build_workload(args: argparse.Namespace, tokenizer: Any, prompt_tokens: int | None = None) -> list[Workload]:
+    """The measured requests plus ``args.warmup`` warmup requests in front (indices -K..-1), seeded.  Random
+    prompts are ``prompt_tokens`` long (default: ``args.prompt_tokens``, one length); warmup ones
+    ``args.warmup_prompt_tokens`` when set.  ``args.prompt_ids``: each prompt is sent as token ids
+    (``/v1/completions``), so that the server sees exactly that many tokens."""
     rng = random.Random(args.seed)
     total = args.num_requests + args.warmup
     outs = sample_lengths(rng, args.output_tokens, args.output_tokens_std, total)
@@ -148,293 +154,19 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[Workload]:
         return items
     special = set(getattr(tokenizer, "special_ids", set()) or ())
     allowed = [i for i in range(tokenizer.vocab_size) if i not in special]
-    ins = sample_lengths(rng, args.prompt_tokens, args.prompt_tokens_std, total)
+    n = single_length(args.prompt_tokens) if prompt_tokens is None else prompt_tokens
+    ins = sample_lengths(rng, n, args.prompt_tokens_std, total)
+    warm_n = getattr(args, "warmup_prompt_tokens", None)
+    if warm_n:
+        ins[: args.warmup] = [warm_n] * args.warmup
     for i in range(total):
-        text = random_prompt(tokenizer.encode, tokenizer.decode, allowed, ins[i], rng)
-        payload = {"messages": [{"role": "user", "content": text}]} if args.endpoint == "chat" else {"prompt": text}
+        if getattr(args, "prompt_ids", False):  # random ids, not text: no re-tokenization can change the count
+            payload: dict[str, Any] = {"prompt": [rng.choice(allowed) for _ in range(ins[i])]}
+        else:
+            text = random_prompt(tokenizer.encode, tokenizer.decode, allowed, ins[i], rng)
+            payload = {"messages": [{"role": "user", "content": text}]} if args.endpoint == "chat" else {"prompt": text}
         items.append(Workload(i - args.warmup, payload, outs[i]))
     return items
-
-
-@dataclass
-class ClientConfig:
-    base_url: str
-    model: str
-    endpoint: str = "chat"
-    api_key: str | None = None
-    temperature: float = 0.6
-    ignore_eos_field: bool = False
-    eos_bias_ids: list[int] = field(default_factory=list)
-    concurrency: int | None = None
-    request_rate: float | None = None
-    timeout: float = 600.0
-    seed: int = 0
-    extra_body: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
-
-    def body(self, w: Workload) -> dict[str, Any]:
-        b: dict[str, Any] = {
-            "model": self.model,
-            **w.payload,
-            "max_tokens": w.max_tokens,
-            "temperature": self.temperature,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.ignore_eos_field:
-            b["ignore_eos"] = True
-        if self.eos_bias_ids:
-            b["logit_bias"] = {str(i): -100.0 for i in self.eos_bias_ids}  # a float: transformers serve rejects ints
-        b.update(self.extra_body)
-        return b
-
-
-def normalize_base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
-
-
-# =========================================================================== the client
-async def _one(client: Any, cfg: ClientConfig, w: Workload, t0: float) -> RequestRecord:
-    rec = RequestRecord(index=w.index, max_tokens=w.max_tokens)
-    chunks = rec.chunk_times
-    body = cfg.body(w)
-    done_at: float | None = None
-    send = time.perf_counter()
-    rec.send = send - t0
-    try:
-        async with client.stream("POST", cfg.path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                rec.error = f"HTTP {resp.status_code}: {text[:300]}"
-            else:
-                buf = b""
-                async for data in resp.aiter_bytes():
-                    now = time.perf_counter() - send
-                    buf += data
-                    if b"\n" not in data or done_at is not None:
-                        continue  # after [DONE] the rest is read (keeps the connection reusable), not parsed
-                    lines = buf.split(b"\n")
-                    buf = lines.pop()
-                    for line in lines:
-                        kind, obj = parse_sse_line(line.rstrip(b"\r"))
-                        if kind == "data":
-                            if not _take(rec, obj, now):
-                                break
-                        elif kind == "done":
-                            done_at = now
-                            break
-                    if rec.error:
-                        break
-                if buf and not rec.error and done_at is None:
-                    kind, obj = parse_sse_line(buf.rstrip(b"\r"))
-                    if kind == "data":
-                        _take(rec, obj, time.perf_counter() - send)
-    except Exception as exc:  # connect / read errors, bad JSON: this request fails, the run goes on
-        rec.error = f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
-    rec.e2e = time.perf_counter() - send if done_at is None else done_at
-    if rec.error is None and not chunks:
-        rec.error = "the stream carried no content"
-    rec.ok = rec.error is None
-    if chunks:
-        rec.ttft = chunks[0]
-    if not rec.usage_reported:
-        rec.output_tokens = len(chunks)
-    return rec
-
-
-def _take(rec: RequestRecord, obj: Any, now: float) -> bool:
-    """Account one parsed chunk; False when it is an error."""
-    if not isinstance(obj, dict):
-        return True
-    if obj.get("error") or obj.get("object") == "error":
-        err = obj.get("error") or obj
-        rec.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))[:300]
-        return False
-    if chunk_content(obj):
-        rec.chunk_times.append(now)
-    u = obj.get("usage")
-    if u and u.get("completion_tokens") is not None:
-        rec.usage_reported = True
-        rec.output_tokens = int(u["completion_tokens"])
-        if u.get("prompt_tokens") is not None:
-            rec.prompt_tokens = int(u["prompt_tokens"])
-    return True
-
-
-def _client(cfg: ClientConfig, pool: int) -> Any:
-    try:
-        import httpx
-    except ImportError:
-        raise SwiftLMError("swiftlm bench serve needs httpx: pip install httpx") from None
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    return httpx.AsyncClient(
-        base_url=cfg.base_url,
-        headers=headers,
-        limits=limits,
-        http2=False,
-        timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0)),
-    )
-
-
-async def run_requests(
-    cfg: ClientConfig,
-    work: Sequence[Workload],
-    on_done: Callable[[RequestRecord], None] | None = None,
-    gate: Callable[[], None] | None = None,
-) -> tuple[float, list[RequestRecord]]:
-    """Send ``work`` (concurrency or Poisson rate from ``cfg``); returns (wall-clock start, records).  ``gate``:
-    called (blocking) once the client is ready, just before the first request: the start line of --workers."""
-    conc = cfg.concurrency
-    pool = conc if conc else max(1, len(work))
-    records: list[RequestRecord] = []
-
-    def done(r: RequestRecord) -> None:
-        records.append(r)
-        if on_done is not None:
-            on_done(r)
-
-    async with _client(cfg, pool) as client:
-        try:  # httpx/anyio import their network backend on the first request (~150 ms): not in anyone's TTFT
-            await client.get("/v1/models", timeout=30)
-        except Exception:
-            pass  # an unreachable server fails each request below, with the reason
-        if gate is not None:
-            gate()
-        start_wall, t0 = time.time(), time.perf_counter()
-        if not cfg.request_rate:
-            it = iter(work)
-
-            async def worker() -> None:
-                for w in it:  # each worker takes the next request when its previous one is done
-                    done(await _one(client, cfg, w, t0))
-
-            await asyncio.gather(*(worker() for _ in range(min(conc or 1, len(work)))))
-        else:
-            sem = asyncio.Semaphore(conc) if conc else None
-            arrivals = poisson_arrivals(random.Random(cfg.seed), cfg.request_rate, len(work))
-
-            async def send(w: Workload) -> None:
-                if sem is None:
-                    done(await _one(client, cfg, w, t0))
-                    return
-                async with sem:
-                    done(await _one(client, cfg, w, t0))
-
-            tasks = []
-            for w, at in zip(work, arrivals):
-                delay = t0 + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(send(w)))
-            await asyncio.gather(*tasks)
-    return start_wall, records
-
-
-async def discover_model(base_url: str, api_key: str | None, timeout: float = 30.0) -> str:
-    """The first model id of GET /v1/models."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout) as c:
-            r = await c.get("/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-            if data:
-                return str(data[0]["id"])
-    except Exception as exc:
-        raise SwiftLMError(
-            f"could not list the models of {base_url} ({type(exc).__name__}: {exc}); pass --model"
-        ) from None
-    raise SwiftLMError(f"{base_url}/v1/models lists no model; pass --model")
-
-
-# =========================================================================== worker processes
-def _worker_main(cfg_dict: dict[str, Any], work: list[dict[str, Any]], q: Any, go: Any, delay: float = 0.0) -> None:
-    """A child process of --workers: get ready (imports, client, first connection), say so, wait for ``go``
-    (every worker ready), run its share, report each finished request, then all records.  ``delay``: a slower
-    start-up, for the tests."""
-    time.sleep(delay)
-    cfg = ClientConfig(**cfg_dict)
-    ws = [Workload(**w) for w in work]
-
-    def gate() -> None:
-        q.put(("ready", None))
-        go.wait()
-
-    try:
-        start, recs = asyncio.run(run_requests(cfg, ws, on_done=lambda r: q.put(("done", r.ok)), gate=gate))
-        q.put(("result", (start, [r.to_json() for r in recs])))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put(("fail", f"{type(exc).__name__}: {exc}"))
-
-
-def run_workers(
-    cfg: ClientConfig,
-    work: Sequence[Workload],
-    workers: int,
-    on_done: Callable[[bool], None] | None = None,
-    start_delays: Sequence[float] = (),
-) -> list[RequestRecord]:
-    """Run ``work`` in ``workers`` processes (requests dealt round-robin; concurrency or rate split) and merge.
-    The processes start together: each gets ready (a spawned process takes a few hundred ms to import and
-    connect, differently each time), then all send their first requests at once, so that N concurrent streams
-    are N from the start (measured on an H100 before this: the 64th request of a 64-stream run went out 0.09-0.38 s
-    after the first, and the aggregate swung ~10% between runs of one server).  ``start_delays``: per process, a
-    slower start-up (tests)."""
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    go = ctx.Event()
-    shares = split_share(cfg.concurrency, workers) if cfg.concurrency else [None] * workers
-    procs = []
-    for k in range(workers):
-        part = [asdict(w) for w in work[k::workers]]
-        if not part:
-            continue
-        d = asdict(cfg)
-        d["concurrency"] = shares[k]
-        d["request_rate"] = cfg.request_rate / workers if cfg.request_rate else None
-        d["seed"] = cfg.seed + k
-        delay = start_delays[k] if k < len(start_delays) else 0.0
-        p = ctx.Process(target=_worker_main, args=(d, part, q, go, delay), daemon=True)
-        p.start()
-        procs.append(p)
-    parts: list[tuple[float, list[RequestRecord]]] = []
-    ready = 0
-    try:
-        while len(parts) < len(procs):
-            try:
-                kind, val = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SwiftLMError(f"a benchmark worker process exited with code {dead[0]}") from None
-                continue
-            if kind == "ready":
-                ready += 1
-                if ready == len(procs):
-                    go.set()
-            elif kind == "done":
-                if on_done is not None:
-                    on_done(val)
-            elif kind == "result":
-                parts.append((val[0], [RequestRecord.from_json(r) for r in val[1]]))
-            else:
-                raise SwiftLMError(f"a benchmark worker process failed: {val}")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-    return merge_parts(parts)
 
 
 # =========================================================================== CLI
@@ -458,7 +190,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=None, help="requests per second, Poisson arrivals")
     p.add_argument("--num-requests", type=int, default=64, help="measured requests (default 64)")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured (default 0)")
-    p.add_argument("--prompt-tokens", type=int, default=40, help="random prompt length in tokens (mean)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=parse_lengths,
+        default="40",  # parsed like the flag's value: [40]
+        help="random prompt length in tokens (mean); a comma-separated list (8000,32000,131072) runs the "
+        "benchmark once per length and prints TTFT and inter-token latency per length",
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="store_true",
+        help="send each random prompt as token ids (needs --endpoint completions): the server sees exactly "
+        "--prompt-tokens tokens, where text would be re-tokenized (and a chat template adds its own); a prompt "
+        "longer than 8192 tokens needs the server's --max-json-items raised",
+    )
+    p.add_argument(
+        "--warmup-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt length of the --warmup requests (default: the measured length)",
+    )
     p.add_argument("--prompt-tokens-std", type=float, default=0.0, help="standard deviation of the prompt length")
     p.add_argument("--output-tokens", type=int, default=128, help="max_tokens of each request (mean)")
     p.add_argument("--output-tokens-std", type=float, default=0.0, help="standard deviation of max_tokens")
@@ -500,6 +251,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout in seconds")
     p.add_argument("--workers", type=int, default=1, help="client processes sharing the load (default 1)")
     p.add_argument("--json", default=None, metavar="PATH", help="write config, results and per-request records")
+    p.add_argument(
+        "--results",
+        default=None,
+        metavar="NAME",
+        help="also write the run, per prompt length, to RESULTS_DIR/NAME.json (a stable name for result pages)",
+    )
+    p.add_argument("--results-dir", default="docs/results", help="directory of --results (default docs/results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--label", default=None, help="free text stored in the JSON config (e.g. the server's name)")
 
@@ -514,7 +272,8 @@ def _host() -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> list[int]:
+    """Refuse inconsistent options; the prompt lengths to run."""
     if args.concurrency is None and args.request_rate is None:
         raise SwiftLMError("give --concurrency N or --request-rate R")
     for name in ("concurrency", "num_requests", "workers"):
@@ -523,10 +282,25 @@ def run(args: argparse.Namespace) -> int:
             raise SwiftLMError(f"--{name.replace('_', '-')} must be at least 1")
     if args.request_rate is not None and args.request_rate <= 0:
         raise SwiftLMError("--request-rate must be positive")
-    if args.warmup < 0 or args.prompt_tokens < 1 or args.output_tokens < 1:
+    lengths = parse_lengths(args.prompt_tokens) if not isinstance(args.prompt_tokens, list) else args.prompt_tokens
+    if args.warmup < 0 or min(lengths) < 1 or args.output_tokens < 1 or (args.warmup_prompt_tokens or 1) < 1:
         raise SwiftLMError("--warmup must be >= 0 and --prompt-tokens / --output-tokens >= 1")
     if args.concurrency and args.workers > args.concurrency:
         raise SwiftLMError("--workers cannot exceed --concurrency")
+    if args.dataset and len(lengths) > 1:
+        raise SwiftLMError("several --prompt-tokens lengths need random prompts, not --dataset")
+    if args.prompt_ids and (args.dataset or args.endpoint != "completions"):
+        raise SwiftLMError("--prompt-ids sends random token ids to /v1/completions: use --endpoint completions")
+    if args.results:
+        try:
+            results_path(args.results_dir, args.results)
+        except ValueError as exc:
+            raise SwiftLMError(str(exc)) from None
+    return lengths
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = _check(args)
     extra = {}
     if args.extra_body:
         try:
@@ -547,7 +321,6 @@ def run(args: argparse.Namespace) -> int:
     eos_ids = sorted(int(i) for i in tokenizer.eos_token_ids) if (ban and tokenizer is not None) else []
     if ban and not eos_ids:
         err.print("[yellow]warning:[/] the tokenizer names no EOS token; no logit_bias is sent")
-    work = build_workload(args, tokenizer)
     base = normalize_base_url(args.base_url)
     model = args.model or asyncio.run(discover_model(base, args.api_key))
     cfg = ClientConfig(
@@ -564,18 +337,12 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         extra_body=extra,
     )
-    warm, measured = work[: args.warmup], work[args.warmup :]
-    if warm:
-        wcfg = ClientConfig(
-            **{**asdict(cfg), "request_rate": None, "concurrency": min(args.concurrency or 1, len(warm))}
-        )
-        _, wrecs = asyncio.run(run_requests(wcfg, warm))
-        bad = [r for r in wrecs if not r.ok]
-        if bad:
-            err.print(f"[yellow]warning:[/] {len(bad)} of {len(warm)} warmup requests failed: {bad[0].error}")
-
-    records = _run_measured(cfg, measured, args.workers, progress=not args.no_progress, console=err)
-    results = summarize(records)
+    runs = []
+    for n in lengths:
+        if len(lengths) > 1:
+            err.print(f"[bold]prompt length {n:,} tokens")
+        records = _run_length(args, cfg, build_workload(args, tokenizer, n), err)
+        runs.append((n, summarize(records), records))
     config = {
         "base_url": base,
         "model": model,
@@ -585,9 +352,11 @@ def run(args: argparse.Namespace) -> int:
         "request_rate": args.request_rate,
         "num_requests": args.num_requests,
         "warmup": args.warmup,
+        "warmup_prompt_tokens": args.warmup_prompt_tokens,
         "workers": args.workers,
-        "prompt_tokens": args.prompt_tokens,
+        "prompt_tokens": lengths[0] if len(lengths) == 1 else lengths,
         "prompt_tokens_std": args.prompt_tokens_std,
+        "prompt_ids": args.prompt_ids,
         "output_tokens": args.output_tokens,
         "output_tokens_std": args.output_tokens_std,
         "dataset": args.dataset,
@@ -603,14 +372,32 @@ def run(args: argparse.Namespace) -> int:
         "swiftlm_version": _version(),
         "host": _host(),
     }
-    print_report(config, results)
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps({"config": config, "results": results, "requests": [r.to_json() for r in records]}, indent=1)
+    if len(runs) == 1:
+        print_report(config, runs[0][1])
+    else:
+        print_lengths(config, [summary_row(n, res, recs) for n, res, recs in runs])
+    if args.json:  # one length: the one-run document; several: the per-length one of --results
+        _, res, recs = runs[0]
+        one = {"config": config, "results": res, "requests": [r.to_json() for r in recs]}
+        write_json(args.json, one if len(runs) == 1 else document(config, runs))
+    if args.results:
+        out = write_json(results_path(args.results_dir, args.results), document(config, runs))
+        err.print(f"wrote {out}")
+    return 0 if all(res["requests_ok"] > 0 for _, res, _ in runs) else 1
+
+
+def _run_length(args: argparse.Namespace, cfg: ClientConfig, work: list[Workload], err: Any) -> list[RequestRecord]:
+    """The warmup requests of one prompt length (not measured), then its measured ones."""
+    warm, measured = work[: args.warmup], work[args.warmup :]
+    if warm:
+        wcfg = ClientConfig(
+            **{**asdict(cfg), "request_rate": None, "concurrency": min(args.concurrency or 1, len(warm))}
         )
-    return 0 if results["requests_ok"] > 0 else 1
+        _, wrecs = asyncio.run(run_requests(wcfg, warm))
+        bad = [r for r in wrecs if not r.ok]
+        if bad:
+            err.print(f"[yellow]warning:[/] {len(bad)} of {len(warm)} warmup requests failed: {bad[0].error}")
+    return _run_measured(cfg, measured, args.workers, progress=not args.no_progress, console=err)
 
 
 def _version() -> str:
