@@ -4,6 +4,7 @@ multi-turn chat in the terminal)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -102,6 +103,9 @@ def _generate_test_time(llm: Any, request: Any, params: Any, args: argparse.Name
 def cmd_chat(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    # Ctrl-C stops an answer also where the chat was started with SIGINT ignored (a background job of a script, a
+    # parent process that ignores it): Python then installs no handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = settings_of(args)
     console = Console()
     llm = _load(settings)

@@ -92,30 +92,52 @@ def test_vision_on_a_text_model_is_refused_before_the_server_starts():
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed on this machine")
 def test_chat_ctrl_c_stops_the_answer_not_the_chat_and_reset_says_so():
+    import threading
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    # SIGINT ignored, as a worker process of a test runner or a script's background job starts it: the chat
+    # must still take Ctrl-C
     p = subprocess.Popen(
         [sys.executable, "-m", "swiftlm.cli", "chat", "--backend", "torch", "--max-tokens", "400", "--temp", "0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         cwd=ROOT,
         env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
+    chunks: list[bytes] = []
+    grew = threading.Condition()
+
+    def read_out():
+        while b := os.read(p.stdout.fileno(), 4096):
+            with grew:
+                chunks.append(b)
+                grew.notify_all()
+        with grew:
+            chunks.append(b"")  # end of output
+            grew.notify_all()
+
+    def wait_for(pred, timeout=300):
+        with grew:
+            assert grew.wait_for(lambda: pred(b"".join(chunks)) or (chunks and chunks[-1] == b""), timeout)
+            return pred(b"".join(chunks))
+
+    reader = threading.Thread(target=read_out, daemon=True)
+    reader.start()
     try:
-        banner = p.stdout.readline()
-        while "swiftlm chat" not in banner:
-            assert banner, p.stderr.read()
-            banner = p.stdout.readline()
-        p.stdin.write("Write a very long story about a dragon who learns to cook, in twenty chapters.\n")
+        assert wait_for(lambda o: b"swiftlm chat" in o), p.stderr.read()
+        n0 = len(b"".join(chunks))
+        p.stdin.write(b"Write a very long story about a dragon who learns to cook, in twenty chapters.\n")
         p.stdin.flush()
-        head = p.stdout.read(40)  # the answer is streaming now: its first characters are out
+        assert wait_for(lambda o: len(o) >= n0 + 40)  # the answer is streaming: its first characters are out
         p.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        p.stdin.write("/reset\n\n")
-        p.stdin.flush()
-        out, err = p.communicate(timeout=120)
-        out = head + out
+        assert wait_for(lambda o: b"(stopped" in o, 120)
+        p.stdin.write(b"/reset\n\n")
+        p.stdin.close()
+        p.wait(120)
+        reader.join(30)
+        out, err = b"".join(chunks).decode(), p.stderr.read().decode()
     finally:
         if p.poll() is None:
             p.kill()
