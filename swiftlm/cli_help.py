@@ -47,6 +47,7 @@ FIELD_TOPIC = {
     "turbo_kv_window": "context",
     "turbo_kv_threshold": "context",
     "turbo_kv_keep_layers": "context",
+    "turbo_kv_prompt_memory": "context",
     "kv_block_size": "memory",
     "kv_cache_memory": "memory",
     "prompt_cache_bytes": "memory",

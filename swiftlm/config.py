@@ -147,6 +147,14 @@ class Settings(BaseSettings):
         0, "Positions a sequence holds before its TurboQuant cache starts compressing.", group="engine"
     )
     turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.", group="engine")
+    turbo_kv_prompt_memory: str = _f(
+        "auto",
+        "Memory in which prompts of compressed KV caches (TurboQuant, kv_bits; torch backend) are held in 16 bits "
+        "while they prefill, to be compressed when they end: a prompt chunk then costs what it costs with 16-bit "
+        "KV, and the second token waits for the compression. Prompts past it compress as they go. auto: 4GB on "
+        "CUDA, off on CPUs, where compressing is arithmetic, not per-chunk overhead.",
+        group="engine",
+    )
     max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.", group="engine")
 
     # sampling defaults (a request's own fields override them)
@@ -506,6 +514,13 @@ class Settings(BaseSettings):
     @classmethod
     def _mem_limit_ok(cls, v: str | None) -> str | None:
         if v is not None:
+            parse_bytes(v)
+        return v
+
+    @field_validator("turbo_kv_prompt_memory")
+    @classmethod
+    def _prompt_memory_ok(cls, v: str) -> str:
+        if v not in ("auto", "off", "0"):
             parse_bytes(v)
         return v
 

@@ -98,8 +98,9 @@ def reference_attention(cache: CompressedCache, layer: int, q: torch.Tensor, sta
                 )
             )
             vs.append(cache.vc.decode(Encoded([p[:, :n] for p in L.vp], L.vn[:, :n])))
-    ks.append(L.dk[:, : L.n_dense].float())
-    vs.append(L.dv[:, : L.n_dense].float())
+    dk, dv = cache._dense(L)  # the buffer, or the rows held aside / staged
+    ks.append(dk.float())
+    vs.append(dv.float())
     K, V = torch.cat(ks, 1).float(), torch.cat(vs, 1).float()
     H, T, D = q.shape
     rep = H // a.kv_heads
@@ -277,15 +278,27 @@ def test_smollm2_turbo_batched_equals_solo(turbo_llm):
 
 
 def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
-    """A real prompt through the backend: all but the window (+ < one block) is held as codes and
-    the cache holds fewer bytes than 16-bit rows (quality: scripts/eval_turboquant_quality.py)."""
+    """A real prompt through the backend is held in 16 bits while it prefills (staging); its first decode row
+    compresses all but the window (+ < one block) into codes, and the cache then holds fewer bytes than 16-bit
+    rows (quality: scripts/eval_turboquant_quality.py)."""
+    from swiftlm.backends.torch.compressed_cache import StageBudget
+
     m = turbo_llm.engine.model
-    ids = turbo_llm.tokenizer.encode(PROMPTS[0] * 6)
-    m.kv_formats[901] = parse_turbo("k4v3", window=16)
-    m.logits(901, ids, 0)
-    c = m.caches[901]
+    assert m.stage_budget is None  # --turbo-kv-prompt-memory auto: off on CPUs
+    m.stage_budget = budget = StageBudget()
+    try:
+        ids = turbo_llm.tokenizer.encode(PROMPTS[0] * 6)
+        m.kv_formats[901] = parse_turbo("k4v3", window=16)
+        nxt = int(m.logits(901, ids, 0).argmax())
+        c = m.caches[901]
+        assert c.counts() == (0, len(ids)) and budget.in_use() > 0
+        m.logits(901, [nxt], len(ids))
+    finally:
+        m.stage_budget = None
     n_code, n_dense = c.counts()
-    assert n_code + n_dense == len(ids) and n_code >= len(ids) - 16 - 31 and 16 <= n_dense < 48
+    held = len(ids) + 1
+    assert n_code + n_dense == held and n_code >= held - 16 - 31 and 16 <= n_dense < 48
+    assert budget.in_use() == 0
     stats = m.kv_stats()
     assert stats["bytes"] < stats["fp16_bytes"]
     m.free([901])

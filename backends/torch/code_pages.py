@@ -158,6 +158,7 @@ class PagedCodes:
         idx = self._rows_at(0, L.n_code)
         v = _Layer(True)
         v.n_code, v.n_dense, v.dk, v.dv, v.pending = L.n_code, L.n_dense, L.dk, L.dv, L.pending
+        v.stage, v.staging = L.stage, L.staging
         v.kp = [t.index_select(1, idx) for t in L.kp]
         v.vp = [t.index_select(1, idx) for t in L.vp]
         v.kn, v.vn = L.kn.index_select(1, idx), L.vn.index_select(1, idx)

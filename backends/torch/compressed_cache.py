@@ -25,6 +25,7 @@ step quantizes its row into the codes inside the graph.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,12 +41,17 @@ from .prompt_attention import PROMPT_ROWS, prompt_attention
 
 log = logging.getLogger(__name__)
 
+STAGE_BYTES = 4 << 30  # default: 16-bit bytes that prompts held in staging may take together (``StageBudget``)
+
 DECODE_ROWS = 2048  # compressed rows decoded at a time by the plain-torch attention (per KV head)
 SCORE_BUDGET = 1 << 21  # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
 
 
 class _Layer:
-    __slots__ = ("compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending")
+    __slots__ = (
+        "compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending", "stage",
+        "staging",
+    )  # fmt: skip
 
     def __init__(self, compressed: bool):
         self.compressed = compressed
@@ -56,6 +62,8 @@ class _Layer:
         self.ks = self.kr = None  # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
         self.vb = None  # affine value bias
         self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
+        self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
+        self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
 
 
 def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
@@ -70,6 +78,31 @@ def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
         L.kr.index_copy_(1, idx, k.rnorms)
 
 
+class StageBudget:
+    """The 16-bit memory that prompts of compressed caches may hold while they prefill (staging), shared by one
+    model's caches.  A prompt chunk of a cache with no codes yet keeps its rows in 16 bits and attends them through
+    the 16-bit prompt path; the rows are compressed once, when the prompt ends (``CompressedCache.settle``: its
+    first decode row, or a graph step).  A chunk that would take the budget past ``limit`` bytes compresses the
+    rows held so far and goes on the compressed way (the codes decoded once per chunk, ``prompt_attention``)."""
+
+    def __init__(self, limit: int = STAGE_BYTES):
+        self.limit = int(limit)
+        self.held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> bytes
+
+    def grant(self, cache: Any, nbytes: int) -> bool:
+        others = sum(b for c, b in self.held.items() if c is not cache)
+        if others + nbytes > self.limit:
+            return False
+        self.held[cache] = nbytes
+        return True
+
+    def release(self, cache: Any) -> None:
+        self.held.pop(cache, None)
+
+    def in_use(self) -> int:
+        return sum(self.held.values())
+
+
 class CompressedCache(PagedCodes, GraphSteps):
     """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
 
@@ -82,12 +115,15 @@ class CompressedCache(PagedCodes, GraphSteps):
         dense_dtype: torch.dtype | None = None,
         capacity: int | None = None,
         pages: Any = None,
+        stage: StageBudget | None = None,
     ):
         """``capacity``: a *static* cache (CUDA graphs): codes for ``capacity`` positions and a fixed
         16-bit buffer of window + COMPRESS_BLOCK + threshold rows are allocated once and never move;
         a step's rows that overflow the buffer are held aside until compression makes room.
         ``pages`` (a static TurboQuant cache): a ``code_pages.CodePages`` pool of ``fmt`` whose pages hold the
-        codes instead, taken as they are needed (``page_list``; ``ptab``: the same list on the device)."""
+        codes instead, taken as they are needed (``page_list``; ``ptab``: the same list on the device).
+        ``stage``: the budget under which prompts are held in 16 bits until they end (None: every chunk compresses
+        what left the window as it goes)."""
         self.a, self.fmt, self.dtype, self.device = a, fmt, dtype, device
         self.static = capacity is not None
         self.capacity = capacity
@@ -107,6 +143,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
         self._rot = None  # (R^T * scale, S^T * scale) fp32, made on first use by _kernel_row
         self.use_triton = False
+        self.stage_budget = stage
         self.code_pages = pages if self.static else None
         self.paged = self.code_pages is not None
         self.page_list: list[int] = []  # the pages holding code rows, in position order (paged caches)
@@ -140,6 +177,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         for L in self.layers:
             L.n_code = L.n_dense = 0
             L.pending = None
+        self.drop_stage()
         self.length = 0
         self.release_pages()
 
@@ -217,22 +255,89 @@ class CompressedCache(PagedCodes, GraphSteps):
         rest_k, rest_v = dk[:, c : L.n_dense].clone(), dv[:, c : L.n_dense].clone()
         L.n_code += c
         L.n_dense -= c
-        L.pending = None
-        if self.static:  # in place: the buffer's address is part of a CUDA graph
-            L.dk[:, : L.n_dense] = rest_k
-            L.dv[:, : L.n_dense] = rest_v
+        L.pending = L.stage = None
+        self._place_dense(L, rest_k, rest_v)
+
+    def _place_dense(self, L: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows k, v [KVH, n, D] become the layer's 16-bit rows, at the start of its buffer."""
+        n = k.shape[1]
+        if not self.static:  # a large prefill chunk or a staged prompt grew it: give the memory back
+            cap = self._dense_cap(L, n)
+            if L.dk is None or cap < L.dk.shape[1] or n > L.dk.shape[1]:
+                L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
+                L.dv = torch.zeros_like(L.dk)
+        L.dk[:, :n] = k  # a static buffer in place: its address is part of a CUDA graph
+        L.dv[:, :n] = v
+
+    # ------------------------------------------------------------------ staging (a prompt held in 16 bits)
+    def _stage_ok(self, L: _Layer, start: int, T: int) -> bool:
+        """Hold this prompt chunk's rows in 16 bits (staging) instead of compressing as it goes?"""
+        if self.stage_budget is None or not L.compressed or T < PROMPT_ROWS or L.n_code or L.pending is not None:
+            return False
+        if not L.staging and L.n_dense:  # 16-bit rows from decode steps: this is no prompt from its start
+            return False
+        rows = start + T
+        cap = L.stage[0].shape[1] if L.stage is not None else 0
+        if rows > cap:  # the buffers grow geometrically: what they will hold after this chunk
+            rows = max(rows, min(2 * cap, self.capacity or 2 * cap))
+        return self.stage_budget.grant(self, rows * self._row_bytes())
+
+    def _row_bytes(self) -> int:
+        per = 2 * self.a.kv_heads * self.a.head_dim * torch.empty((), dtype=self.dense_dtype).element_size()
+        return per * sum(L.compressed for L in self.layers)
+
+    def _stage_write(self, L: _Layer, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
+        n, T = L.n_dense, k.shape[1]
+        cap = L.stage[0].shape[1] if L.stage is not None else 0
+        if n + T > cap:
+            new = max(n + T, min(2 * cap, self.capacity or 2 * cap))
+            shape = (self.a.kv_heads, new, self.a.head_dim)
+            sk = torch.empty(shape, dtype=self.dense_dtype, device=self.device)
+            sv = torch.empty(shape, dtype=self.dense_dtype, device=self.device)
+            if n:
+                ok, ov = self._dense(L)
+                sk[:, :n], sv[:, :n] = ok, ov
+            L.stage = (sk, sv)
+        L.stage[0][:, n : n + T] = k
+        L.stage[1][:, n : n + T] = v
+        L.n_dense += T
+        L.staging = True
+        if layer == self.a.layers - 1:
+            self.length = start + T
+        return L
+
+    def _settle_layer(self, L: _Layer) -> None:
+        if not L.staging:
             return
-        cap = self._dense_cap(L, L.n_dense)
-        if cap < L.dk.shape[1]:  # a large prefill chunk had grown it: give the memory back
-            L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
-            L.dv = torch.zeros_like(L.dk)
-        L.dk[:, : L.n_dense] = rest_k
-        L.dv[:, : L.n_dense] = rest_v
+        L.staging = False
+        self._compress(L)  # all but the window into codes, the window into the buffer
+        if L.stage is not None:  # too few rows to compress: they move to the buffer as they are
+            sk, sv = L.stage
+            L.stage = None
+            self._place_dense(L, sk[:, : L.n_dense], sv[:, : L.n_dense])
+
+    def settle(self) -> None:
+        """Compress a prompt held in 16 bits (staging), as the chunks would have done one by one; before the
+        sequence's first decode row, which reads codes plus the window."""
+        if any(L.staging for L in self.layers):
+            for L in self.layers:
+                self._settle_layer(L)
+        if self.stage_budget is not None:
+            self.stage_budget.release(self)
+
+    def drop_stage(self) -> None:
+        """Forget staged rows without compressing them (the sequence ended or the cache is reused)."""
+        for L in self.layers:
+            L.stage, L.staging = None, False
+        if self.stage_budget is not None:
+            self.stage_budget.release(self)
 
     def _dense(self, L: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
         """The 16-bit rows [KVH, n_dense, D] (buffer, or buffer + rows held aside)."""
         if L.pending is not None:
             return L.pending
+        if L.stage is not None:
+            return L.stage[0][:, : L.n_dense], L.stage[1][:, : L.n_dense]
         return L.dk[:, : L.n_dense], L.dv[:, : L.n_dense]
 
     # ------------------------------------------------------------------ attention
@@ -374,6 +479,12 @@ class CompressedCache(PagedCodes, GraphSteps):
         L = self.layers[layer]
         T = k.shape[1]
         self.truncate(L, start)
+        if self._stage_ok(L, start, T):
+            return self._stage_write(L, layer, start, k, v)
+        if L.staging:  # the prompt ended (a decode or verify step), or the budget is spent: compress it now
+            self._settle_layer(L)
+            if layer == self.a.layers - 1 and self.stage_budget is not None:
+                self.stage_budget.release(self)
         if self.static and L.n_dense + T > L.dk.shape[1]:  # hold this step's rows aside (see __init__)
             L.pending = (
                 torch.cat([L.dk[:, : L.n_dense], k.to(self.dense_dtype)], 1),
@@ -396,7 +507,8 @@ class CompressedCache(PagedCodes, GraphSteps):
         to each query's position, compress what left the window.  Returns [T, H*D]."""
         L = self._write(layer, start, k, v)
         out = self._attend(L, q, start)
-        self._compress(L)
+        if not L.staging:
+            self._compress(L)
         if L.pending is not None:
             raise RuntimeError("static TurboQuant cache: 16-bit rows overflow the buffer")
         return out
@@ -411,7 +523,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         out = []
         for L in self.layers:
             codes = () if self.paged else (L.kn, L.vn, L.ks, L.kr, L.vb, *(L.kp or []), *(L.vp or []))
-            for t in (L.dk, L.dv, *codes):
+            for t in (L.dk, L.dv, *(L.stage or ()), *codes):
                 if t is not None:
                     out.append(t)
         return out

@@ -39,6 +39,9 @@ class GraphSteps:
         )
 
     def graphable(self) -> bool:
+        """Can this cache's decode rows replay a CUDA graph?  A prompt held in 16 bits is compressed first
+        (``settle``): every graph path asks this before its first decode row."""
+        self.settle()
         if self.fmt.kind == "affine":
             return self.static and self._affine_kernel()
         return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.config import parse_bytes
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -17,7 +18,7 @@ from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
 
 from . import cpu_kernels
 from .code_pages import CodePages
-from .compressed_cache import CompressedCache
+from .compressed_cache import STAGE_BYTES, CompressedCache, StageBudget
 from .decode_rows import decode_batch
 from .devices import (  # noqa: F401 (re-exported)
     CUDA_DEFAULT_CTX,
@@ -77,6 +78,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
+        self.stage_budget: StageBudget | None = None  # prompts of compressed caches held in 16 bits (load_model)
         self.device, self.dtype = device, dtype
         if device.type == "cpu" and self.kv_default.compressed:  # compile the CPU kernel before the first request
             cpu_kernels.warm_up(module.a, self.kv_default)
@@ -361,6 +363,8 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
                 self.kv_blocks.free(s)
             if self.code_blocks is not None:
                 self.code_blocks.free(s)
+            if isinstance(c, CompressedCache):
+                c.drop_stage()
             if isinstance(c, CompressedCache) and c.static:
                 c.release_pages()  # now, not when the cache is reused
                 self.turbo_free.setdefault(c.fmt, []).append(c)
@@ -501,6 +505,12 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         code_pages=code_pages,
     )
     model.expert_stream = reader
+    stage = getattr(cfg, "turbo_kv_prompt_memory", None) or "auto"
+    if stage == "auto":
+        limit = STAGE_BYTES if device.type == "cuda" else 0
+    else:
+        limit = 0 if stage in ("off", "0") else parse_bytes(stage)
+    model.stage_budget = StageBudget(limit) if limit else None
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
         from .lora import attach

@@ -89,6 +89,7 @@ class SeqCaches:
             dense_dtype=dense,
             capacity=self.info.context_length if static else None,
             pages=pages,
+            stage=self.stage_budget,
         )
         c.use_triton = triton_ok
         if fmt.kind == "turbo":
