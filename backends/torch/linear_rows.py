@@ -16,7 +16,7 @@ from torch import nn
 
 from .cpu_packed import linear as _packed_linear
 from .cpu_packed import packed as _packed
-from .quant_linear import QuantLinear
+from .quant_linear import QuantLinear, QuantParts
 
 
 def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     A CPU weight with a oneDNN-packed copy (``cpu_packed``) is multiplied through that, for any row count
     (fewer than three rows padded to three, as above), unless gradients flow through ``x`` (fine-tuning
     LoRA adapters: the op has no backward)."""
-    if isinstance(w, QuantLinear):
+    if not isinstance(w, torch.Tensor):  # a quantized weight (QuantLinear, QuantParts) applies itself
         return w(x, b)
     n = x.shape[0]
     if x.device.type == "cpu" and x.dim() == 2:
@@ -73,9 +73,9 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     return F.linear(x, w, b)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear | QuantParts, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (cuBLAS at every row count), or a quantized weight's own kernels."""
-    return w(x, b) if isinstance(w, QuantLinear) else F.linear(x, w, b)
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
 def linear_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ Every path is free of host synchronisation and keeps shapes static, so a CUDA gr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +135,12 @@ class QuantLinear:
         x = x.contiguous()
         if self.kind == "int4":
             return int4_linear(x, self.weight, self.scale, self.zeros, self.group)
-        if self.block is None and x.shape[0] > 16 and scaled_mm_ok(x.device):
+        if (
+            self.block is None
+            and x.shape[0] > 16
+            and scaled_mm_ok(x.device)
+            and self.weight.shape[1] % 16 == 0 == self.weight.shape[0] % 16
+        ):
             return fp8_scaled_mm(x, self.weight, self.scale)
         return fp8_linear(x, self.weight, self.scale, self.block)
 
@@ -152,14 +158,24 @@ class QuantProj(nn.Module):
         return self.weight(x, self.bias)
 
 
-def weight_bytes(w: torch.Tensor | QuantLinear | None) -> int:
+def weight_bytes(w: torch.Tensor | QuantLinear | QuantParts | None) -> int:
     if w is None:
         return 0
-    return w.nbytes if isinstance(w, QuantLinear) else w.numel() * w.element_size()
+    return w.numel() * w.element_size() if torch.is_tensor(w) else w.nbytes
+
+
+_SCALED_MM: dict[torch.device, bool] = {}
 
 
 def scaled_mm_ok(device: torch.device) -> bool:
-    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
+    """FP8 tensor-core GEMMs here (Ada, Hopper and newer; ``SWIFTLM_SCALED_MM=0`` keeps the Triton kernel)."""
+    if device not in _SCALED_MM:
+        _SCALED_MM[device] = (
+            hasattr(torch, "_scaled_mm")
+            and os.environ.get("SWIFTLM_SCALED_MM", "1") != "0"
+            and torch.cuda.get_device_capability(device) >= (8, 9)
+        )
+    return _SCALED_MM[device]
 
 
 def fp8_scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,27 +198,61 @@ def quantize_fp8(w: torch.Tensor) -> QuantLinear:
 def cat_rows(parts: list[torch.Tensor | QuantLinear]) -> torch.Tensor | QuantLinear:
     """Weights stacked along their output features (fused QKV, gate/up): ``torch.cat`` of tensors; quantized parts
     of one kind concatenated with their scales (block-scaled FP8 where every part but the last fills whole
-    blocks; int4 with one group size and one column order); any other mix as the dequantised tensor (in the
-    parts' dtype)."""
+    blocks, else with its block scales repeated per row; int4 with one group size and one column order); quantized
+    parts that cannot share a layout as ``QuantParts``; a mix with dense parts as the dequantised tensor."""
     if all(torch.is_tensor(p) for p in parts):
         return torch.cat(parts)
     qs = [p for p in parts if isinstance(p, QuantLinear)]
     first = qs[0]
     same = len(qs) == len(parts) and all(q.kind == first.kind and q.block == first.block for q in qs)
-    if same and first.kind == "fp8":
-        same = first.block is None or all(q.shape[0] % first.block[0] == 0 for q in qs[:-1])
+    if same and first.block is not None and any(q.shape[0] % first.block[0] for q in qs[:-1]):
+        qs = [_row_blocks(q) for q in qs]  # a part ends inside a block: one scale row per weight row
+        first = qs[0]
     if same and first.kind == "int4":
         same = all(q.group == first.group for q in qs) and all(
             (q.perm is None and first.perm is None) or (q.perm is not None and first.perm is not None and
                                                         torch.equal(q.perm, first.perm))
             for q in qs
         )  # fmt: skip
+    if not same and len(qs) == len(parts) and all(q.kind != "dense" for q in qs):
+        return QuantParts(qs)  # e.g. act-order parts, each with its own column order: one kernel call each
     if not same or first.kind == "dense":
         dtype = parts[0].dtype
         return torch.cat([p.dequantized(dtype) if isinstance(p, QuantLinear) else p.to(dtype) for p in parts])
     cat = [torch.cat([getattr(q, f) for q in qs]) for f in ("weight", "scale")]
     zeros = torch.cat([q.zeros for q in qs]) if first.kind == "int4" else None
     return QuantLinear(first.kind, cat[0], cat[1], zeros, first.group, first.block, first.perm, first.dtype)
+
+
+class QuantParts:
+    """Quantized weights applied one after another, their outputs side by side: a fused projection whose parts
+    cannot share one layout (GPTQ act-order parts, each with its own column order)."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        self.parts = parts
+        self.dtype = parts[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([p.dequantized(dtype) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if b is None else y + b
+
+
+def _row_blocks(q: QuantLinear) -> QuantLinear:
+    """Block-scaled FP8 as (1, bw) blocks: each row its own copy of its block's scales (the same weight)."""
+    bh, bw = q.block
+    scale = q.scale.repeat_interleave(bh, 0)[: q.shape[0]].contiguous()
+    return QuantLinear("fp8", q.weight, scale, block=(1, bw), dtype=q.dtype)
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], s: QuantScheme) -> QuantLinear:
