@@ -83,7 +83,10 @@ def test_info_names_format_and_path(quant_root):
     spec = resolve(str(ckpt(quant_root, "gptq-act-order")))
     assert spec.quantization == FORMATS["gptq-act-order"]
     path = TorchBackend().model_path(spec)
-    assert path.startswith("native: int4, group 32, act-order (gptq) weights dequantised at load"), path
+    assert path == (
+        "native: int4, group 32, act-order (gptq) weights kept quantized on CUDA (a Triton kernel dequantising the "
+        "4-bit codes in registers); dequantised to float32 at load on the CPU"
+    ), path
     # parameters count the packed codes, not the int32 words, scales or zero points
     ref = resolve(str(ckpt(quant_root, "gptq-act-order", dequantized=True)))
     assert spec.num_params == ref.num_params
