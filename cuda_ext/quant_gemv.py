@@ -30,7 +30,24 @@ ROW, BLOCK, GROUP = 0, 1, 2  # the kernel's MODE: FP8 per-row scales, FP8 block 
 
 
 @triton.jit
-def _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_K: tl.constexpr, MODE: tl.constexpr, GB: tl.constexpr):
+def _weight_tile(
+    w,
+    s,
+    z,
+    n,
+    nm,
+    k0,
+    N,
+    K,
+    BH,
+    BW,
+    S_N,
+    G,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    GB: tl.constexpr,
+):
     """The weight rows ``n`` x columns [k0, k0 + BLOCK_K) in fp32, dequantised (MODE ROW: unscaled)."""
     k = k0 + tl.arange(0, BLOCK_K)
     km = k < K
@@ -40,14 +57,14 @@ def _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_K: tl.constexpr
         word = tl.load(w + n[:, None] * (K // 8) + j[None, :], mask=nm[:, None] & (j < K // 8)[None, :], other=0)
         shift = tl.arange(0, 8) * 4
         q = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)
-        q = tl.reshape(q, (n.shape[0], BLOCK_K))
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
         if GB > 0:  # groups of GB (a power of two dividing BLOCK_K): one scale and zero per group, broadcast
             g = k0 // GB + tl.arange(0, BLOCK_K // GB)
             gm = nm[:, None] & (g < K // GB)[None, :]
             sc = tl.load(s + n[:, None] * (K // GB) + g[None, :], mask=gm, other=0.0).to(tl.float32)
             zz = tl.load(z + n[:, None] * (K // GB) + g[None, :], mask=gm, other=0.0).to(tl.float32)
-            q3 = tl.reshape(q, (n.shape[0], BLOCK_K // GB, GB))
-            wt = tl.reshape((q3 - zz[:, :, None]) * sc[:, :, None], (n.shape[0], BLOCK_K))
+            q3 = tl.reshape(q, (BLOCK_N, BLOCK_K // GB, GB))
+            wt = tl.reshape((q3 - zz[:, :, None]) * sc[:, :, None], (BLOCK_N, BLOCK_K))
         else:  # any other group width: each column's scale and zero, gathered
             msk = nm[:, None] & km[None, :]
             gi = n[:, None] * (K // G) + (k // G)[None, :]
@@ -90,7 +107,7 @@ def _quant_mm_kernel(
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_K, MODE, GB)
+            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_N, BLOCK_K, MODE, GB)
             xt = tl.load(x + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
             acc += tl.sum(wt * xt[None, :], axis=1)
         if MODE == 0:
@@ -103,7 +120,7 @@ def _quant_mm_kernel(
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
             xt = tl.load(x + m[:, None] * K + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
-            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_K, MODE, GB)
+            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_N, BLOCK_K, MODE, GB)
             acc2 += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
         if MODE == 0:
             acc2 = acc2 * tl.load(s + n, mask=nm, other=0.0)[None, :]
