@@ -1,19 +1,23 @@
-"""``y = x @ dequant(w).T`` for a decode step's few rows (M <= 16), reading quantized weights: FP8 e4m3 with
-per-tensor, per-row or block scales, and 4-bit codes with group-wise scales and zero points.  The weight is
-dequantised in registers and never written back, so a decode step reads 1 (FP8) or ~0.5 (int4) bytes per
-weight instead of 2.  Activations stay in their 16-bit dtype; accumulation in fp32.
+"""``y = x @ dequant(w).T`` reading quantized weights: FP8 e4m3 with per-row or block scales, and 4-bit codes
+with group-wise scales and zero points.  One Triton kernel serves both formats and every row count: the weight
+tile is dequantised in registers and never written back, so a decode step reads 1 (FP8) or ~0.5 (int4) bytes
+per weight instead of 2.  Activations stay in their 16-bit dtype; accumulation in fp32.
+
+- one row (bs1 decode): each program owns ``BLOCK_N`` output features and walks K with a multiply-and-sum
+  (a matrix-vector product: all its time is reading the weight);
+- more rows: ``BLOCK_M`` x ``BLOCK_N`` tiles through ``tl.dot`` on the dequantised (16-bit) weight tile; the
+  same kernel is the int4 / block-FP8 GEMM of a batched decode step or a prompt chunk.
 
 Layouts (backends/torch/quant_linear.py converts each checkpoint layout to these once, at load):
 
-- FP8: ``w8 [N, K]`` float8_e4m3fn (passed as uint8), scale ``s`` read at ``[n // BH, k // BW]`` with strides
-  (per tensor: BH = N, BW = K; per row: BH = 1, BW = K; 128x128 blocks: BH = BW = 128).
-- int4: ``qw [N, K/8]`` int32, input column 8j+i of row n at bits 4i of word j (GPTQ's order, transposed;
-  compressed-tensors' pack-quantized as stored); ``scales`` and ``zeros`` ``[N, K/G]`` in the codes' domain
-  (``w = (q - z) * s``).  Act-order checkpoints are permuted at load so that groups are contiguous; the
-  caller gathers x's columns in the same order.
+- FP8: ``w8 [N, K]`` float8_e4m3fn (read as uint8).  Per-row scales ``[N]`` (a per-tensor scale is expanded
+  to rows at load) multiply the fp32 accumulator once per output; block scales ``[ceil(N/BH), ceil(K/BW)]``
+  multiply each weight.
+- int4: ``qw [N, K/8]`` int32, input column 8j+i of row n at bits 4i of word j; ``scales`` and ``zeros``
+  ``[N, K/G]`` in the codes' domain (``w = (q - z) * s``).  Act-order checkpoints are permuted at load so
+  that groups are contiguous; the caller gathers x's columns in the same order.
 
-``fp8_linear_small_m_ref`` / ``int4_linear_small_m_ref`` are the torch references (dequantise, then matmul in
-fp32).
+``fp8_linear_ref`` / ``int4_linear_ref`` are the torch references (dequantise in fp32, matmul in fp32).
 """
 
 from __future__ import annotations
@@ -22,12 +26,67 @@ import torch
 import triton
 import triton.language as tl
 
+ROW, BLOCK, GROUP = 0, 1, 2  # the kernel's MODE: FP8 per-row scales, FP8 block scales, int4 group scales
+
 
 @triton.jit
-def _fp8_gemv_kernel(
+def _weight_tile(
+    w,
+    s,
+    z,
+    n,
+    nm,
+    k0,
+    N,
+    K,
+    BH,
+    BW,
+    S_N,
+    G,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    GB: tl.constexpr,
+):
+    """The weight rows ``n`` x columns [k0, k0 + BLOCK_K) in fp32, dequantised (MODE ROW: unscaled)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    km = k < K
+    if MODE == 2:
+        # eight codes per int32 word: load BLOCK_K / 8 words per row and spread them to [BLOCK_N, BLOCK_K]
+        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        word = tl.load(w + n[:, None] * (K // 8) + j[None, :], mask=nm[:, None] & (j < K // 8)[None, :], other=0)
+        shift = tl.arange(0, 8) * 4
+        q = ((word[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+        if GB > 0:  # groups of GB (a power of two dividing BLOCK_K): one scale and zero per group, broadcast
+            g = k0 // GB + tl.arange(0, BLOCK_K // GB)
+            gm = nm[:, None] & (g < K // GB)[None, :]
+            sc = tl.load(s + n[:, None] * (K // GB) + g[None, :], mask=gm, other=0.0).to(tl.float32)
+            zz = tl.load(z + n[:, None] * (K // GB) + g[None, :], mask=gm, other=0.0).to(tl.float32)
+            q3 = tl.reshape(q, (BLOCK_N, BLOCK_K // GB, GB))
+            wt = tl.reshape((q3 - zz[:, :, None]) * sc[:, :, None], (BLOCK_N, BLOCK_K))
+        else:  # any other group width: each column's scale and zero, gathered
+            msk = nm[:, None] & km[None, :]
+            gi = n[:, None] * (K // G) + (k // G)[None, :]
+            sc = tl.load(s + gi, mask=msk, other=0.0).to(tl.float32)
+            zz = tl.load(z + gi, mask=msk, other=0.0).to(tl.float32)
+            wt = (q - zz) * sc
+    else:
+        msk = nm[:, None] & km[None, :]
+        b = tl.load(w + n[:, None] * K + k[None, :], mask=msk, other=0)
+        wt = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if MODE == 1:
+            sc = tl.load(s + (n // BH)[:, None] * S_N + (k // BW)[None, :], mask=msk, other=0.0)
+            wt = wt * sc
+    return wt
+
+
+@triton.jit
+def _quant_mm_kernel(
     x,
     w,
     s,
+    z,
     y,
     M,
     N,
@@ -35,128 +94,132 @@ def _fp8_gemv_kernel(
     BH,
     BW,
     S_N,
-    S_K,
-    M_BLK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    kk = tl.arange(0, BLOCK_K)
-    m = tl.arange(0, M_BLK)
-    mm = m < M
-    acc = tl.zeros((M_BLK, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        km = k < K
-        msk = nm[:, None] & km[None, :]
-        b = tl.load(w + n[:, None] * K + k[None, :], mask=msk, other=0)
-        sc = tl.load(s + (n // BH)[:, None] * S_N + (k // BW)[None, :] * S_K, mask=msk, other=0.0)
-        wt = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc.to(tl.float32)
-        xt = tl.load(x + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
-    tl.store(y + m[:, None] * N + n[None, :], acc.to(y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
-
-
-@triton.jit
-def _int4_gemv_kernel(
-    x,
-    qw,
-    s,
-    z,
-    y,
-    M,
-    N,
-    K,
     G,
-    M_BLK: tl.constexpr,
+    MODE: tl.constexpr,
+    GB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     kk = tl.arange(0, BLOCK_K)
-    m = tl.arange(0, M_BLK)
-    mm = m < M
-    K8 = K // 8
-    NG = K // G
-    acc = tl.zeros((M_BLK, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        km = k < K
-        msk = nm[:, None] & km[None, :]
-        word = tl.load(qw + n[:, None] * K8 + (k // 8)[None, :], mask=msk, other=0)
-        q = (word >> ((k % 8) * 4)[None, :]) & 0xF
-        g = (k // G)[None, :]
-        sc = tl.load(s + n[:, None] * NG + g, mask=msk, other=0.0).to(tl.float32)
-        zz = tl.load(z + n[:, None] * NG + g, mask=msk, other=0.0).to(tl.float32)
-        wt = (q.to(tl.float32) - zz) * sc
-        xt = tl.load(x + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
-    tl.store(y + m[:, None] * N + n[None, :], acc.to(y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
-
-
-def _m_blk(M: int) -> int:
-    assert 1 <= M <= 16, M
-    return triton.next_power_of_2(M)
-
-
-def fp8_linear_small_m(
-    x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ (w8 [N, K] * scale).T.  ``scale``: one number, ``[N]`` / ``[N, 1]`` per row, or
-    ``[ceil(N/bh), ceil(K/bw)]`` for ``block`` (bh, bw)."""
-    M, K = x.shape
-    N = w8.shape[0]
-    assert w8.shape[1] == K and x.is_contiguous() and w8.is_contiguous()
-    s = scale.float().contiguous()
-    if block is not None:
-        bh, bw, s_n, s_k = block[0], block[1], s.shape[1], 1
-    elif s.numel() == 1:
-        bh, bw, s_n, s_k = N, K, 0, 0
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_N, BLOCK_K, MODE, GB)
+            xt = tl.load(x + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+            acc += tl.sum(wt * xt[None, :], axis=1)
+        if MODE == 0:
+            acc = acc * tl.load(s + n, mask=nm, other=0.0)
+        tl.store(y + n, acc.to(y.dtype.element_ty), mask=nm)
     else:
-        bh, bw, s_n, s_k = 1, K, 1, 0
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = m < M
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            xt = tl.load(x + m[:, None] * K + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
+            wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_N, BLOCK_K, MODE, GB)
+            acc2 += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
+        if MODE == 0:
+            acc2 = acc2 * tl.load(s + n, mask=nm, other=0.0)[None, :]
+        tl.store(y + m[:, None] * N + n[None, :], acc2.to(y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def _tiles(M: int, K: int, g: int = 0) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps).  One row: 8 output features a program, up to 1024 columns a step
+    (cuda_ext/gemv.py's sweep found 4 x 2048 best for 16-bit weights, the same bytes a step as 8 x 1024 of
+    FP8 / 8 x 2048 of int4); a few rows: 16 x 32 tiles; a prompt chunk or a large batch: 64 x 64."""
+    if M == 1:
+        return 1, 8, max(min(1024, triton.next_power_of_2(K)), g), 4
+    if M <= 16:
+        return 16, 32, max(128, g), 4
+    return 64, 64, max(64, g), 4
+
+
+def _launch(x, w, s, z, N, K, mode, bh=1, bw=1, s_n=0, group=0, tiles=None) -> torch.Tensor:
+    M = x.shape[0]
+    gb = group if mode == GROUP and group & (group - 1) == 0 and group <= 128 else 0
+    block_m, block_n, block_k, warps = tiles or _tiles(M, K, gb)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_n, block_k = (4, 512) if M == 1 else (16, 128)
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, w8.view(torch.uint8), s, y, M, N, K, bh, bw, s_n, s_k, M_BLK=_m_blk(M), BLOCK_N=block_n, BLOCK_K=block_k
-    )
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _quant_mm_kernel[grid](
+        x, w, s, z, y, M, N, K, bh, bw, s_n, max(group, 1),
+        MODE=mode, GB=gb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
     return y
 
 
-def int4_linear_small_m(
-    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+def fp8_linear(
+    x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None, tiles=None
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ dequant(qw [N, K/8], scales, zeros [N, K/group]).T."""
+    """x [M, K] @ (w8 [N, K] * scale).T.  ``scale``: float32, ``[N]`` per row (or one number), or
+    ``[ceil(N/bh), ceil(K/bw)]`` for ``block`` (bh, bw)."""
+    M, K = x.shape
+    N = w8.shape[0]
+    assert w8.shape[1] == K and x.is_contiguous() and w8.is_contiguous() and scale.dtype == torch.float32
+    if block is not None:
+        s = scale.contiguous()
+        return _launch(x, w8.view(torch.uint8), s, s, N, K, BLOCK, block[0], block[1], s.shape[1], tiles=tiles)
+    s = scale.reshape(-1)
+    s = s.expand(N).contiguous() if s.numel() == 1 else s
+    return _launch(x, w8.view(torch.uint8), s, s, N, K, ROW, tiles=tiles)
+
+
+def int4_linear(
+    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, tiles=None
+) -> torch.Tensor:
+    """x [M, K] @ dequant(qw [N, K/8], scales, zeros [N, K/group]).T."""
     M, K = x.shape
     N = qw.shape[0]
     assert qw.shape[1] * 8 == K and K % group == 0 and group % 8 == 0
     assert x.is_contiguous() and qw.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_n, block_k = (4, 512) if M == 1 else (16, 128)
-    _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, qw, scales, zeros, y, M, N, K, group, M_BLK=_m_blk(M), BLOCK_N=block_n, BLOCK_K=block_k
-    )
-    return y
+    return _launch(x, qw, scales, zeros, N, K, GROUP, group=group, tiles=tiles)
 
 
 def fp8_dequant_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
-    from swiftlm.backends.torch.quant_unpack import fp8_weight
-
-    return fp8_weight(w8, scale, block)
+    w = w8.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is None:
+        return w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+    bh, bw = block
+    return w * s.repeat_interleave(bh, 0)[: w.shape[0]].repeat_interleave(bw, 1)[:, : w.shape[1]]
 
 
 def int4_dequant_ref(qw: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-    from swiftlm.backends.torch.quant_unpack import unpack_last
-
-    q = unpack_last(qw, 4).float()  # [N, K]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qw.device)
+    q = ((qw.unsqueeze(-1) >> shifts) & 0xF).reshape(qw.shape[0], -1).float()  # [N, K]
     g = torch.arange(q.shape[1], device=q.device) // group
     return (q - zeros.float()[:, g]) * scales.float()[:, g]
 
 
-def fp8_linear_small_m_ref(x, w8, scale, block=None) -> torch.Tensor:
+def fp8_linear_ref(x, w8, scale, block=None) -> torch.Tensor:
     return (x.float() @ fp8_dequant_ref(w8, scale, block).T).to(x.dtype)
 
 
-def int4_linear_small_m_ref(x, qw, scales, zeros, group) -> torch.Tensor:
+def int4_linear_ref(x, qw, scales, zeros, group) -> torch.Tensor:
     return (x.float() @ int4_dequant_ref(qw, scales, zeros, group).T).to(x.dtype)
+
+
+def selfcheck(device: str, dtype: torch.dtype, seed: int = 0) -> float:
+    """Largest relative error of the kernel against its reference: FP8 (per-row and block scales) and int4, at
+    1, 3 and 40 rows, odd N (masked tails)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    N, K, G = 200, 256, 64
+    w8 = (torch.randn(N, K, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    srow = (torch.rand(N, generator=g) * 0.01).to(device)
+    sblk = (torch.rand(2, 2, generator=g) * 0.01).to(device)
+    qw = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), generator=g, dtype=torch.int64).to(torch.int32).to(device)
+    s4 = (torch.rand(N, K // G, generator=g) * 0.01).to(device=device, dtype=dtype)
+    z4 = torch.randint(0, 16, (N, K // G), generator=g).to(device=device, dtype=dtype)
+    worst = 0.0
+    for M in (1, 3, 40):
+        x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
+        for got, ref in (
+            (fp8_linear(x, w8, srow), fp8_linear_ref(x, w8, srow)),
+            (fp8_linear(x, w8, sblk, (128, 128)), fp8_linear_ref(x, w8, sblk, (128, 128))),
+            (int4_linear(x, qw, s4, z4, G), int4_linear_ref(x, qw, s4, z4, G)),
+        ):
+            worst = max(worst, float((got.float() - ref.float()).norm() / (ref.float().norm() + 1e-12)))
+    return worst

@@ -71,6 +71,9 @@ def check_all(
 
     x, w = rnd(1, 3 * N), rnd(I, 3 * N) * 0.05  # odd N and K: masked tails
     errs["linear_small_m"] = _rel(linear_small_m(x, w), linear_small_m_ref(x, w))
+    from .quant_gemv import selfcheck as quant_selfcheck
+
+    errs["quant_linear"] = quant_selfcheck(device, dtype, seed)  # FP8 (row / block scales) and int4 weights
     from .sample_kernel import draw, draw_ref
 
     # rows whose draw has one right answer (targets far from any CDF boundary): a greedy row, a biased greedy

@@ -348,6 +348,11 @@ class Settings(BaseSettings):
         "Weights and activations of the torch backend on a GPU: auto (bfloat16), "
         "bfloat16, float16 or float32 (on the CPU the backend computes in float32).",
     )
+    quantize: str | None = _f(
+        None,
+        "Quantise a 16-bit checkpoint's layer projections at load (torch backend): fp8 (e4m3, one scale per "
+        "output channel; FP8 kernels on CUDA, the FP8-rounded weights in float32 on the CPU).",
+    )
     device: str | None = _f(
         None,
         "Device of the torch backend: cpu, cuda or cuda:N (default: cuda when available, "
@@ -536,6 +541,13 @@ class Settings(BaseSettings):
     def _torch_dtype_ok(cls, v: str) -> str:
         if v not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError("must be auto, bfloat16, float16 or float32")
+        return v
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantize_ok(cls, v: str | None) -> str | None:
+        if v not in (None, "fp8"):
+            raise ValueError("must be fp8")
         return v
 
     @field_validator("offload_dtype")

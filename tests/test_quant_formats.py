@@ -83,7 +83,10 @@ def test_info_names_format_and_path(quant_root):
     spec = resolve(str(ckpt(quant_root, "gptq-act-order")))
     assert spec.quantization == FORMATS["gptq-act-order"]
     path = TorchBackend().model_path(spec)
-    assert path.startswith("native: int4, group 32, act-order (gptq) weights dequantised at load"), path
+    assert path == (
+        "native: int4, group 32, act-order (gptq) weights kept quantized on CUDA (a Triton kernel dequantising the "
+        "4-bit codes in registers); dequantised to float32 at load on the CPU"
+    ), path
     # parameters count the packed codes, not the int32 words, scales or zero points
     ref = resolve(str(ckpt(quant_root, "gptq-act-order", dequantized=True)))
     assert spec.num_params == ref.num_params
@@ -293,17 +296,19 @@ for path in sys.argv[2:]:
         assert torch.equal(ql.dequantized(), w), (p.name, m)
         x = torch.randn(3, w.shape[1])
         r = x @ w.T
-        ys = [ql(x)]
+        ys = [(ql(x), r)]
         if interpret and ql.kind in ("fp8", "int4"):
-            from swiftlm.cuda_ext.quant_gemv import fp8_linear_small_m, int4_linear_small_m
+            from swiftlm.cuda_ext.quant_gemv import fp8_linear, int4_linear
+            x = torch.randn(20, w.shape[1])
+            r = x @ w.T
             xp = x if ql.perm is None else x[:, ql.perm]
-            for M in (1, 3):
+            for M in (1, 3, 20):  # the one-row GEMV, the few-row and the many-row tiles
                 xm = xp[:M].contiguous()
                 if ql.kind == "fp8":
-                    ys.append(fp8_linear_small_m(xm, ql.weight, ql.scale, ql.block))
+                    ys.append((fp8_linear(xm, ql.weight, ql.scale, ql.block), r))
                 else:
-                    ys.append(int4_linear_small_m(xm, ql.weight, ql.scale, ql.zeros, ql.group))
-        for y in ys:
+                    ys.append((int4_linear(xm, ql.weight, ql.scale, ql.zeros, ql.group), r))
+        for y, r in ys:
             worst = max(worst, float((y - r[: y.shape[0]]).abs().max() / r.abs().max()))
     out[p.name] = [ql.kind, worst]
 print(json.dumps(out))
@@ -344,7 +349,7 @@ def test_quant_linear_layouts_equal_the_dequantised_weights(quant_root):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
 def test_quant_gemv_kernels_interpreted(quant_root):
-    """cuda_ext/quant_gemv.py's FP8 and int4 decode kernels (1 and 3 rows) against the float32 reference,
+    """cuda_ext/quant_gemv.py's FP8 and int4 kernel (1, 3 and 20 rows) against the float32 reference,
     under TRITON_INTERPRET=1: fp32 accumulation of the same products in another order (bound 1e-5 of the
     largest output; observed ~2e-7)."""
     res = _seam(quant_root, interpret=True)

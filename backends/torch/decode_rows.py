@@ -7,23 +7,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_batch_attention
 from .kv_cache import SeqCache
-from .linear_rows import lora_add, out_proj, rows_linear
+from .linear_rows import linear, lora_add, out_proj, rows_linear
 from .model import MLP, Attention, Transformer
 from .offload import from_offload, to_offload
 from .rope import apply_rope
 
 
-def project_qkv(
-    attn: Attention, x: torch.Tensor, linear: Any = F.linear
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(attn: Attention, x: torch.Tensor, mm: Any = linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [n, H, D], k and v [n, KVH, D] for n rows (fused QKV matmul, then q/k norms if any)."""
     a, n = attn.a, x.shape[0]
-    q, k, v = lora_add(attn, x, linear(x, *attn.qkv)).split(attn.splits, dim=-1)
+    q, k, v = lora_add(attn, x, mm(x, *attn.qkv)).split(attn.splits, dim=-1)
     q, k, v = q.view(n, a.heads, a.head_dim), k.view(n, a.kv_heads, a.head_dim), v.view(n, a.kv_heads, a.head_dim)
     if a.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)

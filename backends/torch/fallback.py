@@ -45,7 +45,23 @@ def path_for(spec: ModelSpec) -> str:
         return f"refused: {exc}"
     if scheme is None:
         return path
-    return f"{path}: {scheme.describe()} weights dequantised at load (bfloat16 on a GPU, float32 on the CPU)"
+    return f"{path}: {scheme.describe()} weights {quant_path(scheme, arch)}"
+
+
+def quant_path(scheme: Any, arch: str) -> str:
+    """How the native path runs a quantized checkpoint's weights (``swiftlm info``)."""
+    from .model_config import EXTRA_ARCHS, MOE_ARCHS
+
+    cpu = "dequantised to float32 at load on the CPU"
+    if arch in EXTRA_ARCHS or arch in MOE_ARCHS or arch in ("qwen3_moe", "qwen2_moe", "mixtral") or scheme.bits == 8:
+        return "dequantised at load (bfloat16 on a GPU, float32 on the CPU)"
+    if scheme.kind == "fp8" and scheme.block is None:
+        how = "FP8 tensor-core GEMMs (torch._scaled_mm) for batches, a Triton FP8 GEMV for up to 16 rows"
+    elif scheme.kind == "fp8":
+        how = "a Triton kernel dequantising the FP8 blocks in registers"
+    else:
+        how = "a Triton kernel dequantising the 4-bit codes in registers"
+    return f"kept quantized on CUDA ({how}); {cpu}"
 
 
 class TransformersFallback(MultimodalModel):

@@ -27,6 +27,7 @@ from .fused_decode import (
 )
 from .kv_cache import SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
+from .linear_rows import linear
 from .model import MLP, Transformer
 from .rope import apply_rope
 from .staging import stager
@@ -49,7 +50,7 @@ def _attn_static(
 ) -> torch.Tensor:
     a = attn.a
     D, H, KVH = a.head_dim, a.heads, a.kv_heads
-    qkv = F.linear(x, *attn.qkv)
+    qkv = linear(x, *attn.qkv)
     q, k, v = qkv.split(attn.splits, dim=-1)
     if a.qk_norm:
         q = attn.q_norm(q.view(H, D)).view(1, H * D)

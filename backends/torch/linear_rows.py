@@ -2,7 +2,9 @@
 fastest way on the device (MKL's GEMM for padded rows on CPU, the Triton GEMV of ``cuda_ext.gemv``
 for one CUDA row, oneDNN-packed weights on CPU where ``cpu_packed.pack`` made them), ``linear_rows`` /
 ``out_proj`` route modules through it, and ``lora_add`` adds LoRA adapters' terms to a fused projection.
-Imports nothing else of this package but ``cpu_packed``."""
+``rows_linear`` and ``linear`` (``F.linear`` for any row count) are the projections' entry points: a quantized
+weight (quant_linear.QuantLinear, kept quantized on CUDA) goes wherever a weight tensor goes and is applied
+by its own ``__call__``.  Imports nothing else of this package but ``cpu_packed`` and ``quant_linear``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from .cpu_packed import linear as _packed_linear
 from .cpu_packed import packed as _packed
+from .quant_linear import QuantLinear, QuantParts
 
 
 def lora_add(owner: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,8 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     A CPU weight with a oneDNN-packed copy (``cpu_packed``) is multiplied through that, for any row count
     (fewer than three rows padded to three, as above), unless gradients flow through ``x`` (fine-tuning
     LoRA adapters: the op has no backward)."""
+    if not isinstance(w, torch.Tensor):  # a quantized weight (QuantLinear, QuantParts) applies itself
+        return w(x, b)
     n = x.shape[0]
     if x.device.type == "cpu" and x.dim() == 2:
         p = _packed(w)
@@ -66,6 +71,11 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
         out = (w @ x.t()).t()[:n]
         return out + b if b is not None else out
     return F.linear(x, w, b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear | QuantParts, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (cuBLAS at every row count), or a quantized weight's own kernels."""
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
 def linear_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Weights for the torch backend: HF safetensors directories (16-bit, or quantized FP8 / AWQ / GPTQ /
-compressed-tensors layouts dequantised at load: quant_weights.py), and GGUF (dequantized)."""
+compressed-tensors layouts), and GGUF (dequantized).  A quantized checkpoint's layers stay quantized on CUDA
+(``<module>.weight`` -> quant_linear.QuantLinear, which model.build installs where its kernels run) and are
+dequantised on the CPU (quant_weights.py).  ``--quantize fp8`` quantises a 16-bit checkpoint's projections at
+load (per-output-channel e4m3 scales): kept as FP8 on CUDA, the FP8-rounded weights in float on the CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ from swiftlm.quant_config import QuantScheme, parse
 from swiftlm.registry import ModelSpec
 
 from .model_config import SUPPORTED
+from .quant_linear import quantize_fp8, quantized_state
+from .quant_weights import dequantize_state
+
+QUANTIZE = ("fp8",)  # --quantize methods
+# the projections --quantize quantises (the embedding, the LM head and MoE routers stay 16-bit)
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quant_scheme(spec: ModelSpec) -> QuantScheme | None:
@@ -31,10 +40,13 @@ def refuse_quantized(spec: ModelSpec, what: str) -> None:
 
 
 def load_hf_state(
-    spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
+    spec: ModelSpec,
+    skip: set[str] | frozenset[str] = frozenset(),
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> dict[str, Any]:
     """Every tensor of the checkpoint but those named in ``skip`` (streamed experts: never read); the
-    layers of a quantized checkpoint dequantised to ``dtype``."""
+    layers of a quantized checkpoint dequantised to ``dtype``, or (``keep_quantized``) as QuantLinear."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -54,10 +66,28 @@ def load_hf_state(
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
     scheme = quant_scheme(spec)
-    if scheme is not None:
-        from .quant_weights import dequantize_state
-
+    if scheme is not None and keep_quantized:
+        quantized_state(state, scheme)
+    elif scheme is not None:
         dequantize_state(state, scheme, dtype)
+    return state
+
+
+def quantize_state(state: dict[str, Any], method: str, device: torch.device | None) -> dict[str, Any]:
+    """``--quantize``: each layer projection's weight (``_PROJ``; 2-D, floating point) quantised in place: on
+    CUDA kept as a QuantLinear (quantised on the GPU), elsewhere the FP8-rounded weight in float32."""
+    if method not in QUANTIZE:
+        raise UnsupportedArchitecture(f"--quantize {method} is not a method here (methods: {', '.join(QUANTIZE)})")
+    cuda = device is not None and device.type == "cuda"
+    for k in list(state):
+        parts = k.split(".")
+        w = state[k]
+        if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in _PROJ or "layers" not in parts:
+            continue
+        if not torch.is_tensor(w) or w.dim() != 2 or not w.is_floating_point():
+            continue
+        q = quantize_fp8(w.to(device) if cuda else w)
+        state[k] = q if cuda else q.dequantized(torch.float32)
     return state
 
 
@@ -129,17 +159,26 @@ def check_arch(spec: ModelSpec) -> None:
 
 
 def load_state(
-    spec: ModelSpec, skip: set[str] | frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32
+    spec: ModelSpec,
+    skip: set[str] | frozenset[str] = frozenset(),
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    quantize: str | None = None,
 ) -> tuple[dict, dict[str, Any]]:
-    """(config, tensors).  A quantized checkpoint's layers come dequantised to ``dtype`` and its config
-    without ``quantization_config`` (the weights are plain from here on)."""
+    """(config, tensors).  A quantized checkpoint's layers come as QuantLinear when ``device`` is CUDA, else
+    dequantised to ``dtype``; its config without ``quantization_config``.  ``quantize``: ``--quantize``."""
     check_arch(spec)
+    if quantize:
+        refuse_quantized(spec, f"--quantize {quantize}")
     if spec.format == "gguf":
         from swiftlm.convert import hf_config
 
-        return hf_config(spec, "float32"), load_gguf_state(spec)
+        state = load_gguf_state(spec)
+        return hf_config(spec, "float32"), quantize_state(state, quantize, device) if quantize else state
     if skip:
         refuse_quantized(spec, "--stream-experts")
     config = dict(spec.config)
     config.pop("quantization_config", None)
-    return config, load_hf_state(spec, skip, dtype)
+    cuda = device is not None and device.type == "cuda"
+    state = load_hf_state(spec, skip, dtype, keep_quantized=cuda)
+    return config, quantize_state(state, quantize, device) if quantize else state

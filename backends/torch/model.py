@@ -24,6 +24,7 @@ from .kv_cache import SeqCache
 from .linear_rows import linear_rows, lora_add, rows_linear
 from .model_config import MOE_ARCHS, Args
 from .offload import from_offload, place, to_offload
+from .quant_linear import QuantLinear, QuantProj, cat_rows, weight_bytes
 from .rope import apply_rope, rope_tables
 
 
@@ -51,7 +52,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One [q; k; v] matmul instead of three (fewer, larger GEMVs per decode step)."""
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w = cat_rows([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.a.attn_bias else None
         self.qkv = (w, b)
         self.splits = (
@@ -147,7 +148,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """One [gate; up] matmul instead of two."""
-        self.gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up = cat_rows([self.gate_proj.weight, self.up_proj.weight])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,8 +347,16 @@ def build(
         sd = convert_state(a, sd)
     if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
         sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
+    quant = {k: sd.pop(k) for k in [k for k, v in sd.items() if isinstance(v, QuantLinear)]}
+    if quant and (a.ext is not None or a.experts or first_cpu_layer is not None):  # no kernels there: 16-bit
+        sd.update({k: q.dequantized(dtype) for k, q in quant.items()})
+        quant = {}
     # convert one tensor at a time, dropping the stored one: peak = the model + one tensor
-    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
+    missing, unexpected = model.load_state_dict(
+        {k: sd.pop(k).to(dtype) for k in list(sd)}, strict=not quant, assign=True
+    )
+    if quant:
+        install_quantized(model, quant, missing, unexpected, device, dtype)
     model.init_rope()
     if first_cpu_layer is not None:  # --gpu-layers: layers [first_cpu_layer, L) stay on the CPU
         place(model, first_cpu_layer, device, offload_dtype)
@@ -357,6 +366,27 @@ def build(
         if hasattr(layer.mlp, "to_device"):
             layer.mlp.to_device()
     return finish_load(model, dtype, eager=True)  # one process: runner.TorchModel picks the path
+
+
+def install_quantized(
+    model: nn.Module,
+    quant: dict[str, QuantLinear],
+    missing: list[str],
+    unexpected: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Each quantized weight's ``nn.Linear`` replaced by a ``QuantProj`` on ``device`` (its bias kept)."""
+    if unexpected or set(missing) != set(quant):
+        extra = sorted(unexpected) or sorted(set(missing) ^ set(quant))
+        raise RuntimeError(f"quantized state does not match the model: {extra[:3]}")
+    for name, q in quant.items():
+        path = name[: -len(".weight")]
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        lin = getattr(owner, attr)
+        bias = lin.bias if isinstance(lin, nn.Linear) and lin.bias is not None else None
+        setattr(owner, attr, QuantProj(q.with_dtype(dtype).to(device), bias))
 
 
 def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -> Transformer:
@@ -407,7 +437,8 @@ def param_bytes(model: Any) -> int:
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     for layer in model.layers:  # fused weights are plain tensors, not parameters
         w, b = layer.self_attn.qkv
-        n += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+        n += weight_bytes(w) + weight_bytes(b)
         if hasattr(layer.mlp, "gate_up"):
-            n += layer.mlp.gate_up.numel() * layer.mlp.gate_up.element_size()
+            n += weight_bytes(layer.mlp.gate_up)
+    n += sum(weight_bytes(m.weight) for m in model.modules() if isinstance(m, QuantProj))
     return n

@@ -1,28 +1,36 @@
-"""The seam for GPU paths that keep a quantized layer's weight quantized: ``QuantLinear`` holds one layer in a
-kernel-friendly layout (FP8 ``[N, K]`` with its scales; 4-bit codes ``[N, K/8]`` with group scales and zero
-points) and computes ``y = x @ W.T``:
+"""A linear layer whose weight stays quantized in memory: ``QuantLinear`` holds one weight in a kernel-friendly
+layout (FP8 ``[N, K]`` with per-row or block scales; 4-bit codes ``[N, K/8]`` with group scales and zero points)
+and computes ``y = x @ W.T (+ b)``.  The model's projections hand it to ``linear_rows.rows_linear`` / ``linear``
+wherever a weight tensor would go (the one branch of the forward), so fused QKV and gate/up, CUDA graphs, the
+batched decode step and prompt chunks all run through ``__call__``:
 
-- on CUDA, rows <= 16 (decode): the Triton kernels of cuda_ext/quant_gemv.py, which dequantise in registers;
-- on CUDA, FP8 with per-tensor or per-row scales and more rows: ``torch._scaled_mm`` (FP8 tensor cores, Hopper
-  and Ada) with dynamic per-row activation scales;
-- anywhere else (the CPU, 8-bit codes, block-scaled FP8 prefill): ``F.linear`` on the dequantised weight.
+- on CUDA, FP8 with per-row scales and more than 16 rows: ``torch._scaled_mm`` (FP8 tensor cores, Hopper and
+  Ada) with dynamic per-row activation scales;
+- on CUDA otherwise (1-16 rows; int4 and block-scaled FP8 at any row count): the Triton kernel of
+  cuda_ext/quant_gemv.py, which dequantises the weight in registers;
+- anywhere else (the CPU; 8-bit integer codes, kept as the dequantised ``dense`` weight): ``F.linear`` on the
+  dequantised weight.
 
+Every path is free of host synchronisation and keeps shapes static, so a CUDA graph captures it.
 ``dequantized()`` is the same weight as quant_weights.dequantize_state gives (the reference; tests check it).
-The native model does not route its projections through this yet: today every layer is dequantised at load.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from swiftlm.quant_config import QuantScheme
 
 from . import quant_unpack as U
+from .quant_weights import DROPPED, dequantize_state, quantized_layers
 
 FP8_MAX = 448.0
+FP8 = torch.float8_e4m3fn
 
 
 def pack_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -35,27 +43,66 @@ def pack_rows(codes: torch.Tensor) -> torch.Tensor:
     return (word - ((word >> 31) << 32)).to(torch.int32)
 
 
+_KERNELS: dict[str, bool] = {}
+
+
+def kernels_ok() -> bool:
+    """The Triton kernels run on CUDA here (self-checked once per process by ``cuda_ext.enabled``)."""
+    if "cuda" not in _KERNELS:
+        from swiftlm.cuda_ext import enabled
+
+        _KERNELS["cuda"] = enabled("cuda")
+    return _KERNELS["cuda"]
+
+
 @dataclass
 class QuantLinear:
     kind: str  # "fp8" | "int4" | "dense"
     weight: torch.Tensor  # fp8 [N, K] | int32 [N, K/8] | the dequantised weight [N, K]
-    scale: torch.Tensor | None = None  # fp8: scalar / [N, 1] / blocks; int4: [N, K/G]
+    scale: torch.Tensor | None = None  # fp8: float32 [N] per row, or [ceil(N/bh), ceil(K/bw)] blocks; int4: [N, K/G]
     zeros: torch.Tensor | None = None  # int4: [N, K/G], codes' domain
     group: int = 0
     block: tuple[int, int] | None = None
     perm: torch.Tensor | None = None  # act-order: x's columns in the weight's order
+    dtype: torch.dtype = torch.float32  # the model's: of the dequantised weight and (with x's) of the output
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features), as a weight tensor's."""
+        N = self.weight.shape[0]
+        return (N, self.weight.shape[1] * 8) if self.kind == "int4" else (N, self.weight.shape[1])
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.zeros) if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
 
     def to(self, device: torch.device) -> QuantLinear:
         mv = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(self).items()}
         return QuantLinear(**mv)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def describe(self) -> str:
         if self.kind == "fp8":
-            w = U.fp8_weight(self.weight, self.scale, self.block)
+            return "fp8 e4m3, " + (f"{self.block[0]}x{self.block[1]} block scales" if self.block else "per-row scales")
+        return f"int4, group {self.group}" if self.kind == "int4" else "dequantised"
+
+    def with_dtype(self, dtype: torch.dtype) -> QuantLinear:
+        mv = dict(vars(self), dtype=dtype)
+        if self.kind == "dense":
+            mv["weight"] = self.weight.to(dtype)
+        return QuantLinear(**mv)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.kind == "fp8":
+            w = U.fp8_weight(self.weight, self.scale if self.block else self.scale.reshape(-1, 1), self.block)
         elif self.kind == "int4":
             q = U.unpack_last(self.weight, 4).float()
             g = torch.arange(q.shape[1], device=q.device) // self.group
@@ -66,55 +113,146 @@ class QuantLinear:
             w = w[:, torch.argsort(self.perm)]
         return w.to(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)
-        y = self._gpu(x2) if x.is_cuda else None
-        if y is None:
-            w = self.dequantized(x.dtype)
+        if self.kind == "dense":
+            y = F.linear(x2, self.weight.to(x.dtype))
+        else:
             if self.perm is not None:
-                w = w[:, self.perm]
-            y = F.linear(x2, w)
+                x2 = x2.index_select(1, self.perm)
+            y = self._cuda(x2) if x.is_cuda and kernels_ok() else None
+            if y is None:  # the CPU: the weight dequantised for this call, in the kernels' column order
+                w = self.dequantized(x.dtype)
+                y = F.linear(x2, w if self.perm is None else w[:, self.perm])
+        if b is not None:
+            y = y + b
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _gpu(self, x: torch.Tensor) -> torch.Tensor | None:
-        M = x.shape[0]
+    def _cuda(self, x: torch.Tensor) -> torch.Tensor:
+        from swiftlm.cuda_ext.quant_gemv import fp8_linear, int4_linear
+
         x = x.contiguous()
-        kernels = M <= 16 and _triton()
-        if self.kind == "fp8" and kernels:
-            from swiftlm.cuda_ext.quant_gemv import fp8_linear_small_m
-
-            return fp8_linear_small_m(x, self.weight, self.scale, self.block)
-        if self.kind == "int4" and kernels:
-            from swiftlm.cuda_ext.quant_gemv import int4_linear_small_m
-
-            return int4_linear_small_m(x, self.weight, self.scale, self.zeros, self.group)
-        if self.kind == "fp8" and self.block is None and scaled_mm_ok(x.device):
+        if self.kind == "int4":
+            return int4_linear(x, self.weight, self.scale, self.zeros, self.group)
+        if (
+            self.block is None
+            and x.shape[0] > 16
+            and scaled_mm_ok(x.device)
+            and self.weight.shape[1] % 16 == 0 == self.weight.shape[0] % 16
+        ):
             return fp8_scaled_mm(x, self.weight, self.scale)
-        return None
+        return fp8_linear(x, self.weight, self.scale, self.block)
 
 
-def _triton() -> bool:
-    import importlib.util
+class QuantProj(nn.Module):
+    """An ``nn.Linear``'s place in the model for a quantized weight: ``weight`` is the ``QuantLinear`` (read by
+    ``rows_linear`` / ``out_proj`` like a weight tensor), ``bias`` a tensor or None."""
 
-    return importlib.util.find_spec("triton") is not None
+    def __init__(self, weight: QuantLinear, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight(x, self.bias)
+
+
+def weight_bytes(w: torch.Tensor | QuantLinear | QuantParts | None) -> int:
+    if w is None:
+        return 0
+    return w.numel() * w.element_size() if torch.is_tensor(w) else w.nbytes
+
+
+_SCALED_MM: dict[torch.device, bool] = {}
 
 
 def scaled_mm_ok(device: torch.device) -> bool:
-    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
+    """FP8 tensor-core GEMMs here (Ada, Hopper and newer; ``SWIFTLM_SCALED_MM=0`` keeps the Triton kernel)."""
+    if device not in _SCALED_MM:
+        _SCALED_MM[device] = (
+            hasattr(torch, "_scaled_mm")
+            and os.environ.get("SWIFTLM_SCALED_MM", "1") != "0"
+            and torch.cuda.get_device_capability(device) >= (8, 9)
+        )
+    return _SCALED_MM[device]
 
 
 def fp8_scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (16-bit) @ (w8 [N, K] * scale).T on FP8 tensor cores: x quantized per row on the fly (its
-    absolute maximum to 448), rowwise scales for both operands, output in x's dtype."""
+    """x [M, K] (16-bit) @ (w8 [N, K] * scale [N]).T on FP8 tensor cores: x quantized per row on the fly (its
+    absolute maximum to 448; no host sync), rowwise float32 scales for both operands, output in x's dtype."""
     sx = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    x8 = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    N = w8.shape[0]
-    sw = scale.float().reshape(-1)
-    sw = (sw.expand(N) if sw.numel() == 1 else sw).reshape(1, N).contiguous()
-    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    x8 = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantLinear:
+    """A 16/32-bit weight [N, K] as FP8 e4m3 with one float32 scale per output row (its absolute maximum to 448),
+    computed on ``w``'s device (``--quantize fp8``)."""
+    wf = w.float()
+    s = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    w8 = (wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return QuantLinear("fp8", w8.contiguous(), s.contiguous())
+
+
+def cat_rows(parts: list[torch.Tensor | QuantLinear]) -> torch.Tensor | QuantLinear:
+    """Weights stacked along their output features (fused QKV, gate/up): ``torch.cat`` of tensors; quantized parts
+    of one kind concatenated with their scales (block-scaled FP8 where every part but the last fills whole
+    blocks, else with its block scales repeated per row; int4 with one group size and one column order); quantized
+    parts that cannot share a layout as ``QuantParts``; a mix with dense parts as the dequantised tensor."""
+    if all(torch.is_tensor(p) for p in parts):
+        return torch.cat(parts)
+    qs = [p for p in parts if isinstance(p, QuantLinear)]
+    first = qs[0]
+    same = len(qs) == len(parts) and all(q.kind == first.kind and q.block == first.block for q in qs)
+    if same and first.block is not None and any(q.shape[0] % first.block[0] for q in qs[:-1]):
+        qs = [_row_blocks(q) for q in qs]  # a part ends inside a block: one scale row per weight row
+        first = qs[0]
+    if same and first.kind == "int4":
+        same = all(q.group == first.group for q in qs) and all(
+            (q.perm is None and first.perm is None) or (q.perm is not None and first.perm is not None and
+                                                        torch.equal(q.perm, first.perm))
+            for q in qs
+        )  # fmt: skip
+    if not same and len(qs) == len(parts) and all(q.kind != "dense" for q in qs):
+        return QuantParts(qs)  # e.g. act-order parts, each with its own column order: one kernel call each
+    if not same or first.kind == "dense":
+        dtype = parts[0].dtype
+        return torch.cat([p.dequantized(dtype) if isinstance(p, QuantLinear) else p.to(dtype) for p in parts])
+    cat = [torch.cat([getattr(q, f) for q in qs]) for f in ("weight", "scale")]
+    zeros = torch.cat([q.zeros for q in qs]) if first.kind == "int4" else None
+    return QuantLinear(first.kind, cat[0], cat[1], zeros, first.group, first.block, first.perm, first.dtype)
+
+
+class QuantParts:
+    """Quantized weights applied one after another, their outputs side by side: a fused projection whose parts
+    cannot share one layout (GPTQ act-order parts, each with its own column order)."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        self.parts = parts
+        self.dtype = parts[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([p.dequantized(dtype) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if b is None else y + b
+
+
+def _row_blocks(q: QuantLinear) -> QuantLinear:
+    """Block-scaled FP8 as (1, bw) blocks: each row its own copy of its block's scales (the same weight)."""
+    bh, bw = q.block
+    scale = q.scale.repeat_interleave(bh, 0)[: q.shape[0]].contiguous()
+    return QuantLinear("fp8", q.weight, scale, block=(1, bw), dtype=q.dtype)
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], s: QuantScheme) -> QuantLinear:
@@ -122,9 +260,12 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], s: QuantScheme) -> QuantLi
     if s.kind == "fp8":
         scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
         w8 = tensors["weight"].contiguous()
-        if s.block is None and scale.numel() not in (1, w8.shape[0]):
-            raise ValueError(f"an fp8 scale of shape {tuple(scale.shape)} for a [{w8.shape[0]}, ...] weight")
-        return QuantLinear("fp8", w8, scale.float().contiguous(), block=s.block)
+        N = w8.shape[0]
+        if s.block is not None and tuple(scale.shape) != (N, 1):
+            return QuantLinear("fp8", w8, scale.float().contiguous(), block=s.block)
+        if scale.numel() not in (1, N):
+            raise ValueError(f"an fp8 scale of shape {tuple(scale.shape)} for a [{N}, ...] weight")
+        return QuantLinear("fp8", w8, scale.float().reshape(-1).expand(N).contiguous())  # per tensor -> per row
     if s.bits != 4:  # 8-bit codes: no kernel here, the dequantised weight
         return QuantLinear("dense", _dequant(tensors, s))
     if s.layout == "awq":
@@ -171,8 +312,35 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], s: QuantScheme) -> QuantLi
     )
 
 
-def _dequant(tensors: dict[str, torch.Tensor], s: QuantScheme) -> torch.Tensor:
-    from .quant_weights import dequantize_state
+_LAYER_TENSORS = (
+    "weight",
+    "weight_scale",
+    "weight_scale_inv",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_packed",
+    "weight_zero_point",
+    "weight_g_idx",
+    "weight_shape",
+)
 
+
+def quantized_state(state: dict[str, torch.Tensor], scheme: QuantScheme) -> dict:
+    """``state`` with each quantized layer's tensors replaced by ``<module>.weight`` -> ``QuantLinear`` (in
+    place; returned for chaining); tensors of quantized activations or KV caches dropped (as dequantize_state)."""
+    layers = quantized_layers(state, scheme)
+    if not layers:  # the same sentence as the dequantising path
+        return dequantize_state(state, scheme)
+    for m in layers:
+        local = {n: state.pop(f"{m}.{n}") for n in _LAYER_TENSORS if f"{m}.{n}" in state}
+        state[m + ".weight"] = from_checkpoint(local, scheme)
+    for k in [k for k in state if k.rsplit(".", 1)[-1] in DROPPED]:
+        del state[k]
+    return state
+
+
+def _dequant(tensors: dict[str, torch.Tensor], s: QuantScheme) -> torch.Tensor:
     state = {f"m.{k}": v for k, v in tensors.items()}
     return dequantize_state(state, s)["m.weight"]

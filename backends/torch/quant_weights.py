@@ -22,7 +22,7 @@ from . import quant_unpack as U
 
 # per-layer tensors of each layout besides the one that names the layer
 _INT_MARK = {"awq": "qweight", "gptq": "qweight", "packed": "weight_packed"}
-_DROPPED = (
+DROPPED = (
     "input_scale",
     "input_zero_point",
     "input_global_scale",
@@ -58,7 +58,7 @@ def dequantize_state(
         )
     for m in layers:
         state[m + ".weight"] = _one(state, m, scheme).to(dtype)
-    for k in [k for k in state if k.rsplit(".", 1)[-1] in _DROPPED]:
+    for k in [k for k in state if k.rsplit(".", 1)[-1] in DROPPED]:
         del state[k]
     stray = [k for k in state if state[k].dtype == torch.float8_e4m3fn or k.endswith((".qweight", ".weight_packed"))]
     if stray:

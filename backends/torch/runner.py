@@ -418,7 +418,8 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
             chunk=max(1, spec.experts_per_token),
             alloc=alloc,
         )
-    config, state = load_state(spec, skip=reader.layout.expert_tensors if reader else frozenset(), dtype=dtype)
+    skip = reader.layout.expert_tensors if reader else frozenset()
+    config, state = load_state(spec, skip, dtype, device, getattr(cfg, "quantize", None))
     from .offload import DTYPES, offload_split
 
     first_cpu = offload_split(cfg, int(config.get("num_hidden_layers") or 0))
