@@ -28,6 +28,7 @@ from . import ollama as ollama_api
 from . import responses as responses_api
 from .access_log import AccessLog
 from .auth import Gate, run_guarded
+from .chat_service import ChatService
 from .embeddings import EmbeddingRequest
 from .errors import error_response
 from .metrics import Metrics, health_memory
@@ -125,7 +126,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         load_error=None,
     )
     state.gate = Gate(settings)
-    routes_impl = OpenAIRoutes(state)
+    chat = ChatService(state)  # parameters and submission for every generation route
+    routes_impl = OpenAIRoutes(state, chat)
     never = lambda: False  # noqa: E731
 
     async def health(request: Request) -> Response:
@@ -213,10 +215,10 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/health", _guard(state, health, never), methods=["GET"]),
         Route("/metrics", _guard(state, metrics, metrics_key), methods=["GET"]),
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
-        *responses_api.routes(state, routes_impl, v1_key),
-        *anthropic_api.routes(state, routes_impl, v1_key),
-        *ollama_api.routes(state, routes_impl, v1_key),
-        *embeddings_api.routes(state, routes_impl, v1_key, lambda fn: _guard(state, fn, v1_key)),
+        *responses_api.routes(state, chat, v1_key),
+        *anthropic_api.routes(state, chat, v1_key),
+        *ollama_api.routes(state, chat, v1_key),
+        *embeddings_api.routes(state, chat, v1_key, lambda fn: _guard(state, fn, v1_key)),
         *(webui_routes(state, lambda fn: _guard(state, fn, v1_key)) if settings.webui else []),  # the chat page
     ]
     middleware = []
