@@ -27,10 +27,10 @@ from . import embeddings as embeddings_api
 from . import ollama as ollama_api
 from . import responses as responses_api
 from .access_log import AccessLog
-from .auth import Gate, run_guarded
+from .auth import Gate, guard
 from .chat_service import ChatService
 from .embeddings import EmbeddingRequest
-from .errors import error_response
+from .errors import error_response, render_error
 from .metrics import Metrics, health_memory
 from .models import AppState, ModelEntry, ModelManager, entries_from_toml
 from .ollama_schemas import openapi_paths as ollama_paths
@@ -50,16 +50,7 @@ log = logging.getLogger(__name__)
 def _guard(
     state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
 ) -> Callable[[Request], Awaitable[Response]]:
-    async def handler(request: Request) -> Response:
-        return await run_guarded(
-            state,
-            request,
-            fn,
-            needs_key(),
-            lambda exc, headers: error_response(exc.status, exc.message, exc.param, exc.code, headers=headers),
-        )
-
-    return handler
+    return guard(state, fn, needs_key, render_error)
 
 
 def openapi_schema() -> dict:

@@ -1,18 +1,10 @@
-"""The chat service: the one object that builds a request's sampling parameters and prompt and submits it.
+"""The chat service: the one object that builds a request's prompt and sampling parameters and submits it.
 
-Every wire format (OpenAI chat and completions, Anthropic messages, Responses, Ollama) parses its request
-into the internal chat request (``ChatCompletionRequest``: messages, tools, tool_choice, sampling fields,
-response format, thinking switch, seed, n, logprobs) and hands it here:
-
-- ``prepare`` renders it (chat template, tools, reasoning switch, structured-output grammar) and builds
-  its ``SamplingParams`` (``params``), an APIError (4xx) on bad input;
-- ``start`` submits a prepared request as a ``chat_core.ChatRun``, whose ``steps()`` are the wire-neutral
-  output: parsed pieces (reasoning, content, tool calls), finish reasons, token counts;
-- ``submit`` / ``gather`` submit token prompts and collect the output unparsed (non-streamed chat with
-  ``best_of``, /v1/completions).
-
-The wire modules only translate between their format and these calls, so every route generates the same
-text for the same prompt, sampling and seed.
+Each wire module (OpenAI, Anthropic, Responses, Ollama) parses its request into the internal chat request
+(``ChatCompletionRequest``), calls ``prepare`` (template, tools, reasoning switch, grammar, ``params``;
+an APIError 4xx on bad input) and ``start`` (a ``chat_core.ChatRun``: parsed pieces, finish reasons, token
+counts), and renders the result in its own format, so every route generates the same text for the same
+prompt, sampling and seed.  ``submit`` / ``gather`` serve unparsed output (``best_of``, /v1/completions).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from .auth import guard
 from .chat_core import ChatRun
 from .chat_service import ChatService
-from .errors import APIError, error_response
+from .errors import APIError, render_error
 from .schemas import ChatCompletionRequest, ResponsesRequest
 from .wire import parse, read_json, sse
 
@@ -510,13 +510,11 @@ class ResponsesRoutes:
         return JSONResponse(hit[0])
 
 
-def _error(exc: APIError, headers: dict | None) -> Response:
-    return error_response(exc.status, exc.message, exc.param, exc.code, headers=headers)
-
-
 def routes(state: Any, chat: ChatService, needs_key: Callable[[], bool]) -> list[Route]:
     impl = ResponsesRoutes(state, chat)
     return [
-        Route("/v1/responses", guard(state, impl.create, needs_key, _error), methods=["POST"]),
-        Route("/v1/responses/{response_id}", guard(state, impl.item, needs_key, _error), methods=["GET", "DELETE"]),
+        Route("/v1/responses", guard(state, impl.create, needs_key, render_error), methods=["POST"]),
+        Route(
+            "/v1/responses/{response_id}", guard(state, impl.item, needs_key, render_error), methods=["GET", "DELETE"]
+        ),
     ]
