@@ -1,7 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
 
 The request is translated into the internal chat request (``ChatCompletionRequest``) and runs
-through the chat path shared with /v1/chat/completions (``chat_core``); this module maps
+through the chat service shared with /v1/chat/completions (``chat_service``); this module maps
 Anthropic's content blocks onto chat messages and the parsed output back onto ``thinking`` /
 ``text`` / ``tool_use`` blocks and Anthropic's stream events.  Errors on these routes, auth
 included, are in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
@@ -23,10 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .chat_core import ChatRun, prepare_chat, renamed, render_chat
+from .auth import guard
+from .chat_core import ChatRun
+from .chat_service import ChatService, renamed
 from .errors import APIError
-from .openai_routes import parse, read_json, sse
 from .schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest
+from .wire import parse, read_json, sse
 
 PING_INTERVAL_S = 5.0  # a `ping` event when nothing else was sent for this long (long prefills)
 
@@ -329,29 +331,26 @@ def _stop_reason(run: ChatRun, finish: str | None) -> tuple[str, str | None]:
 
 # ---------------------------------------------------------------- routes
 class MessagesRoutes:
-    def __init__(self, state: Any, chat: Any):
-        self.state, self.chat = state, chat
+    def __init__(self, state: Any, chat: ChatService):
+        self.state, self.service = state, chat
 
     async def count_tokens(self, request: Request) -> Response:
-        body = await read_json(request, self.chat._chat_body_limit())
+        body = await read_json(request, self.service.body_limit())
         req: AnthropicCountTokensRequest = parse(AnthropicCountTokensRequest, body)
         chat_req, _ = to_chat_request(req)
         try:
-            _, prompt = await render_chat(self.chat, chat_req)
+            _, prompt = await self.service.render(chat_req)
         except APIError as exc:
             raise renamed(exc, _RENAME) from None
         return JSONResponse({"input_tokens": len(prompt)})
 
     async def create(self, request: Request) -> Response:
-        body = await read_json(request, self.chat._chat_body_limit())
+        body = await read_json(request, self.service.body_limit())
         req: AnthropicMessagesRequest = parse(AnthropicMessagesRequest, body)
         chat_req, budget = to_chat_request(req)
-        job = await prepare_chat(self.chat, chat_req, clamp_max_tokens=True, rename=_RENAME)
-        metrics = self.state.metrics
-        metrics.requests.labels("messages").inc()
-        metrics.prompt_tokens.inc(len(job.prompt))
-        run = ChatRun(self.chat, job, reasoning_budget=budget)
-        run.start()
+        job = await self.service.prepare(chat_req, clamp_max_tokens=True, rename=_RENAME)
+        self.service.admit(job, "messages")
+        run = self.service.start(job, reasoning_budget=budget)
         msg = {
             "id": "msg_" + secrets.token_hex(12),
             "type": "message",
@@ -421,23 +420,14 @@ class MessagesRoutes:
         yield "message_stop", {"type": "message_stop"}
 
 
-def _guard(state: Any, fn: Callable[[Request], Any], needs_key: Callable[[], bool]) -> Callable[[Request], Any]:
-    """Auth (x-api-key or Bearer) and errors in Anthropic's shape."""
-
-    async def handler(request: Request) -> Response:
-        from .auth import run_guarded
-
-        def render(exc: APIError, headers: dict | None) -> Response:
-            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=headers)
-
-        return await run_guarded(state, request, fn, needs_key(), render)
-
-    return handler
+def _error(exc: APIError, headers: dict | None) -> Response:
+    return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=headers)
 
 
-def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
+def routes(state: Any, chat: ChatService, needs_key: Callable[[], bool]) -> list[Route]:
+    """The routes, with auth (x-api-key or Bearer) and errors in Anthropic's shape."""
     impl = MessagesRoutes(state, chat)
     return [
-        Route("/v1/messages", _guard(state, impl.create, needs_key), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _guard(state, impl.count_tokens, needs_key), methods=["POST"]),
+        Route("/v1/messages", guard(state, impl.create, needs_key, _error), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guard(state, impl.count_tokens, needs_key, _error), methods=["POST"]),
     ]

@@ -27,9 +27,10 @@ from . import embeddings as embeddings_api
 from . import ollama as ollama_api
 from . import responses as responses_api
 from .access_log import AccessLog
-from .auth import Gate, run_guarded
+from .auth import Gate, guard
+from .chat_service import ChatService
 from .embeddings import EmbeddingRequest
-from .errors import error_response
+from .errors import error_response, render_error
 from .metrics import Metrics, health_memory
 from .models import AppState, ModelEntry, ModelManager, entries_from_toml
 from .ollama_schemas import openapi_paths as ollama_paths
@@ -49,16 +50,7 @@ log = logging.getLogger(__name__)
 def _guard(
     state: Any, fn: Callable[[Request], Awaitable[Response]], needs_key: Callable[[], bool]
 ) -> Callable[[Request], Awaitable[Response]]:
-    async def handler(request: Request) -> Response:
-        return await run_guarded(
-            state,
-            request,
-            fn,
-            needs_key(),
-            lambda exc, headers: error_response(exc.status, exc.message, exc.param, exc.code, headers=headers),
-        )
-
-    return handler
+    return guard(state, fn, needs_key, render_error)
 
 
 def openapi_schema() -> dict:
@@ -125,7 +117,8 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         load_error=None,
     )
     state.gate = Gate(settings)
-    routes_impl = OpenAIRoutes(state)
+    chat = ChatService(state)  # parameters and submission for every generation route
+    routes_impl = OpenAIRoutes(state, chat)
     never = lambda: False  # noqa: E731
 
     async def health(request: Request) -> Response:
@@ -213,10 +206,10 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         Route("/health", _guard(state, health, never), methods=["GET"]),
         Route("/metrics", _guard(state, metrics, metrics_key), methods=["GET"]),
         Route("/openapi.json", _guard(state, openapi, never), methods=["GET"]),
-        *responses_api.routes(state, routes_impl, v1_key),
-        *anthropic_api.routes(state, routes_impl, v1_key),
-        *ollama_api.routes(state, routes_impl, v1_key),
-        *embeddings_api.routes(state, routes_impl, v1_key, lambda fn: _guard(state, fn, v1_key)),
+        *responses_api.routes(state, chat, v1_key),
+        *anthropic_api.routes(state, chat, v1_key),
+        *ollama_api.routes(state, chat, v1_key),
+        *embeddings_api.routes(state, chat, v1_key, lambda fn: _guard(state, fn, v1_key)),
         *(webui_routes(state, lambda fn: _guard(state, fn, v1_key)) if settings.webui else []),  # the chat page
     ]
     middleware = []

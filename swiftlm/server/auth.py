@@ -7,10 +7,15 @@ import hmac
 import math
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .errors import APIError
+from .models import CURRENT
 
 
 def load_keys(api_key: str | None, keys_file: str | None) -> dict[str, str]:
@@ -107,11 +112,6 @@ async def run_guarded(state: Any, request: Request, fn: Any, need_key: bool, ren
     """Every /v1 route: the key and rate-limit check, the route, errors in the route's shape
     (``render_error(exc, headers)``), and the request's model kept in use until its response
     (or its stream) ends."""
-    from starlette.responses import StreamingResponse
-
-    from .errors import APIError
-    from .models import CURRENT
-
     streaming = False
     try:
         denied = state.gate.check(request, need_key)
@@ -134,3 +134,17 @@ async def run_guarded(state: Any, request: Request, fn: Any, need_key: bool, ren
     finally:
         if not streaming and CURRENT.get() is not None:
             state.release_model()
+
+
+def guard(
+    state: Any,
+    fn: Callable[[Request], Awaitable[Response]],
+    needs_key: Callable[[], bool],
+    render_error: Callable[[APIError, dict | None], Response],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route handler: ``fn`` behind ``run_guarded``, its errors rendered by ``render_error(exc, headers)``."""
+
+    async def handler(request: Request) -> Response:
+        return await run_guarded(state, request, fn, needs_key(), render_error)
+
+    return handler

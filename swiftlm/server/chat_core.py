@@ -1,16 +1,12 @@
-"""The chat path shared by /v1/chat/completions, /v1/responses and /v1/messages.
+"""A submitted chat request, read as parsed pieces: the output side of the chat service.
 
-Every route translates its request into a ``ChatCompletionRequest`` (the internal chat request:
-messages, tools, tool_choice, sampling, response format, thinking switch, seed), then:
+``ChatService.start`` (chat_service.py) submits a ``ChatJob`` (the rendered request: plan, prompt
+token ids, ``SamplingParams``) as a ``ChatRun``, whose ``steps()`` yield ``Step``s: the engine's events
+with the output parsed into pieces (``("reasoning", text)``, ``("content", text)``, ``("tool_call",
+ToolCall)``) and, on a choice's last step, its finish reason (``stop``, ``length``, ``tool_calls``, ...).
 
-- ``prepare_chat`` renders it (chat template, tools, reasoning switch, structured-output grammar)
-  and turns the sampling fields into ``SamplingParams``;
-- ``ChatRun`` submits it and yields ``Step``s: the engine's events with the output parsed into
-  pieces (``("reasoning", text)``, ``("content", text)``, ``("tool_call", ToolCall)``) and, on a
-  choice's last step, its finish reason (``stop``, ``length``, ``tool_calls``, ...).
-
-Each route only formats those pieces into its own wire events, so the three routes generate the
-same text for the same prompt, sampling and seed.
+Each route only formats those pieces into its own wire events, so the routes generate the same text
+for the same prompt, sampling and seed.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from typing import Any
 from ..engine import Event, QueueFull
 from ..errors import InvalidRequest
 from ..sampling import SamplingParams
-from .errors import APIError
 from .schemas import ChatCompletionRequest
 
 
@@ -37,80 +32,6 @@ class ChatJob:
     plan: Any  # chat.plan.ChatPlan: prompt text, grammar, tool format, thinking
     prompt: list[int]  # prompt token ids (a MediaPrompt with image/audio parts)
     params: SamplingParams
-
-
-async def prepare_chat(
-    routes: Any, req: ChatCompletionRequest, *, clamp_max_tokens: bool = False, rename: dict[str, str] | None = None
-) -> ChatJob:
-    """Template, grammar and sampling parameters of a chat request; APIError (4xx) on bad input.
-
-    ``clamp_max_tokens``: a max_tokens at or beyond the context is cut to what fits instead of
-    refused (Anthropic clients send large required values). ``rename`` maps the internal field
-    names in an error's ``param`` (``messages``, ``response_format``...) to the route's own."""
-    try:
-        return await _prepare(routes, req, clamp_max_tokens)
-    except APIError as exc:
-        raise renamed(exc, rename) from None
-
-
-def renamed(exc: APIError, rename: dict[str, str] | None) -> APIError:
-    """``exc`` with its ``param``'s leading field renamed (messages[2].content -> input[2].content)."""
-    if rename and exc.param is not None:
-        head, dot, rest = exc.param.partition(".")
-        base, bracket, idx = head.partition("[")
-        if base in rename:
-            exc.param = rename[base] + bracket + idx + dot + rest
-    return exc
-
-
-async def render_chat(routes: Any, req: ChatCompletionRequest) -> tuple[Any, list[int]]:
-    """The chat plan (template, tools, grammar, reasoning switch) and the prompt's token ids."""
-    engine = routes.engine
-    grammar = None
-    if req.response_format is not None:
-        from ..chat.structured import grammar_for
-
-        try:
-            grammar = grammar_for(req.response_format.model_dump())
-        except InvalidRequest as exc:
-            raise APIError(400, str(exc), param="response_format") from None
-    kwargs = dict(req.chat_template_kwargs or {})
-    thinking = (
-        req.enable_thinking
-        if req.enable_thinking is not None
-        else kwargs.pop("enable_thinking", routes.state.settings.thinking)
-    )
-    kwargs.pop("enable_thinking", None)
-
-    def render() -> tuple[Any, list[int]]:  # media decoding and preprocessing run off the event loop
-        plan = engine.plan_chat(
-            req.messages,
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls,
-            thinking=bool(thinking),
-            template_kwargs=kwargs,
-            response_format_grammar=grammar,
-        )
-        return plan, engine.encode_plan(plan)
-
-    try:
-        return await asyncio.to_thread(render)
-    except InvalidRequest as exc:
-        raise APIError(exc.status, str(exc), param=exc.param or "messages") from None
-
-
-async def _prepare(routes: Any, req: ChatCompletionRequest, clamp_max_tokens: bool) -> ChatJob:
-    plan, prompt = await render_chat(routes, req)
-    top = req.top_logprobs or 0
-    if top and not req.logprobs:
-        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if clamp_max_tokens and max_tokens is not None:
-        max_tokens = min(max_tokens, routes.engine.ctx_size - 1)
-    params = routes._params(req, len(prompt), max_tokens, req.logprobs, top)
-    params.grammar = plan.grammar
-    return ChatJob(req, plan, prompt, params)
 
 
 @dataclass
@@ -135,9 +56,9 @@ class ChatRun:
     the output so far plus the closing marker (e.g. ``</think>``), so the model goes on with the
     answer; the answer's tokens count against the same ``max_tokens``."""
 
-    def __init__(self, routes: Any, job: ChatJob, n: int = 1, reasoning_budget: int | None = None):
-        self.routes, self.job, self.n = routes, job, n
-        self.engine = routes.engine
+    def __init__(self, service: Any, job: ChatJob, n: int = 1, reasoning_budget: int | None = None):
+        self.service, self.job, self.n = service, job, n  # service: the ChatService (chat_service.py)
+        self.engine = service.engine
         self.parsers = [job.plan.parser() for _ in range(n)]
         self.reasoning_tokens = [0] * n  # output tokens produced while reasoning
         self.output_ids: list[list[int]] = [[] for _ in range(n)]
@@ -154,8 +75,8 @@ class ChatRun:
 
     def start(self) -> None:
         """Submit (APIError 429 when the queue is full, 400 on a request the engine refuses)."""
-        self._sink, self._q = self.routes._sink()
-        ids = self.routes._submit(self.job.prompt, self.job.params, self.n, self._sink)
+        self._sink, self._q = self.service.sink()
+        ids = self.service.submit(self.job.prompt, self.job.params, self.n, self._sink)
         self._seq = {sid: i for i, sid in enumerate(ids)}
 
     def cancel(self) -> None:
@@ -185,7 +106,7 @@ class ChatRun:
                 if ev.progress is not None:
                     yield Step(i, ev)
                     continue
-                self.routes._observe(ev, clock)
+                self.service.observe(ev, clock)
                 if not self.budget_hit:  # a continuation's cache hits are on its own, longer prompt
                     self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
                 if ev.finished:

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from ..engine import QueueFull
 from ..errors import InvalidRequest
 from .errors import APIError
-from .openai_routes import parse, read_json
+from .wire import parse, read_json
 
 MAX_INPUTS = 2048  # as OpenAI's embeddings endpoint
 
@@ -35,7 +35,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-def _inputs(engine: Any, inp: Any) -> list[list[int]]:
+def token_inputs(engine: Any, inp: Any) -> list[list[int]]:
     if isinstance(inp, str):
         inp = [inp]
     if not inp:
@@ -66,7 +66,7 @@ def routes(state: Any, chat: Any, needs_key: Callable[[], bool], guard: Callable
         body = await read_json(request, state.settings.max_body_bytes)
         req = parse(EmbeddingRequest, body)
         engine = chat.engine
-        prompts = _inputs(engine, req.input)
+        prompts = token_inputs(engine, req.input)
         try:
             vecs = await asyncio.wrap_future(engine.embed(prompts, req.dimensions))
         except InvalidRequest as exc:

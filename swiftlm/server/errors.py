@@ -32,3 +32,8 @@ def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def render_error(exc: APIError, headers: dict | None) -> JSONResponse:
+    """An APIError as an OpenAI-shaped error response (the renderer of ``auth.guard`` on the /v1 routes)."""
+    return error_response(exc.status, exc.message, exc.param, exc.code, headers=headers)

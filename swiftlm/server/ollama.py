@@ -1,8 +1,8 @@
 """Ollama's API on the same port as the OpenAI routes: the generation routes.
 
 /api/chat and /api/generate stream NDJSON lines (one JSON object each; ``"stream": false`` gives one
-object) and run through the chat path shared with /v1/chat/completions (``chat_core``), with the
-parameters built the same way, so greedy text is the same as there.  /api/embed and
+object) and run through the chat service shared with /v1/chat/completions (``chat_service``), which
+builds the parameters the same way, so greedy text is the same as there.  /api/embed and
 /api/embeddings use the engine's embeddings (L2-normalised on both).  The model routes
 (/api/tags, /api/show, /api/ps, /api/version, /api/pull, /api/delete) and ``keep_alive`` are in
 ``ollama_models``, the wire format in ``ollama_schemas``.  Errors are Ollama's ``{"error": "..."}``.
@@ -25,8 +25,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import InvalidRequest, SwiftLMError
-from .chat_core import ChatJob, ChatRun, prepare_chat
-from .embeddings import _inputs as embedding_inputs
+from .auth import guard
+from .chat_core import ChatJob, ChatRun
+from .chat_service import ChatService
+from .embeddings import token_inputs
 from .errors import APIError
 from .ollama_models import NDJSON, OllamaModels, iso, line
 from .ollama_schemas import (
@@ -43,8 +45,8 @@ from .ollama_schemas import (
     ollama_names,
     tool_call,
 )
-from .openai_routes import parse
 from .schemas import ChatCompletionRequest
+from .wire import parse
 
 
 async def collect(lines: AsyncIterator[dict], kind: str) -> dict:
@@ -76,58 +78,31 @@ async def collect(lines: AsyncIterator[dict], kind: str) -> dict:
 
 # ---------------------------------------------------------------- routes
 class OllamaRoutes:
-    def __init__(self, state: Any, chat: Any):
-        self.state, self.chat = state, chat  # chat: the OpenAIRoutes (engine, parameters, submission)
+    def __init__(self, state: Any, chat: ChatService | None):
+        self.state, self.service = state, chat
         self.models = OllamaModels(state)
 
     def _model(self, requested: str | None) -> str:
         return requested or (self.state.spec.name if self.state.spec else "")
 
-    def _chat_request(self, body: dict) -> ChatCompletionRequest:
+    async def _prepare(self, body: dict, raw: str | None = None) -> ChatJob:
+        """The internal chat request of ``chat_body``'s fields, prepared by the chat service (``raw``: that
+        prompt as written, no chat template); errors in Ollama's names."""
         try:
-            return parse(ChatCompletionRequest, body)
-        except APIError as exc:
-            raise ollama_names(exc) from None
-
-    async def _prepare(self, req: ChatCompletionRequest) -> ChatJob:
-        try:
-            return await prepare_chat(self.chat, req, clamp_max_tokens=True)
+            req = parse(ChatCompletionRequest, body)
+            if raw is not None:
+                return self.service.prepare_raw(raw, req)
+            return await self.service.prepare(req, clamp_max_tokens=True)
         except APIError as exc:
             if exc.param == "response_format" and not exc.message.startswith("'"):
                 exc.message = f"'format': {exc.message}"
             raise ollama_names(exc) from None
 
-    def _raw_job(self, req: OllamaGenerateRequest, creq: ChatCompletionRequest) -> ChatJob:
-        """``raw``: the prompt as written, no chat template."""
-        from ..chat.plan import ChatPlan
-
-        engine = self.chat.engine
-        grammar = None
-        if creq.response_format is not None:
-            from ..chat.structured import grammar_for
-
-            try:
-                grammar = grammar_for(creq.response_format.model_dump())
-            except InvalidRequest as exc:
-                raise APIError(400, f"'format': {exc}") from None
-        try:
-            prompt = engine.text_prompt(req.prompt)
-        except InvalidRequest as exc:
-            raise APIError(400, str(exc)) from None
-        top = creq.top_logprobs or 0
-        max_tokens = min(creq.max_tokens, engine.ctx_size - 1) if creq.max_tokens else None
-        try:
-            params = self.chat._params(creq, len(prompt), max_tokens, creq.logprobs, top)
-        except APIError as exc:
-            raise ollama_names(exc) from None
-        params.grammar = grammar
-        return ChatJob(creq, ChatPlan(req.prompt, grammar=grammar, thinking=bool(creq.enable_thinking)), prompt, params)
-
     def _options(self, job: ChatJob, opts: OllamaOptions | None) -> None:
         """num_ctx (a smaller window for this request) and repeat_last_n, on the built parameters."""
         if opts is None:
             return
-        ctx, n, params = self.chat.engine.ctx_size, len(job.prompt), job.params
+        ctx, n, params = self.service.engine.ctx_size, len(job.prompt), job.params
         if opts.num_ctx is not None:
             window = min(opts.num_ctx, ctx)
             if n >= window:
@@ -156,22 +131,21 @@ class OllamaRoutes:
     # ------------------------------------------------------------------ chat / generate
     async def chat_route(self, request: Request) -> Response:
         t0 = time.perf_counter_ns()
-        req: OllamaChatRequest = parse(OllamaChatRequest, await self.models.read(request, self.chat._chat_body_limit()))
+        req: OllamaChatRequest = parse(OllamaChatRequest, await self.models.read(request, self.service.body_limit()))
         keep = keep_alive_seconds(req.keep_alive)
         if not req.messages:
             return await self._load_only(req.model, keep, t0, chat=True)
         load_ns = await self.models.select(req.model)
-        ctx = self.chat.engine.ctx_size
-        job = await self._prepare(self._chat_request(chat_body(req, chat_messages(req.messages), ctx)))
+        ctx = self.service.engine.ctx_size
+        job = await self._prepare(chat_body(req, chat_messages(req.messages), ctx))
         self._options(job, req.options)
         self.models.keep.apply(keep)  # a valid request: its keep_alive counts
-        self.state.metrics.requests.labels("ollama_chat").inc()
         return await self._respond(job, req, "chat", t0, load_ns, context=False)
 
     async def generate(self, request: Request) -> Response:
         t0 = time.perf_counter_ns()
         req: OllamaGenerateRequest = parse(
-            OllamaGenerateRequest, await self.models.read(request, self.chat._chat_body_limit())
+            OllamaGenerateRequest, await self.models.read(request, self.service.body_limit())
         )
         keep = keep_alive_seconds(req.keep_alive)
         if req.suffix:
@@ -181,18 +155,18 @@ class OllamaRoutes:
         if not req.prompt and not req.images:
             return await self._load_only(req.model, keep, t0, chat=False)
         load_ns = await self.models.select(req.model)
-        engine = self.chat.engine
+        engine = self.service.engine
         if req.raw:
             if req.images:
                 raise APIError(400, "'images' need the chat template: they cannot be sent with raw: true")
             placeholder = [{"role": "user", "content": ""}]  # the raw prompt is tokenized as written
-            job = self._raw_job(req, self._chat_request(chat_body(req, placeholder, engine.ctx_size)))
+            job = await self._prepare(chat_body(req, placeholder, engine.ctx_size), req.prompt)
         else:
             user: dict[str, Any] = {"role": "user", "content": req.prompt or ""}
             if req.images:
                 user["images"] = req.images
             msgs = ([{"role": "system", "content": req.system}] if req.system else []) + [user]
-            job = await self._prepare(self._chat_request(chat_body(req, chat_messages(msgs), engine.ctx_size)))
+            job = await self._prepare(chat_body(req, chat_messages(msgs), engine.ctx_size))
         if req.context:
             if hasattr(job.prompt, "media"):
                 raise APIError(400, "'context' cannot be combined with 'images'")
@@ -207,14 +181,12 @@ class OllamaRoutes:
             job.params.max_tokens = min(job.params.max_tokens, room)
         self._options(job, req.options)
         self.models.keep.apply(keep)
-        self.state.metrics.requests.labels("ollama_generate").inc()
         return await self._respond(job, req, "generate", t0, load_ns, context=not req.raw)
 
     async def _respond(self, job: ChatJob, req: Any, kind: str, t0: int, load_ns: int, context: bool) -> Response:
-        self.state.metrics.prompt_tokens.inc(len(job.prompt))
-        run = ChatRun(self.chat, job)
+        self.service.admit(job, f"ollama_{kind}")
         t_submit = time.perf_counter_ns()
-        run.start()
+        run = self.service.start(job)
         lines = self._lines(
             run,
             job,
@@ -293,8 +265,8 @@ class OllamaRoutes:
 
     # ------------------------------------------------------------------ embeddings
     async def _embed(self, inputs: Any, truncate: bool, dimensions: int | None) -> tuple[list, int]:
-        engine = self.chat.engine
-        prompts = embedding_inputs(engine, inputs)
+        engine = self.service.engine
+        prompts = token_inputs(engine, inputs)
         if truncate:
             prompts = [p[: engine.ctx_size] for p in prompts]
         try:
@@ -335,26 +307,17 @@ class OllamaRoutes:
         return JSONResponse({"embedding": vecs[0]})
 
 
-def _guard(state: Any, fn: Callable[[Request], Any], needs_key: Callable[[], bool]) -> Callable[[Request], Any]:
-    """Auth and rate limits as on /v1; errors in Ollama's shape."""
-
-    async def handler(request: Request) -> Response:
-        from .auth import run_guarded
-
-        def render(exc: APIError, headers: dict | None) -> Response:
-            return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
-
-        return await run_guarded(state, request, fn, needs_key(), render)
-
-    return handler
+def _error(exc: APIError, headers: dict | None) -> Response:
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 
 
-def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
+def routes(state: Any, chat: ChatService, needs_key: Callable[[], bool]) -> list[Route]:
+    """The routes, with auth and rate limits as on /v1 and errors in Ollama's shape."""
     impl = OllamaRoutes(state, chat)
     models = impl.models
 
     def r(path: str, fn: Callable, method: str) -> Route:
-        return Route(path, _guard(state, fn, needs_key), methods=[method])
+        return Route(path, guard(state, fn, needs_key, _error), methods=[method])
 
     return [
         r("/api/chat", impl.chat_route, "POST"),

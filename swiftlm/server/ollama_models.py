@@ -36,7 +36,7 @@ from ..errors import SwiftLMError
 from .errors import APIError
 from .models import CURRENT, ModelNotFound
 from .ollama_schemas import OLLAMA_API_VERSION, OllamaModelRequest
-from .openai_routes import parse, read_json
+from .wire import parse, read_json
 
 NDJSON = "application/x-ndjson"
 NEVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded

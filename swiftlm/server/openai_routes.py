@@ -3,118 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import Event, QueueFull, TokenLogprob
 from ..errors import InvalidRequest
-from ..sampling import SamplingParams
-from .chat_core import ChatRun, prepare_chat
+from .chat_core import ChatRun
+from .chat_service import ChatService
 from .errors import APIError
-from .models import ADAPTER
 from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from .wire import parse, read_json, sse
 
 PROGRESS_HEADER = "x-swiftlm-prefill-progress"
 PROGRESS_INTERVAL_S = 2.0
-
-
-def sse(obj: Any, event: str | None = None) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
-
-
-JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` without -H
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise APIError(400, f"request body has the key {k!r} twice in one object")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise APIError(400, f"request body contains {name}, which is not valid JSON (numbers must be finite)")
-
-
-def _check_shape(body: Any, max_depth: int, max_items: int) -> None:
-    """Nesting depth and container sizes, walked without recursion."""
-    stack = [(body, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > max_depth:
-            raise APIError(400, f"request body is nested deeper than {max_depth} levels (--max-json-depth)")
-        items = node.values() if isinstance(node, dict) else node
-        if len(node) > max_items:
-            raise APIError(
-                400, f"request body has a list or object of {len(node)} items; at most {max_items} (--max-json-items)"
-            )
-        stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype and ctype not in JSON_TYPES and not ctype.endswith("+json"):
-        raise APIError(415, f"request body must be JSON (Content-Type: application/json), not {ctype!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise APIError(413, f"request body is larger than {limit} bytes")
-        except ValueError:
-            raise APIError(400, "invalid Content-Length header") from None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not valid UTF-8") from None
-    try:
-        body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except RecursionError:
-        raise APIError(400, "request body is nested too deeply") from None
-    except json.JSONDecodeError as exc:
-        raise APIError(
-            400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    st = getattr(getattr(request.app.state, "swiftlm", None), "settings", None) if "app" in request.scope else None
-    _check_shape(body, getattr(st, "max_json_depth", 64), getattr(st, "max_json_items", 8192))
-    try:  # JSON escapes can encode lone surrogates, which no tokenizer accepts
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "request body contains invalid Unicode (a lone surrogate escape)") from None
-    state = getattr(request.app.state, "swiftlm", None) if "app" in request.scope else None
-    if state is not None and getattr(state, "models", None) is not None:
-        await state.select_model(body.get("model"))  # this request's engine from here on (server/models.py)
-    return body
-
-
-def parse(model_cls: type, body: dict) -> Any:
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        raise APIError(400, f"'{where}': {err.get('msg', 'invalid value')}", param=param) from None
 
 
 class _ProgressPacer:
@@ -194,6 +101,17 @@ def ranked(lps: list[list[TokenLogprob]], how: str) -> list[int]:
     return sorted(range(len(lps)), key=lambda i: -score(i))
 
 
+def _usage(n_prompt: int, completion: int, cached: int | None = None) -> dict:
+    out: dict[str, Any] = {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": completion,
+        "total_tokens": n_prompt + completion,
+    }
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
 def _chat_message(parser: Any, text: str, reason: str | None) -> tuple[dict, str | None]:
     content, reasoning, calls, reason = parser.result(text, reason)
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -205,130 +123,8 @@ def _chat_message(parser: Any, text: str, reason: str | None) -> tuple[dict, str
 
 
 class OpenAIRoutes:
-    def __init__(self, state: Any):
-        self.state = state  # holds engine, settings, spec, metrics
-
-    # ------------------------------------------------------------------ helpers
-    @property
-    def engine(self):
-        eng = self.state.engine
-        if eng is None:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
-        return eng
-
-    def _params(self, req: Any, prompt_len: int, max_tokens: int | None, logprobs: bool, top: int) -> SamplingParams:
-        s = self.state.settings
-        ctx = self.engine.ctx_size
-        if max_tokens is not None and max_tokens >= ctx:
-            raise APIError(400, f"'max_tokens' is {max_tokens} but the context is {ctx} tokens", param="max_tokens")
-        room = ctx - prompt_len
-        if room <= 0:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but the context is {ctx}", param="messages")
-        bias: dict[int, float] = {}
-        for k, v in (req.logit_bias or {}).items():
-            try:
-                bias[int(k)] = float(v)
-            except ValueError:
-                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        p = SamplingParams(
-            max_tokens=min(max_tokens or s.max_tokens, room),
-            temperature=s.temp if req.temperature is None else req.temperature,
-            top_p=s.top_p if req.top_p is None else req.top_p,
-            top_k=s.top_k if req.top_k is None else req.top_k,
-            min_p=s.min_p if req.min_p is None else req.min_p,
-            repetition_penalty=s.repeat_penalty if req.repetition_penalty is None else req.repetition_penalty,
-            repetition_context_size=s.repeat_last_n,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            logit_bias=bias,
-            seed=req.seed if req.seed is not None else s.seed,
-            stop=stop,
-            logprobs=logprobs,
-            top_logprobs=top,
-            turbo_kv=req.turbo_kv,
-            kv_bits=req.kv_bits,
-            kv_group_size=req.kv_group_size,
-            adapter=ADAPTER.get(),
-        )  # a LoRA adapter named by the request's 'model' (server/models.py)
-        try:
-            return p.validate(self.engine.info.vocab_size)
-        except InvalidRequest as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
-
-    def _submit(self, prompt: list[int], params: SamplingParams, n: int, sink: Any) -> list[int]:
-        """Submit n choices of one prompt: as one fork group (one prefill, swiftlm/fork.py) where the
-        engine has them (the type's method: a wrapper's __getattr__, e.g. data-parallel replicas, does not
-        count), else as n requests."""
-        ids: list[int] = []
-        engine = self.engine
-        try:
-            if n > 1 and getattr(type(engine), "submit_group", None) is not None:
-                ids = engine.submit_group(prompt, [params.for_choice(i) for i in range(n)], sink)
-            for i in range(len(ids), n):
-                ids.append(engine.submit(prompt, params.for_choice(i), sink))
-        except QueueFull as exc:
-            for sid in ids:
-                self.engine.cancel(sid)
-            raise APIError(429, str(exc), code="queue_full") from None
-        except InvalidRequest as exc:
-            for sid in ids:
-                self.engine.cancel(sid)
-            raise APIError(400, str(exc), param=exc.param) from None
-        return ids
-
-    async def _events(self, ids: list[int], q: asyncio.Queue) -> AsyncIterator[tuple[int, Event]]:
-        index = {sid: i for i, sid in enumerate(ids)}
-        left = set(ids)
-        try:
-            while left:
-                ev = await q.get()
-                if ev.seq_id not in index:
-                    continue
-                if ev.finished:
-                    left.discard(ev.seq_id)
-                yield index[ev.seq_id], ev
-        finally:
-            for sid in left:  # client went away or we stopped early: free the slots
-                self.engine.cancel(sid)
-
-    async def _gather(
-        self, ids: list[int], q: asyncio.Queue
-    ) -> tuple[list[str], list[str | None], list[list[TokenLogprob]], int, int]:
-        """Collect a non-streamed request: per choice text, finish reason and logprobs; total
-        completion tokens; prompt tokens served from the prompt cache."""
-        texts, reasons = [""] * len(ids), [None] * len(ids)
-        lps: list[list[TokenLogprob]] = [[] for _ in ids]
-        completion = cached = 0
-        clock = {"start": time.perf_counter()}
-        async for i, ev in self._events(ids, q):
-            self._observe(ev, clock)
-            cached = max(cached, ev.cached_tokens)
-            texts[i] += ev.text
-            lps[i] += ev.logprobs
-            if ev.finished:
-                if ev.error:
-                    raise APIError(500, f"generation failed: {ev.error}")
-                reasons[i] = ev.finish_reason
-                completion += ev.completion_tokens
-        return texts, reasons, lps, completion, cached
-
-    def _sink(self) -> tuple[Any, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        return (lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)), q
-
-    def _observe(self, ev: Event, clock: dict) -> None:
-        m = self.state.metrics
-        if ev.token_ids:
-            now = time.perf_counter()
-            m.gen_tokens.inc(len(ev.token_ids))
-            last = clock.get(ev.seq_id)
-            if last is None:
-                m.ttft.observe(now - clock["start"])
-            else:
-                m.itl.observe(now - last)
-            clock[ev.seq_id] = now
+    def __init__(self, state: Any, chat: ChatService):
+        self.state, self.service = state, chat  # state: settings, spec, metrics; chat: the ChatService
 
     @staticmethod
     def _chat_logprobs(lps: list[TokenLogprob]) -> dict:
@@ -371,7 +167,7 @@ class OpenAIRoutes:
             kwargs.setdefault("enable_thinking", req.enable_thinking)
         try:
             result = await asyncio.to_thread(
-                test_time.run, self.engine, list(req.messages), job.params, spec, kwargs, job.prompt
+                test_time.run, self.service.engine, list(req.messages), job.params, spec, kwargs, job.prompt
             )
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full") from None
@@ -387,11 +183,7 @@ class OpenAIRoutes:
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
                 "system_fingerprint": "swiftlm",
                 "test_time": result.to_dict(),
-                "usage": {
-                    "prompt_tokens": len(job.prompt),
-                    "completion_tokens": result.completion_tokens,
-                    "total_tokens": len(job.prompt) + result.completion_tokens,
-                },
+                "usage": _usage(len(job.prompt), result.completion_tokens),
             }
         )
 
@@ -406,20 +198,11 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ chat
-    def _chat_body_limit(self) -> int:
-        """--max-body-bytes, raised to fit one full-size media part (base64) when media are on."""
-        st = self.state.settings
-        limit = st.max_body_bytes
-        if st.vision or st.audio:
-            limit = max(limit, st.max_media_bytes * 4 // 3 + (1 << 20))
-        return limit
-
     async def chat(self, request: Request) -> Response:
-        body = await read_json(request, self._chat_body_limit())
+        body = await read_json(request, self.service.body_limit())
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        job = await prepare_chat(self, req)
-        self.state.metrics.requests.labels("chat").inc()
-        self.state.metrics.prompt_tokens.inc(len(job.prompt))
+        job = await self.service.prepare(req)
+        self.service.admit(job, "chat")
         cid = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         model = self.state.spec.name
@@ -427,8 +210,7 @@ class OpenAIRoutes:
             return await self._chat_test_time(req, job, cid, created, model)
         k = best_of(req)
         if req.stream:
-            run = ChatRun(self, job, req.n)
-            run.start()
+            run = self.service.start(job, req.n)
             return StreamingResponse(
                 self._chat_stream(
                     req, run, cid, created, model, len(job.prompt), request.headers.get(PROGRESS_HEADER) == "1"
@@ -436,12 +218,12 @@ class OpenAIRoutes:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        sink, q = self._sink()
+        sink, q = self.service.sink()
         params = job.params
         if k > req.n and not params.logprobs:  # ranking needs the candidates' logprobs
             params = replace(params, logprobs=True)
-        ids = self._submit(job.prompt, params, k, sink)
-        texts, reasons, lps, completion, cached = await self._gather(ids, q)
+        ids = self.service.submit(job.prompt, params, k, sink)
+        texts, reasons, lps, completion, cached = await self.service.gather(ids, q)
         choices = []
         for i, c in enumerate(ranked(lps, req.best_of_rank)[: req.n] if k > req.n else range(req.n)):
             message, reason = _chat_message(job.plan.parser(), texts[c], reasons[c])
@@ -462,12 +244,7 @@ class OpenAIRoutes:
                 "model": model,
                 "choices": choices,
                 "system_fingerprint": "swiftlm",
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": completion,
-                    "total_tokens": n_prompt + completion,
-                    "prompt_tokens_details": {"cached_tokens": cached},
-                },
+                "usage": _usage(n_prompt, completion, cached),
             }
         )
 
@@ -521,26 +298,14 @@ class OpenAIRoutes:
             if ev.finished:
                 yield chunk(i, {}, finish=step.finish_reason)
         if usage_on:
-            completion, cached = run.completion_tokens, run.cached_tokens
-            yield sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": n_prompt,
-                        "completion_tokens": completion,
-                        "total_tokens": n_prompt + completion,
-                        "prompt_tokens_details": {"cached_tokens": cached},
-                    },
-                }
-            )
+            yield sse({**base, "choices": [], "usage": _usage(n_prompt, run.completion_tokens, run.cached_tokens)})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.state.settings.max_body_bytes)
         req: CompletionRequest = parse(CompletionRequest, body)
-        engine = self.engine
+        engine = self.service.engine
         if req.suffix:
             raise APIError(400, "'suffix' is not supported", param="suffix")
         if req.echo and req.logprobs:
@@ -568,18 +333,18 @@ class OpenAIRoutes:
         top = req.logprobs or 0
         k = best_of(req)  # choices generated per prompt; the best n of them are returned
         plans = [
-            (toks, self._params(req, len(toks), req.max_tokens, req.logprobs is not None or k > req.n, top))
+            (toks, self.service.params(req, len(toks), req.max_tokens, req.logprobs is not None or k > req.n, top))
             for toks in token_prompts
         ]
         self.state.metrics.requests.labels("completions").inc()
         cid = "cmpl-" + secrets.token_hex(12)
         created = int(time.time())
         model = self.state.spec.name
-        sink, q = self._sink()
+        sink, q = self.service.sink()
         all_ids: list[int] = []
         try:
             for toks, params in plans:
-                all_ids += self._submit(toks, params, k, sink)
+                all_ids += self.service.submit(toks, params, k, sink)
                 self.state.metrics.prompt_tokens.inc(len(toks))
         except APIError:
             for sid in all_ids:
@@ -595,7 +360,7 @@ class OpenAIRoutes:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        texts, reasons, lps, completion, _ = await self._gather(all_ids, q)
+        texts, reasons, lps, completion, _ = await self.service.gather(all_ids, q)
         picked = []  # (prompt, candidate) in output order: per prompt its best n of k (or its n)
         for j in range(len(plans)):
             cand = list(range(j * k, (j + 1) * k))
@@ -618,11 +383,7 @@ class OpenAIRoutes:
                 "model": model,
                 "choices": choices,
                 "system_fingerprint": "swiftlm",
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": completion,
-                    "total_tokens": n_prompt + completion,
-                },
+                "usage": _usage(n_prompt, completion),
             }
         )
 
@@ -661,13 +422,13 @@ class OpenAIRoutes:
         if echo:
             for i in range(len(ids)):
                 yield chunk(i, echo)
-        async for i, ev in self._events(ids, q):
+        async for i, ev in self.service.events(ids, q):
             if ev.progress is not None:
                 frame = pacer.frame(ev) if progress else None
                 if frame:
                     yield frame
                 continue
-            self._observe(ev, clock)
+            self.service.observe(ev, clock)
             if ev.error:
                 self.state.metrics.count_error(500, where="stream")
                 yield _stream_error(ev.error)
@@ -680,15 +441,5 @@ class OpenAIRoutes:
                 completion += ev.completion_tokens
                 yield chunk(i, "", finish=ev.finish_reason)
         if usage_on:
-            yield sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": n_prompt,
-                        "completion_tokens": completion,
-                        "total_tokens": n_prompt + completion,
-                    },
-                }
-            )
+            yield sse({**base, "choices": [], "usage": _usage(n_prompt, completion)})
         yield "data: [DONE]\n\n"

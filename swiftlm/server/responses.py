@@ -1,7 +1,7 @@
 """POST /v1/responses, GET/DELETE /v1/responses/{id}: the OpenAI Responses API.
 
 The request is translated into the internal chat request (``ChatCompletionRequest``) and runs
-through the chat path shared with /v1/chat/completions (``chat_core``); this module only maps
+through the chat service shared with /v1/chat/completions (``chat_service``); this module only maps
 the Responses API's items onto chat messages and the parsed output back onto output items and
 the typed stream events.
 
@@ -25,10 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .chat_core import ChatRun, prepare_chat
-from .errors import APIError
-from .openai_routes import parse, read_json, sse
+from .auth import guard
+from .chat_core import ChatRun
+from .chat_service import ChatService
+from .errors import APIError, render_error
 from .schemas import ChatCompletionRequest, ResponsesRequest
+from .wire import parse, read_json, sse
 
 RESPONSES_STORE_SIZE = 256  # stored responses kept for previous_response_id / GET (least recently used go)
 
@@ -375,8 +377,8 @@ class OutputBuilder:
 
 # ---------------------------------------------------------------- routes
 class ResponsesRoutes:
-    def __init__(self, state: Any, chat: Any):
-        self.state, self.chat = state, chat
+    def __init__(self, state: Any, chat: ChatService):
+        self.state, self.service = state, chat
         size = getattr(state.settings, "responses_store_size", None)
         self.store = ResponseStore(RESPONSES_STORE_SIZE if size is None else size)
 
@@ -410,7 +412,7 @@ class ResponsesRoutes:
         }
 
     async def create(self, request: Request) -> Response:
-        body = await read_json(request, self.chat._chat_body_limit())
+        body = await read_json(request, self.service.body_limit())
         req: ResponsesRequest = parse(ResponsesRequest, body)
         items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else list(req.input)
         history: list[dict] = []
@@ -425,19 +427,16 @@ class ResponsesRoutes:
                 )
             history = hit[1]
         chat_req = to_chat_request(req, input_messages(history + items, req.instructions))
-        job = await prepare_chat(self.chat, chat_req, clamp_max_tokens=True, rename=_RENAME)
-        metrics = self.state.metrics
-        metrics.requests.labels("responses").inc()
-        metrics.prompt_tokens.inc(len(job.prompt))
-        run = ChatRun(self.chat, job)
-        run.start()
+        job = await self.service.prepare(chat_req, clamp_max_tokens=True, rename=_RENAME)
+        self.service.admit(job, "responses")
+        run = self.service.start(job)
         resp = self._skeleton(_rid("resp_"), req, self.state.spec.name)
         events = self._events(run, resp, history + items, len(job.prompt))
         if req.stream:
 
             def counted(ev: dict) -> dict:  # an error inside a stream whose 200 went out already
                 if ev["type"] == "response.failed":
-                    metrics.count_error(500, where="stream")
+                    self.state.metrics.count_error(500, where="stream")
                 return ev
 
             return StreamingResponse(
@@ -511,11 +510,11 @@ class ResponsesRoutes:
         return JSONResponse(hit[0])
 
 
-def routes(state: Any, chat: Any, needs_key: Callable[[], bool]) -> list[Route]:
-    from .app import _guard  # app imports this module first
-
+def routes(state: Any, chat: ChatService, needs_key: Callable[[], bool]) -> list[Route]:
     impl = ResponsesRoutes(state, chat)
     return [
-        Route("/v1/responses", _guard(state, impl.create, needs_key), methods=["POST"]),
-        Route("/v1/responses/{response_id}", _guard(state, impl.item, needs_key), methods=["GET", "DELETE"]),
+        Route("/v1/responses", guard(state, impl.create, needs_key, render_error), methods=["POST"]),
+        Route(
+            "/v1/responses/{response_id}", guard(state, impl.item, needs_key, render_error), methods=["GET", "DELETE"]
+        ),
     ]
