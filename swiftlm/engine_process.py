@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -136,6 +137,16 @@ class _SpeculatorView:
 
 
 # ---------------------------------------------------------------------------------------- parent
+def _shut(conn: Connection) -> None:
+    import socket
+
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:  # pragma: no cover - already closed
+        pass
+
+
 class EngineClient(PromptSide):
     """The ``Engine`` interface, with the engine in a child process (see the module's text)."""
 
@@ -365,11 +376,8 @@ class EngineClient(PromptSide):
             self._send_quiet(w.Stop(timeout))
             self._bye.wait(timeout + 2.0)  # the reader saw Bye, or the pipe close
             self._kill(grace=2.0)
-        else:
-            try:
-                self._conn.close()
-            except OSError:  # pragma: no cover
-                pass
+        else:  # the reader thread sees EOF (closing the connection under its recv would fail it), so does the child
+            _shut(self._conn)
         self._reader.join(2.0)
         self.outputs.end_all("cancelled")  # whatever the child could not end
         self._conn.close()
