@@ -73,6 +73,9 @@ def check_settings_before_serving(settings: Settings) -> None:
         adapter_files(*parse_spec(a))
     backend, _ = choose_backend(settings.backend)
     check_engine_settings(settings, backend)
+    from .server.workers import check_settings as check_workers
+
+    check_workers(settings, backend)
     if spec is not None and settings.gpu_layers is not None and backend.name == "torch":
         from .backends.torch.offload import offload_split  # what partial offload does not combine with
 

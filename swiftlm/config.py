@@ -182,6 +182,14 @@ class Settings(BaseSettings):
     # server
     host: str = _f("127.0.0.1", "Address to bind.", group="server")
     port: int = _f(5413, "Port to listen on.", group="server")
+    api_workers: int = _f(
+        0,
+        "HTTP worker processes sharing the port, each doing tokenisation, chat templates, "
+        "detokenisation and streaming for the engine process(es) they all reach (1: the server's one "
+        "process).  0 (auto): 1, except when serving several engines (--data-parallel) or "
+        "--parallel above 64 with the engine in its own process: min(cores // 4, 2 x engines), at least 1.",
+        group="server",
+    )
     served_model_name: str | None = _f(
         None,
         "Name the model is served under: the id /v1/models lists and responses' 'model' field "
@@ -600,6 +608,13 @@ class Settings(BaseSettings):
     def _top_k_ok(cls, v: int) -> int:
         if v < -1:
             raise ValueError("must be >= -1 (0 or -1 disable it)")
+        return v
+
+    @field_validator("api_workers")
+    @classmethod
+    def _api_workers_ok(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0 (0: auto)")
         return v
 
     @field_validator("repeat_penalty")

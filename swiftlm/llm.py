@@ -110,11 +110,6 @@ def check_engine_settings(settings: Settings, backend: Any) -> None:
     pipeline = (settings.pipeline_parallel or 1) > 1
     if pipeline and settings.data_parallel > 1:
         raise ConfigError("--data-parallel cannot be combined with --pipeline-parallel yet")
-    if pipeline and settings.engine_process == "on":
-        raise ConfigError(
-            "--engine-process on does not combine with --pipeline-parallel (rank 0 already drives "
-            "the other ranks' processes); use --engine-process off"
-        )
     if settings.gpu_layers is not None and getattr(backend, "name", "") != "torch":
         raise ConfigError(
             f"--gpu-layers is built for the torch backend only (this is {backend.name}): the MLX "
@@ -140,14 +135,13 @@ def check_engine_settings(settings: Settings, backend: Any) -> None:
 def make_engine(settings: Settings, backend: Any, spec: ModelSpec) -> Engine:
     """Load the model (and a draft model) with ``backend`` and start the engine."""
     check_engine_settings(settings, backend)
-    pipeline = (settings.pipeline_parallel or 1) > 1
     if settings.data_parallel > 1:  # N engines, one per device, behind one interface
         from .distributed.replicas import build_replicas
 
         return build_replicas(settings, backend, spec, make_engine)  # type: ignore[return-value]
     from .engine_process import EngineClient, wanted
 
-    if not pipeline and wanted(settings, backend):  # --engine-process: the model and the step loop in a child process
+    if wanted(settings, backend):  # --engine-process: the model and the step loop (and rank 0) in a child process
         return EngineClient(settings, backend, spec)  # type: ignore[return-value]
     return load_engine(settings, backend, spec)
 
@@ -207,7 +201,8 @@ def _rank_failed(engine: Engine, msg: str) -> None:
     """A tensor-parallel rank died (distributed.control.Leader's watchdog): refuse new requests, end
     every open request with the error at once, and stop the server as a dead engine loop does.  On
     CUDA the step in flight may never fail on its own (NCCL waits on the dead peer, so the streams
-    would get no error until the server's shutdown cut them)."""
+    would get no error until the server's shutdown cut them).  In an engine process, ``on_fatal``
+    sends the message to the server's process (engine_child.py), which ends the streams there."""
     engine.fatal = engine.fatal or msg
     engine.end_streams_now(msg)  # on CUDA the loop may sit in an NCCL collective on the dead peer
     if engine.on_fatal is not None:

@@ -85,6 +85,17 @@ def test_greedy_tokens_equal_single_process(pair):
         assert pp.generate(p, _greedy()).token_ids == single.generate(p, _greedy()).token_ids, (name, p)
 
 
+def test_engine_process_rank0_greedy_equal(tiny_llama):
+    """--engine-process on: stage 0 lives in the engine process, which spawns stage 1."""
+    from swiftlm import LLM
+
+    with LLM(str(tiny_llama), backend="torch", parallel=4) as single:
+        want = [single.generate(p, _greedy()).token_ids for p in PROMPTS]
+    with LLM(str(tiny_llama), backend="torch", parallel=4, pipeline_parallel=2, engine_process="on") as pp:
+        assert set(pp.engine.rank_pids) == {1}
+        assert [o.token_ids for o in pp.generate(PROMPTS, _greedy())] == want
+
+
 def test_batched_concurrent_requests_equal(pair):
     """Four prompts at once: prompt chunks pipelined as units, decode rows as 2 micro-batches."""
     name, single, pp = pair

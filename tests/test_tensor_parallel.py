@@ -271,16 +271,56 @@ def test_follower_killed_mid_generation_fails_cleanly(tiny_llama, tmp_path):
     assert float(out.split("SECONDS")[1]) < 60
 
 
-def _followers(pid: int) -> list[int]:
+def _children(pid: int) -> list[int]:
     kids = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         kids += [int(k) for k in (task / "children").read_text().split()]
-    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return kids
 
 
-def test_serve_tensor_parallel_http_then_rank_death_stops_server(tiny_llama):
-    """`swiftlm serve --tensor-parallel 2`: a completion through HTTP equals the single-process
-    one; killing rank 1 makes the server exit non-zero with the rank named, never hang."""
+def _followers(pid: int) -> list[int]:
+    """The spawned ranks among ``pid``'s descendants (under --engine-process on, the engine process's children)."""
+    found, todo = [], _children(pid)
+    while todo:
+        k = todo.pop()
+        try:
+            if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes():
+                found.append(k)
+            else:
+                todo += _children(k)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_engine_process_rank0_greedy_equal_then_killed_rank_ends_streams(uneven_llama):
+    """--engine-process on: rank 0 lives in the engine process and spawns rank 1 from there.  Greedy
+    tokens equal the single-process model's; killing rank 1 mid-generation ends the stream with the error
+    naming the rank, and later requests are refused with it."""
+    from swiftlm import LLM, SamplingParams
+
+    with LLM(str(uneven_llama), backend="torch", parallel=4) as single:
+        want = [single.generate(p, _greedy()).token_ids for p in PROMPTS]
+    with LLM(str(uneven_llama), backend="torch", parallel=4, tensor_parallel=2, engine_process="on") as tp:
+        assert type(tp.engine).__name__ == "EngineClient" and set(tp.engine.rank_pids) == {1}
+        assert [o.token_ids for o in tp.generate(PROMPTS, _greedy())] == want
+        stream = tp.stream("count", SamplingParams(max_tokens=100000, temperature=0, ignore_eos=True))
+        next(stream)
+        os.kill(tp.engine.rank_pids[1], signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .*killed by signal 9"):
+            for _ in stream:
+                pass
+        assert time.time() - t0 < 30
+        with pytest.raises(Exception, match="tensor-parallel rank 1"):
+            tp.generate("again", _greedy(4))
+
+
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_serve_tensor_parallel_http_then_rank_death_stops_server(tiny_llama, engine_process):
+    """`swiftlm serve --tensor-parallel 2` (rank 0 in the server's process, or in the engine process): a
+    completion through HTTP equals the single-process one; killing rank 1 makes the server exit non-zero
+    with the rank named, never hang."""
     import httpx
     from server_util import ServerProc
 
@@ -289,7 +329,18 @@ def test_serve_tensor_parallel_http_then_rank_death_stops_server(tiny_llama):
     body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     with LLM(str(tiny_llama), backend="torch") as single:
         want = single.generate("Once upon a time", _greedy(24)).text
-    s = ServerProc("--model", str(tiny_llama), "--backend", "torch", "--tensor-parallel", "2", "--parallel", "2")
+    s = ServerProc(
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "torch",
+        "--tensor-parallel",
+        "2",
+        "--parallel",
+        "2",
+        "--engine-process",
+        engine_process,
+    )
     try:
         r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

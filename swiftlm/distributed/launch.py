@@ -1,7 +1,7 @@
 """Starting the ranks of a ``--tensor-parallel N`` or ``--pipeline-parallel N`` model.
 
-One host (the default): rank 0 is the calling process (the server, or the ``LLM`` object): it
-spawns ranks 1..N-1 (``multiprocessing`` spawn context: a fresh interpreter each, so no CUDA or
+One host (the default): rank 0 is the process that loads the engine (the engine process of
+``--engine-process``, else the server's or the ``LLM`` object's own): it spawns ranks 1..N-1 (``multiprocessing`` spawn context: a fresh interpreter each, so no CUDA or
 thread state is inherited), and each rank, itself included, loads only its shard through the
 backend's usual ``load`` (the backend reads ``current_rank()`` to join its process group).
 

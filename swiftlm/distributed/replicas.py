@@ -9,7 +9,8 @@ scheduler, prefix_cache, timers, kv_stats, model.memory), aggregated over the re
 Routing (``ReplicaSet.route``), per submitted sequence:
 
 - *load* of a replica = its outstanding requests: submitted to it and not finished yet (its own
-  count, plus submits under way to it from other threads);
+  count, plus submits under way to it from other threads; with --api-workers, plus the other
+  workers' live sequences on it at its last stats snapshot, at most 0.1 s old while busy);
 - *prefix affinity*: a prompt of more than ``affinity_tokens`` tokens (default 64) has a key, the
   hash of its first ``affinity_tokens`` tokens.  The first time a key is seen it is given to the
   least-loaded replica and remembered (LRU, 4096 keys); later prompts with that key go to the same
@@ -116,8 +117,8 @@ class ReplicaSet:
         """Outstanding requests of replica ``i``: in its inbox (submitted, not yet taken in) plus held."""
         e = self.replicas[i]
         pending = getattr(e, "_pending", None)  # Engine and engine_process.EngineClient: submitted, not finished
-        if isinstance(pending, int):
-            return pending + self._inflight[i]
+        if isinstance(pending, int):  # --api-workers: plus the other workers' sequences on it (their last count)
+            return pending + getattr(e, "_others", 0) + self._inflight[i]
         inbox = max(0, self._submitted[i] - e.stats.requests_total)  # other engines: from their counters
         return inbox + e.live_requests
 

@@ -131,6 +131,12 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
         }
         if state.load_error:
             body["error"] = state.load_error
+        if settings.api_workers > 1:  # this answer is the whole server's; which worker gave it
+            body["api_workers"] = {
+                "workers": settings.api_workers,
+                "pid": os.getpid(),
+                "requests": state.metrics.requests_total(),
+            }
         if eng is not None:
             st = eng.stats
             kv = eng.kv_stats()
@@ -244,9 +250,16 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
     return app
 
 
-def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None) -> int:
+def serve(
+    settings: Settings,
+    loading: Callable[[ModelEntry], Any] | None = None,
+    worker: tuple[Any, Callable[[], Any], Callable[[], None]] | None = None,
+) -> int:
     """Resolve the model (fail fast), start listening, load in the background (503 until
-    ready), print the ready line, and run until SIGINT/SIGTERM."""
+    ready), print the ready line, and run until SIGINT/SIGTERM.  With several API workers
+    (--api-workers, server/workers.py) this hands over to their supervisor; in a worker,
+    ``worker`` is (its listening socket, a function returning the attached engine, a function
+    telling the supervisor that it listens)."""
     import uvicorn
 
     from ..backend import choose_backend
@@ -275,6 +288,12 @@ def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None
     for e in entries:
         e.pin = e.pin or bool(pins & {e.name, *e.aliases})
     backend, why = choose_backend(settings.backend)
+    if worker is None:
+        from .workers import resolve_count, serve_workers
+
+        n = resolve_count(settings, backend)
+        if n > 1:  # N HTTP processes in front of the engine process(es)
+            return serve_workers(settings, n, loading)
     for flag, f in (
         ("--ssl-certfile", settings.ssl_certfile),
         ("--ssl-keyfile", settings.ssl_keyfile),
@@ -348,7 +367,7 @@ def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None
         )  # LoRA: 1st model
         sp = spec if (spec is not None and e.model == settings.model) else resolve(s.model, allow_download=offline)
         be = backend if s.backend == settings.backend else choose_backend(s.backend)[0]
-        engine = make_engine(s, be, sp)
+        engine = make_engine(s, be, sp) if worker is None else worker[1]()
         engine.on_fatal = fatal
         engine.model.ops.end_thread()  # this thread is done with the device (MLX: its streams)
         return engine, sp
@@ -398,6 +417,10 @@ def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None
             return
         while not server.started and not server.should_exit:
             time.sleep(0.05)
+        if worker is not None:  # the supervisor prints the ready line once every worker listens
+            if server.started:
+                worker[2]()
+            return
         print(
             json.dumps(
                 {
@@ -415,7 +438,7 @@ def serve(settings: Settings, loading: Callable[[ModelEntry], Any] | None = None
         )
 
     threading.Thread(target=load, name="swiftlm-load", daemon=True).start()
-    server.run()
+    server.run(sockets=[worker[0]] if worker is not None else None)
     for e in manager.entries:
         if e.engine is not None:
             e.engine.shutdown()

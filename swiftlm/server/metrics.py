@@ -8,6 +8,7 @@ names are served alongside with SwiftLM's meaning: ``swiftlm_tokens_generated_to
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -400,13 +401,23 @@ class Metrics:
     is read from the engine when /metrics is scraped."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.started = time.time()
         self.engine_collector = EngineCollector()
         self.experts = ExpertStreamCollector()
         self.steps = StepCollector()
         for c in (_Uptime(self.started), self.engine_collector, self.experts, self.steps):
-            r.register(c)
+            self.registry.register(c)
+        # --api-workers: the HTTP counters below are kept in prometheus-client's multiprocess files (one set
+        # per worker process, in PROMETHEUS_MULTIPROC_DIR) and every scrape sums all workers' files
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            MultiProcessCollector(self.registry, path=shared)
+            r = CollectorRegistry()  # the counters' own registry: never rendered (the files are)
+        else:
+            r = self.registry
         self.requests = Counter("swiftlm_requests", "Requests accepted by the API routes", ["route"], registry=r)
         self.errors = Counter(
             "swiftlm_request_errors",
@@ -441,6 +452,14 @@ class Metrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
         )
+
+    def requests_total(self) -> int:
+        """Requests accepted by the API routes, every API worker's (the rendered registry's sum)."""
+        total = 0.0
+        for fam in self.registry.collect():
+            if fam.name == "swiftlm_requests":
+                total += sum(x.value for x in fam.samples if x.name == "swiftlm_requests_total")
+        return int(total)
 
     def count_error(self, status: int, where: str = "response") -> None:
         """Count one error answered to a client: ``status`` of the response, or, for an error
