@@ -56,10 +56,11 @@ run() {  # label "serve flags" "N list"
   kill $pid; wait $pid 2>/dev/null
 }
 
-run A "--api-workers 1" "${A_NS:-1 64 128 256}"
-run B "--api-workers 2" "256"
-run C "--data-parallel 2 --api-workers 2" "256"
-run D "--tensor-parallel 2" "1 64 128"
+RUNS=" ${RUNS:-A B C D} "  # which of the four servers to run
+[[ $RUNS == *" A "* ]] && run A "--api-workers 1" "${A_NS:-1 64 128 256}"
+[[ $RUNS == *" B "* ]] && run B "--api-workers 2" "256"
+[[ $RUNS == *" C "* ]] && run C "--data-parallel 2 --api-workers 2" "256"
+[[ $RUNS == *" D "* ]] && run D "--tensor-parallel 2" "1 64 128"
 
 PYTHONPATH=/tmp/site $PY - "$OUT" <<'PYEOF'
 import json, sys
