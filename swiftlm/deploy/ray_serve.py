@@ -11,8 +11,8 @@ Two deployments make the application:
   in the route's shape and the replica's actor exits, so Ray drops it from routing at once and starts a new one.
 - ``SwiftLMIngress`` (Ray's HTTP proxy sends it every request): reads the body, computes the prompt's affinity
   key (``swiftlm.deploy.affinity``) and calls a replica through a handle whose request router
-  (``PrefixAffinityRouter``) sends a key to its home replica, or to the less loaded of two others when the home
-  has ``max_ongoing_requests`` in flight.  Requests without a key go to the less loaded of two random replicas.
+  (``PrefixAffinityRouter``) sends a key to its home replica, or to the least loaded other one when the home has
+  ``affinity_slack`` more requests in flight than that one, or ``max_ongoing_requests``.  Requests without a key go to the less loaded of two random replicas.
   A request whose replica fails before answering (it died, or its server is gone) is retried on another; a
   stream whose replica dies mid-way ends with an error event.  Status, body and content type are the replica's
   server's own, so the OpenAI, Anthropic, Responses and Ollama routes are unchanged; each response also says
@@ -73,6 +73,9 @@ class RayServeArgs(BaseModel):
     num_cpus: float = Field(1, ge=0, description="CPUs per replica (Ray's logical resource)")
     max_ongoing_requests: int = Field(64, ge=1, description="requests one replica holds before others get them")
     affinity_chars: int = Field(AFFINITY_CHARS, ge=0, description="prefix length of the affinity key (0: off)")
+    affinity_slack: int = Field(
+        16, ge=1, description="a prompt leaves its home replica when that has this many more requests in flight"
+    )
     ready_timeout_s: float = Field(1800, gt=0, description="how long a replica may take to load its model")
     drain_timeout_s: float = Field(600, gt=0, description="how long a removed replica may finish its streams")
     health_check_period_s: float = Field(2, gt=0, description="how often Ray checks a replica")
@@ -201,9 +204,13 @@ class SwiftLMReplica:
 
 # ---------------------------------------------------------------------------------------------- routing
 class PrefixAffinityRouter(FIFOMixin, LocalityMixin, RequestRouter):
-    """A request with an affinity key goes to its home replica (rendezvous hashing over the replica ids), or when
-    that one is full (``max_ongoing_requests``) to the less loaded of the others; a request without a key to the
-    less loaded of two random replicas."""
+    """A request with an affinity key goes to its home replica (rendezvous hashing over the replica ids) unless
+    that one has ``slack`` or more requests in flight beyond the least loaded other one (Ray's cached queue
+    lengths), or is full (``max_ongoing_requests``): then to the least loaded other.  A request without a key goes
+    to the less loaded of two random replicas."""
+
+    def initialize_state(self, slack: int = 16, **kwargs: Any) -> None:
+        self.slack = max(1, int(slack))
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -214,8 +221,16 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, RequestRouter):
         if key is None or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = [by_id[i] for i in rank(key, by_id)]
-        return [order[:1], order[1:]]
+        home, *others = [by_id[i] for i in rank(key, by_id)]
+        cache = self.replica_queue_len_cache
+
+        def load(r: RunningReplica) -> int:
+            return cache.get(r.replica_id) or 0
+
+        others.sort(key=load)
+        if load(home) - load(others[0]) >= getattr(self, "slack", 16):
+            return [others, [home]]
+        return [[home], others]
 
 
 # ---------------------------------------------------------------------------------------------- the ingress
@@ -300,7 +315,9 @@ def build_app(args: RayServeArgs | dict[str, Any] | None = None) -> Any:
         health_check_period_s=a.health_check_period_s,
         health_check_timeout_s=max(30.0, a.health_check_period_s * 5),
         graceful_shutdown_timeout_s=a.drain_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_router_kwargs={"slack": a.affinity_slack}
+        ),
         **scale,
     )
     ingress = serve.deployment(
