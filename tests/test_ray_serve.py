@@ -234,3 +234,65 @@ def test_a_replica_crash_ends_only_its_streams_and_ray_restarts_it(cluster):
         time.sleep(0.3)
     assert new is not None, "no replacement replica served a request within 120 s"
     print(f"\nreplacement replica {new} served {time.monotonic() - t_kill:.1f} s after the kill")
+
+
+# ---------------------------------------------------------------------- routing, without a cluster
+def test_affinity_key_follows_the_prompt_prefix():
+    from swiftlm.deploy.affinity import affinity_key
+
+    first = _chat("bread", 4, False)
+    later = _chat("bread", 4, False)
+    later["messages"] += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "More."}]
+    assert affinity_key(first) is not None and affinity_key(first) == affinity_key(later)
+    assert affinity_key(_chat("cakes", 4, False)) != affinity_key(first)
+    assert affinity_key(_short("Hi", 4, False)) is None  # 256 characters or fewer: no key
+    assert affinity_key(first, chars=0) is None
+    # Anthropic's system prompt and a list of text parts count; completions' prompt too
+    msgs = {"system": LONG, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
+    other = {"system": LONG, "messages": [{"role": "user", "content": "b"}]}
+    assert affinity_key(msgs) == affinity_key(other)  # the first 256 characters are the shared system prompt
+    assert affinity_key({"prompt": LONG}) == affinity_key({"prompt": [LONG + "x"]})
+    assert affinity_key({"prompt": LONG}) != affinity_key({"prompt": "x" + LONG})
+    assert affinity_key([1, 2]) is None and affinity_key({"messages": "nope"}) is None
+
+
+def test_rendezvous_moves_only_the_removed_replicas_keys():
+    from swiftlm.deploy.affinity import rank
+
+    keys = [f"{i:016x}" for i in range(400)]
+    three = {k: rank(k, ["a", "b", "c"])[0] for k in keys}
+    two = {k: rank(k, ["a", "c"])[0] for k in keys}
+    assert {k: h for k, h in three.items() if h != "b"} == {k: h for k, h in two.items() if three[k] != "b"}
+    assert {two[k] for k in keys if three[k] == "b"} == {"a", "c"}  # b's keys spread over the others
+    assert 100 < sum(h == "b" for h in three.values()) < 170  # about a third each
+
+
+def test_router_sends_a_key_home_and_spills_past_the_slack():
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from swiftlm.deploy.affinity import rank
+    from swiftlm.deploy.ray_serve import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # the routing policy alone, without Ray's state
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router.initialize_state(slack=4)
+    dep = DeploymentID(name="SwiftLMReplica", app_name="swiftlm")
+    reps = [SimpleNamespace(replica_id=ReplicaID(unique_id=u, deployment_id=dep)) for u in ("r1", "r2", "r3")]
+    ids = lambda ranks: [[r.replica_id.unique_id for r in rank_] for rank_ in ranks]  # noqa: E731
+    choose = lambda key: ids(asyncio.run(router.choose_replicas(reps, SimpleNamespace(kwargs={"affinity_key": key}))))  # noqa: E731
+    home, *rest = rank("00ff", ["r1", "r2", "r3"])
+    assert choose("00ff")[0] == [home]
+    assert sorted(choose("00ff")[1]) == sorted(rest)
+    cache = router._replica_queue_len_cache
+    rid = {r.replica_id.unique_id: r.replica_id for r in reps}
+    cache.update(rid[home], 5)
+    cache.update(rid[rest[0]], 2)
+    assert choose("00ff") == [[rest[1], rest[0]], [home]]  # 5 - 0 >= 4: the least loaded others first
+    cache.update(rid[rest[1]], 3)
+    assert choose("00ff") == [[home], [rest[0], rest[1]]]  # 5 - 2 < 4: home
+    no_key = ids(asyncio.run(router.choose_replicas(reps, SimpleNamespace(kwargs={}))))
+    assert len(no_key) == 1 and len(no_key[0]) == 2 and set(no_key[0]) <= {"r1", "r2", "r3"}
