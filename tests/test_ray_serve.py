@@ -296,3 +296,25 @@ def test_router_sends_a_key_home_and_spills_past_the_slack():
     assert choose("00ff") == [[home], [rest[0], rest[1]]]  # 5 - 2 < 4: home
     no_key = ids(asyncio.run(router.choose_replicas(reps, SimpleNamespace(kwargs={}))))
     assert len(no_key) == 1 and len(no_key[0]) == 2 and set(no_key[0]) <= {"r1", "r2", "r3"}
+
+
+def test_only_the_ray_serve_module_imports_ray():
+    """Ray stays an extra: no module of swiftlm but swiftlm/deploy/ray_serve.py imports it, and that one imports
+    neither torch nor mlx (a Ray cluster's ingress node needs neither)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    importers: dict[str, set[str]] = {}
+    for f in [*(root / "swiftlm").rglob("*.py"), *(root / "backends").rglob("*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for n in names:
+                importers.setdefault(n.split(".")[0], set()).add(f.relative_to(root).as_posix())
+    assert importers["ray"] == {"swiftlm/deploy/ray_serve.py"}
+    deploy = {p for mods in ("torch", "mlx") for p in importers.get(mods, ()) if p.startswith("swiftlm/deploy/")}
+    assert deploy == set()

@@ -60,7 +60,7 @@ _BROADCAST = frozenset(
 
 
 def prefix_key(prefix: Sequence[Any]) -> bytes:
-    """The affinity key of a prompt's first items (tokens here; characters in swiftlm.deploy.ray_serve)."""
+    """The affinity key of a prompt's first items (tokens here; characters in swiftlm.deploy.affinity)."""
     return hashlib.blake2b(repr(list(prefix)).encode(), digest_size=8).digest()
 
 
