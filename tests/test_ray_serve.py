@@ -101,14 +101,12 @@ def cluster(bundled_gguf):
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {"model": str(bundled_gguf), "replicas": 2, "serve_args": " ".join(FLAGS), "health_check_period_s": 1}
-        )
-        serve.run(app, name="swiftlm", route_prefix="/")
+        args = {"model": str(bundled_gguf), "replicas": 2, "serve_args": " ".join(FLAGS), "health_check_period_s": 1}
+        serve.run(build_app(args), name="swiftlm", route_prefix="/")
         starting.join()
         (ref,) = refs
         print(f"\nRay Serve with two replicas and the reference server up in {time.monotonic() - t0:.1f} s")
-        yield f"http://127.0.0.1:{port}", ref.base
+        yield f"http://127.0.0.1:{port}", ref.base, args
     finally:
         try:
             serve.shutdown()
@@ -147,7 +145,7 @@ def _streams_on_both(base: str, make, n_max: int = 12) -> list[Stream]:
 
 
 def test_two_replicas_stream_what_one_engine_says(cluster):
-    base, ref = cluster
+    base, ref, _ = cluster
     topics = ["bread", "cakes", "opening hours", "flour", "ovens", "croissants", "prices", "delivery", "rye", "tarts"]
     streams = _streams_on_both(base, lambda i: _chat(topics[i], 24, True))
     for s in streams:
@@ -159,7 +157,7 @@ def test_two_replicas_stream_what_one_engine_says(cluster):
 
 
 def test_prefix_affinity_keeps_a_conversation_on_one_replica(cluster):
-    base, _ = cluster
+    base, _, _ = cluster
     for topic in ("bread", "cakes", "rye"):
         replicas = set()
         for turn in range(3):  # one conversation's prefix (system prompt + first message), growing
@@ -172,7 +170,7 @@ def test_prefix_affinity_keeps_a_conversation_on_one_replica(cluster):
 
 
 def test_routes_and_errors_pass_through_unchanged(cluster):
-    base, ref = cluster
+    base, ref, _ = cluster
     body = {"model": "default", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
     via, direct = (
         httpx.post(b + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}, timeout=120)
@@ -190,7 +188,7 @@ def test_routes_and_errors_pass_through_unchanged(cluster):
 
 
 def test_a_replica_crash_ends_only_its_streams_and_ray_restarts_it(cluster):
-    base, ref = cluster
+    base, ref, _ = cluster
     n_tokens = 96
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     streams = _streams_on_both(base, lambda i: _short(f"Write a long story about {words[i]}.", n_tokens, True))
@@ -234,6 +232,34 @@ def test_a_replica_crash_ends_only_its_streams_and_ray_restarts_it(cluster):
         time.sleep(0.3)
     assert new is not None, "no replacement replica served a request within 120 s"
     print(f"\nreplacement replica {new} served {time.monotonic() - t_kill:.1f} s after the kill")
+
+
+def test_removing_a_replica_finishes_its_streams(cluster):
+    """Scaling 2 -> 1 while both replicas stream: Ray stops the removed replica only after its streams end."""
+    from ray import serve
+
+    from swiftlm.deploy.ray_serve import build_app
+
+    base, ref, args = cluster
+    words = ["oak", "pine", "birch", "elm", "ash", "fir", "yew", "lime", "beech", "maple", "cedar", "larch"]
+    body = lambda i: _short(f"Describe a walk among {words[i]} trees.", 96, True)  # noqa: E731
+    streams = _streams_on_both(base, body)
+    for s in streams:
+        assert s.first.wait(60) and s.events
+    assert all(s.thread.is_alive() for s in streams)  # every stream is mid-way when the removal starts
+    serve.run(build_app({**args, "replicas": 1}), name="swiftlm", route_prefix="/")  # returns once it is done
+    for s in streams:
+        s.join()
+        assert s.error is None and s.events[-1] == "[DONE]", s.events[-1:]
+    want = _references(ref, [{**body(i), "stream": False} for i in range(len(streams))])
+    assert [s.text for s in streams] == want
+    served = {
+        httpx.post(base + "/v1/chat/completions", json=_short(f"Name a tree {i}.", 4, False), timeout=120).headers[
+            "x-swiftlm-replica"
+        ]
+        for i in range(3)
+    }
+    assert len(served) == 1 and served <= {s.replica for s in streams}
 
 
 # ---------------------------------------------------------------------- routing, without a cluster
