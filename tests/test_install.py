@@ -35,7 +35,12 @@ PROMPT = "What is the capital of France?"
 REQUIRED_WHEEL_PLATFORMS = re.compile(r"^(any|manylinux\w+|musllinux\w+|macosx\w+|win\w+)$")
 
 
-def built_locally(site_packages: Path, own: tuple[str, ...] = ("swiftlm",)) -> list[str]:
+# Projects whose PyPI wheels are manylinux by file name but keep the bare build tag inside their WHEEL file (the
+# file is renamed after the build): ray-2.60.0-cp311-cp311-manylinux2014_x86_64.whl says "Tag: cp311-cp311-linux_x86_64".
+RENAMED_WHEELS = ("ray",)
+
+
+def built_locally(site_packages: Path, own: tuple[str, ...] = ("swiftlm", *RENAMED_WHEELS)) -> list[str]:
     """Distributions in ``site_packages`` that were built on this machine (see the module docstring)."""
     bad = []
     for info in sorted(site_packages.glob("*.dist-info")):

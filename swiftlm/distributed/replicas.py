@@ -60,6 +60,11 @@ _BROADCAST = frozenset(
 )
 
 
+def prefix_key(prefix: Sequence[Any]) -> bytes:
+    """The affinity key of a prompt's first items (tokens here; characters in swiftlm.deploy.affinity)."""
+    return hashlib.blake2b(repr(list(prefix)).encode(), digest_size=8).digest()
+
+
 class ReplicaSet:
     def __init__(
         self,
@@ -126,7 +131,7 @@ class ReplicaSet:
         k = self.affinity_tokens
         if len(prompt) <= k:
             return None
-        return hashlib.blake2b(repr(list(prompt[:k])).encode(), digest_size=8).digest()
+        return prefix_key(prompt[:k])
 
     def route(self, prompt: Sequence[int], skip: frozenset[int] = frozenset()) -> int:
         """The replica for ``prompt`` (see the module docstring).  Call under ``_lock``."""
