@@ -414,6 +414,31 @@ def m_tq_cpu(docs: list) -> str:
     )
 
 
+def m_kv_serve(docs: list) -> str:
+    """Each KV format through `swiftlm serve`, as ratios to the 16-bit cache of the same run."""
+    rows = []
+    for i, j in enumerate(docs):  # the second run: its concurrent streams only (its single streams are older code)
+        for fmt, rs in j["rows"].items():
+            if fmt == "16bit":
+                continue
+            for r, q in zip(rs, j["ratios"][fmt]):
+                if i and r.get("streams", 1) == 1:
+                    continue
+                rows.append(
+                    [
+                        fmt,
+                        f"{r['prompt_tokens']:,}",
+                        r.get("streams", 1),
+                        f"{r['ttft_ms_p50'] / 1e3:.2f} s",
+                        f"**{x2(q['ttft'])}**",
+                        f"{r['itl_ms_p50']:.2f} ms",
+                        f"**{x2(q['itl_p50'])}**",
+                    ]
+                )
+    head = ["format", "prompt", "streams", "time to first token", "vs 16-bit", "inter-token p50", "vs 16-bit"]
+    return table(head, rows)
+
+
 def m_tq_h100(docs: list) -> str:
     t, a32, a128 = docs
     rows = []
@@ -734,6 +759,19 @@ MEASURES = [
         m_tq_memory,
         notes="`scripts/bench_turboquant.py --memory`: the bytes every tensor of a cache filled to 8,192 positions holds "
         "(codes, norms, QJL signs, the 16-bit window), against the layout formula of `swiftlm/turboquant/presets.py`.",
+    ),
+    Measure(
+        "Long context: TurboQuant and kv_bits",
+        "Time to first token and inter-token latency through `swiftlm serve` (H100)",
+        ["h100_kv_formats_serve.json", "h100_kv_formats_serve_8streams.json"],
+        H100,
+        m_kv_serve,
+        notes="`scripts/bench_kv_formats_serve.py` (`scripts/gpu_kv_formats.sh serve`): a random-weight Llama-3-8B shape "
+        "served once per KV format, random-token prompts sent as ids, 128 new tokens (768 with 8 streams), the 16-bit "
+        "cache in the same run; ratios are the format's time over 16-bit's (below 1: faster). Prompts are held in 16 "
+        "bits while they prefill and compressed when they end (`--turbo-kv-prompt-memory`, 4GB); with 8 streams of "
+        "32K only one prompt fits it at a time. These are the figures a user sees; the decode-step tables below "
+        "explain them.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
