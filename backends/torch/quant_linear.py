@@ -2,14 +2,22 @@
 layout (FP8 ``[N, K]`` with per-row or block scales; 4-bit codes ``[N, K/8]`` with group scales and zero points)
 and computes ``y = x @ W.T (+ b)``.  The model's projections hand it to ``linear_rows.rows_linear`` / ``linear``
 wherever a weight tensor would go (the one branch of the forward), so fused QKV and gate/up, CUDA graphs, the
-batched decode step and prompt chunks all run through ``__call__``:
+batched decode step and prompt chunks all run through ``__call__``.
 
-- on CUDA, FP8 with per-row scales and more than 16 rows: ``torch._scaled_mm`` (FP8 tensor cores, Hopper and
-  Ada) with dynamic per-row activation scales;
-- on CUDA otherwise (1-16 rows; int4 and block-scaled FP8 at any row count): the Triton kernel of
-  cuda_ext/quant_gemv.py, which dequantises the weight in registers;
-- anywhere else (the CPU; 8-bit integer codes, kept as the dequantised ``dense`` weight): ``F.linear`` on the
-  dequantised weight.
+On CUDA the way a call runs is looked up by (format, rows) in ``PATHS`` (``path_for``):
+
+- ``kernel``: the Triton kernel of cuda_ext/quant_gemv.py, which dequantises the weight tile in registers
+  (the GEMV of one decode row; a ``tl.dot`` GEMM for a few rows);
+- ``scaled_mm``: FP8 with per-row scales only: ``torch._scaled_mm`` (FP8 tensor cores, Hopper and Ada), the
+  activations rounded to FP8 per row by one Triton launch (``act_quant_fp8``);
+- ``dequant``: the weight dequantised into a scratch buffer of the model's dtype (one pass over the packed
+  weight), then cuBLAS.  The bytes moved are ~1.5x (FP8) / ~1.25x (int4) those of the 16-bit weight, so it
+  is slower than 16-bit weights, but at many rows it beats a dequantising GEMM that is not tuned for them.
+
+Anywhere else (the CPU; 8-bit integer codes, kept as the dequantised ``dense`` weight): ``F.linear`` on the
+dequantised weight.  ``SWIFTLM_QUANT_PATHS`` overrides table entries (``fp8:16=scaled_mm,int4:1=dequant``: the
+rows bound of an existing entry, or a new bound) for A/B runs; scripts/bench_quant_serve.py times every path
+and launch configuration on the 8B shapes and prints the table the timings pick.
 
 Every path is free of host synchronisation and keeps shapes static, so a CUDA graph captures it.
 ``dequantized()`` is the same weight as quant_weights.dequantize_state gives (the reference; tests check it).
@@ -24,10 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftlm.cuda_ext import enabled as _kernels_enabled
 from swiftlm.quant_config import QuantScheme
 
 from . import quant_unpack as U
 from .quant_weights import DROPPED, dequantize_state, quantized_layers
+
+QG = None  # the kernels (Triton): imported where CUDA is, else every call takes the dequantised F.linear
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        from swiftlm.cuda_ext import quant_gemv as QG
+    except ImportError:  # pragma: no cover - no triton on this platform
+        QG = None
 
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -48,11 +64,83 @@ _KERNELS: dict[str, bool] = {}
 
 def kernels_ok() -> bool:
     """The Triton kernels run on CUDA here (self-checked once per process by ``cuda_ext.enabled``)."""
-    if "cuda" not in _KERNELS:
-        from swiftlm.cuda_ext import enabled
+    ok = _KERNELS.get("cuda")
+    if ok is None:
+        ok = _KERNELS["cuda"] = QG is not None and _kernels_enabled("cuda")
+    return ok
 
-        _KERNELS["cuda"] = enabled("cuda")
-    return _KERNELS["cuda"]
+
+KERNEL, SCALED_MM, DEQUANT = "kernel", "scaled_mm", "dequant"
+# (format, rows up to) -> path; the first bound >= the call's rows wins.  From the first H100 run
+# (docs/results/quant_formats_h100.json, 8B shapes, us against bf16 cuBLAS):
+# - fp8 (per-row): 1 row the GEMV (down 25 vs 43, 1.7x); 16 rows the kernel (gate_up 48 vs 84, down 48 vs 46);
+#   more rows _scaled_mm (gate_up 80 vs 90; down 74 vs 54, its activation rounding was seven launches then,
+#   one now); a dequantising pass would add ~0.5x of a 16-bit weight read to cuBLAS's time, so never wins here;
+# - fp8-block: the kernel at 16 / 128 rows took 318-2783 us (0.03-0.14x): from 2 rows the weight dequantised
+#   (est. ~1.5x the bf16 time: read 1 byte, write 2, GEMM reads 2);
+# - int4: 16 rows 98-162 us (0.5x), 128 rows 682-889 (0.08-0.10x): the kernel up to 16 rows (now one row block
+#   per program), dequant beyond (est. ~1.25x the bf16 time).
+PATHS: dict[str, list[tuple[int, str]]] = {
+    "fp8": [(16, KERNEL), (1 << 30, SCALED_MM)],
+    "fp8-block": [(1, KERNEL), (1 << 30, DEQUANT)],
+    "int4": [(16, KERNEL), (1 << 30, DEQUANT)],
+}
+
+
+def set_paths(spec: str) -> None:
+    """``fmt:rows=path,...`` into ``PATHS`` (a bound of the table replaced, or a new bound added)."""
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, path = item.split("=")
+        fmt, rows = key.split(":")
+        if fmt not in PATHS or path not in (KERNEL, SCALED_MM, DEQUANT) or (path == SCALED_MM and fmt != "fp8"):
+            raise ValueError(f"SWIFTLM_QUANT_PATHS: {item!r} is not format:rows=path of {sorted(PATHS)}")
+        table = dict(PATHS[fmt])
+        table[int(rows)] = path
+        PATHS[fmt] = sorted(table.items())
+
+
+if os.environ.get("SWIFTLM_QUANT_PATHS"):
+    set_paths(os.environ["SWIFTLM_QUANT_PATHS"])
+
+
+def path_for(fmt: str, rows: int) -> str:
+    for bound, path in PATHS[fmt]:
+        if rows <= bound:
+            return path
+    return PATHS[fmt][-1][1]
+
+
+def paths_table() -> str:
+    """``PATHS`` as one line per format (printed by the GPU benchmark)."""
+    out = []
+    for fmt, table in PATHS.items():
+        merged: list[list] = []
+        for bound, path in table:  # neighbouring bounds of one path as one range
+            if merged and merged[-1][1] == path:
+                merged[-1][0] = bound
+            else:
+                merged.append([bound, path])
+        lo, parts = 1, []
+        for bound, path in merged:
+            parts.append(f"{lo}-{bound if bound < 1 << 30 else 'inf'}: {path}")
+            lo = bound + 1
+        out.append(f"{fmt:9} " + ", ".join(parts))
+    return "\n".join(out)
+
+
+_SCRATCH: list[torch.Tensor] = []
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of at least ``numel`` elements for a dequantised weight, shared by every layer (the calls of
+    one stream run one after another).  Buffers are never freed: a CUDA graph that captured a call keeps
+    writing into the buffer it captured, so a smaller one that a larger weight outgrew stays allocated."""
+    for buf in reversed(_SCRATCH):
+        if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
+            return buf[:numel]
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    _SCRATCH.append(buf)
+    return buf
 
 
 @dataclass
@@ -113,36 +201,42 @@ class QuantLinear:
             w = w[:, torch.argsort(self.perm)]
         return w.to(dtype)
 
+    @property
+    def fmt(self) -> str:
+        """The ``PATHS`` key: ``fp8`` (per-row scales), ``fp8-block`` or ``int4``."""
+        return "fp8-block" if self.block is not None else self.kind
+
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kind == "dense":
-            y = F.linear(x2, self.weight.to(x.dtype))
-        else:
+            y = F.linear(x2, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype))
+        elif x.is_cuda and kernels_ok():
             if self.perm is not None:
                 x2 = x2.index_select(1, self.perm)
-            y = self._cuda(x2) if x.is_cuda and kernels_ok() else None
-            if y is None:  # the CPU: the weight dequantised for this call, in the kernels' column order
-                w = self.dequantized(x.dtype)
-                y = F.linear(x2, w if self.perm is None else w[:, self.perm])
+            y = self._cuda(x2 if x2.is_contiguous() else x2.contiguous(), path_for(self.fmt, x2.shape[0]))
+        else:  # the CPU: the weight dequantised for this call (in the checkpoint's column order)
+            y = F.linear(x2, self.dequantized(x.dtype))
         if b is not None:
             y = y + b
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if len(shape) == 2 else y.reshape(*shape[:-1], self.out_features)
 
-    def _cuda(self, x: torch.Tensor) -> torch.Tensor:
-        from swiftlm.cuda_ext.quant_gemv import fp8_linear, int4_linear
-
-        x = x.contiguous()
+    def _cuda(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """``x`` [M, K] (contiguous; act-order columns already gathered) through ``path``."""
+        if path == SCALED_MM and self.kind == "fp8" and self.block is None and scaled_mm_ok(x.device):
+            if self.weight.shape[1] % 16 == 0 == self.weight.shape[0] % 16:
+                return fp8_scaled_mm(x, self.weight, self.scale)
+        if path == DEQUANT:
+            N, K = self.shape
+            w = scratch(N * K, x.dtype, x.device).view(N, K)
+            if self.kind == "int4":
+                QG.int4_dequant(self.weight, self.scale, self.zeros, self.group, w)
+            else:
+                QG.fp8_dequant(self.weight, self.scale, self.block, w)
+            return F.linear(x, w)
         if self.kind == "int4":
-            return int4_linear(x, self.weight, self.scale, self.zeros, self.group)
-        if (
-            self.block is None
-            and x.shape[0] > 16
-            and scaled_mm_ok(x.device)
-            and self.weight.shape[1] % 16 == 0 == self.weight.shape[0] % 16
-        ):
-            return fp8_scaled_mm(x, self.weight, self.scale)
-        return fp8_linear(x, self.weight, self.scale, self.block)
+            return QG.int4_linear(x, self.weight, self.scale, self.zeros, self.group)
+        return QG.fp8_linear(x, self.weight, self.scale, self.block)
 
 
 class QuantProj(nn.Module):
@@ -179,11 +273,16 @@ def scaled_mm_ok(device: torch.device) -> bool:
 
 
 def fp8_scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (16-bit) @ (w8 [N, K] * scale [N]).T on FP8 tensor cores: x quantized per row on the fly (its
-    absolute maximum to 448; no host sync), rowwise float32 scales for both operands, output in x's dtype."""
-    sx = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    x8 = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """x [M, K] (16-bit, contiguous) @ (w8 [N, K] * scale [N]).T on FP8 tensor cores: x quantized per row on the
+    fly (its absolute maximum to 448; one Triton launch, no host sync), rowwise float32 scales for both
+    operands, output in x's dtype."""
+    x8, sx = QG.act_quant_fp8(x) if kernels_ok() else _act_quant(x)
     return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+
+def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sx = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
 
 
 def quantize_fp8(w: torch.Tensor) -> QuantLinear:
