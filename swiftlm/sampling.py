@@ -1,7 +1,7 @@
 """Sampling parameters, their validation, per-sequence sampler state, and the array-ops shims.
 
-The sampler itself is ``sampler.py`` (batched, on the device); ``sample_row`` here is that
-sampler on one row.  The 1-D helpers (``apply_penalties``, ``truncate``, ``masked_logits``)
+The sampler itself is ``sampler.py`` (batched, on the device; ``sampler.sample_row`` is that
+sampler on one row).  The 1-D helpers (``apply_penalties``, ``truncate``, ``masked_logits``)
 give the same distribution for speculative decoding's acceptance test.  Each backend hands
 its own ops (mlx.core, torch) so logits never leave the device; ``NumpyOps`` is the reference.
 
@@ -221,16 +221,6 @@ def masked_logits(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sam
     if state.constraint is not None:  # only tokens that keep the output valid under the grammar
         x = ops.where(ops.from_numpy(state.constraint.allowed()), x, NEG_INF)
     return x
-
-
-def sample_row(
-    ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
-) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs).
-    The batched sampler (``sampler.py``) on a batch of one: the same draw as in any batch."""
-    from .sampler import sample_one
-
-    return sample_one(ops, logits, params, state)
 
 
 class NumpyOps:
