@@ -70,6 +70,9 @@ class SeqWork:
     params: SamplingParams
     state: SamplerState
     media: Any = None  # media.MediaInputs on a media prompt's (single) prefill chunk
+    # the sequence's KV format (turboquant.presets.KVFormat), decided at admission (Sequence.kv_format);
+    # None: the model's own default (``kv_default``), e.g. a batch built by hand
+    kv_format: Any = None
 
 
 @dataclass

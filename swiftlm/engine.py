@@ -35,6 +35,7 @@ from .prompt_side import PromptSide, QueueFull, pooled  # noqa: F401 (QueueFull,
 from .scheduler import Scheduler
 from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram  # noqa: F401
 from .timers import StepLog, StepTimers
+from .turboquant.presets import KVFormat
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self._next_expiry_check = 0.0
         self.tokenizer = model.tokenizer
         self.info = model.info
+        # the served KV format (--turbo-kv): a request's own fields override it, decided at admission
+        self.kv_default: KVFormat = getattr(model, "kv_default", KVFormat())
         self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
         self.default_max_tokens = default_max_tokens
         self.max_queue = max_queue
@@ -334,7 +337,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         enabled = self.prefix_cache.enabled or (self.kv_blocks is not None and self.kv_blocks.prefix_caching)
         return (
             enabled
-            and not self._compressed_kv(live.seq.params)
+            and not live.seq.kv_format.compressed  # the prompt cache holds 16-bit rows
             and live.seq.media is None
             and not live.seq.params.adapter
         )  # LoRA: own KV
@@ -448,9 +451,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
     def kv_stats(self) -> dict[str, Any]:
         """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
         compression ratio achieved (16-bit bytes / bytes held)."""
-        from .turboquant.presets import KVFormat
-
-        fmt = getattr(self.model, "kv_default", KVFormat())
+        fmt = self.kv_default
         stats = getattr(self.model, "kv_stats", None)
         try:
             s = stats() if stats is not None else None
@@ -472,21 +473,10 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         format is the one the model pages (the server's --turbo-kv default), else a cache of its own."""
         if not self.scheduler.managed:
             return
-        fmt = self._kv_format(live.seq.params)
+        fmt = live.seq.kv_format
         if fmt.compressed:
             live.seq.paged = False
             live.seq.codes = fmt == self.code_format
-
-    def _compressed_kv(self, params: Any) -> bool:
-        """Requests with a compressed KV cache (TurboQuant / kv_bits) do not use the prompt cache,
-        whose entries hold 16-bit rows."""
-        return self._kv_format(params).compressed
-
-    def _kv_format(self, params: Any) -> Any:
-        """A request's KV format (``turboquant.presets.KVFormat``): its field, else the model's default."""
-        from .turboquant.presets import KVFormat, request_format
-
-        return request_format(params, getattr(self.model, "kv_default", KVFormat()))
 
     def _finish(self, live: _Live, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Drop the sequence (KV, scheduler, draft state); with ``notify`` tell the caller through

@@ -15,6 +15,7 @@ from .outputs import Sink
 from .prompt_side import pooled
 from .sampling import SamplerState, SamplingParams
 from .scheduler import Sequence
+from .turboquant.presets import admitted_format
 
 
 @dataclass
@@ -122,7 +123,8 @@ class EngineRequests:
             from .chat.structured import Constraint
 
             state.constraint = Constraint(self.tokenizer, params.grammar, self.info.vocab_size)
-        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=media)
+        fmt = admitted_format(params.kv_request, self.kv_default)  # the request's KV format, decided here once
+        seq = Sequence(seq_id, list(prompt_tokens), params, state, media=media, kv_format=fmt)
         state.prompt_tokens = seq.prompt_tokens
         state.output_tokens = seq.output_tokens
         return _Live(seq, submitted)

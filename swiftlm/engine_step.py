@@ -82,7 +82,10 @@ class EngineStep:
             and self._can_overlap(batch, fwd)
         ):
             nb = StepBatch(
-                [SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state) for w in batch.seqs],
+                [
+                    SeqWork(w.seq_id, [0], w.start_pos + len(w.tokens), True, w.params, w.state, kv_format=w.kv_format)
+                    for w in batch.seqs
+                ],
                 input_ids=pending.tokens,
             )
             tn = time.perf_counter()

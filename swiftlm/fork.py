@@ -111,7 +111,7 @@ class ForkGroups:
                 m.fork = (kind, handle, n)
                 waiting.appendleft(m.seq)
             for m in members:
-                extra.append(SeqWork(m.seq.seq_id, [], n, True, m.seq.params, m.seq.state))
+                extra.append(SeqWork(m.seq.seq_id, [], n, True, m.seq.params, m.seq.state, kv_format=m.seq.kv_format))
                 idx.append(j)
         return extra, idx
 

@@ -343,9 +343,10 @@ def _width(x: Any) -> int:
     return int(x.shape[-1])
 
 
-def sample_one(
+def sample_row(
     ops: Any, logits: Any, params: SamplingParams, state: SamplerState
 ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """One row (1-D logits) through the batched sampler: the same arithmetic as a batch."""
+    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs).  The batched
+    sampler on a batch of one: the same arithmetic, the same draw as in any batch."""
     s = launch(ops, ops.one_row(logits), [Row(params, state)]).finish()[0]
     return s.token, s.logprob, s.top_logprobs

@@ -1,7 +1,7 @@
 """Sampling parameters, their validation, per-sequence sampler state, and the array-ops shims.
 
-The sampler itself is ``sampler.py`` (batched, on the device); ``sample_row`` here is that
-sampler on one row.  The 1-D helpers (``apply_penalties``, ``truncate``, ``masked_logits``)
+The sampler itself is ``sampler.py`` (batched, on the device; ``sampler.sample_row`` is that
+sampler on one row).  The 1-D helpers (``apply_penalties``, ``truncate``, ``masked_logits``)
 give the same distribution for speculative decoding's acceptance test.  Each backend hands
 its own ops (mlx.core, torch) so logits never leave the device; ``NumpyOps`` is the reference.
 
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .errors import InvalidRequest
+from .turboquant.presets import KVFieldError, KVFormat, request_override
 
 MAX_TOP_LOGPROBS = 20
 
@@ -55,6 +56,9 @@ class SamplingParams:
     kv_bits: int | None = None  # or affine-quantized KV (4 or 8 bits, kv_group_size coordinates per group)
     kv_group_size: int = 64
     adapter: str | None = None  # a LoRA adapter served on the model (--adapter NAME=PATH); None: the base
+    # not a request field: set by validate(), turbo_kv / kv_bits / kv_group_size parsed (None: the served
+    # model's default format); the engine completes it once at admission (Sequence.kv_format)
+    kv_request: KVFormat | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,22 +69,11 @@ class SamplingParams:
             self.logprobs = True
 
     def _validate_kv(self, bad: Any) -> None:
-        from .turboquant.presets import GROUP_SIZES, parse_turbo
-
-        if self.kv_bits is not None:
-            if isinstance(self.kv_bits, bool) or self.kv_bits not in (4, 8):
-                raise bad("kv_bits", f"must be 4 or 8, got {self.kv_bits!r}")
-            if self.turbo_kv not in (None, "off", "none"):
-                raise bad("kv_bits", "cannot be combined with turbo_kv: choose one KV-cache format")
-        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in GROUP_SIZES:
-            raise bad("kv_group_size", f"must be one of {list(GROUP_SIZES)}, got {self.kv_group_size!r}")
-        if self.turbo_kv is not None:
-            if not isinstance(self.turbo_kv, str):
-                raise bad("turbo_kv", "must be a string: a preset name such as 'k4v3', or 'off'")
-            try:
-                parse_turbo(self.turbo_kv)
-            except ValueError as e:
-                raise bad("turbo_kv", str(e)) from None
+        """Parse the KV-cache fields once, into ``kv_request`` (the engine reads it at admission)."""
+        try:
+            self.kv_request = request_override(self.turbo_kv, self.kv_bits, self.kv_group_size)
+        except KVFieldError as e:
+            raise bad(e.param, e.msg) from None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequest:
@@ -228,16 +221,6 @@ def masked_logits(ops: ArrayOps, logits: Any, params: SamplingParams, state: Sam
     if state.constraint is not None:  # only tokens that keep the output valid under the grammar
         x = ops.where(ops.from_numpy(state.constraint.allowed()), x, NEG_INF)
     return x
-
-
-def sample_row(
-    ops: ArrayOps, logits: Any, params: SamplingParams, state: SamplerState
-) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """Sample one token from a 1-D row of logits; returns (token, logprob, top_logprobs).
-    The batched sampler (``sampler.py``) on a batch of one: the same draw as in any batch."""
-    from .sampler import sample_one
-
-    return sample_one(ops, logits, params, state)
 
 
 class NumpyOps:

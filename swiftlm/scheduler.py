@@ -31,6 +31,7 @@ from typing import Any
 
 from .backend import SeqWork, StepBatch
 from .sampling import SamplerState, SamplingParams
+from .turboquant.presets import KVFormat
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Sequence:
     kv_table: list[int] | None = None  # paged pool: the manager's live block list (Scheduler.blocks_needed)
     paged: bool = True  # its KV lives in the paged pool (False: a compressed cache of its own, no blocks)
     codes: bool = False  # its codes live in pages of the code pool (``Scheduler.code_blocks``)
+    kv_format: KVFormat = KVFormat()  # decided once at admission (``presets.admitted_format``)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -235,7 +237,15 @@ class Scheduler:
         for seq in self.running:  # decode rows first
             if not seq.in_prefill and seq.seq_id not in starved:
                 work.append(
-                    SeqWork(seq.seq_id, seq.tokens(seq.num_computed), seq.num_computed, True, seq.params, seq.state)
+                    SeqWork(
+                        seq.seq_id,
+                        seq.tokens(seq.num_computed),
+                        seq.num_computed,
+                        True,
+                        seq.params,
+                        seq.state,
+                        kv_format=seq.kv_format,
+                    )
                 )
                 budget -= 1
         chunks = 0
@@ -263,6 +273,7 @@ class Scheduler:
                         seq.params,
                         seq.state,
                         media,
+                        seq.kv_format,
                     )
                 )
                 budget -= n

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from .backend import SampledToken, SeqWork
-from .sampling import SamplerState, SamplingParams, masked_logits, sample_row, truncate
+from .sampler import sample_row
+from .sampling import SamplerState, SamplingParams, masked_logits, truncate
 
 
 def probs(ops: Any, logits: Any, params: SamplingParams, state: SamplerState) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH
 
-from swiftlm.sampler import Row, launch, sample_one, uniforms
+from swiftlm.sampler import Row, launch, sample_row, uniforms
 from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams
 
 OPS = ["numpy"] + (["mlx"] if HAS_MLX else []) + (["torch"] if HAS_TORCH else [])
@@ -79,7 +79,7 @@ def test_a_batch_equals_each_row_alone(ops):
     alone_states = _states(params, np.random.default_rng(1))
     for step in range(3):
         batch = launch(o, arr(logits), [Row(p, s) for p, s in zip(params, states)]).finish()
-        alone = [sample_one(o, arr(logits[r]), params[r], alone_states[r]) for r in range(64)]
+        alone = [sample_row(o, arr(logits[r]), params[r], alone_states[r]) for r in range(64)]
         assert [b.token for b in batch] == [a[0] for a in alone], step
         for b, a in zip(batch, alone):
             assert (b.logprob is None) == (a[1] is None)

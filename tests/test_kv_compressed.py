@@ -20,7 +20,13 @@ from swiftlm.backends.torch.compressed_cache import CompressedCache  # noqa: E40
 from swiftlm.backends.torch.kv_quant import AffineCodec, TurboCodec, pack, unpack  # noqa: E402
 from swiftlm.turboquant import TurboQuantMSE, TurboQuantProd  # noqa: E402
 from swiftlm.turboquant.packing import pack as np_pack  # noqa: E402
-from swiftlm.turboquant.presets import KVFormat, affine, parse_turbo, request_format, turbo_layout_bytes  # noqa: E402
+from swiftlm.turboquant.presets import (  # noqa: E402
+    KVFormat,
+    admitted_format,
+    affine,
+    parse_turbo,
+    turbo_layout_bytes,
+)
 
 CPU = torch.device("cpu")
 
@@ -230,11 +236,19 @@ def test_request_format_and_validation():
     from swiftlm.sampling import SamplingParams
 
     default = parse_turbo("k4v3", window=64)
+
+    def request_format(params, default):  # parsed once by validate(), completed once at admission
+        return admitted_format(params.validate().kv_request, default)
+
     assert request_format(SamplingParams(), default) == default
+    assert SamplingParams().validate().kv_request is None
     assert request_format(SamplingParams(turbo_kv="off"), default) == KVFormat()
     assert request_format(SamplingParams(turbo_kv="k3v2"), default).name == "k3v2"
     assert request_format(SamplingParams(turbo_kv="k3v2"), default).window == 64
+    assert request_format(SamplingParams(turbo_kv="k3qjl-v3"), default) == parse_turbo("k3qjl-v3", window=64)
     assert request_format(SamplingParams(kv_bits=8), KVFormat()).kind == "affine"
+    assert request_format(SamplingParams(kv_bits=4, kv_group_size=32), default) == affine(4, 32)
+    assert request_format(SamplingParams(kv_bits=8, turbo_kv="off"), default) == affine(8, 64)
     for bad, field in [
         ({"kv_bits": 3}, "kv_bits"),
         ({"kv_bits": 16}, "kv_bits"),

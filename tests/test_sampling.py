@@ -10,7 +10,8 @@ import pytest
 from conftest import HAS_MLX, HAS_TORCH
 
 from swiftlm.errors import InvalidRequest
-from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams, sample_row
+from swiftlm.sampler import sample_row
+from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams
 
 OPS = ["numpy"] + (["mlx"] if HAS_MLX else []) + (["torch"] if HAS_TORCH else [])
 V = 50

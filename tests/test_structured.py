@@ -12,7 +12,8 @@ from conftest import needs_mlx
 from swiftlm.chat.structured import Constraint, grammar_for
 from swiftlm.errors import InvalidRequest
 from swiftlm.registry import resolve
-from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams, sample_row
+from swiftlm.sampler import sample_row
+from swiftlm.sampling import NumpyOps, SamplerState, SamplingParams
 from swiftlm.tokenizer import load_gguf_tokenizer
 
 PERSON = {

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
-from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
+from swiftlm.turboquant.presets import KVFormat, settings_format
 
 from .loader import load_gguf, load_hf, supported_architectures
 from .ops import MLXOps
@@ -175,7 +175,7 @@ class MLXModel:
         the decode group in one [B, 1] forward; prefill chunks and lone rows per sequence."""
         for w in batch.seqs:
             if w.seq_id not in self.caches and w.seq_id not in self.group_ids:
-                self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
+                self.kv_formats[w.seq_id] = self.kv_default if w.kv_format is None else w.kv_format
         decode = [w for w in batch.seqs if w.sample and len(w.tokens) == 1]
         rows: dict[int, int] = {}
         batched = None

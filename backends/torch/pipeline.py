@@ -317,15 +317,13 @@ def pipeline_model_class(base: type) -> type:
 
         @torch.inference_mode()
         def forward(self, batch: StepBatch) -> Forward:
-            from swiftlm.turboquant.presets import request_format
-
             from .runner import bind_thread
 
             bind_thread(self.device)
             t_step = time.perf_counter()
             for w in batch.seqs:
                 if w.seq_id not in self.caches:
-                    self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
+                    self.kv_formats[w.seq_id] = self.kv_default if w.kv_format is None else w.kv_format
             units, batched = units_of(batch, self.micro, self.micro_min_rows)
             if sum(1 for u in units if len(batch.seqs[u[0]].tokens) == 1 and batch.seqs[u[0]].sample) > 1:
                 self.pp_stats["micro_batched_steps"] += 1

@@ -14,7 +14,7 @@ from swiftlm.config import parse_bytes
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-from swiftlm.turboquant.presets import KVFormat, request_format, settings_format
+from swiftlm.turboquant.presets import KVFormat, settings_format
 
 from . import cpu_kernels
 from .code_pages import CodePages
@@ -223,7 +223,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
         t0 = time.perf_counter()
         for w in batch.seqs:
             if w.seq_id not in self.caches:
-                self.kv_formats[w.seq_id] = request_format(w.params, self.kv_default)
+                self.kv_formats[w.seq_id] = self.kv_default if w.kv_format is None else w.kv_format
         failed: dict[int, str] = {}
         aid: dict[int, int] = {}
         if self.lora is not None or any(getattr(w.params, "adapter", None) for w in batch.seqs):

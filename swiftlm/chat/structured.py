@@ -2,7 +2,7 @@
 
 llguidance compiles the schema to a grammar and, per step, computes the set of tokens that
 keep the output a valid prefix; the sampler masks every other token before sampling (see
-``sampling.sample_row``).  Chosen over xgrammar/outlines-core because it builds its token
+``sampler.sample_row``).  Chosen over xgrammar/outlines-core because it builds its token
 trie straight from a ``tokenizers`` JSON (no transformers or torch on the MLX path), hands
 the mask as plain bytes (fed to MLX or torch logits through the ops shim) and computes a
 mask cheaply enough to run on every decode step (scripts/bench_structured.py times it).

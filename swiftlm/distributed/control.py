@@ -15,8 +15,8 @@ broadcast (``torch.distributed.broadcast_object_list``):
 - authenticated (HMAC challenge with a per-launch random key) before anything is unpickled.
 
 Each message is pickled once and written to every follower.  A step's ``StepBatch`` travels
-without its sampler state (only rank 0 samples) and without sampling parameters other than the
-KV-cache format fields.  Overlapped decode's on-device input ids stay on rank 0's device: the
+without its sampler state (only rank 0 samples) and without sampling parameters (its KV format,
+decided at admission, is on the work item).  Overlapped decode's on-device input ids stay on rank 0's device: the
 message carries ``LeaderArray(n)`` and the backend broadcasts the ids itself.
 """
 
@@ -37,7 +37,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..backend import SeqWork, StepBatch
-from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +67,9 @@ class PrefixRef:
     payload: Any
 
 
-def _kv_params(p: SamplingParams | None) -> SamplingParams | None:
-    """The only sampling parameters a follower uses: the KV-cache format of a new sequence."""
-    if p is None or (getattr(p, "turbo_kv", None) is None and not getattr(p, "kv_bits", None)):
-        return None
-    return SamplingParams(turbo_kv=p.turbo_kv, kv_bits=p.kv_bits, kv_group_size=p.kv_group_size)
-
-
 def wire_batch(batch: StepBatch) -> StepBatch:
     seqs = [
-        SeqWork(w.seq_id, list(w.tokens), w.start_pos, w.sample, _kv_params(w.params), None, w.media)
-        for w in batch.seqs
+        SeqWork(w.seq_id, list(w.tokens), w.start_pos, w.sample, None, None, w.media, w.kv_format) for w in batch.seqs
     ]
     ids = None if batch.input_ids is None else LeaderArray(len(batch.seqs))
     return StepBatch(seqs, list(batch.preempted), ids)

@@ -1,7 +1,11 @@
 """KV-cache formats: the 16-bit default, TurboQuant presets and affine ``kv_bits`` quantization.
 
-A ``KVFormat`` is what a backend needs to build one sequence's cache.  It is chosen per request
-(``turbo_kv`` / ``kv_bits`` fields) or by the server default (``--turbo-kv [PRESET]``).
+A ``KVFormat`` is what a backend needs to build one sequence's cache.  It is decided once per served
+model (``settings_format``: ``--turbo-kv [PRESET]`` and its options, the model's ``kv_default``) and once
+per request: ``SamplingParams.validate`` parses the request's ``turbo_kv`` / ``kv_bits`` fields
+(``request_override``), the engine completes that at admission (``admitted_format``) and stores it on the
+sequence (``Sequence.kv_format``); the scheduler hands it to the backend with every step
+(``SeqWork.kv_format``).  Nothing downstream parses a preset again.
 
 TurboQuant presets (``k<bits>[qjl]-?v<bits>``):
 
@@ -165,13 +169,44 @@ def settings_format(cfg: object | None) -> KVFormat:
     )
 
 
-def request_format(params: object, default: KVFormat) -> KVFormat:
-    """A request's KV format: its ``kv_bits`` or ``turbo_kv`` field, else the server default.
-    (The fields were validated with the request; window/threshold/keep options are the server's.)"""
-    bits = getattr(params, "kv_bits", None)
-    if bits:
-        return affine(bits, getattr(params, "kv_group_size", 64) or 64)
-    preset = getattr(params, "turbo_kv", None)
-    if preset is not None:
-        return parse_turbo(preset, window=default.window, threshold=default.threshold, keep_layers=default.keep_layers)
-    return default
+class KVFieldError(ValueError):
+    """A request's KV-cache field that does not parse; ``param`` names the field."""
+
+    def __init__(self, param: str, msg: str):
+        super().__init__(f"'{param}' {msg}")
+        self.param, self.msg = param, msg
+
+
+def request_override(turbo_kv: object, kv_bits: object, kv_group_size: object) -> KVFormat | None:
+    """The one parser of a request's KV-cache fields (``turbo_kv``, ``kv_bits``, ``kv_group_size``): the
+    format they ask for, or None when they ask for none (the served model's default).  A TurboQuant
+    preset comes with the default options here; ``admitted_format`` gives it the served model's.
+    Raises ``KVFieldError`` naming the field."""
+    if kv_bits is not None:
+        if isinstance(kv_bits, bool) or kv_bits not in (4, 8):
+            raise KVFieldError("kv_bits", f"must be 4 or 8, got {kv_bits!r}")
+        if turbo_kv not in (None, "off", "none"):
+            raise KVFieldError("kv_bits", "cannot be combined with turbo_kv: choose one KV-cache format")
+    if isinstance(kv_group_size, bool) or kv_group_size not in GROUP_SIZES:
+        raise KVFieldError("kv_group_size", f"must be one of {list(GROUP_SIZES)}, got {kv_group_size!r}")
+    if kv_bits:
+        return affine(int(kv_bits), int(kv_group_size))  # type: ignore[call-overload]
+    if turbo_kv is None:
+        return None
+    if not isinstance(turbo_kv, str):
+        raise KVFieldError("turbo_kv", "must be a string: a preset name such as 'k4v3', or 'off'")
+    try:
+        return parse_turbo(turbo_kv)
+    except ValueError as e:
+        raise KVFieldError("turbo_kv", str(e)) from None
+
+
+def admitted_format(override: KVFormat | None, default: KVFormat) -> KVFormat:
+    """A request's KV format, decided once when it is admitted: its own (``request_override``; a
+    TurboQuant preset takes the served model's window / threshold / keep-layers options), else the served
+    model's ``default``."""
+    if override is None:
+        return default
+    if override.kind == "turbo":
+        return replace(override, window=default.window, threshold=default.threshold, keep_layers=default.keep_layers)
+    return override
