@@ -171,7 +171,7 @@ def serve_workers(settings: Any, n: int, loading: Any = None) -> int:
             fds = [theirs.fileno(), socks[i].fileno()] + [c.worker_conns[i].fileno() for c in clients]
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", f"from swiftlm.server.workers import worker_main; worker_main({fds[0]})"],
+                    [sys.executable, "-c", f"from swiftlm.server.api_worker import worker_main; worker_main({fds[0]})"],
                     pass_fds=fds,
                     stdin=subprocess.DEVNULL,
                     close_fds=True,
@@ -283,53 +283,3 @@ def _stop_workers(procs: list[subprocess.Popen], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5.0)
-
-
-# ---------------------------------------------------------------------------------------- worker
-def _orphan_watch(ppid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != ppid:
-            os._exit(4)
-
-
-def worker_main(ctl_fd: int) -> None:
-    """An API worker (``python -c ... worker_main(fd)``): attach to the engines, serve on the socket."""
-    import itertools
-
-    from ..engine_process import ID_STRIDE, EngineClient
-    from .app import serve
-
-    ctl = Connection(ctl_fd)
-    threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
-    setup: WorkerSetup = ctl.recv()
-    settings = setup.settings
-    logging.basicConfig(
-        level=getattr(logging, str(settings.log_level).upper(), logging.INFO),
-        format=f"%(levelname)s [api worker {setup.index}] %(name)s: %(message)s",
-    )
-    sock = socket.socket(fileno=setup.sock_fd)
-
-    def attach() -> Any:
-        clients = [EngineClient.attach(settings, setup.backend, setup.spec, Connection(fd)) for fd in setup.engine_fds]
-        if len(clients) == 1:
-            return clients[0]
-        from ..distributed.replicas import ReplicaSet
-
-        rs = ReplicaSet(clients, devices=setup.devices)
-        k = len(clients)
-        for i, c in enumerate(clients):  # disjoint from the other workers' too: (id - 1) % k is still the replica
-            c._ids = itertools.count((c.id_base // ID_STRIDE) * k * ID_STRIDE + i + 1, k)
-        return rs
-
-    def listening() -> None:
-        ctl.send(("listening", os.getpid()))
-
-    try:
-        code = serve(settings, worker=(sock, attach, listening))
-    except BaseException as exc:  # noqa: BLE001 - the supervisor reports it
-        try:
-            ctl.send(("error", f"{type(exc).__name__}: {exc}"))
-        finally:
-            os._exit(1)
-    os._exit(code)
