@@ -28,6 +28,8 @@ Layouts (backends/torch/quant_linear.py converts each checkpoint layout to these
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -326,7 +328,9 @@ def int4_linear_ref(x, qw, scales, zeros, group) -> torch.Tensor:
 def selfcheck(device: str, dtype: torch.dtype, seed: int = 0) -> float:
     """Largest relative error of the kernels against their references: the GEMM for FP8 (per-row and block
     scales) and int4 at 1, 3 and 40 rows, odd N (masked tails); the activations' FP8 rounding; the weights
-    dequantised into the model's dtype."""
+    dequantised into the model's dtype.  Under ``TRITON_INTERPRET=1`` the activations' rounding is left out: the
+    interpreter's float32 -> e4m3 cast drops the carry of a round-up to the next power of two (125.9 -> 64), which a
+    GPU does not; tests/test_quant_formats.py checks the kernel there with that known difference."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     N, K, G = 200, 256, 64
     w8 = (torch.randn(N, K, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
@@ -344,10 +348,11 @@ def selfcheck(device: str, dtype: torch.dtype, seed: int = 0) -> float:
             (int4_linear(x, qw, s4, z4, G), int4_linear_ref(x, qw, s4, z4, G)),
         ):
             worst = max(worst, float((got.float() - ref.float()).norm() / (ref.float().norm() + 1e-12)))
-        q8, sx = act_quant_fp8(x)
-        r8, rs = act_quant_ref(x)
-        a, b = q8.float() * sx, r8.float() * rs
-        worst = max(worst, float((a - b).norm() / (b.norm() + 1e-12)))
+        if os.environ.get("TRITON_INTERPRET") != "1":  # see below
+            q8, sx = act_quant_fp8(x)
+            r8, rs = act_quant_ref(x)
+            a, b = q8.float() * sx, r8.float() * rs
+            worst = max(worst, float((a - b).norm() / (b.norm() + 1e-12)))
     for got, ref in (
         (fp8_dequant(w8, srow, out=torch.empty(N, K, dtype=dtype, device=device)), fp8_dequant_ref(w8, srow)),
         (fp8_dequant(w8, sblk, (128, 128), torch.empty(N, K, dtype=dtype, device=device)),
