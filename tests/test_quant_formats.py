@@ -50,11 +50,12 @@ def ckpt(root: Path, fmt: str, *extra: str, dequantized: bool = False) -> Path:
     return make_ckpt(root / name, *args)
 
 
-def run(path: Path) -> tuple[torch.Tensor, list[int], object]:
+def run(path: Path, **settings) -> tuple[torch.Tensor, list[int], object]:
+    """The first-position logits of PROMPT, 32 greedy tokens and the model's info, from ``LLM(path, **settings)``."""
     from swiftlm import LLM
     from swiftlm.sampling import SamplingParams
 
-    llm = LLM(str(path), backend="torch")
+    llm = LLM(str(path), backend="torch", **settings)
     try:
         model = llm.engine.model
         model.free([-1])

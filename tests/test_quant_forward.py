@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import make_ckpt
 from safetensors.torch import load_file, save_file
+from test_quant_formats import PROMPT, run
 
 from swiftlm.backends.torch import quant_linear as QL
 from swiftlm.backends.torch.model import PackedAttend, build, param_bytes
 from swiftlm.backends.torch.quant_weights import dequantize_state
 from swiftlm.quant_config import parse
 
-PROMPT = [1, 504, 3458, 282, 1010, 314, 260, 2314, 30, 1218]
 SHAPE = ("--dtype", "float32", "--hidden", "128", "--intermediate", "256", "--layers", "2")
 
 
@@ -43,19 +43,8 @@ def _rounded_copy(src: Path, dst: Path) -> Path:
 
 
 def _run(path: Path, **settings) -> tuple[torch.Tensor, list[int]]:
-    from swiftlm import LLM
-    from swiftlm.sampling import SamplingParams
-
-    llm = LLM(str(path), backend="torch", **settings)
-    try:
-        model = llm.engine.model
-        model.free([-1])
-        first = model.logits(-1, PROMPT, 0).float()
-        model.free([-1])
-        toks = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)).token_ids
-        return first, toks
-    finally:
-        llm.close()
+    first, toks, _ = run(path, **settings)
+    return first, toks
 
 
 def test_quantize_fp8_runs_the_fp8_rounded_weights(root):
