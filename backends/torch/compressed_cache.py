@@ -144,6 +144,9 @@ class CompressedCache(PagedCodes, GraphSteps):
         self._rot = None  # (R^T * scale, S^T * scale) fp32, made on first use by _kernel_row
         self.use_triton = False
         self.stage_budget = stage
+        # bytes one staged position takes: 16-bit keys and values of every compressed layer
+        elem = torch.empty((), dtype=self.dense_dtype).element_size()
+        self._stage_row_bytes = 2 * a.kv_heads * a.head_dim * elem * sum(L.compressed for L in self.layers)
         self.code_pages = pages if self.static else None
         self.paged = self.code_pages is not None
         self.page_list: list[int] = []  # the pages holding code rows, in position order (paged caches)
@@ -280,11 +283,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         cap = L.stage[0].shape[1] if L.stage is not None else 0
         if rows > cap:  # the buffers grow geometrically: what they will hold after this chunk
             rows = max(rows, min(2 * cap, self.capacity or 2 * cap))
-        return self.stage_budget.grant(self, rows * self._row_bytes())
-
-    def _row_bytes(self) -> int:
-        per = 2 * self.a.kv_heads * self.a.head_dim * torch.empty((), dtype=self.dense_dtype).element_size()
-        return per * sum(L.compressed for L in self.layers)
+        return self.stage_budget.grant(self, rows * self._stage_row_bytes)
 
     def _stage_write(self, L: _Layer, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
         n, T = L.n_dense, k.shape[1]
