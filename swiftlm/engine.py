@@ -16,13 +16,14 @@ request checks), ``engine_requests.py`` (submitting, cancelling: the caller's th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backend import Model, StepBatch
@@ -118,6 +119,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self._pending = 0  # submitted, not yet finished (guarded by _lock)
         self._lock = threading.Lock()
         self._orphan_lock = threading.Lock()  # _end_orphans: the dying loop and late submits
+        self._admit_gate = threading.Lock()  # held by ``together()``: the loop takes nothing from the inbox meanwhile
         self._stopping = False
         self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
         self.on_fatal: Any = None  # called with that message (the server exits non-zero)
@@ -170,6 +172,14 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             if self.on_fatal is not None:
                 self.on_fatal(self.fatal)
 
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside the block reach the scheduler in one drain, before the next step
+        (``LLM.generate`` of a list): a batch is admitted as a batch, not as the submit loop and the
+        engine thread happen to interleave."""
+        with self._admit_gate:
+            yield
+
     def end_streams_now(self, msg: str) -> None:
         """A failure seen outside the loop that the loop may not see for a long time (a tensor-parallel
         rank died while rank 0 waits in an NCCL collective that never returns): every open request's
@@ -206,12 +216,16 @@ class Engine(PromptSide, EngineRequests, EngineStep):
 
     # ------------------------------------------------------------------ loop
     def _drain(self, block: bool) -> None:
+        first = True
         while True:
             try:
                 cmd, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 return
-            block = False
+            if first:  # wait until a ``together()`` submitter has put its whole batch in
+                with self._admit_gate:
+                    pass
+            block = first = False
             if cmd == "add":
                 self._live[arg.seq.seq_id] = arg
                 # looked up and restored at admission, not now: a queued request holds no KV, not even a

@@ -10,6 +10,8 @@ for delta in llm.stream([{"role": "user", "content": "Hi"}]):
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -313,11 +315,12 @@ class LLM(_Base):
     ) -> RequestOutput | list[RequestOutput]:
         batch = prompts if _is_batch(prompts) else [prompts]
         n = params.n if params else 1
+        prompts_toks = [self._tokens(prompt, chat_template_kwargs) for prompt in batch]
         jobs = []
-        for prompt in batch:
-            toks = self._tokens(prompt, chat_template_kwargs)
-            # n > 1: one group, the prompt prefilled once (fork.py)
-            jobs.append((toks, submit_choices(self.engine, toks, [self._params(params, i) for i in range(n)])))
+        with getattr(self.engine, "together", contextlib.nullcontext)():  # the batch is admitted as one
+            for toks in prompts_toks:
+                # n > 1: one group, the prompt prefilled once (fork.py)
+                jobs.append((toks, submit_choices(self.engine, toks, [self._params(params, i) for i in range(n)])))
         results = []
         for toks, sinks in jobs:
             outs = []

@@ -189,7 +189,7 @@ def test_health_and_metrics_report_blocks_and_preemptions(tiny_llama):
             deadline = time.time() + 60
             used = 0
             kv_bytes = 0
-            while t.is_alive() and time.time() < deadline and not used:
+            while t.is_alive() and time.time() < deadline and not (used and kv_bytes):
                 st = client.get("/health").json()["stats"]
                 used, kv_bytes = st["kv_blocks"]["blocks_used"], st["kv_bytes_in_use"]
                 time.sleep(0.01)
