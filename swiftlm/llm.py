@@ -11,7 +11,6 @@ for delta in llm.stream([{"role": "user", "content": "Hi"}]):
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
