@@ -125,12 +125,111 @@ class Model(Protocol):
     def memory(self) -> dict[str, int]:
         """Bytes: active, peak, cache (backend allocator figures)."""
 
-    # Optional: ``reset_peak_memory()`` starts memory()["peak"] again from the current figure
-    # (`swiftlm bench` measures each request's own peak with it).
+    # The optional hooks (prompt cache, paged KV, embeddings, ...) are ModelHooks, below: every
+    # model class inherits their defaults.
 
+
+# (hook, the capability flag that declares it) -- see ModelHooks
+_FLAGGED = {
+    "can_snapshot_prefix": ("snapshot_prefix", "restore_prefix"),
+    "can_share_prefix": ("share_prefix",),
+    "can_embed": ("hidden_states",),
+    "can_score": ("score",),
+}
+
+
+class ModelHooks:
+    """The optional model hooks, declared once with their defaults.
+
+    Every model class a backend returns inherits this; the core calls a hook or reads an
+    attribute directly and never probes for one.  The default of each hook means "not
+    supported" (or "nothing to report").  Four hooks the core must know about *before* it
+    calls them (whether to keep a prompt cache, fork by sharing blocks, serve embeddings,
+    verify drafts) are declared by capability flags.  A subclass that defines the hooks gets
+    its flag set to True automatically; a class that sets a flag itself decides it for its
+    subclasses too (a pipeline-parallel stage sets ``can_embed = False``: it has no embeddings).
+
+    Forwarding proxies (the tensor-parallel ``Leader``, MLX's ``EvaluatingModel``, the
+    replicas' model view) do not inherit it: their ``__getattr__`` forwards every hook to the
+    model they wrap, and inherited defaults would shadow it.
+    """
+
+    # -- capability flags (set by __init_subclass__ when the hooks are defined)
+    can_snapshot_prefix: bool = False  # snapshot_prefix + restore_prefix: the prompt cache, copied forks
+    can_share_prefix: bool = False  # share_prefix: forks share the prompt's KV blocks (no copy)
+    can_embed: bool = False  # hidden_states: /v1/embeddings
+    can_score: bool = False  # score: speculative decoding verifies drafts
+
+    # -- attributes
+    kv_default: Any = None  # the served KV format (turboquant.presets.KVFormat); None: plain 16-bit
+    lora: Any = None  # a LoRA adapter set (``.names``: the adapters served); None: no adapters
+    expert_stream: Any = None  # experts.ExpertReader with --stream-experts; None: experts resident
+    graph_capture: dict[str, Any] | None = None  # CUDA graph capture figures; None: no capture
+    _declared_flags: frozenset[str] = frozenset()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        # flags a class of the hierarchy set itself: kept (its subclasses included); the others derived
+        declared = {f for c in cls.__mro__[1:] for f in getattr(c, "_declared_flags", ())}
+        declared |= {f for f in _FLAGGED if f in cls.__dict__}
+        cls._declared_flags = frozenset(declared)
+        for flag, hooks in _FLAGGED.items():
+            if flag not in declared:
+                setattr(cls, flag, all(getattr(cls, h) is not getattr(ModelHooks, h) for h in hooks))
+
+    # -- prompt cache and forks (``can_snapshot_prefix``, ``can_share_prefix``)
+    def snapshot_prefix(self, seq_id: int) -> Any:
+        """A copy of the sequence's KV rows, to restore into another sequence; None: none taken."""
+        return None
+
+    def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
+        """Make ``payload`` (from snapshot_prefix) the first ``n`` positions of ``seq_id``."""
+        raise NotImplementedError("this model keeps no prompt cache (can_snapshot_prefix is False)")
+
+    def share_prefix(self, seq_id: int) -> Any:
+        """The sequence's prompt KV for forks to share without a copy; None: not possible now."""
+        return None
+
+    # -- a paged KV pool whose blocks the core hands out (kv_blocks.KVBlocks)
+    def kv_block_spec(self) -> tuple[int, int] | None:
+        """(blocks, block size) of the model's paged KV pool; None: no paged pool."""
+        return None
+
+    def attach_kv_blocks(self, blocks: Any) -> None:
+        """Called once when kv_block_spec() is not None: the pool's block manager."""
+        raise NotImplementedError("kv_block_spec() returned a spec but attach_kv_blocks is not implemented")
+
+    def adopt_prefix(self, seq_id: int, n: int) -> None:
+        """The sequence's first ``n`` positions are cached blocks it now holds (paged pool only)."""
+        raise NotImplementedError("adopt_prefix needs a paged KV pool (kv_block_spec)")
+
+    def code_page_spec(self) -> tuple[int, int, Any] | None:
+        """(blocks, block size, KV format) of TurboQuant codes kept in pages; None: none."""
+        return None
+
+    def attach_code_pages(self, blocks: Any) -> None:
+        """Called once when code_page_spec() is not None: the code pages' block manager."""
+        raise NotImplementedError("code_page_spec() returned a spec but attach_code_pages is not implemented")
+
+    # -- figures
+    def kv_stats(self) -> dict[str, int] | None:
+        """{"bytes", "fp16_bytes"} the running sequences' KV holds; None: the engine counts tokens."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start memory()["peak"] again from the current figure (`swiftlm bench`); default: nothing."""
+
+    # -- embeddings and verification (``can_embed``, ``can_score``)
     def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
-        """Each prompt's final-norm hidden states, [T, hidden] float32 numpy arrays (embeddings;
-        the engine calls it between steps, on its own thread)."""
+        """Each prompt's final-norm hidden states, [T, hidden] float32 numpy arrays."""
+        raise NotImplementedError("this model computes no embeddings (can_embed is False)")
+
+    def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> Any:
+        """Logits of every fed position (speculative verification)."""
+        raise NotImplementedError("this model cannot verify drafts (can_score is False)")
+
+    def close(self) -> None:
+        """Release what outlives the model object (a process group); default: nothing."""
 
 
 @runtime_checkable
@@ -226,6 +325,7 @@ __all__ = [
     "BackendEntry",
     "Forward",
     "Model",
+    "ModelHooks",
     "ModelInfo",
     "SampledToken",
     "SeqWork",

@@ -69,7 +69,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self.tokenizer = model.tokenizer
         self.info = model.info
         # the served KV format (--turbo-kv): a request's own fields override it, decided at admission
-        self.kv_default: KVFormat = getattr(model, "kv_default", KVFormat())
+        self.kv_default: KVFormat = model.kv_default or KVFormat()  # (ModelHooks: None is plain 16-bit)
         self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
         self.default_max_tokens = default_max_tokens
         self.max_queue = max_queue
@@ -88,8 +88,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             max_running, prefill_size, token_budget=max_batched_tokens or None, kv_budget_tokens=kv_tokens
         )
         self.stats = EngineStats()
-        # prompt reuse needs the backend's snapshot/restore hooks (optional in the protocol)
-        can_cache = hasattr(model, "snapshot_prefix") and hasattr(model, "restore_prefix")
+        # prompt reuse needs the backend's snapshot/restore hooks (optional: ModelHooks.can_snapshot_prefix)
+        can_cache = model.can_snapshot_prefix
         self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
         self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
         from .media import MediaPolicy
@@ -331,19 +331,17 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         """The block manager of the model's paged KV pool (``kv_blocks.KVBlocks``), or None."""
         from .kv_blocks import KVBlocks
 
-        spec_of = getattr(self.model, "kv_block_spec", None)
-        spec = spec_of() if spec_of is not None else None
+        spec = self.model.kv_block_spec()
         blocks = None
         if spec is not None:
             blocks = KVBlocks(spec[0], spec[1], prefix_caching=prefix_caching)
-            self.model.attach_kv_blocks(blocks)  # type: ignore[attr-defined]
+            self.model.attach_kv_blocks(blocks)
             self.scheduler.blocks = blocks
         self.scheduler.max_positions = self.ctx_size
-        code_spec_of = getattr(self.model, "code_page_spec", None)
-        code_spec = code_spec_of() if code_spec_of is not None else None
+        code_spec = self.model.code_page_spec()
         if code_spec is not None:  # TurboQuant codes in pages: a second manager, no prefix caching (16-bit rows)
             codes = KVBlocks(code_spec[0], code_spec[1], prefix_caching=False)
-            self.model.attach_code_pages(codes)  # type: ignore[attr-defined]
+            self.model.attach_code_pages(codes)
             self.scheduler.code_blocks, self.code_format = codes, code_spec[2]
         return blocks
 
@@ -413,7 +411,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         blocks.adopt(seq.seq_id, ids)
         n = len(ids) * blocks.block_size
         try:
-            self.model.adopt_prefix(seq.seq_id, n)  # type: ignore[attr-defined]
+            self.model.adopt_prefix(seq.seq_id, n)
         except Exception:  # a cache failure costs a full prefill, never the request
             log.exception("adopting cached KV blocks failed; prefilling in full")
             self.model.free([seq.seq_id])
@@ -444,7 +442,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""
-        reader = getattr(self.model, "expert_stream", None)
+        reader = self.model.expert_stream
         if reader is None:
             return None
         out = reader.stats.snapshot()
@@ -466,9 +464,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
         compression ratio achieved (16-bit bytes / bytes held)."""
         fmt = self.kv_default
-        stats = getattr(self.model, "kv_stats", None)
         try:
-            s = stats() if stats is not None else None
+            s = self.model.kv_stats()
         except Exception:  # pragma: no cover - a racing free() must not fail /health
             s = None
         if s is None:

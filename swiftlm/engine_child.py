@@ -47,7 +47,7 @@ def snapshot(eng: Any) -> dict:
     except Exception:  # pragma: no cover - a racing free must not fail the snapshot
         mem = {}
     mem["engine_process_rss"] = process_memory()["rss"]
-    reader = getattr(model, "expert_stream", None)
+    reader = model.expert_stream
     spec = eng.speculator
     return {
         "stats": w.stats_state(eng.stats),
@@ -66,7 +66,7 @@ def snapshot(eng: Any) -> dict:
         "experts": eng.expert_stream_stats(),
         "expert_reader": copy.copy(reader.stats) if reader else None,
         "spec": copy.copy(spec.stats) if spec is not None else None,
-        "graph_capture": getattr(model, "graph_capture", None),
+        "graph_capture": model.graph_capture,
         "fork": eng.fork_stats.snapshot(),
         "gc": eng.gc_stats(),
     }
@@ -171,12 +171,13 @@ def main(fds: list[int] | int) -> None:
             "info": engine.info,
             "ctx_size": engine.ctx_size,
             "max_running": engine.scheduler.max_running,
-            "can_embed": hasattr(m, "hidden_states"),
-            "kv_default": getattr(m, "kv_default", None),
+            "can_embed": m.can_embed,
+            "kv_default": m.kv_default,
+            "lora_names": tuple(m.lora.names) if m.lora is not None else None,
             "speculator": (engine.speculator.drafter.name, engine.speculator.k)
             if engine.speculator is not None
             else None,
-            "expert_reader": (m.expert_stream.mode,) if getattr(m, "expert_stream", None) else None,
+            "expert_reader": (m.expert_stream.mode,) if m.expert_stream is not None else None,
             "pid": os.getpid(),
             "rank_pids": {r: p.pid for r, p in procs.items() if p is not None},
             "snapshot": snapshot(engine),
@@ -254,12 +255,10 @@ def main(fds: list[int] | int) -> None:
                 break
     finally:
         engine.shutdown(grace)
-        close = getattr(engine.model, "close", None)  # --tensor-parallel: the other ranks exit
-        if close is not None:
-            try:
-                close()
-            except Exception:  # pragma: no cover
-                log.exception("closing the model")
+        try:  # --tensor-parallel: the other ranks exit (ModelHooks.close: a no-op by default)
+            engine.model.close()
+        except Exception:  # pragma: no cover
+            log.exception("closing the model")
         try:
             cs.send_all(w.Bye())
         except Exception:

@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 from . import engine_wire as w
+from .backend import ModelHooks
 from .engine import PromptSide, QueueFull, pooled
 from .errors import InvalidRequest
 from .fork import ForkStats
@@ -110,9 +111,16 @@ class _ExpertReaderView:
         self.mode, self.stats = mode, None
 
 
-class _ModelView:
+class _LoraView:
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+
+class _ModelView(ModelHooks):
     """What the server reads of ``engine.model``: memory figures and start-up facts (the model is
-    in the engine process)."""
+    in the engine process).  Its ModelHooks declare what the child's model supports; the hooks that
+    work on KV (snapshot, paged blocks, ...) keep their "not supported" defaults: the engine that
+    calls them is in the child."""
 
     def __init__(self, ready: dict):
         self.ops = _Ops()
@@ -120,8 +128,10 @@ class _ModelView:
         self._memory: dict = {}
         er = ready.get("expert_reader")
         self.expert_stream = _ExpertReaderView(er[0]) if er else None
-        if ready.get("kv_default") is not None:
-            self.kv_default = ready["kv_default"]
+        self.kv_default = ready.get("kv_default")
+        self.can_embed = bool(ready.get("can_embed"))
+        names = ready.get("lora_names")
+        self.lora = _LoraView(tuple(names)) if names is not None else None
 
     def memory(self) -> dict:
         return dict(self._memory)

@@ -37,7 +37,7 @@ class EngineRequests:
     def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
         """Embeddings of token lists (one job for the batch, run by the engine thread between
         steps): a future of L2-normalised float32 vectors, pooled as ``info.pooling`` says."""
-        if not hasattr(self.model, "hidden_states"):
+        if not self.model.can_embed:
             raise InvalidRequest(f"the {getattr(self, 'backend_name', 'loaded')} backend does not compute embeddings")
         self._check_embed(prompts)
         raw: Future[list[Any]] = Future()

@@ -53,8 +53,8 @@ class ForkGroups:
     def __init__(self, engine: Any):
         self.engine = engine
         m = engine.model
-        self.can_share = getattr(type(m), "share_prefix", None) is not None  # a wrapper's __getattr__ is not enough
-        self.can_copy = hasattr(m, "snapshot_prefix") and hasattr(m, "restore_prefix")
+        self.can_share = m.can_share_prefix  # (ModelHooks; the tensor-parallel Leader declares False)
+        self.can_copy = m.can_snapshot_prefix
         self.pending: dict[int, list[Any]] = {}  # leader's seq id -> members (_Live) waiting for its prompt
         self.stats = ForkStats()
 

@@ -166,7 +166,7 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
         model = load_distributed(backend, spec, settings)
     else:
         model = backend.load(spec, settings)
-    if settings.adapter and getattr(model, "lora", None) is None:
+    if settings.adapter and model.lora is None:
         raise ConfigError(f"--adapter is built for the torch backend only (this is {backend.name})")
     from .embeddings import is_embedding_only, pooling_for
 
@@ -216,7 +216,7 @@ def _speculator(settings: Settings, backend: Any, model: Any, dspec: ModelSpec |
     mode = settings.speculative or ("draft" if settings.draft_model else None)
     if mode is None:
         return None
-    if not hasattr(model, "score"):
+    if not model.can_score:
         raise ConfigError(f"speculative decoding: backend {backend.name!r} cannot verify drafts (no Model.score)")
     if mode == "ngram":
         drafter: Any = NgramDrafter()
@@ -275,9 +275,7 @@ class _Base:
 
     def close(self) -> None:
         self.engine.shutdown()
-        close = getattr(self.engine.model, "close", None)  # --tensor-parallel: the other ranks exit
-        if close is not None:
-            close()
+        self.engine.model.close()  # --tensor-parallel: the other ranks exit (ModelHooks: a no-op by default)
 
     def __enter__(self):
         return self

@@ -111,11 +111,8 @@ class PromptSide:
         if self.fatal or self._stopping:
             raise QueueFull(self.fatal or "the server is shutting down")
         params.validate(self.info.vocab_size)
-        if (
-            params.adapter
-            and hasattr(self.model, "forward")
-            and params.adapter not in getattr(getattr(self.model, "lora", None), "names", ())
-        ):  # (model here)
+        lora = self.model.lora  # (the engine process's model view: the adapters the child serves)
+        if params.adapter and params.adapter not in (lora.names if lora is not None else ()):
             raise InvalidRequest(f"LoRA adapter {params.adapter!r} is not loaded on this model", param="model")
         if not prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.backend import Forward, ModelHooks, ModelInfo, StepBatch
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.turboquant.presets import KVFormat, settings_format
@@ -28,7 +28,7 @@ from .ops import MLXOps
 log = logging.getLogger(__name__)
 
 
-class MLXModel:
+class MLXModel(ModelHooks):
     def __init__(
         self, module: Any, tokenizer: Any, info: ModelInfo, kv_default: KVFormat | None = None, head_dim: int = 0
     ):

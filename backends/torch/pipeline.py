@@ -282,7 +282,11 @@ def pipeline_model_class(base: type) -> type:
             # seconds this rank waited for the previous stage's activations inside steps, and spent in steps
             self.pp_stats = {"steps": 0, "micro_batched_steps": 0, "step_seconds": 0.0, "recv_wait_seconds": 0.0}
 
-        # embeddings and speculative verification are not pipelined: absent, so the engine says so
+        # embeddings and speculative verification are not pipelined: declared absent (ModelHooks flags),
+        # so the engine says so; the inherited hooks are hidden too
+        can_embed = False
+        can_score = False
+
         @property
         def hidden_states(self) -> Any:
             raise AttributeError("hidden_states")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from swiftlm.backend import Forward, ModelInfo, StepBatch
+from swiftlm.backend import Forward, ModelHooks, ModelInfo, StepBatch
 from swiftlm.config import parse_bytes
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
@@ -52,7 +52,7 @@ LATE_CHUNK_ROW_POSITIONS = 1 << 17
 LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
-class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches):
+class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
     On CPU, caches grow on demand and every step runs eagerly."""

@@ -77,7 +77,12 @@ def wire_batch(batch: StepBatch) -> StepBatch:
 
 class Leader:
     """Rank 0's model: the local shard's ``Model`` with every state-changing call mirrored to the
-    followers first.  Read-only attributes (info, tokenizer, ops, memory, ...) are the local model's."""
+    followers first.  Read-only attributes (info, tokenizer, ops, memory, ...) are the local model's.
+
+    Not a ``backend.ModelHooks``: ``__getattr__`` forwards each optional hook to the local model (which
+    is one), and inherited defaults would shadow it.  What differs is declared here."""
+
+    can_share_prefix = False  # share_prefix is not mirrored: forks copy (snapshot/restore) instead
 
     def __init__(
         self,
@@ -111,7 +116,7 @@ class Leader:
         model = self.__dict__.get("_model")
         if model is None:
             raise AttributeError(name)
-        attr = getattr(model, name)  # AttributeError when the local model lacks it (optional hooks)
+        attr = getattr(model, name)  # (the local model is a ModelHooks: every optional hook resolves)
         if name in BROADCAST:
             return lambda *args, **kw: self._call(name, attr, args, kw)
         if name == "snapshot_prefix":
@@ -276,9 +281,7 @@ class Leader:
                 conn.close()
             except OSError:  # pragma: no cover
                 pass
-        close = getattr(self._model, "close", None)
-        if close is not None:
-            close()
+        self._model.close()  # (ModelHooks: a no-op by default)
 
 
 def _exit_after_failure() -> None:

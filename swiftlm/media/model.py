@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..backend import Forward, ModelInfo, StepBatch
+from ..backend import Forward, ModelHooks, ModelInfo, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def multimodal_info(
     )
 
 
-class MultimodalModel:
+class MultimodalModel(ModelHooks):
     info: ModelInfo
     tokenizer: Any
     ops: Any

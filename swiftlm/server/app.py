@@ -176,7 +176,7 @@ def create_app(settings: Settings, engine: Any = None, spec: Any = None, backend
             }
             if hasattr(eng, "gc_stats"):  # the collector's pauses where the step loop runs (gc_pauses.py)
                 body["stats"]["gc"] = eng.gc_stats()
-            cap = getattr(eng.model, "graph_capture", None)  # torch on CUDA: graphs captured at start-up
+            cap = eng.model.graph_capture  # torch on CUDA: graphs captured at start-up
             if cap:
                 body["stats"]["graph_capture"] = cap
             es = eng.expert_stream_stats()

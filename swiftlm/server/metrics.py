@@ -263,7 +263,8 @@ class ExpertStreamCollector:
         self.engine: Any = None
 
     def collect(self) -> Any:
-        reader = getattr(getattr(self.engine, "model", None), "expert_stream", None)
+        model = getattr(self.engine, "model", None)  # (no engine yet: None)
+        reader = model.expert_stream if model is not None else None
         if reader is None:
             return
         from swiftlm.experts.reader import LATENCY_BUCKETS

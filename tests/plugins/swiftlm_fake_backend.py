@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from swiftlm.backend import Availability, Forward, ModelInfo, StepBatch
+from swiftlm.backend import Availability, Forward, ModelHooks, ModelInfo, StepBatch
 from swiftlm.registry import ModelSpec
 from swiftlm.sampling import NumpyOps
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -34,7 +34,7 @@ HIDDEN = 32
 STEPS: list[tuple[int, int]] = []
 
 
-class FakeModel:
+class FakeModel(ModelHooks):
     overlap = False
 
     def __init__(self, spec: ModelSpec):
