@@ -5,9 +5,14 @@
 #   B  one GPU, --api-workers 2:                    N = 256               (goal: >= A at 256)
 #   C  --data-parallel 2 --api-workers 2:           N = 256               (goal: >= 1.9 x A at 128)
 #   D  --tensor-parallel 2 (engine process: auto):  N = 1, 64, 128        (goal: >= 1.3 x A at 64 and 128, >= 1.5 x at 1)
+#   E  D with --api-workers 1:                      N = 128               (a diagnosis run: not in the summary)
 # Every server runs the engine in its own process (auto on CUDA).  Output: $OUT/api_workers_*.json (bench serve
 # runs), $OUT/serve_*.log, and the summary $OUT/docs/results/api_workers.json (copy it to docs/results/).
 #   bash scripts/gpu_api_workers.sh
+# Env: RUNS="A B C D" (which servers), A_NS / D_NS (stream counts), D_FLAGS (extra flags of the TP server),
+# STEPLOG=1 (every server writes SWIFTLM_STEP_LOG; after each load, scripts/step_timeline.py's summary of its steps
+# goes to steps_<label>_n<N>.json).  Everything but the summary is packed into $OUT/runs.tgz (the device returns
+# few files).
 # Needs carried: .whl (wheels), .gpu/tok (SmolLM2 tokenizer files), like scripts/gpu_tp.sh.
 set -uo pipefail
 REPO=$(pwd)
@@ -35,8 +40,9 @@ if [ ! -d $M ]; then
 fi
 
 run() {  # label "serve flags" "N list"
-  local label=$1 flags=$2 ns=$3 port=$((6000 + RANDOM % 1000))
-  env PYTHONPATH=/tmp/site $PY -m swiftlm.cli serve --model $M --backend torch --parallel 256 --max-queue 1024 \
+  local label=$1 flags=$2 ns=$3 port=$((6000 + RANDOM % 1000)) steplog=
+  [ -n "${STEPLOG:-}" ] && steplog=/tmp/run/steps_${label}_{pid}.jsonl
+  env PYTHONPATH=/tmp/site SWIFTLM_STEP_LOG=$steplog $PY -m swiftlm.cli serve --model $M --backend torch --parallel 256 --max-queue 1024 \
       --ctx-size 1024 --prompt-cache-bytes 0 --port $port $flags > "$OUT/serve_$label.log" 2>&1 &
   local pid=$!
   for i in $(seq 1 300); do
@@ -50,7 +56,13 @@ run() {  # label "serve flags" "N list"
         --endpoint completions --concurrency $n --num-requests $reqs --warmup $(( n < 16 ? 1 : 16 )) \
         --workers $(( n >= 64 ? 4 : 1 )) --prompt-tokens 40 --output-tokens $TOK --ignore-eos \
         --tokenizer $REPO/.gpu/tok --no-progress --label "${label}_n$n" --json "$OUT/api_workers_${label}_n$n.json" \
-        2>&1 | grep -E "output tok/s|failed" | sed "s/^/[$label N=$n] /"
+        2>&1 | grep -E "output tok/s|failed|ITL|TTFT" | sed "s/^/[$label N=$n] /"
+    if [ -n "$steplog" ]; then
+      for f in /tmp/run/steps_${label}_*.jsonl; do
+        PYTHONPATH=/tmp/site $PY $REPO/scripts/step_timeline.py "$f" --since-gap 0.5 \
+            --json "$OUT/steps_${label}_n${n}_$(basename $f .jsonl | sed 's/.*_//').json" | sed "s/^/[$label N=$n steps] /"
+      done
+    fi
   done
   curl -s "http://127.0.0.1:$port/health" > "$OUT/health_$label.json"
   kill $pid; wait $pid 2>/dev/null
@@ -60,7 +72,8 @@ RUNS=" ${RUNS:-A B C D} "  # which of the four servers to run
 [[ $RUNS == *" A "* ]] && run A "--api-workers 1" "${A_NS:-1 64 128 256}"
 [[ $RUNS == *" B "* ]] && run B "--api-workers 2" "256"
 [[ $RUNS == *" C "* ]] && run C "--data-parallel 2 --api-workers 2" "256"
-[[ $RUNS == *" D "* ]] && run D "--tensor-parallel 2" "1 64 128"
+[[ $RUNS == *" D "* ]] && run D "--tensor-parallel 2 ${D_FLAGS:-}" "${D_NS:-1 64 128}"
+[[ $RUNS == *" E "* ]] && run E "--tensor-parallel 2 --api-workers 1" "${E_NS:-128}"  # D with one HTTP process
 
 PYTHONPATH=/tmp/site $PY - "$OUT" <<'PYEOF'
 import json, sys
@@ -94,3 +107,4 @@ summary = {
 (out / "docs/results/api_workers.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary["ratios"], indent=2))
 PYEOF
+cd "$OUT" && tar czf runs.tgz --remove-files $(ls | grep -v -e '^docs$' -e '^runs.tgz$') 2>/dev/null; ls "$OUT"

@@ -67,8 +67,10 @@ def summarise(rows: list[dict], idle_ms: float) -> dict:
                 "forward_ms": 0.0,
                 "sync_ms": 0.0,
                 "overlapped": 0,
+                "_dts": [],
             },
         )
+        e["_dts"].append(dt)
         e["steps"] += 1
         e["seconds"] += dt
         e["decode_rows"] += r["decode"]
@@ -86,6 +88,9 @@ def summarise(rows: list[dict], idle_ms: float) -> dict:
         e["sync_ms"] = round(e["sync_ms"] / n, 3)
         e["share"] = round(e["seconds"] / span, 4) if span else 0.0
         e["seconds"] = round(e["seconds"], 4)
+        dts = sorted(e.pop("_dts"))
+        for q, name in ((0.5, "p50_ms"), (0.9, "p90_ms"), (0.99, "p99_ms"), (1.0, "max_ms")):
+            e[name] = round(1e3 * dts[min(len(dts) - 1, int(q * len(dts)))], 3) if dts else 0.0
     return {
         "span_s": round(span, 4),
         "steps": len(rows),
@@ -118,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'group':34s} {'steps':>6s} {'share':>7s} {'ms/step':>8s} {'rows/step':>9s} {'fwd ms':>7s} "
-        f"{'sync ms':>8s} {'overlap':>7s}"
+        f"{'sync ms':>8s} {'overlap':>7s} {'p50':>7s} {'p99':>7s} {'max':>7s}"
     )
     for g, e in sorted(s["groups"].items(), key=lambda kv: -kv[1]["seconds"]):
         print(
             f"{g:34s} {e['steps']:6d} {100 * e['share']:6.1f}% {e['ms_per_step']:8.2f} {e['rows_per_step']:9.1f} "
-            f"{e['forward_ms']:7.2f} {e['sync_ms']:8.2f} {e['overlapped']:7d}"
+            f"{e['forward_ms']:7.2f} {e['sync_ms']:8.2f} {e['overlapped']:7d} {e['p50_ms']:7.2f} {e['p99_ms']:7.2f} "
+            f"{e['max_ms']:7.2f}"
         )
     if a.json:
         with open(a.json, "w") as f:
