@@ -37,8 +37,10 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .archs import refuse_flag
-from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .archs_config import refuse_flag
+from .build import finish_load, hf_state_to_ours, param_bytes
+from .devices import CUDA_DEFAULT_CTX, _apply_mem_limit, pick_device
+from .model import Transformer
 from .model_config import Args
 from .tp_allreduce import all_reduce
 
@@ -211,7 +213,7 @@ def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None
 def build_sharded(
     config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, p: Plan
 ) -> Transformer:
-    """``model.build`` for one rank's slices: the same module tree with this rank's head, column
+    """``build.build`` for one rank's slices: the same module tree with this rank's head, column
     and vocabulary counts, and the sharded layers where a collective is needed."""
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
@@ -312,16 +314,15 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
-    """This rank's ``TorchModel`` (``runner.load_model`` with --tensor-parallel): join the group,
-    read this rank's slices, build, wrap."""
+def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
+    """This rank's model (``runner.load_model`` with --tensor-parallel; ``base``: runner.TorchModel): join
+    the group, read this rank's slices, build, wrap."""
     from swiftlm.convert import hf_config
     from swiftlm.distributed.launch import current_rank
     from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
     from swiftlm.turboquant.presets import settings_format
 
     from .loader import check_arch
-    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
 
     info = current_rank()
     if torch.cuda.is_available() and info is not None:
@@ -375,5 +376,5 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
         kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
     )
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1))
-    cls = sharded_model_class(TorchModel)
+    cls = sharded_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, slots=slots, kv_default=settings_format(cfg))

@@ -57,11 +57,13 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .archs import refuse_flag
+from .archs_config import refuse_flag
+from .build import finish_load, hf_state_to_ours, param_bytes
 from .cpu_packed import pack
 from .decode_rows import decode_batch
+from .devices import CUDA_DEFAULT_CTX, _apply_mem_limit, bind_thread, pick_device
 from .linear_rows import rows_linear
-from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .model import Transformer
 from .model_config import Args
 from .rope import rope_tables
 
@@ -321,8 +323,6 @@ def pipeline_model_class(base: type) -> type:
 
         @torch.inference_mode()
         def forward(self, batch: StepBatch) -> Forward:
-            from .runner import bind_thread
-
             bind_thread(self.device)
             t_step = time.perf_counter()
             for w in batch.seqs:
@@ -376,9 +376,9 @@ def pipeline_model_class(base: type) -> type:
     return PipelineTorchModel
 
 
-def load_stage(spec: ModelSpec, cfg: Any) -> Any:
-    """This rank's stage (``runner.load_model`` with --pipeline-parallel): join the group, read
-    this stage's tensors, build, wrap."""
+def load_stage(spec: ModelSpec, cfg: Any, base: type) -> Any:
+    """This rank's stage (``runner.load_model`` with --pipeline-parallel; ``base``: runner.TorchModel): join
+    the group, read this stage's tensors, build, wrap."""
     from swiftlm.convert import hf_config
     from swiftlm.distributed.launch import current_rank
     from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -386,7 +386,6 @@ def load_stage(spec: ModelSpec, cfg: Any) -> Any:
 
     from .loader import check_arch
     from .parallel import init_distributed
-    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
 
     info = current_rank()
     if torch.cuda.is_available() and info is not None:
@@ -437,5 +436,5 @@ def load_stage(spec: ModelSpec, cfg: Any) -> Any:
         weight_bytes=param_bytes(module),
         kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8,
     )
-    cls = pipeline_model_class(TorchModel)
+    cls = pipeline_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, stage, world, kv_default=settings_format(cfg))
