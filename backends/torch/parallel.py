@@ -314,13 +314,13 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
-    """This rank's model (``runner.load_model`` with --tensor-parallel; ``base``: runner.TorchModel): join
-    the group, read this rank's slices, build, wrap."""
+def join_group(spec: ModelSpec, cfg: Any, stage: bool) -> tuple[Any, torch.device, torch.dtype, int, int, dict]:
+    """What a rank of --tensor-parallel (``load_sharded``) or --pipeline-parallel (``stage``: pipeline.load_stage)
+    does first: its GPU selected, device and dtype picked (a stage's GPU named by its index), the memory limit
+    applied, the host's cores split among the ranks (a stage's: among this host's), the group joined, the
+    architecture checked.  Returns (launch.current_rank(), device, dtype, rank, world, the HF config)."""
     from swiftlm.convert import hf_config
     from swiftlm.distributed.launch import current_rank
-    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-    from swiftlm.turboquant.presets import settings_format
 
     from .loader import check_arch
 
@@ -328,12 +328,35 @@ def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
     if torch.cuda.is_available() and info is not None:
         torch.cuda.set_device(info.local_rank)
     device, dtype = pick_device(cfg)
+    if stage and device.type == "cuda" and info is not None:
+        device = torch.device("cuda", info.local_rank)
     _apply_mem_limit(cfg, device)
-    if device.type == "cpu" and info is not None:  # the ranks share this host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world))
+    if device.type == "cpu" and info is not None:  # the ranks (of one host, for stages) share its cores
+        ranks = max(1, info.local_world or info.world) if stage else info.world
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     rank, world = init_distributed(device.type)
     check_arch(spec)
-    config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+    return info, device, dtype, rank, world, hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+
+
+def tokenizer_and_ctx(spec: ModelSpec, cfg: Any, model_ctx: int, device: torch.device) -> tuple[Any, int]:
+    """A rank's tokenizer and served context (as runner.load_model: --ctx-size, else the model's, at most
+    ``CUDA_DEFAULT_CTX`` on CUDA)."""
+    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+    gguf = spec.format == "gguf"
+    tokenizer = load_gguf_tokenizer(spec.gguf_meta or {}) if gguf else load_hf_tokenizer(spec.path, spec.config)
+    ctx_cfg = getattr(cfg, "ctx_size", None)
+    cap = model_ctx if device.type == "cpu" else min(model_ctx, CUDA_DEFAULT_CTX)
+    return tokenizer, min(int(ctx_cfg or cap), model_ctx)
+
+
+def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
+    """This rank's model (``runner.load_model`` with --tensor-parallel; ``base``: runner.TorchModel): join
+    the group, read this rank's slices, build, wrap."""
+    from swiftlm.turboquant.presets import settings_format
+
+    info, device, dtype, rank, world, config = join_group(spec, cfg, stage=False)
     plan = make_plan(config, rank, world)
     state = load_shard(spec, config, plan)
     module = build_sharded(config, state, dtype, device, plan)
@@ -356,14 +379,8 @@ def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
         plan.v0,
         plan.v0 + plan.vocab_rows,
     )
-    tokenizer = (
-        load_gguf_tokenizer(spec.gguf_meta or {})
-        if spec.format == "gguf"
-        else load_hf_tokenizer(spec.path, spec.config)
-    )
     a = module.a
-    ctx_cfg = getattr(cfg, "ctx_size", None)
-    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    tokenizer, ctx = tokenizer_and_ctx(spec, cfg, a.ctx, device)
     # weights and KV bytes are this rank's (each rank holds its heads' cache); the vocabulary is the full one
     minfo = ModelInfo(
         arch=spec.arch,
