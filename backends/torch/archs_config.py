@@ -30,7 +30,7 @@ NORMS = {
 
 @dataclass
 class Ext:
-    """What an architecture of this module changes (``Args.ext``)."""
+    """What an architecture of archs.py changes (``Args.ext``)."""
 
     style: str  # norm placement: "pre" (llama), "sandwich" (Gemma 2/3), "post" (OLMo 2)
     scale: float  # attention score scale
@@ -150,7 +150,7 @@ def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
 
 
 def settings(c: dict) -> Ext:
-    """``Args.ext`` for an architecture of this module (the config already passed ``check_fields``)."""
+    """``Args.ext`` for an architecture of archs.py (the config already passed ``check_fields``)."""
     arch, n = c["model_type"], c["num_hidden_layers"]
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     rs = rope_params(c) or {}

@@ -11,8 +11,7 @@ from torch import nn
 
 from swiftlm.errors import UnsupportedArchitecture
 
-from . import archs_moe
-from .archs import ExtTransformer, convert_state
+from . import archs, archs_moe
 from .archs_config import refuse_flag
 from .model import MLP, Transformer
 from .model_config import MOE_ARCHS, Args
@@ -22,7 +21,7 @@ from .streamed_moe import StreamedMoE
 
 
 def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF checkpoint names -> this module's names (strip 'model.', stack experts).  Consumes ``sd``."""
+    """HF checkpoint names -> model.py's names (strip 'model.', stack experts).  Consumes ``sd``."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str, int], torch.Tensor] = {}
     for k in list(sd):  # pops: the caller's dict empties as ours fills (no second copy held)
@@ -73,7 +72,7 @@ def build(
     else:
         sd = hf_state_to_ours(a, state)
     if a.ext is not None and a.arch not in MOE_ARCHS:  # Phi-3's fused projections, split
-        sd = convert_state(a, sd)
+        sd = archs.convert_state(a, sd)
     if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
         sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
     quant = {k: sd.pop(k) for k in [k for k, v in sd.items() if isinstance(v, QuantLinear)]}
@@ -125,7 +124,7 @@ def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -
         refuse_flag(a, "--stream-experts")
     if a.arch in MOE_ARCHS:
         return archs_moe.MoeTransformer(a)
-    return ExtTransformer(a)
+    return archs.ExtTransformer(a)
 
 
 def check_device(a: Args, device: torch.device, eager: bool = False) -> None:

@@ -60,7 +60,7 @@ class Args:
     gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
     offload: Any = None  # --gpu-layers: (first CPU layer, its device, its dtype); see offload.py
     windows: tuple = ()  # per layer: sliding-window width in keys (0: full causal attention)
-    ext: Any = None  # archs_config.Ext / moe_config.MoeExt: what an EXTRA_ARCHS architecture changes (soft caps, norms, ropes, ...)
+    ext: Any = None  # archs_config.Ext / moe_config.MoeExt: what an EXTRA_ARCHS / MOE_ARCHS architecture changes
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

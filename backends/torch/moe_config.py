@@ -54,7 +54,7 @@ def _get(c: dict, field: str) -> Any:
 
 @dataclass
 class MoeExt:
-    """What an architecture of this module changes (``Args.ext``)."""
+    """What an architecture of archs_moe.py changes (``Args.ext``)."""
 
     kind: str  # "gpt_oss" or "mla"
     scale: float  # attention score scale
@@ -159,7 +159,7 @@ def check_fields(c: dict, refuse: Callable[[str, Any], None]) -> dict:
 
 
 def settings(c: dict) -> MoeExt:
-    """``Args.ext`` for an architecture of this module (the config already passed ``check_fields``)."""
+    """``Args.ext`` for an architecture of archs_moe.py (the config already passed ``check_fields``)."""
     arch = c["model_type"]
     rs = rope_params(c) or {}
     theta = c.get("rope_theta") or rs.get("rope_theta") or (150000.0 if arch == "gpt_oss" else 10000.0)
