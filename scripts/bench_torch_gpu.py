@@ -92,7 +92,7 @@ def run_shape(name: str, prompt_len: int, new: int, bw: float) -> dict:
     import transformers
 
     from swiftlm.backend import ModelInfo, SeqWork
-    from swiftlm.backends.torch.model import build
+    from swiftlm.backends.torch.build import build
     from swiftlm.backends.torch.runner import TorchModel
     from swiftlm.sampling import SamplerState, SamplingParams
 
@@ -219,7 +219,7 @@ def fp32_agreement(new: int = 32) -> dict:
     import transformers
 
     from swiftlm.backend import ModelInfo, SeqWork
-    from swiftlm.backends.torch.model import build
+    from swiftlm.backends.torch.build import build
     from swiftlm.backends.torch.runner import TorchModel
     from swiftlm.sampling import SamplerState, SamplingParams
 

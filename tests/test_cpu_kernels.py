@@ -115,7 +115,7 @@ def test_warm_up_compiles_the_default_formats_kernel():
     a = SimpleNamespace(kv_heads=2, heads=6, head_dim=64)
     fmt = parse_turbo("k3v2")
     cpu_kernels.turbo_kernel.cache_clear()
-    t = cpu_kernels.warm_up(a, fmt)
+    t = cpu_kernels.warm_up(a, fmt, CompressedCache)
     t.join(120)
     assert not t.is_alive()
     assert cpu_kernels.turbo_kernel.cache_info().currsize == 1  # built by the warm-up: (64, 3, 3, 2, False)

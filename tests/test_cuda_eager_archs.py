@@ -143,7 +143,8 @@ def test_offload_is_eager():
 
 
 def _module(arch: str, fields: dict):
-    from swiftlm.backends.torch.model import Transformer, ext_model
+    from swiftlm.backends.torch.build import ext_model
+    from swiftlm.backends.torch.model import Transformer
 
     a = args(arch, fields)
     return Transformer(a) if a.ext is None else ext_model(a, None)
@@ -177,12 +178,12 @@ def test_torch_model_wires_eager_path(arch, caplog):
 
 @pytest.mark.parametrize("arch", ["gemma2", "deepseek_v3", "mistral"])
 def test_build_lets_runner_choose(arch, monkeypatch):
-    """model.build (one process: runner.TorchModel then picks the eager path) passes ``eager`` to the device
+    """build.build (one process: runner.TorchModel then picks the eager path) passes ``eager`` to the device
     check, so it refuses nothing on CUDA; tensor-parallel ranks and pipeline stages (finish_load without
     ``eager``) are still refused there, naming both flags."""
     import torch
 
-    from swiftlm.backends.torch import model as M
+    from swiftlm.backends.torch import build as M
     from swiftlm.errors import UnsupportedArchitecture
 
     fields = EAGER[arch][0]

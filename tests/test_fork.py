@@ -152,9 +152,10 @@ def test_forked_cache_paths_are_exact():
     unsharing on a rollback below the prefix, against plain caches (tiny random model, fp32)."""
     import torch
 
+    from swiftlm.backends.torch.build import finish_load
     from swiftlm.backends.torch.decode_rows import decode_batch
     from swiftlm.backends.torch.kv_cache import SeqCache
-    from swiftlm.backends.torch.model import Transformer, finish_load
+    from swiftlm.backends.torch.model import Transformer
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.shared_kv import ForkedCache, share
 

@@ -276,7 +276,7 @@ def test_greedy_decode_kv_bits_8_same_tokens(monkeypatch, spans, tiny_llama):
 
 
 def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
-    """``prepare`` (what the backend calls for a kv_bits cache on the CPU) installs the hook and warms this
+    """``prepare`` (what the backend calls for a kv_bits cache on the CPU, after installing the hook) warms this
     shape's kernel once, with the argument types the decode step passes: decoding adds no signature."""
     monkeypatch.setattr(cpu_attention, "_WARMED", set())
     cpu_attention.affine_kernel.cache_clear()

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from test_quant_formats import PROMPT, run
 
 from swiftlm.backends.torch import quant_linear as QL
-from swiftlm.backends.torch.model import PackedAttend, build, param_bytes
+from swiftlm.backends.torch.build import build, param_bytes
+from swiftlm.backends.torch.model import PackedAttend
 from swiftlm.backends.torch.quant_weights import dequantize_state
 from swiftlm.quant_config import parse
 

@@ -368,7 +368,7 @@ def test_eager_on_cuda(arch, ckpts):
     llama-family layer): a single process picks it, a tensor-parallel rank / pipeline stage is refused."""
     import torch
 
-    from swiftlm.backends.torch.model import check_device
+    from swiftlm.backends.torch.build import check_device
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture
@@ -393,8 +393,8 @@ def test_single_process_flags_refused(ckpts):
 
     import torch
 
+    from swiftlm.backends.torch.build import build
     from swiftlm.backends.torch.lora import attach
-    from swiftlm.backends.torch.model import build
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.parallel import make_plan
     from swiftlm.backends.torch.pipeline import check_split

@@ -200,7 +200,7 @@ def test_window_eager_on_cuda():
     served context changes nothing, so such a model keeps the static path."""
     import torch
 
-    from swiftlm.backends.torch.model import check_device
+    from swiftlm.backends.torch.build import check_device
     from swiftlm.backends.torch.model_config import Args
     from swiftlm.backends.torch.runner import cuda_eager_reason
     from swiftlm.errors import UnsupportedArchitecture

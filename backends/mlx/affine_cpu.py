@@ -79,13 +79,11 @@ def attend(cache: Any, queries: mx.array, scale: float) -> mx.array:
 
 
 def prepare(module: Any, head_dim: int, bits: int, group: int) -> None:
-    """For a model that gets ``kv_bits`` caches on the CPU device: the attention hook installed, and this shape's
-    kernel compiled (or loaded from numba's disk cache) in the background."""
+    """For a model that gets ``kv_bits`` caches on the CPU device (its caller installs the attention hook,
+    ``turbo_cache.install_attention_hook``): this shape's kernel compiled (or loaded from numba's disk cache) in
+    the background."""
     from swiftlm.turboquant import cpu_attention
 
-    from .turbo_cache import install_attention_hook
-
-    install_attention_hook(module)
     args = getattr(module, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     kv_heads = getattr(args, "num_key_value_heads", None) or heads

@@ -72,7 +72,9 @@ class MLXModel(ModelHooks):
                 return make_prompt_cache(self.module)
             if mx.default_device().type == mx.DeviceType.cpu:  # decode rows through the numba kernel (affine_cpu.py)
                 from .affine_cpu import prepare
+                from .turbo_cache import install_attention_hook
 
+                install_attention_hook(self.module)
                 prepare(self.module, self.head_dim, fmt.key_bits, group)
             return [QuantizedKVCache(group_size=group, bits=fmt.key_bits) for _ in self.module.layers]
         return make_prompt_cache(self.module)

@@ -23,15 +23,48 @@ from typing import Any
 
 import torch
 
+from .kv_quant import Encoded, TurboCodec
+
 PAGE_ROWS = 256  # positions per page: a multiple of the split kernel's 64-row tile
+
+
+class CodeLayer:
+    """One layer of a compressed cache: its 16-bit buffer and its code storage (a paged cache's: the pool's)."""
+
+    __slots__ = (
+        "compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending", "stage",
+        "staging",
+    )  # fmt: skip
+
+    def __init__(self, compressed: bool):
+        self.compressed = compressed
+        self.n_code = self.n_dense = 0
+        self.dk = self.dv = None
+        self.kp = self.vp = None  # lists of uint8 planes [KVH, cap, bytes]
+        self.kn = self.vn = None  # fp16 norms / affine scales [KVH, cap(, groups)]
+        self.ks = self.kr = None  # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
+        self.vb = None  # affine value bias
+        self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
+        self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
+        self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
+
+
+def put_rows(L: CodeLayer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
+    """Encoded rows (tensors [KVH, n, ...]) into rows ``idx`` (device int64 [n]) of L's code storage."""
+    for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
+        dst.index_copy_(1, idx, src)
+    L.kn.index_copy_(1, idx, k.norms)
+    L.vn.index_copy_(1, idx, v.norms)
+    if k.signs is not None:
+        L.ks.index_copy_(1, idx, k.signs)
+    if k.rnorms is not None:
+        L.kr.index_copy_(1, idx, k.rnorms)
 
 
 class CodePages:
     """The code storage of ``pages`` pages for caches of format ``fmt`` (every layer compressed)."""
 
     def __init__(self, a: Any, fmt: Any, pages: int, device: torch.device, page_rows: int = PAGE_ROWS):
-        from .kv_quant import TurboCodec
-
         if fmt.kind != "turbo" or fmt.keep_layers:
             raise ValueError(f"code pages hold TurboQuant formats with every layer compressed, not {fmt.name}")
         self.fmt, self.a, self.device = fmt, a, device
@@ -153,10 +186,8 @@ class PagedCodes:
         paths read codes by position)."""
         if not self.paged or not L.n_code:
             return L
-        from .compressed_cache import _Layer
-
         idx = self._rows_at(0, L.n_code)
-        v = _Layer(True)
+        v = CodeLayer(True)
         v.n_code, v.n_dense, v.dk, v.dv, v.pending = L.n_code, L.n_dense, L.dk, L.dv, L.pending
         v.stage, v.staging = L.stage, L.staging
         v.kp = [t.index_select(1, idx) for t in L.kp]

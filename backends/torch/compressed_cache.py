@@ -34,7 +34,7 @@ import torch
 from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, dense_capacity
 
 from . import cpu_kernels
-from .code_pages import PagedCodes
+from .code_pages import CodeLayer, PagedCodes, put_rows
 from .compressed_graph import GraphSteps
 from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
 from .prompt_attention import PROMPT_ROWS, prompt_attention
@@ -45,37 +45,6 @@ STAGE_BYTES = 4 << 30  # default: 16-bit bytes that prompts held in staging may 
 
 DECODE_ROWS = 2048  # compressed rows decoded at a time by the plain-torch attention (per KV head)
 SCORE_BUDGET = 1 << 21  # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
-
-
-class _Layer:
-    __slots__ = (
-        "compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending", "stage",
-        "staging",
-    )  # fmt: skip
-
-    def __init__(self, compressed: bool):
-        self.compressed = compressed
-        self.n_code = self.n_dense = 0
-        self.dk = self.dv = None
-        self.kp = self.vp = None  # lists of uint8 planes [KVH, cap, bytes]
-        self.kn = self.vn = None  # fp16 norms / affine scales [KVH, cap(, groups)]
-        self.ks = self.kr = None  # QJL signs [KVH, cap, d/8] and residual norms / affine key bias
-        self.vb = None  # affine value bias
-        self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
-        self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
-        self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
-
-
-def put_rows(L: _Layer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
-    """Encoded rows (tensors [KVH, n, ...]) into rows ``idx`` (device int64 [n]) of L's code storage."""
-    for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
-        dst.index_copy_(1, idx, src)
-    L.kn.index_copy_(1, idx, k.norms)
-    L.vn.index_copy_(1, idx, v.norms)
-    if k.signs is not None:
-        L.ks.index_copy_(1, idx, k.signs)
-    if k.rnorms is not None:
-        L.kr.index_copy_(1, idx, k.rnorms)
 
 
 class StageBudget:
@@ -132,10 +101,10 @@ class CompressedCache(PagedCodes, GraphSteps):
         if fmt.kind == "turbo":
             self.kc = TurboCodec(d, fmt.key_code_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
             self.vc = TurboCodec(d, fmt.value_bits, fmt.seed * 2 + 2, device)
-            self.layers = [_Layer(fmt.layer_compressed(i, a.layers)) for i in range(a.layers)]
+            self.layers = [CodeLayer(fmt.layer_compressed(i, a.layers)) for i in range(a.layers)]
         elif fmt.kind == "affine":
             self.kc = self.vc = AffineCodec(d, fmt.key_bits, fmt.group_size)
-            self.layers = [_Layer(True) for _ in range(a.layers)]
+            self.layers = [CodeLayer(True) for _ in range(a.layers)]
         else:
             raise ValueError(f"not a compressed KV format: {fmt.name}")
         self.window = fmt.window if fmt.kind == "turbo" else 0
@@ -185,12 +154,12 @@ class CompressedCache(PagedCodes, GraphSteps):
         self.release_pages()
 
     # ------------------------------------------------------------------ storage
-    def _dense_cap(self, L: _Layer, need: int) -> int:
+    def _dense_cap(self, L: CodeLayer, need: int) -> int:
         if L.compressed and self.fmt.kind == "affine":  # no window: only the step's own rows
             return -(-need // COMPRESS_BLOCK) * COMPRESS_BLOCK
         return dense_capacity(self.fmt, need)
 
-    def _ensure_dense(self, L: _Layer, need: int) -> None:
+    def _ensure_dense(self, L: CodeLayer, need: int) -> None:
         have = 0 if L.dk is None else L.dk.shape[1]
         if need <= have:
             return
@@ -203,7 +172,7 @@ class CompressedCache(PagedCodes, GraphSteps):
             dv[:, : L.n_dense] = L.dv[:, : L.n_dense]
         L.dk, L.dv = dk, dv
 
-    def _alloc_codes(self, L: _Layer, k: Encoded, v: Encoded, cap: int, keep: int = 0) -> None:
+    def _alloc_codes(self, L: CodeLayer, k: Encoded, v: Encoded, cap: int, keep: int = 0) -> None:
         """(Re)allocate code storage for ``cap`` positions, keeping the first ``keep`` rows."""
 
         def grow(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -222,7 +191,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         if v.signs is not None:
             L.vb = grow(L.vb, v.signs)
 
-    def _store(self, L: _Layer, k: Encoded, v: Encoded, at: int, n: int) -> None:
+    def _store(self, L: CodeLayer, k: Encoded, v: Encoded, at: int, n: int) -> None:
         """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
         if self.paged:
             put_rows(L, self._rows_at(at, n), k, v)
@@ -245,7 +214,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         if v.signs is not None:
             L.vb[:, at : at + n] = v.signs
 
-    def _compress(self, L: _Layer) -> None:
+    def _compress(self, L: CodeLayer) -> None:
         if not L.compressed or L.n_code + L.n_dense <= self.fmt.threshold:
             return
         if L.n_dense < self.window + (COMPRESS_BLOCK if self.window or self.fmt.kind == "turbo" else 1):
@@ -261,7 +230,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         L.pending = L.stage = None
         self._place_dense(L, rest_k, rest_v)
 
-    def _place_dense(self, L: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _place_dense(self, L: CodeLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows k, v [KVH, n, D] become the layer's 16-bit rows, at the start of its buffer."""
         n = k.shape[1]
         if not self.static:  # a large prefill chunk or a staged prompt grew it: give the memory back
@@ -273,7 +242,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         L.dv[:, :n] = v
 
     # ------------------------------------------------------------------ staging (a prompt held in 16 bits)
-    def _stage_ok(self, L: _Layer, start: int, T: int) -> bool:
+    def _stage_ok(self, L: CodeLayer, start: int, T: int) -> bool:
         """Hold this prompt chunk's rows in 16 bits (staging) instead of compressing as it goes?"""
         if self.stage_budget is None or not L.compressed or T < PROMPT_ROWS or L.n_code or L.pending is not None:
             return False
@@ -285,7 +254,7 @@ class CompressedCache(PagedCodes, GraphSteps):
             rows = max(rows, min(2 * cap, self.capacity or 2 * cap))
         return self.stage_budget.grant(self, rows * self._stage_row_bytes)
 
-    def _stage_write(self, L: _Layer, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
+    def _stage_write(self, L: CodeLayer, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> CodeLayer:
         n, T = L.n_dense, k.shape[1]
         cap = L.stage[0].shape[1] if L.stage is not None else 0
         if n + T > cap:
@@ -305,7 +274,7 @@ class CompressedCache(PagedCodes, GraphSteps):
             self.length = start + T
         return L
 
-    def _settle_layer(self, L: _Layer) -> None:
+    def _settle_layer(self, L: CodeLayer) -> None:
         if not L.staging:
             return
         L.staging = False
@@ -331,7 +300,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         if self.stage_budget is not None:
             self.stage_budget.release(self)
 
-    def _dense(self, L: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense(self, L: CodeLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The 16-bit rows [KVH, n_dense, D] (buffer, or buffer + rows held aside)."""
         if L.pending is not None:
             return L.pending
@@ -340,7 +309,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         return L.dk[:, : L.n_dense], L.dv[:, : L.n_dense]
 
     # ------------------------------------------------------------------ attention
-    def _code_blocks(self, L: _Layer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
+    def _code_blocks(self, L: CodeLayer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
         """Score/value chunks over the compressed rows (qg: [KVH, M, D] fp32 queries).
 
         A chunk holds as many rows as SCORE_BUDGET allows (a decode step: the whole history in one
@@ -384,7 +353,9 @@ class CompressedCache(PagedCodes, GraphSteps):
                 sc.mul_(scale)
             yield sc, self._value_sum(L, s, e, blk), None, 1 if turbo else 0
 
-    def _affine_scores(self, L: _Layer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int, out: torch.Tensor) -> None:
+    def _affine_scores(
+        self, L: CodeLayer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int, out: torch.Tensor
+    ) -> None:
         """q . (code * scale + bias) per group = scale * (q . code) + bias * Σ q, for rows [b, be)."""
         codes = self.kc.code_rows(L.kp, b, be)  # [KVH, n, D] fp32 integer codes
         gs = self.kc.group
@@ -397,7 +368,7 @@ class CompressedCache(PagedCodes, GraphSteps):
             else:
                 out.copy_(part)
 
-    def _value_sum(self, L: _Layer, s: int, e: int, blk: int):
+    def _value_sum(self, L: CodeLayer, s: int, e: int, blk: int):
         """Σ_j p_j v_j over compressed rows [s, e) for probabilities p [KVH, M, e - s]."""
 
         def turbo(p: torch.Tensor) -> torch.Tensor:
@@ -427,7 +398,7 @@ class CompressedCache(PagedCodes, GraphSteps):
 
         return turbo if self.fmt.kind == "turbo" else affine
 
-    def _attend(self, L: _Layer, q: torch.Tensor, start: int) -> torch.Tensor:
+    def _attend(self, L: CodeLayer, q: torch.Tensor, start: int) -> torch.Tensor:
         """q [H, T, D] -> out [T, H*D] over this layer's codes + dense rows."""
         a = self.a
         H, T, D = q.shape
@@ -463,7 +434,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         out = out / l
         return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
 
-    def truncate(self, L: _Layer, start: int) -> None:
+    def truncate(self, L: CodeLayer, start: int) -> None:
         held = L.n_code + L.n_dense
         L.pending = None
         if start < held:  # rollback / recompute: later positions are dropped
@@ -474,7 +445,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         elif start > held:
             raise RuntimeError(f"KV cache holds {held} positions, step starts at {start}")
 
-    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> _Layer:
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> CodeLayer:
         L = self.layers[layer]
         T = k.shape[1]
         self.truncate(L, start)

@@ -10,6 +10,8 @@ import torch
 
 from swiftlm.turboquant.presets import COMPRESS_BLOCK
 
+from .code_pages import put_rows
+
 
 class GraphSteps:
     """Mixed into ``compressed_cache.CompressedCache`` (``layers``, ``fmt``, ``static``, ``capacity``, ``window``,
@@ -93,8 +95,6 @@ class GraphSteps:
         """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
         ``at`` (device [1]) + 0.. and move the window's rows down in the buffer -- what ``_compress`` does when
         ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
-        from .compressed_cache import put_rows
-
         c, n = COMPRESS_BLOCK, self.window
         idx = at + torch.arange(c, device=self.device)
         if self.paged:  # code rows -> pool rows through the device page table

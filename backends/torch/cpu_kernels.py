@@ -58,10 +58,11 @@ if nb is not None and not os.environ.get("NUMBA_THREADING_LAYER"):
 
 
 # ---------------------------------------------------------------------------------------- glue
-def warm_up(a, fmt) -> threading.Thread | None:
+def warm_up(a, fmt, cache_cls: type) -> threading.Thread | None:
     """Compile (or load from numba's disk cache) the kernel of this model shape and KV format on a
     background thread, so that the first request with the server's default format does not wait for it
-    (a first compile takes seconds; a request that arrives meanwhile waits on the kernel lock)."""
+    (a first compile takes seconds; a request that arrives meanwhile waits on the kernel lock).  ``cache_cls``:
+    compressed_cache.CompressedCache, whose one-row cache the kernel runs on."""
     if not enabled():
         return None
 
@@ -70,11 +71,9 @@ def warm_up(a, fmt) -> threading.Thread | None:
 
         import torch
 
-        from .compressed_cache import CompressedCache
-
         try:
             one = types.SimpleNamespace(layers=1, kv_heads=a.kv_heads, heads=a.heads, head_dim=a.head_dim)
-            c = CompressedCache(one, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
+            c = cache_cls(one, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
             L, rows = c.layers[0], torch.ones(a.kv_heads, 1, a.head_dim)
             c._store(L, c.kc.encode(rows), c.vc.encode(rows), 0, 1)
             L.n_code = 1

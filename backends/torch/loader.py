@@ -1,6 +1,6 @@
 """Weights for the torch backend: HF safetensors directories (16-bit, or quantized FP8 / AWQ / GPTQ /
 compressed-tensors layouts), and GGUF (dequantized).  A quantized checkpoint's layers stay quantized on CUDA
-(``<module>.weight`` -> quant_linear.QuantLinear, which model.build installs where its kernels run) and are
+(``<module>.weight`` -> quant_linear.QuantLinear, which build.build installs where its kernels run) and are
 dequantised on the CPU (quant_weights.py).  ``--quantize fp8`` quantises a 16-bit checkpoint's projections at
 load (per-output-channel e4m3 scales): kept as FP8 on CUDA, the FP8-rounded weights in float on the CPU."""
 

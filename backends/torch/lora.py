@@ -24,6 +24,8 @@ import torch
 
 from swiftlm.adapters import AdapterError, adapter_files, parse_spec  # noqa: F401 (re-exported)
 
+from .archs_config import refuse_flag
+
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_T = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN + MLP_T
@@ -185,8 +187,6 @@ def _hook(lin: torch.nn.Module, site: SiteLora) -> None:
 
 def attach(module: Any, specs: list[str]) -> LoraSet:
     """``--adapter NAME=PATH`` entries loaded onto ``module``."""
-    from .archs import refuse_flag
-
     refuse_flag(module.a, "--adapter")
     ls = LoraSet(module)
     for s in specs:

@@ -1,4 +1,4 @@
-"""Decoder-only transformer for the llama family in plain torch (llama, mistral, qwen2, qwen3,
+"""Decoder-only transformer layers for the llama family in plain torch (llama, mistral, qwen2, qwen3,
 and the MoE variants qwen3_moe / qwen2_moe / mixtral), with this project's own KV cache.
 
 Why our own model file and not transformers' modeling classes: a decode step here is a few
@@ -6,10 +6,10 @@ fused calls per layer on preallocated cache slices (no cache objects, masks or h
 per token), which is what makes small models fast on CPU and lets CUDA graphs capture a step.
 Weights use HF names, so HF checkpoints load as they are.
 
-This module holds the layers, the forward over a prompt chunk and the load (``build``); around it:
-model_config.py (the config: ``Args``, the architectures, ``check_config``), rope.py (rope tables),
-kv_cache.py (``SeqCache``), linear_rows.py (matmuls over a few rows, LoRA terms) and decode_rows.py
-(``decode_batch``, the batched decode step).
+This module holds the layers and the forward over a prompt chunk; around it: build.py (the load,
+``build``), model_config.py (the config: ``Args``, the architectures, ``check_config``), rope.py (rope
+tables), kv_cache.py (``SeqCache``), linear_rows.py (matmuls over a few rows, LoRA terms) and
+decode_rows.py (``decode_batch``, the batched decode step).  archs.py and archs_moe.py subclass these.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torch import nn
 
 from .kv_cache import SeqCache
 from .linear_rows import linear_rows, lora_add, rows_linear
-from .model_config import MOE_ARCHS, Args
-from .offload import from_offload, place, to_offload
-from .quant_linear import QuantLinear, QuantProj, cat_rows, weight_bytes
+from .model_config import Args
+from .offload import from_offload, to_offload
+from .quant_linear import cat_rows
 from .rope import apply_rope, rope_tables
 
 
@@ -119,23 +119,23 @@ def chunk_attention(
     masked kernel.  Returns [1, H, T, D].
     ``window``: each query sees only the last ``window`` keys up to itself (sliding-window attention)."""
     T, S = q.shape[1], keys.shape[1]
-    if window:
-        mask = window_mask(T, S, start, window, q.device)
-    elif q.is_cuda:
+    if q.is_cuda and not window:
         from torch.nn.attention.bias import causal_lower_right
 
         mask: Any = causal_lower_right(T, S)
     else:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        mask = causal_mask(T, S, start, window, q.device)
     return F.scaled_dot_product_attention(
         q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=rep > 1
     )
 
 
-def window_mask(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
-    """[T, S] bool, True where query ``start + i`` may see key ``j``: ``start + i - window < j <= start + i``."""
+def causal_mask(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool, True where query ``start + i`` may see key ``j``: ``j <= start + i``, and where a window
+    applies (``window`` > 0) ``start + i - window < j``."""
     ones = torch.ones(T, S, dtype=torch.bool, device=device)
-    return ones.tril(diagonal=start) & ones.triu(diagonal=start - window + 1)
+    causal = ones.tril(diagonal=start)
+    return causal & ones.triu(diagonal=start - window + 1) if window else causal
 
 
 class MLP(nn.Module):
@@ -284,161 +284,3 @@ class Transformer(nn.Module):
         x = self.hidden(tokens, kv, start, last_only)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return rows_linear(x, w)
-
-
-def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF checkpoint names -> this module's names (strip 'model.', stack experts).  Consumes ``sd``."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str, int], torch.Tensor] = {}
-    for k in list(sd):  # pops: the caller's dict empties as ours fills (no second copy held)
-        v = sd.pop(k)
-        name = k[len("model.") :] if k.startswith("model.") else k
-        parts = name.split(".")
-        if "experts" in parts and parts[0] == "layers":
-            # layers.L.mlp.experts.E.gate_proj.weight  |  layers.L.block_sparse_moe.experts.E.w1.weight
-            li, ei = int(parts[1]), int(parts[parts.index("experts") + 1])
-            proj = parts[parts.index("experts") + 2]
-            proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(proj, proj)
-            experts[(li, proj, ei)] = v
-            continue
-        name = name.replace("block_sparse_moe.gate.", "mlp.gate.").replace("block_sparse_moe.", "mlp.")
-        for proj, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-            name = name.replace(f"mlp.switch_mlp.{proj}.weight", f"mlp.{ours}")  # stacked [E, out, in]
-        out[name] = v
-    for li in range(a.layers):
-        for proj, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-            if (li, proj, 0) in experts:
-                out[f"layers.{li}.mlp.{ours}"] = torch.stack([experts[(li, proj, e)] for e in range(a.experts)])
-    if a.tie:
-        out.pop("lm_head.weight", None)
-    return out
-
-
-def build(
-    config: dict,
-    state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    device: torch.device,
-    expert_reader: Any = None,
-    first_cpu_layer: int | None = None,
-    offload_dtype: torch.dtype = torch.float32,
-) -> Transformer:
-    """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
-    a = Args.from_config(config)
-    if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
-        a.tie = True  # an embedding-only checkpoint (e.g. Qwen3Model): no head; logits are never asked for
-    with torch.device("meta"):
-        model = Transformer(a) if a.ext is None else ext_model(a, first_cpu_layer, expert_reader)
-        if expert_reader is not None:
-            from .streamed_moe import StreamedMoE
-
-            for i, layer in enumerate(model.layers):
-                if i in expert_reader.layout.slabs:
-                    layer.mlp = StreamedMoE(a, expert_reader, i, device, dtype)
-    if a.arch in MOE_ARCHS:  # GPT-OSS's fused experts, DeepSeek's interleaved rope rows
-        from .archs_moe import convert_state as moe_convert_state
-
-        sd = moe_convert_state(a, state)
-    else:
-        sd = hf_state_to_ours(a, state)
-    if a.ext is not None and a.arch not in MOE_ARCHS:  # Phi-3's fused projections, split
-        from .archs import convert_state
-
-        sd = convert_state(a, sd)
-    if a.gemma:  # Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the weights once
-        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
-    quant = {k: sd.pop(k) for k in [k for k, v in sd.items() if isinstance(v, QuantLinear)]}
-    if quant and (a.ext is not None or a.experts or first_cpu_layer is not None):  # no kernels there: 16-bit
-        sd.update({k: q.dequantized(dtype) for k, q in quant.items()})
-        quant = {}
-    # convert one tensor at a time, dropping the stored one: peak = the model + one tensor
-    missing, unexpected = model.load_state_dict(
-        {k: sd.pop(k).to(dtype) for k in list(sd)}, strict=not quant, assign=True
-    )
-    if quant:
-        install_quantized(model, quant, missing, unexpected, device, dtype)
-    model.init_rope()
-    if first_cpu_layer is not None:  # --gpu-layers: layers [first_cpu_layer, L) stay on the CPU
-        place(model, first_cpu_layer, device, offload_dtype)
-    else:
-        model.to(device)
-    for layer in model.layers:
-        if hasattr(layer.mlp, "to_device"):
-            layer.mlp.to_device()
-    return finish_load(model, dtype, eager=True)  # one process: runner.TorchModel picks the path
-
-
-def install_quantized(
-    model: nn.Module,
-    quant: dict[str, QuantLinear],
-    missing: list[str],
-    unexpected: list[str],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> None:
-    """Each quantized weight's ``nn.Linear`` replaced by a ``QuantProj`` on ``device`` (its bias kept)."""
-    if unexpected or set(missing) != set(quant):
-        extra = sorted(unexpected) or sorted(set(missing) ^ set(quant))
-        raise RuntimeError(f"quantized state does not match the model: {extra[:3]}")
-    for name, q in quant.items():
-        path = name[: -len(".weight")]
-        parent, _, attr = path.rpartition(".")
-        owner = model.get_submodule(parent)
-        lin = getattr(owner, attr)
-        bias = lin.bias if isinstance(lin, nn.Linear) and lin.bias is not None else None
-        setattr(owner, attr, QuantProj(q.with_dtype(dtype).to(device), bias))
-
-
-def ext_model(a: Args, first_cpu_layer: int | None, expert_reader: Any = None) -> Transformer:
-    from .archs import ExtTransformer, refuse_flag
-
-    if first_cpu_layer is not None:
-        refuse_flag(a, "--gpu-layers")
-    if expert_reader is not None:
-        refuse_flag(a, "--stream-experts")
-    if a.arch in MOE_ARCHS:
-        from .archs_moe import MoeTransformer
-
-        return MoeTransformer(a)
-    return ExtTransformer(a)
-
-
-def check_device(a: Args, device: torch.device, eager: bool = False) -> None:
-    """On CUDA, archs.py's / archs_moe.py's architectures and live sliding windows run on the eager path
-    only (``Args.eager_reason``): a single-process model picks it (``eager``: runner.TorchModel runs it
-    so); tensor-parallel ranks and pipeline stages (which call ``finish_load`` without ``eager``) are
-    refused.  Nothing is refused on the CPU."""
-    why = a.eager_reason() if device.type == "cuda" and not eager else None
-    if why is not None:
-        from swiftlm.errors import UnsupportedArchitecture
-
-        raise UnsupportedArchitecture(
-            f"{why} runs on CUDA only in a single-process model (on the eager path), so "
-            "serve it without --tensor-parallel and --pipeline-parallel"
-        )
-
-
-def finish_load(model: Transformer, dtype: torch.dtype, eager: bool = False) -> Transformer:
-    """The last steps of every load (one process, a tensor-parallel rank, a pipeline stage), once the
-    weights are on their device: rope tables in the model's dtype (as HF), eval mode, fused projections.
-    ``eager``: the caller can run the model on the eager path on CUDA (``check_device``)."""
-    check_device(model.a, model.cos.device, eager)
-    model.cos, model.sin = model.cos.to(dtype), model.sin.to(dtype)
-    model.eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.fuse()
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.fuse()
-    return model
-
-
-def param_bytes(model: Any) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    for layer in model.layers:  # fused weights are plain tensors, not parameters
-        w, b = layer.self_attn.qkv
-        n += weight_bytes(w) + weight_bytes(b)
-        if hasattr(layer.mlp, "gate_up"):
-            n += weight_bytes(layer.mlp.gate_up)
-    n += sum(weight_bytes(m.weight) for m in model.modules() if isinstance(m, QuantProj))
-    return n

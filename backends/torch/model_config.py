@@ -1,5 +1,5 @@
 """What a checkpoint's config.json means to the torch backend's native layers: the architectures it
-runs (``SUPPORTED``; ``EXTRA_ARCHS`` in archs.py, ``MOE_ARCHS`` in archs_moe.py), the model dimensions
+runs (``SUPPORTED``; ``EXTRA_ARCHS``: archs.py, ``MOE_ARCHS``: archs_moe.py), the model dimensions
 (``Args``), the per-layer sliding windows, and the refusal of any config field that changes the
 computation and is not implemented (``check_config``)."""
 
@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from swiftlm.errors import UnsupportedArchitecture
+
+from . import archs_config, moe_config
 from .rope import ROPE_TYPES, rope_params, rope_type
 
 SUPPORTED = (
@@ -57,7 +60,7 @@ class Args:
     gemma: bool = False  # sqrt(hidden) embedding scale, (1 + w) norms, GeGLU (tanh GELU)
     offload: Any = None  # --gpu-layers: (first CPU layer, its device, its dtype); see offload.py
     windows: tuple = ()  # per layer: sliding-window width in keys (0: full causal attention)
-    ext: Any = None  # archs.Ext: what an EXTRA_ARCHS architecture changes (soft caps, norms, ropes, ...)
+    ext: Any = None  # archs_config.Ext / moe_config.MoeExt: what an EXTRA_ARCHS / MOE_ARCHS architecture changes
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -67,13 +70,8 @@ class Args:
         pool, CUDA graphs, packed prefill or paged attention: those run the llama-family layer over every
         key), or None.  ``ctx``: the served context; a window no shorter than it changes nothing."""
         if self.ext is not None:
-            if self.arch in MOE_ARCHS:
-                from .archs_moe import cuda_feature as moe_feature
-
-                return f"architecture {self.arch!r} ({moe_feature(self)})"
-            from .archs import cuda_feature
-
-            return f"architecture {self.arch!r} ({cuda_feature(self)})"
+            feature = (moe_config if self.arch in MOE_ARCHS else archs_config).cuda_feature(self)
+            return f"architecture {self.arch!r} ({feature})"
         live = [w for w in self.windows if w and (ctx is None or w < ctx)]
         return f"config field sliding_window={max(live)}" if live else None
 
@@ -118,23 +116,15 @@ class Args:
             ext=extension(c),
         )
         if arch in MOE_ARCHS:  # fields under other names; MLA's latent cache layout
-            from .archs_moe import adjust_args
-
-            adjust_args(a, c)
+            moe_config.adjust_args(a, c)
         return a
 
 
 def extension(c: dict) -> Any:
-    """archs.settings / archs_moe.settings for the architectures they add (None for the llama family)."""
+    """archs_config.settings / moe_config.settings for the architectures they add (None for the llama family)."""
     if c["model_type"] in MOE_ARCHS:
-        from .archs_moe import settings as moe_settings
-
-        return moe_settings(c)
-    if c["model_type"] not in EXTRA_ARCHS:
-        return None
-    from .archs import settings
-
-    return settings(c)
+        return moe_config.settings(c)
+    return archs_config.settings(c) if c["model_type"] in EXTRA_ARCHS else None
 
 
 def sliding_windows(c: dict, ctx: int) -> tuple:
@@ -144,13 +134,9 @@ def sliding_windows(c: dict, ctx: int) -> tuple:
     Gemma(1) have no sliding window.  A window no shorter than the context changes nothing."""
     arch, n, w = c["model_type"], c["num_hidden_layers"], c.get("sliding_window")
     if arch in EXTRA_ARCHS:
-        from .archs import layer_windows
-
-        return layer_windows(c, ctx)
+        return archs_config.layer_windows(c, ctx)
     if arch in MOE_ARCHS:
-        from .archs_moe import layer_windows as moe_windows
-
-        return moe_windows(c, ctx)
+        return moe_config.layer_windows(c, ctx)
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
         w = None
     if not w or arch in ("llama", "gemma"):
@@ -168,21 +154,16 @@ def sliding_windows(c: dict, ctx: int) -> tuple:
 def check_config(c: dict) -> None:
     """Refuse, in one sentence naming the field and its value, any config field that changes the
     computation and that this model file does not implement (nothing is dropped silently)."""
-    from swiftlm.errors import UnsupportedArchitecture
 
     def refuse(field: str, value: Any) -> None:
         raise UnsupportedArchitecture(
             f"config field {field}={value!r} ({c['model_type']}) is not implemented by the torch backend's native path"
         )
 
-    if c["model_type"] in EXTRA_ARCHS:  # archs.py refuses its own and takes out the fields it implements
-        from .archs import check_fields
-
-        c = check_fields(c, refuse)
-    if c["model_type"] in MOE_ARCHS:  # as archs.py, for archs_moe.py's
-        from .archs_moe import check_fields as moe_check_fields
-
-        c = moe_check_fields(c, refuse)
+    if c["model_type"] in EXTRA_ARCHS:  # archs_config.py refuses its own and takes out the fields it implements
+        c = archs_config.check_fields(c, refuse)
+    if c["model_type"] in MOE_ARCHS:  # as archs_config.py, for archs_moe.py's (moe_config.py)
+        c = moe_config.check_fields(c, refuse)
     rs = rope_params(c) or {}
     if rope_type(rs) not in ROPE_TYPES:
         refuse("rope_scaling.rope_type", rope_type(rs))

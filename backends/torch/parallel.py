@@ -37,8 +37,10 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .archs import refuse_flag
-from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .archs_config import refuse_flag
+from .build import finish_load, hf_state_to_ours, param_bytes
+from .devices import CUDA_DEFAULT_CTX, _apply_mem_limit, pick_device
+from .model import Transformer
 from .model_config import Args
 from .tp_allreduce import all_reduce
 
@@ -211,7 +213,7 @@ def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None
 def build_sharded(
     config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, p: Plan
 ) -> Transformer:
-    """``model.build`` for one rank's slices: the same module tree with this rank's head, column
+    """``build.build`` for one rank's slices: the same module tree with this rank's head, column
     and vocabulary counts, and the sharded layers where a collective is needed."""
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
@@ -312,27 +314,49 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
-    """This rank's ``TorchModel`` (``runner.load_model`` with --tensor-parallel): join the group,
-    read this rank's slices, build, wrap."""
+def join_group(spec: ModelSpec, cfg: Any, stage: bool) -> tuple[Any, torch.device, torch.dtype, int, int, dict]:
+    """What a rank of --tensor-parallel (``load_sharded``) or --pipeline-parallel (``stage``: pipeline.load_stage)
+    does first: its GPU selected, device and dtype picked (a stage's GPU named by its index), the memory limit
+    applied, the host's cores split among the ranks (a stage's: among this host's), the group joined, the
+    architecture checked.  Returns (launch.current_rank(), device, dtype, rank, world, the HF config)."""
     from swiftlm.convert import hf_config
     from swiftlm.distributed.launch import current_rank
-    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-    from swiftlm.turboquant.presets import settings_format
 
     from .loader import check_arch
-    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
 
     info = current_rank()
     if torch.cuda.is_available() and info is not None:
         torch.cuda.set_device(info.local_rank)
     device, dtype = pick_device(cfg)
+    if stage and device.type == "cuda" and info is not None:
+        device = torch.device("cuda", info.local_rank)
     _apply_mem_limit(cfg, device)
-    if device.type == "cpu" and info is not None:  # the ranks share this host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world))
+    if device.type == "cpu" and info is not None:  # the ranks (of one host, for stages) share its cores
+        ranks = max(1, info.local_world or info.world) if stage else info.world
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     rank, world = init_distributed(device.type)
     check_arch(spec)
-    config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+    return info, device, dtype, rank, world, hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+
+
+def tokenizer_and_ctx(spec: ModelSpec, cfg: Any, model_ctx: int, device: torch.device) -> tuple[Any, int]:
+    """A rank's tokenizer and served context (as runner.load_model: --ctx-size, else the model's, at most
+    ``CUDA_DEFAULT_CTX`` on CUDA)."""
+    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+    gguf = spec.format == "gguf"
+    tokenizer = load_gguf_tokenizer(spec.gguf_meta or {}) if gguf else load_hf_tokenizer(spec.path, spec.config)
+    ctx_cfg = getattr(cfg, "ctx_size", None)
+    cap = model_ctx if device.type == "cpu" else min(model_ctx, CUDA_DEFAULT_CTX)
+    return tokenizer, min(int(ctx_cfg or cap), model_ctx)
+
+
+def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
+    """This rank's model (``runner.load_model`` with --tensor-parallel; ``base``: runner.TorchModel): join
+    the group, read this rank's slices, build, wrap."""
+    from swiftlm.turboquant.presets import settings_format
+
+    info, device, dtype, rank, world, config = join_group(spec, cfg, stage=False)
     plan = make_plan(config, rank, world)
     state = load_shard(spec, config, plan)
     module = build_sharded(config, state, dtype, device, plan)
@@ -355,14 +379,8 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
         plan.v0,
         plan.v0 + plan.vocab_rows,
     )
-    tokenizer = (
-        load_gguf_tokenizer(spec.gguf_meta or {})
-        if spec.format == "gguf"
-        else load_hf_tokenizer(spec.path, spec.config)
-    )
     a = module.a
-    ctx_cfg = getattr(cfg, "ctx_size", None)
-    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    tokenizer, ctx = tokenizer_and_ctx(spec, cfg, a.ctx, device)
     # weights and KV bytes are this rank's (each rank holds its heads' cache); the vocabulary is the full one
     minfo = ModelInfo(
         arch=spec.arch,
@@ -375,5 +393,5 @@ def load_sharded(spec: ModelSpec, cfg: Any) -> Any:
         kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
     )
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1))
-    cls = sharded_model_class(TorchModel)
+    cls = sharded_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, slots=slots, kv_default=settings_format(cfg))

@@ -57,12 +57,15 @@ from swiftlm.backend import Forward, ModelInfo, StepBatch
 from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
-from .archs import refuse_flag
+from .archs_config import refuse_flag
+from .build import finish_load, hf_state_to_ours, param_bytes
 from .cpu_packed import pack
 from .decode_rows import decode_batch
+from .devices import bind_thread
 from .linear_rows import rows_linear
-from .model import Transformer, finish_load, hf_state_to_ours, param_bytes
+from .model import Transformer
 from .model_config import Args
+from .parallel import join_group, tokenizer_and_ctx
 from .rope import rope_tables
 
 log = logging.getLogger(__name__)
@@ -321,8 +324,6 @@ def pipeline_model_class(base: type) -> type:
 
         @torch.inference_mode()
         def forward(self, batch: StepBatch) -> Forward:
-            from .runner import bind_thread
-
             bind_thread(self.device)
             t_step = time.perf_counter()
             for w in batch.seqs:
@@ -376,30 +377,12 @@ def pipeline_model_class(base: type) -> type:
     return PipelineTorchModel
 
 
-def load_stage(spec: ModelSpec, cfg: Any) -> Any:
-    """This rank's stage (``runner.load_model`` with --pipeline-parallel): join the group, read
-    this stage's tensors, build, wrap."""
-    from swiftlm.convert import hf_config
-    from swiftlm.distributed.launch import current_rank
-    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+def load_stage(spec: ModelSpec, cfg: Any, base: type) -> Any:
+    """This rank's stage (``runner.load_model`` with --pipeline-parallel; ``base``: runner.TorchModel): join
+    the group, read this stage's tensors, build, wrap."""
     from swiftlm.turboquant.presets import settings_format
 
-    from .loader import check_arch
-    from .parallel import init_distributed
-    from .runner import CUDA_DEFAULT_CTX, TorchModel, _apply_mem_limit, pick_device
-
-    info = current_rank()
-    if torch.cuda.is_available() and info is not None:
-        torch.cuda.set_device(info.local_rank)
-    device, dtype = pick_device(cfg)
-    if device.type == "cuda" and info is not None:
-        device = torch.device("cuda", info.local_rank)
-    _apply_mem_limit(cfg, device)
-    if device.type == "cpu" and info is not None:  # the ranks of one host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world or info.world)))
-    rank, world = init_distributed(device.type)
-    check_arch(spec)
-    config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+    _, device, dtype, rank, world, config = join_group(spec, cfg, stage=True)
     check_split(config, world)
     a = Args.from_config(config)
     stage = stage_of(rank, world)
@@ -418,13 +401,7 @@ def load_stage(spec: ModelSpec, cfg: Any) -> Any:
         ", embedding" if first else "",
         ", norm + LM head" if last else "",
     )
-    tokenizer = (
-        load_gguf_tokenizer(spec.gguf_meta or {})
-        if spec.format == "gguf"
-        else load_hf_tokenizer(spec.path, spec.config)
-    )
-    ctx_cfg = getattr(cfg, "ctx_size", None)
-    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    tokenizer, ctx = tokenizer_and_ctx(spec, cfg, a.ctx, device)
     la = module.a
     # weights and KV bytes are this stage's
     minfo = ModelInfo(
@@ -437,5 +414,5 @@ def load_stage(spec: ModelSpec, cfg: Any) -> Any:
         weight_bytes=param_bytes(module),
         kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8,
     )
-    cls = pipeline_model_class(TorchModel)
+    cls = pipeline_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, stage, world, kv_default=settings_format(cfg))

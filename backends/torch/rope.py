@@ -5,12 +5,9 @@ frequency scaling) and their application to q / k.  Imports nothing else of this
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:  # annotations only: model_config imports this module
-    from .model_config import Args
 
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 
@@ -25,7 +22,8 @@ def rope_type(rs: dict | None) -> str:
     return str((rs or {}).get("rope_type", (rs or {}).get("type", "default")) or "default")
 
 
-def rope_tables(a: Args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(a: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables [ctx, head_dim] for ``a`` (a model_config.Args: rope_theta, rope_scaling, head_dim, ctx)."""
     inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
     rs = a.rope_scaling or {}
     kind, attn_factor = rope_type(rs), 1.0

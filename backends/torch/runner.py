@@ -17,6 +17,7 @@ from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from swiftlm.turboquant.presets import KVFormat, settings_format
 
 from . import cpu_kernels
+from .build import build, param_bytes
 from .code_pages import CodePages
 from .compressed_cache import STAGE_BYTES, CompressedCache, StageBudget
 from .decode_rows import decode_batch
@@ -34,7 +35,7 @@ from .kv_accounting import KVAccounting
 from .kv_cache import SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
 from .loader import check_arch, load_state
-from .model import PackedAttend, build, param_bytes
+from .model import PackedAttend
 from .ops import TorchOps
 from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
@@ -81,7 +82,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         self.stage_budget: StageBudget | None = None  # prompts of compressed caches held in 16 bits (load_model)
         self.device, self.dtype = device, dtype
         if device.type == "cpu" and self.kv_default.compressed:  # compile the CPU kernel before the first request
-            cpu_kernels.warm_up(module.a, self.kv_default)
+            cpu_kernels.warm_up(module.a, self.kv_default, CompressedCache)
         self.caches: dict[int, SeqCache] = {}
         self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
@@ -386,11 +387,11 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     if int(getattr(cfg, "tensor_parallel", 1) or 1) > 1:  # this process is one rank (parallel.py)
         from .parallel import load_sharded
 
-        return load_sharded(spec, cfg)
+        return load_sharded(spec, cfg, TorchModel)
     if int(getattr(cfg, "pipeline_parallel", None) or 1) > 1:  # this process is one stage (pipeline.py)
         from .pipeline import load_stage
 
-        return load_stage(spec, cfg)
+        return load_stage(spec, cfg, TorchModel)
     device, dtype = pick_device(cfg)
     bind_thread(device)
     _apply_mem_limit(cfg, device)
