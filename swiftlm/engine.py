@@ -42,9 +42,9 @@ from .kv_admission import KVAdmission
 from .outputs import LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink, TokenLogprob  # noqa: F401
 from .prompts import Prompts, pooled  # noqa: F401 (pooled: re-exported)
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, kv_budget_tokens
 from .slots import Lifecycle, QueueFull, Slots, delegated  # noqa: F401 (QueueFull: re-exported)
-from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram  # noqa: F401
+from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram, expert_stream_stats, kv_stats  # noqa: F401
 from .stepper import Stepper
 from .timers import StepLog, StepTimers
 from .turboquant.presets import KVFormat
@@ -94,17 +94,7 @@ class Engine:
         # the served KV format (--turbo-kv): a request's own fields override it, decided at admission
         self.kv_default: KVFormat = model.kv_default or KVFormat()  # (ModelHooks: None is plain 16-bit)
         self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
-        kv_tokens = None
-        if kv_budget_bytes and model.info.kv_bytes_per_token:
-            kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
-            if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
-                log.warning(
-                    "--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
-                    kv_budget_bytes,
-                    kv_tokens,
-                    self.ctx_size,
-                )
-                kv_tokens = self.ctx_size + 1
+        kv_tokens = kv_budget_tokens(kv_budget_bytes, model.info.kv_bytes_per_token, self.ctx_size)
         self.scheduler = Scheduler(
             max_running, prefill_size, token_budget=max_batched_tokens or None, kv_budget_tokens=kv_tokens
         )
@@ -440,42 +430,15 @@ class Engine:
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""
-        reader = self.model.expert_stream
-        if reader is None:
-            return None
-        out = reader.stats.snapshot()
-        out.update(
-            {
-                "mode": reader.mode,
-                "buffer_bytes": reader.buffer_bytes(),
-                "expert_bytes_on_disk": reader.layout.expert_bytes_total,
-                "experts_per_token": self.info.experts_per_token,
-            }
-        )
-        return out
+        return expert_stream_stats(self.model.expert_stream, self.info.experts_per_token)
 
     def gc_stats(self) -> dict[str, Any]:
         """The garbage collector's pauses in this process (gc_pauses.py)."""
         return self.gc_pauses.snapshot()
 
     def kv_stats(self) -> dict[str, Any]:
-        """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
-        compression ratio achieved (16-bit bytes / bytes held)."""
-        fmt = self.kv_default
-        try:
-            s = self.model.kv_stats()
-        except Exception:  # pragma: no cover - a racing free() must not fail /health
-            s = None
-        if s is None:
-            n = self.scheduler.kv_in_use() * self.info.kv_bytes_per_token
-            s = {"bytes": n, "fp16_bytes": n}
-        ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
-        return {
-            "default_format": fmt.name,
-            "bytes": s["bytes"],
-            "fp16_bytes": s["fp16_bytes"],
-            "compression_ratio": round(ratio, 4),
-        }
+        """KV bytes held, their 16-bit equivalent and the compression ratio (stats.kv_stats)."""
+        return kv_stats(self.model, self.scheduler.kv_in_use, self.info.kv_bytes_per_token, self.kv_default.name)
 
     def _finish(self, live: Live, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Drop the sequence (KV, scheduler, draft state); with ``notify`` tell the caller through

@@ -35,14 +35,13 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import weakref
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 from . import engine_wire as w
-from .backend import ModelHooks
+from .engine_views import ModelView, PrefixView, SchedulerView, SpeculatorView
 from .errors import InvalidRequest
 from .fork import ForkStats
 from .outputs import Out, OutputWorker, Sink
@@ -71,80 +70,6 @@ def wanted(settings: Any, backend: Any) -> bool:
         return backend.available().device.startswith("cuda")
     except Exception:  # pragma: no cover - the backend was chosen, so it answered once already
         return False
-
-
-# ---------------------------------------------------------------------------------------- parent views
-class _SchedulerView:
-    """The child's scheduler levels, as /health and /metrics read them (``len(waiting)`` ...)."""
-
-    def __init__(self, max_running: int, t: tuple = (0, 0, 0, None, 0, None)):
-        self.max_running = max_running
-        n_wait, n_run, self._kv, self.kv_budget, self.preemptions, self._blocks = t
-        self.waiting, self.running = range(n_wait), range(n_run)
-
-    def kv_in_use(self) -> int:
-        return self._kv
-
-    def block_stats(self) -> dict[str, int] | None:
-        return self._blocks
-
-
-class _PrefixView:
-    def __init__(self, t: tuple = (0, 0, 0, 0, 0)):
-        self._n, self.bytes, self.hits, self.misses, self.tokens_reused = t
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-
-class _Ops:
-    def end_thread(self) -> None:
-        """Nothing of the device lives in this process."""
-
-
-class _ExpertReaderView:
-    def __init__(self, mode: str):
-        self.mode, self.stats = mode, None
-
-
-class _LoraView:
-    def __init__(self, names: tuple[str, ...]):
-        self.names = names
-
-
-class _ModelView(ModelHooks):
-    """What the server reads of ``engine.model``: memory figures and start-up facts (the model is
-    in the engine process).  Its ModelHooks declare what the child's model supports; the hooks that
-    work on KV (snapshot, paged blocks, ...) keep their "not supported" defaults: the engine that
-    calls them is in the child."""
-
-    def __init__(self, ready: dict):
-        self.ops = _Ops()
-        self.graph_capture = None
-        self._memory: dict = {}
-        er = ready.get("expert_reader")
-        self.expert_stream = _ExpertReaderView(er[0]) if er else None
-        self.kv_default = ready.get("kv_default")
-        self.can_embed = bool(ready.get("can_embed"))
-        names = ready.get("lora_names")
-        self.lora = _LoraView(tuple(names)) if names is not None else None
-
-    def memory(self) -> dict:
-        return dict(self._memory)
-
-
-class _SpeculatorView:
-    def __init__(self, drafter: str, k: int):
-        self.drafter = types.SimpleNamespace(name=drafter)
-        self.k = k
-        from .speculative import SpecStats
-
-        self.stats = SpecStats()
 
 
 # ---------------------------------------------------------------------------------------- parent
@@ -255,11 +180,11 @@ class EngineClient:
         self._can_embed = facts["can_embed"]
         self.child_pid = facts["pid"]
         self.rank_pids: dict[int, int] = facts.get("rank_pids") or {}
-        self.scheduler = _SchedulerView(facts["max_running"])
-        self.prefix_cache = _PrefixView()
-        self.model = _ModelView(facts)
+        self.scheduler = SchedulerView(facts["max_running"])
+        self.prefix_cache = PrefixView()
+        self.model = ModelView(facts)
         sp = facts.get("speculator")
-        self.speculator = _SpeculatorView(*sp) if sp else None
+        self.speculator = SpeculatorView(*sp) if sp else None
         self._kv: dict = {"default_format": "fp16", "bytes": 0, "fp16_bytes": 0, "compression_ratio": 1.0}
         self._experts: dict | None = None
         self._gc: dict | None = None
@@ -446,8 +371,8 @@ class EngineClient:
             for p in PHASES:
                 if p != "output":
                     t.counts[p], t.sums[p], t.n[p] = counts[p], sums[p], n[p]
-        self.scheduler = _SchedulerView(self.scheduler.max_running, snap["sched"])
-        self.prefix_cache = _PrefixView(snap["prefix"])
+        self.scheduler = SchedulerView(self.scheduler.max_running, snap["sched"])
+        self.prefix_cache = PrefixView(snap["prefix"])
         self._kv = snap["kv"]
         self._gc = snap.get("gc")
         self._experts = snap["experts"]
