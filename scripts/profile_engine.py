@@ -29,11 +29,10 @@ WORDS = (
 
 def run(llm, n: int, tokens: int, temperature: float) -> dict:
     from swiftlm import SamplingParams
-    from swiftlm.timers import StepTimers
 
     p = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True, seed=1)
     llm.generate("warm up " * 8, SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.engine.timers = llm.engine.outputs.timers = StepTimers()  # measure the run only
+    llm.engine.timers.reset()  # measure the run only (the output worker's timers are the same object)
     steps0 = llm.engine.stats.steps
     prompts = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(30 + i % 7)) for i in range(n)]
     done: list[int] = []

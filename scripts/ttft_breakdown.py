@@ -46,7 +46,6 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from swiftlm import LLM, SamplingParams
-    from swiftlm.timers import StepTimers
 
     llm = LLM(a.model, backend=a.backend, parallel=8, prompt_cache_bytes=0, ctx_size=1024)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.6, seed=1)
@@ -57,7 +56,7 @@ def main() -> None:
             llm.generate(PROMPT, full)
         ids = llm.engine.model.tokenizer.encode(PROMPT)
         out["prompt_tokens"] = len(ids)
-        llm.engine.timers = llm.engine.outputs.timers = StepTimers()
+        llm.engine.timers.reset()  # the output worker's timers are the same object
         t1 = []
         for _ in range(a.reps):
             t = time.perf_counter()

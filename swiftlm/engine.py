@@ -7,41 +7,66 @@ batched sampler (one device-to-host transfer per step), then the checks that nee
 run on the output worker's thread (``outputs.py``), beside the next step.  No caller ever
 touches model state.
 
-This module holds the engine's state, its lifecycle, the loop, the prompt cache's side of
-admission and the stats readers; mixins hold the rest: ``prompt_side.py`` (prompt rendering,
-request checks), ``engine_requests.py`` (submitting, cancelling: the caller's thread) and
-``engine_step.py`` (one step: forward, sampling, the overlap, speculation, the per-token checks).
+Who owns what (``Engine`` builds each part and hands it what it needs; no part reaches back):
+
+- callers' threads: ``prompts`` (``prompts.Prompts``: rendering, checks), ``slots`` (``slots.Slots``:
+  the queue's count and ids) and ``intake`` (``intake.Intake``: submit, cancel, embed), which only
+  put commands into the inbox; ``life`` (``slots.Lifecycle``) says whether the engine takes requests.
+- the engine thread: this module's loop (it drains the inbox, schedules, ends requests: ``_finish``)
+  and what it owns: ``scheduler``, ``stepper`` (``stepper.Stepper``: one step), ``kv``
+  (``kv_admission.KVAdmission``: paged pool, prompt cache), ``forks`` (``fork.ForkGroups``); the live
+  requests (``_live``) and a step's outputs (``_outs``) are shared with them, never touched elsewhere.
+- the output worker's thread: ``outputs`` (``outputs.OutputWorker``): text, stop strings, events.
+
+The public methods (``submit``, ``chat_prompt``, ...) and settings (``tool_parser``, ``json_close``,
+...) forward to the part that owns them, so every caller sees one ``Engine`` (as ``EngineClient``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from .backend import Model, StepBatch
-from .engine_requests import EngineRequests, _Live
-from .engine_step import EngineStep
 from .fork import ForkGroups
+from .intake import Intake, Live
+from .kv_admission import KVAdmission
 from .outputs import LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink, TokenLogprob  # noqa: F401
-from .prefix_cache import PrefixCache
-from .prompt_side import PromptSide, QueueFull, pooled  # noqa: F401 (QueueFull, pooled: re-exported)
-from .scheduler import Scheduler
-from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram  # noqa: F401
+from .prompts import Prompts, pooled  # noqa: F401 (pooled: re-exported)
+from .sampling import SamplingParams
+from .scheduler import Scheduler, kv_budget_tokens
+from .slots import Lifecycle, QueueFull, Slots, delegated  # noqa: F401 (QueueFull: re-exported)
+from .stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats, LatencyHistogram, expert_stream_stats, kv_stats  # noqa: F401
+from .stepper import Stepper
 from .timers import StepLog, StepTimers
 from .turboquant.presets import KVFormat
 
 log = logging.getLogger(__name__)
 
 
-class Engine(PromptSide, EngineRequests, EngineStep):
+class Engine:
+    # settings and state that live on the parts (set by make_engine, a replica set's broadcast, the server)
+    fatal = delegated("life", "fatal", "why the loop died, if it did (then /health is 503)")
+    tool_parser = delegated("prompts", "tool_parser")
+    media_policy = delegated("prompts", "media_policy")
+    media_processor = delegated("prompts", "media_processor")
+    json_close = delegated("stepper", "json_close")
+    json_repeat_guard = delegated("stepper", "json_repeat_guard")
+    default_max_tokens = delegated("slots", "default_max_tokens")
+    max_queue = delegated("slots", "max_queue")
+    backend_name = delegated("intake", "backend_name")
+    kv_blocks = delegated("kv", "kv_blocks", "the paged KV pool's block manager (kv_blocks.KVBlocks), or None")
+    prefix_cache = delegated("kv", "prefix_cache")
+    code_format = delegated("kv", "code_format")
+
     def __init__(
         self,
         model: Model,
@@ -63,66 +88,61 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         call), also when both are empty (the engine process, ``engine_process.py``)."""
         self.model = model
         self.request_timeout = request_timeout  # seconds from submit; 0: none
-        self.json_close = True  # structured output closes its JSON before max_tokens (settings.json_close)
-        self.json_repeat_guard = 0  # structured output caught repeating a block this many times ends
         self._next_expiry_check = 0.0
         self.tokenizer = model.tokenizer
         self.info = model.info
         # the served KV format (--turbo-kv): a request's own fields override it, decided at admission
         self.kv_default: KVFormat = model.kv_default or KVFormat()  # (ModelHooks: None is plain 16-bit)
         self.ctx_size = min(ctx_size or model.info.context_length, model.info.context_length or ctx_size or 0)
-        self.default_max_tokens = default_max_tokens
-        self.max_queue = max_queue
-        kv_tokens = None
-        if kv_budget_bytes and model.info.kv_bytes_per_token:
-            kv_tokens = kv_budget_bytes // model.info.kv_bytes_per_token
-            if kv_tokens < self.ctx_size + 1:  # one sequence at full context must always fit
-                log.warning(
-                    "--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
-                    kv_budget_bytes,
-                    kv_tokens,
-                    self.ctx_size,
-                )
-                kv_tokens = self.ctx_size + 1
+        kv_tokens = kv_budget_tokens(kv_budget_bytes, model.info.kv_bytes_per_token, self.ctx_size)
         self.scheduler = Scheduler(
             max_running, prefill_size, token_budget=max_batched_tokens or None, kv_budget_tokens=kv_tokens
         )
         self.stats = EngineStats()
-        # prompt reuse needs the backend's snapshot/restore hooks (optional: ModelHooks.can_snapshot_prefix)
-        can_cache = model.can_snapshot_prefix
         self.speculator = speculator  # speculative.Speculator: lone decode rows draft and verify
-        self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
-        from .media import MediaPolicy
-
-        self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
-        self.media_processor: Any = None  # media.MediaProcessor for multimodal models
-        # a paged KV pool (torch on CUDA): the core hands out its blocks, and full blocks are the prompt cache
-        self.code_format: Any = None  # the KV format whose codes are paged (code_pages), if any
-        self.kv_blocks = self._paged_kv(prompt_cache_bytes > 0)
-        self.prefix_cache = PrefixCache(prompt_cache_bytes if can_cache and self.kv_blocks is None else 0)
-        self.forks = ForkGroups(self)  # n / best_of: one prefill per request (fork.py)
-        self.fork_stats = self.forks.stats
-        self._eos = frozenset(self.tokenizer.eos_token_ids)
+        self.life = Lifecycle()
+        self.on_fatal: Any = None  # called with ``fatal`` (the server exits non-zero)
+        # the engine thread's state, shared with its parts: live requests by id, this step's outputs
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[int, Live] = {}
+        self._outs: list[Out] = []  # this step's messages for the output worker
+        self._ended: list[int] = []  # with ``publish``: sequences dropped since the last publish
+        self._publish = publish
+        # a paged KV pool (torch on CUDA): the core hands out its blocks, and full blocks are the prompt cache
+        self.kv = KVAdmission(model, self.scheduler, self.ctx_size, prompt_cache_bytes, self._live, self._outs)
+        self.forks = ForkGroups(model, self.scheduler, self._live, self.kv.eligible)  # n / best_of (fork.py)
+        self.fork_stats = self.forks.stats
         self.timers = StepTimers()
         self.step_log = StepLog.from_env()  # SWIFTLM_STEP_LOG: a line per step (timelines)
-        self._publish = publish
-        self._ended: list[int] = []  # with ``publish``: sequences dropped since the last publish
         self.outputs = (
             None
             if publish is not None
-            else OutputWorker(self.tokenizer, on_stop=lambda sid: self._inbox.put(("stopped", sid)), timers=self.timers)
+            else OutputWorker(self.tokenizer, on_stop=lambda sid: self.intake.stopped(sid), timers=self.timers)
         )
-        self._outs: list[Out] = []  # this step's messages for the output worker
-        self._live: dict[int, _Live] = {}
-        self._ids = itertools.count(1)
-        self._pending = 0  # submitted, not yet finished (guarded by _lock)
-        self._lock = threading.Lock()
+        self.slots = Slots(max_queue, self.scheduler.max_running, default_max_tokens)
+        self.prompts = Prompts(self.tokenizer, self.info, self.ctx_size, model, self.life)
+        self.intake = Intake(
+            model, self.prompts, self.slots, self.life, self._inbox, self.outputs, self.kv_default, self._end_orphans
+        )
+        self.stepper = Stepper(
+            model,
+            self.scheduler,
+            live=self._live,
+            outs=self._outs,
+            finish=self._finish,
+            flush=self._flush_outputs,
+            inbox=self._inbox,
+            forks=self.forks,
+            kv=self.kv,
+            speculator=speculator,
+            stats=self.stats,
+            timers=self.timers,
+            step_log=self.step_log,
+            tokenizer=self.tokenizer,
+            ctx_size=self.ctx_size,
+        )
         self._orphan_lock = threading.Lock()  # _end_orphans: the dying loop and late submits
         self._admit_gate = threading.Lock()  # held by ``together()``: the loop takes nothing from the inbox meanwhile
-        self._stopping = False
-        self.fatal: str | None = None  # why the loop died, if it did (then /health is 503)
-        self.on_fatal: Any = None  # called with that message (the server exits non-zero)
         from .gc_pauses import GcPauses, freeze
         from .gil import tune_switch_interval
 
@@ -134,15 +154,43 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.shutdown(2.0))
 
+    # ------------------------------------------------------------------ the callers' API (intake, prompts)
+    def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
+        return self.intake.submit(prompt_tokens, params, sink)
+
+    def submit_group(self, prompt_tokens: list[int], params: list[SamplingParams], sink: Sink) -> list[int]:
+        return self.intake.submit_group(prompt_tokens, params, sink)
+
+    def cancel(self, seq_id: int) -> None:
+        self.intake.cancel(seq_id)
+
+    def end_all(self, reason: str = "length") -> None:
+        self.intake.end_all(reason)
+
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
+        return self.intake.embed(prompts, dimensions)
+
+    def text_prompt(self, text: str) -> list[int]:
+        return self.prompts.text_prompt(text)
+
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        return self.prompts.chat_prompt(messages, add_generation_prompt, **template_kwargs)
+
+    def plan_chat(self, messages: Any, **kw: Any) -> Any:
+        return self.prompts.plan_chat(messages, **kw)
+
+    def encode_plan(self, plan: Any) -> list[int]:
+        return self.prompts.encode_plan(plan)
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def live_requests(self) -> int:
         return len(self._live)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._stopping:
+        if self.life.stopping:
             return
-        self._stopping = True
+        self.life.stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
         if self.outputs is not None:
@@ -162,7 +210,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - the thread must report any death
             self.fatal = f"engine loop died: {type(exc).__name__}: {exc}"
-            self._stopping = True
+            self.life.stopping = True
             log.critical(self.fatal, exc_info=True)
             self._end_orphans()
             try:
@@ -231,8 +279,8 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 # looked up and restored at admission, not now: a queued request holds no KV, not even a
                 # reference to a cache entry (queued requests holding entries would keep what the cache
                 # evicts alive: memory that no figure counts)
-                arg.prefix_pending = self._prefix_eligible(arg)
-                self._mark_paged(arg)
+                arg.prefix_pending = self.kv.eligible(arg)
+                self.kv.mark_paged(arg)
                 self.scheduler.add(arg.seq)
                 self.stats.request_started()
             elif cmd == "group":  # n choices of one prompt: the first prefills, the others fork from it
@@ -240,9 +288,9 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 for live in arg:
                     self._live[live.seq.seq_id] = live
                     self.stats.request_started()
-                    self._mark_paged(live)
+                    self.kv.mark_paged(live)
                     if live is lead or lead is None:
-                        live.prefix_pending = self._prefix_eligible(live)
+                        live.prefix_pending = self.kv.eligible(live)
                         self.scheduler.add(live.seq)
                 if lead is not None:
                     self.forks.add(lead, members)
@@ -276,13 +324,13 @@ class Engine(PromptSide, EngineRequests, EngineStep):
     def _loop(self) -> None:
         # a step launched before the last one was read back: (its batch, its Forward, its launch's seconds)
         inflight: tuple[StepBatch, Any, float] | None = None
-        while not self._stopping:
+        while not self.life.stopping:
             self._flush_outputs()
             if self.request_timeout:
                 self._expire()
             if inflight is None:
                 self._drain(block=not self.scheduler.has_work())
-                if self._stopping or not self.scheduler.has_work():
+                if self.life.stopping or not self.scheduler.has_work():
                     continue
                 t0 = time.perf_counter()
                 self._restore_prefixes()
@@ -294,16 +342,16 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                     self.model.free([sid])
                     live = self._live.get(sid)
                     if live is not None and self.kv_blocks is not None:  # its cached blocks, if still there
-                        live.prefix_pending = self._prefix_eligible(live)
+                        live.prefix_pending = self.kv.eligible(live)
                 self.timers.add("schedule", time.perf_counter() - t0)
-                if self.speculator is not None and self._speculate(batch):
+                if self.speculator is not None and self.stepper.speculate(batch):
                     continue
                 fwd, launch_s = None, 0.0
             else:
                 batch, fwd, launch_s = inflight
                 inflight = None
             try:
-                inflight = self._step(batch, fwd, launch_s)
+                inflight = self.stepper.step(batch, fwd, launch_s)
             except Exception as exc:  # a failing step fails its sequences, not the engine
                 log.exception("engine step failed")
                 inflight = None
@@ -327,33 +375,6 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         except Exception:  # pragma: no cover
             log.exception("releasing the engine thread's device streams failed")
 
-    def _paged_kv(self, prefix_caching: bool) -> Any:
-        """The block manager of the model's paged KV pool (``kv_blocks.KVBlocks``), or None."""
-        from .kv_blocks import KVBlocks
-
-        spec = self.model.kv_block_spec()
-        blocks = None
-        if spec is not None:
-            blocks = KVBlocks(spec[0], spec[1], prefix_caching=prefix_caching)
-            self.model.attach_kv_blocks(blocks)
-            self.scheduler.blocks = blocks
-        self.scheduler.max_positions = self.ctx_size
-        code_spec = self.model.code_page_spec()
-        if code_spec is not None:  # TurboQuant codes in pages: a second manager, no prefix caching (16-bit rows)
-            codes = KVBlocks(code_spec[0], code_spec[1], prefix_caching=False)
-            self.model.attach_code_pages(codes)
-            self.scheduler.code_blocks, self.code_format = codes, code_spec[2]
-        return blocks
-
-    def _prefix_eligible(self, live: _Live) -> bool:
-        enabled = self.prefix_cache.enabled or (self.kv_blocks is not None and self.kv_blocks.prefix_caching)
-        return (
-            enabled
-            and not live.seq.kv_format.compressed  # the prompt cache holds 16-bit rows
-            and live.seq.media is None
-            and not live.seq.params.adapter
-        )  # LoRA: own KV
-
     def _restore_prefixes(self) -> None:
         """Prompt-cache hits of the sequences the scheduler can admit now (the first free-slot
         count of the queue, FCFS): their KV is restored just before they run.  Fork group members
@@ -366,22 +387,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 continue
             if live is None or not live.prefix_pending:
                 continue
-            live.prefix_pending = False
-            if self.kv_blocks is not None:
-                self._adopt_blocks(live)
-                continue
-            if seq.num_computed or seq.output_tokens:  # preempted and resumed: recomputed, not restored
-                continue
-            n, payload = self.prefix_cache.lookup(seq.prompt_tokens)
-            if not n:
-                continue
-            try:
-                self.model.restore_prefix(seq.seq_id, payload, n)  # type: ignore[attr-defined]
-                seq.num_computed = live.cached_tokens = n
-                self._outs.append(Out(seq.seq_id, cached_tokens=n))
-            except Exception:  # a cache failure costs a full prefill, never the request
-                log.exception("prompt cache restore failed; prefilling in full")
-                self.model.free([seq.seq_id])
+            self.kv.restore(live)
 
     def _end_starved(self) -> None:
         """Sequences the paged pool cannot hold any longer (a lone one past the pool's tokens: --kv-cache-memory
@@ -399,28 +405,6 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 )
                 self._finish(live, "length")
 
-    def _adopt_blocks(self, live: _Live) -> None:
-        """Prefix caching on the paged pool: the sequence starts with the cached full blocks of its
-        prompt (a preempted one: of its prompt and output), shared, not copied."""
-        seq, blocks = live.seq, self.kv_blocks
-        if seq.num_computed or blocks.has(seq.seq_id) and blocks.table(seq.seq_id):
-            return
-        ids = blocks.match(seq.tokens(0, seq.prefill_target + 1))
-        if not ids:
-            return
-        blocks.adopt(seq.seq_id, ids)
-        n = len(ids) * blocks.block_size
-        try:
-            self.model.adopt_prefix(seq.seq_id, n)
-        except Exception:  # a cache failure costs a full prefill, never the request
-            log.exception("adopting cached KV blocks failed; prefilling in full")
-            self.model.free([seq.seq_id])
-            return
-        seq.num_computed = n
-        if not seq.output_tokens:
-            live.cached_tokens = n
-            self._outs.append(Out(seq.seq_id, cached_tokens=n))
-
     def _expire(self) -> None:
         """--request-timeout: a request past its deadline ends as at its length limit (its text so
         far, finish_reason 'length'); checked at most four times a second."""
@@ -433,63 +417,30 @@ class Engine(PromptSide, EngineRequests, EngineStep):
                 self._finish(live, "length")
 
     def _flush_outputs(self) -> None:
+        """This step's outputs to the output worker (or ``publish``); ``_outs`` is emptied in place (the
+        parts hold it)."""
+        outs = self._outs[:]
+        self._outs.clear()
         if self._publish is not None:
-            outs, ended, self._outs, self._ended = self._outs, self._ended, [], []
+            ended = self._ended[:]
+            self._ended.clear()
             self._publish(outs, ended)
-        elif self._outs:
-            self.outputs.put(self._outs)
-            self._outs = []
+        elif outs:
+            self.outputs.put(outs)
 
     def expert_stream_stats(self) -> dict[str, Any] | None:
         """Counted I/O of SSD expert streaming (None when experts are resident)."""
-        reader = self.model.expert_stream
-        if reader is None:
-            return None
-        out = reader.stats.snapshot()
-        out.update(
-            {
-                "mode": reader.mode,
-                "buffer_bytes": reader.buffer_bytes(),
-                "expert_bytes_on_disk": reader.layout.expert_bytes_total,
-                "experts_per_token": self.info.experts_per_token,
-            }
-        )
-        return out
+        return expert_stream_stats(self.model.expert_stream, self.info.experts_per_token)
 
     def gc_stats(self) -> dict[str, Any]:
         """The garbage collector's pauses in this process (gc_pauses.py)."""
         return self.gc_pauses.snapshot()
 
     def kv_stats(self) -> dict[str, Any]:
-        """KV bytes the running sequences hold, what a 16-bit cache would hold for them, and the
-        compression ratio achieved (16-bit bytes / bytes held)."""
-        fmt = self.kv_default
-        try:
-            s = self.model.kv_stats()
-        except Exception:  # pragma: no cover - a racing free() must not fail /health
-            s = None
-        if s is None:
-            n = self.scheduler.kv_in_use() * self.info.kv_bytes_per_token
-            s = {"bytes": n, "fp16_bytes": n}
-        ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
-        return {
-            "default_format": fmt.name,
-            "bytes": s["bytes"],
-            "fp16_bytes": s["fp16_bytes"],
-            "compression_ratio": round(ratio, 4),
-        }
+        """KV bytes held, their 16-bit equivalent and the compression ratio (stats.kv_stats)."""
+        return kv_stats(self.model, self.scheduler.kv_in_use, self.info.kv_bytes_per_token, self.kv_default.name)
 
-    def _mark_paged(self, live: _Live) -> None:
-        """A request whose KV is compressed (TurboQuant / kv_bits) takes no pool blocks: code pages when its
-        format is the one the model pages (the server's --turbo-kv default), else a cache of its own."""
-        if not self.scheduler.managed:
-            return
-        fmt = live.seq.kv_format
-        if fmt.compressed:
-            live.seq.paged = False
-            live.seq.codes = fmt == self.code_format
-
-    def _finish(self, live: _Live, reason: str, error: str | None = None, notify: bool = True) -> None:
+    def _finish(self, live: Live, reason: str, error: str | None = None, notify: bool = True) -> None:
         """Drop the sequence (KV, scheduler, draft state); with ``notify`` tell the caller through
         the output worker (a token message that ends the sequence already does)."""
         seq = live.seq
@@ -497,14 +448,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         self.scheduler.remove(seq)
         if self.forks.pending:
             self.forks.drop(live)
-        if self.prefix_cache.enabled and reason != "error" and seq.media is None and not seq.params.adapter:
-            try:
-                snap = self.model.snapshot_prefix(seq.seq_id)  # type: ignore[attr-defined]
-                if snap is not None:
-                    payload, nbytes, n = snap
-                    self.prefix_cache.insert(seq.all_tokens[:n], payload, nbytes)
-            except Exception:  # pragma: no cover - caching must never fail a request
-                log.exception("prompt cache snapshot failed")
+        self.kv.save(live, reason)
         if self.speculator is not None:
             try:
                 self.speculator.free(seq.seq_id)
@@ -515,8 +459,7 @@ class Engine(PromptSide, EngineRequests, EngineStep):
         except Exception:  # pragma: no cover - freeing must not kill the loop
             log.exception("free failed")
         self.stats.request_finished(reason, live.submitted, live.first_token_at, len(seq.output_tokens))
-        with self._lock:
-            self._pending -= 1
+        self.slots.give_back()
         if self._publish is not None:
             self._ended.append(seq.seq_id)
         if notify:

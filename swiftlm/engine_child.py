@@ -129,7 +129,7 @@ def main(fds: list[int] | int) -> None:
         if not live.is_set():
             return
         now = time.perf_counter()
-        idle = not engine._live
+        idle = not engine.live_requests
         snap = None
         if ended or now - when["t"] >= (SNAPSHOT_EVERY if not idle else 2.0) or (idle and not when["idle"]):
             try:
@@ -192,8 +192,6 @@ def main(fds: list[int] | int) -> None:
             os._exit(3)
 
     def embed_job(i: int, job: int, prompts: list[list[int]]) -> None:
-        raw: Future = Future()
-
         def done(f: Future) -> None:
             exc = f.exception()
             cs.send(
@@ -201,23 +199,22 @@ def main(fds: list[int] | int) -> None:
                 w.dumps(w.Embedded(job, True, f.result()) if exc is None else w.Embedded(job, False, w.picklable(exc))),
             )
 
-        raw.add_done_callback(done)
-        engine._inbox.put(("embed", (prompts, raw)))
+        engine.intake.hidden_states(prompts).add_done_callback(done)
 
     def handle(i: int, msg: Any) -> bool:
         """One command from connection ``i``; False: stop the engine."""
         if isinstance(msg, w.Add):
             if many:
                 cs.owner[msg.seq_id] = i
-            engine.add_checked(msg.seq_id, msg.prompt, msg.params, msg.media, msg.t)
+            engine.intake.add_checked(msg.seq_id, msg.prompt, msg.params, msg.media, msg.t)
         elif isinstance(msg, w.Group):
             if many:
                 cs.owner.update((a.seq_id, i) for a in msg.adds)
-            engine.add_group_checked([(a.seq_id, a.prompt, a.params, a.media, a.t) for a in msg.adds])
+            engine.intake.add_group_checked([(a.seq_id, a.prompt, a.params, a.media, a.t) for a in msg.adds])
         elif isinstance(msg, w.Cancel):
             engine.cancel(msg.seq_id)
         elif isinstance(msg, w.Stopped):
-            engine._inbox.put(("stopped", msg.seq_id))
+            engine.intake.stopped(msg.seq_id)
         elif isinstance(msg, w.EndAll):
             engine.end_all(msg.reason)
         elif isinstance(msg, w.Embed):

@@ -35,19 +35,19 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import weakref
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 from . import engine_wire as w
-from .backend import ModelHooks
-from .engine import PromptSide, QueueFull, pooled
+from .engine_views import ModelView, PrefixView, SchedulerView, SpeculatorView
 from .errors import InvalidRequest
 from .fork import ForkStats
 from .outputs import Out, OutputWorker, Sink
+from .prompts import Prompts, pooled
 from .sampling import SamplingParams
+from .slots import Lifecycle, QueueFull, Slots, delegated
 from .stats import EngineStats
 from .timers import PHASES, StepTimers
 
@@ -72,80 +72,6 @@ def wanted(settings: Any, backend: Any) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------- parent views
-class _SchedulerView:
-    """The child's scheduler levels, as /health and /metrics read them (``len(waiting)`` ...)."""
-
-    def __init__(self, max_running: int, t: tuple = (0, 0, 0, None, 0, None)):
-        self.max_running = max_running
-        n_wait, n_run, self._kv, self.kv_budget, self.preemptions, self._blocks = t
-        self.waiting, self.running = range(n_wait), range(n_run)
-
-    def kv_in_use(self) -> int:
-        return self._kv
-
-    def block_stats(self) -> dict[str, int] | None:
-        return self._blocks
-
-
-class _PrefixView:
-    def __init__(self, t: tuple = (0, 0, 0, 0, 0)):
-        self._n, self.bytes, self.hits, self.misses, self.tokens_reused = t
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-
-class _Ops:
-    def end_thread(self) -> None:
-        """Nothing of the device lives in this process."""
-
-
-class _ExpertReaderView:
-    def __init__(self, mode: str):
-        self.mode, self.stats = mode, None
-
-
-class _LoraView:
-    def __init__(self, names: tuple[str, ...]):
-        self.names = names
-
-
-class _ModelView(ModelHooks):
-    """What the server reads of ``engine.model``: memory figures and start-up facts (the model is
-    in the engine process).  Its ModelHooks declare what the child's model supports; the hooks that
-    work on KV (snapshot, paged blocks, ...) keep their "not supported" defaults: the engine that
-    calls them is in the child."""
-
-    def __init__(self, ready: dict):
-        self.ops = _Ops()
-        self.graph_capture = None
-        self._memory: dict = {}
-        er = ready.get("expert_reader")
-        self.expert_stream = _ExpertReaderView(er[0]) if er else None
-        self.kv_default = ready.get("kv_default")
-        self.can_embed = bool(ready.get("can_embed"))
-        names = ready.get("lora_names")
-        self.lora = _LoraView(tuple(names)) if names is not None else None
-
-    def memory(self) -> dict:
-        return dict(self._memory)
-
-
-class _SpeculatorView:
-    def __init__(self, drafter: str, k: int):
-        self.drafter = types.SimpleNamespace(name=drafter)
-        self.k = k
-        from .speculative import SpecStats
-
-        self.stats = SpecStats()
-
-
 # ---------------------------------------------------------------------------------------- parent
 def _shut(conn: Connection) -> None:
     import socket
@@ -157,8 +83,17 @@ def _shut(conn: Connection) -> None:
         pass
 
 
-class EngineClient(PromptSide):
-    """The ``Engine`` interface, with the engine in a child process (see the module's text)."""
+class EngineClient:
+    """The ``Engine`` interface, with the engine in a child process (see the module's text).  It owns, as
+    ``Engine`` does, the prompt side (``prompts``), the queue's slots (``slots``) and its ``life``; the
+    child's engine owns the rest."""
+
+    fatal = delegated("life", "fatal", "why the engine process died, if it did (then /health is 503)")
+    tool_parser = delegated("prompts", "tool_parser")
+    media_policy = delegated("prompts", "media_policy")
+    media_processor = delegated("prompts", "media_processor")
+    default_max_tokens = delegated("slots", "default_max_tokens")
+    max_queue = delegated("slots", "max_queue")
 
     def __init__(
         self,
@@ -220,15 +155,10 @@ class EngineClient(PromptSide):
         return cls(settings, backend_name, spec, conn=conn)
 
     def _init_fields(self, settings: Any) -> None:
-        self.tool_parser = settings.tool_parser
         self.json_close, self.json_repeat_guard = settings.json_close, settings.json_repeat_guard
-        self.default_max_tokens = settings.max_tokens
-        self.max_queue = settings.max_queue
-        self.fatal: str | None = None
+        self.life = Lifecycle()
         self.on_fatal: Any = None
-        self._stopping = False
-        self._lock = threading.Lock()  # guards _pending and the pipe's sending end
-        self._pending = 0
+        self._lock = threading.Lock()  # guards the pipe's sending end
         self._others = 0  # other connections' live sequences at the last snapshot (API workers)
         self._jobs: dict[int, Future] = {}
         self._job_ids = itertools.count(1)
@@ -242,24 +172,30 @@ class EngineClient(PromptSide):
         facts = ready.facts
         self.conn_index = ready.conn
         self.id_base = ready.conn * ID_STRIDE
-        self._ids = itertools.count(self.id_base + 1)
+        self.slots = Slots(
+            settings.max_queue, facts["max_running"], settings.max_tokens, itertools.count(self.id_base + 1)
+        )
         self.info = facts["info"]
         self.ctx_size = facts["ctx_size"]
         self._can_embed = facts["can_embed"]
         self.child_pid = facts["pid"]
         self.rank_pids: dict[int, int] = facts.get("rank_pids") or {}
-        self.scheduler = _SchedulerView(facts["max_running"])
-        self.prefix_cache = _PrefixView()
-        self.model = _ModelView(facts)
+        self.scheduler = SchedulerView(facts["max_running"])
+        self.prefix_cache = PrefixView()
+        self.model = ModelView(facts)
         sp = facts.get("speculator")
-        self.speculator = _SpeculatorView(*sp) if sp else None
+        self.speculator = SpeculatorView(*sp) if sp else None
         self._kv: dict = {"default_format": "fp16", "bytes": 0, "fp16_bytes": 0, "compression_ratio": 1.0}
         self._experts: dict | None = None
         self._gc: dict | None = None
         self._apply(facts["snapshot"])
+        self.prompts = Prompts(self.tokenizer, self.info, self.ctx_size, self.model, self.life)
         processor = processor_for(spec, self.tokenizer)
-        self.media_processor = processor
-        self.media_policy = MediaPolicy.from_settings(settings, processor.modalities if processor else (), spec.arch)
+        self.prompts.tool_parser = settings.tool_parser
+        self.prompts.media_processor = processor
+        self.prompts.media_policy = MediaPolicy.from_settings(
+            settings, processor.modalities if processor else (), spec.arch
+        )
         self.outputs = OutputWorker(
             self.tokenizer, on_stop=lambda sid: self._send(w.Stopped(sid)), timers=self.timers, thread=False
         )
@@ -284,23 +220,34 @@ class EngineClient(PromptSide):
         return msg
 
     # ------------------------------------------------------------------ the Engine interface
+    def text_prompt(self, text: str) -> list[int]:
+        return self.prompts.text_prompt(text)
+
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        return self.prompts.chat_prompt(messages, add_generation_prompt, **template_kwargs)
+
+    def plan_chat(self, messages: Any, **kw: Any) -> Any:
+        return self.prompts.plan_chat(messages, **kw)
+
+    def encode_plan(self, plan: Any) -> list[int]:
+        return self.prompts.encode_plan(plan)
+
     def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
-        self._check(prompt_tokens, params)
+        self.prompts.check(prompt_tokens, params)
         if params.grammar is not None:  # checked here so that a bad grammar is a 400 now, not an error later
             import llguidance
 
             is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(params.grammar)
             if is_err:
                 raise InvalidRequest(f"invalid grammar: {msgs[0] if msgs else 'rejected'}", param="response_format")
-        seq_id = self._take_slot(params)
+        seq_id = self.slots.take(params)
         media = getattr(prompt_tokens, "media", None)
         self.outputs.open(seq_id, sink, params.stop, len(prompt_tokens))
         try:
             self._send(w.Add(seq_id, list(prompt_tokens), params, media, time.perf_counter()))
         except Exception:
             self.outputs.streams.pop(seq_id, None)
-            with self._lock:
-                self._pending -= 1
+            self.slots.give_back()
             raise QueueFull(self.fatal or "the engine process is gone") from None
         return seq_id
 
@@ -309,14 +256,14 @@ class EngineClient(PromptSide):
         if len(params) == 1:
             return [self.submit(prompt_tokens, params[0], sink)]
         for p in params:
-            self._check(prompt_tokens, p)
+            self.prompts.check(prompt_tokens, p)
         if params[0].grammar is not None:  # one request: one grammar for every choice
             import llguidance
 
             is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(params[0].grammar)
             if is_err:
                 raise InvalidRequest(f"invalid grammar: {msgs[0] if msgs else 'rejected'}", param="response_format")
-        ids = self._take_slots(params)
+        ids = self.slots.take_all(params)
         media, now, prompt = getattr(prompt_tokens, "media", None), time.perf_counter(), list(prompt_tokens)
         for sid, p in zip(ids, params):
             self.outputs.open(sid, sink, p.stop, len(prompt))
@@ -325,8 +272,7 @@ class EngineClient(PromptSide):
         except Exception:
             for sid in ids:
                 self.outputs.streams.pop(sid, None)
-            with self._lock:
-                self._pending -= len(ids)
+            self.slots.give_back(len(ids))
             raise QueueFull(self.fatal or "the engine process is gone") from None
         return ids
 
@@ -341,7 +287,7 @@ class EngineClient(PromptSide):
             raise InvalidRequest(f"the {self.backend_name} backend does not compute embeddings")
         if self.fatal:
             raise QueueFull(self.fatal)
-        self._check_embed(prompts)
+        self.prompts.check_embed(prompts)
         raw: Future = Future()
         job = next(self._job_ids)
         self._jobs[job] = raw
@@ -356,7 +302,7 @@ class EngineClient(PromptSide):
     def live_requests(self) -> int:
         """This connection's outstanding sequences, plus (API workers) the other connections' at the
         engine's last snapshot: the engine's whole load, as a router over replicas wants it."""
-        return self._pending + self._others
+        return self.slots.pending + self._others
 
     @property
     def running(self) -> bool:
@@ -379,9 +325,9 @@ class EngineClient(PromptSide):
         """Stop the child (its live requests end 'cancelled'), wait for it, and never leave it
         running: past ``timeout`` it is terminated, then killed.  Attached (an API worker): close
         this connection only (the child cancels this worker's live sequences)."""
-        if self._stopping:
+        if self.life.stopping:
             return
-        self._stopping = True
+        self.life.stopping = True
         if self._proc is not None:
             self._send_quiet(w.Stop(timeout))
             self._bye.wait(timeout + 2.0)  # the reader saw Bye, or the pipe close
@@ -425,8 +371,8 @@ class EngineClient(PromptSide):
             for p in PHASES:
                 if p != "output":
                     t.counts[p], t.sums[p], t.n[p] = counts[p], sums[p], n[p]
-        self.scheduler = _SchedulerView(self.scheduler.max_running, snap["sched"])
-        self.prefix_cache = _PrefixView(snap["prefix"])
+        self.scheduler = SchedulerView(self.scheduler.max_running, snap["sched"])
+        self.prefix_cache = PrefixView(snap["prefix"])
         self._kv = snap["kv"]
         self._gc = snap.get("gc")
         self._experts = snap["experts"]
@@ -450,8 +396,7 @@ class EngineClient(PromptSide):
                     if msg.snap is not None:
                         self._apply(msg.snap)
                     if msg.ended:
-                        with self._lock:
-                            self._pending -= len(msg.ended)
+                        self.slots.give_back(len(msg.ended))
                     if msg.outs:
                         self.outputs.process([Out(*o) for o in msg.outs])
                 elif type(msg) is w.Embedded:
@@ -469,7 +414,7 @@ class EngineClient(PromptSide):
             log.exception("engine process reader failed")
             why = f"engine process reader failed: {type(exc).__name__}: {exc}"
         try:
-            if self._stopping and why is None:
+            if self.life.stopping and why is None:
                 return
             if why is None:
                 if self._proc is not None:
@@ -486,15 +431,15 @@ class EngineClient(PromptSide):
 
     def _die(self, why: str) -> None:
         self.fatal = why
-        self._stopping = True
+        self.life.stopping = True
         log.critical(why)
         self.outputs.end_all("error", why)
         for job in list(self._jobs):
             fut = self._jobs.pop(job, None)
             if fut is not None:
                 fut.set_exception(RuntimeError(why))
-        with self._lock:
-            self._pending = 0
+        with self.slots.lock:
+            self.slots.pending = 0
         self._kill()
         if self.on_fatal is not None:
             self.on_fatal(why)

@@ -23,6 +23,7 @@ cannot fork (compressed KV), leaves the members to prefill on their own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,13 +49,14 @@ class ForkStats:
 
 
 class ForkGroups:
-    """The engine's fork groups (see the module text).  Engine-thread only."""
+    """The engine's fork groups (see the module text).  Engine-thread only.  ``live``: the engine's live
+    requests by id; ``prefix_eligible``: whether a request uses the prompt cache (a member that
+    prefills on its own looks it up, ``kv_admission.KVAdmission.eligible``)."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-        m = engine.model
-        self.can_share = m.can_share_prefix  # (ModelHooks; the tensor-parallel Leader declares False)
-        self.can_copy = m.can_snapshot_prefix
+    def __init__(self, model: Any, scheduler: Any, live: dict[int, Any], prefix_eligible: Callable[[Any], bool]):
+        self.model, self.scheduler, self.live, self.prefix_eligible = model, scheduler, live, prefix_eligible
+        self.can_share = model.can_share_prefix  # (ModelHooks; the tensor-parallel Leader declares False)
+        self.can_copy = model.can_snapshot_prefix
         self.pending: dict[int, list[Any]] = {}  # leader's seq id -> members (_Live) waiting for its prompt
         self.stats = ForkStats()
 
@@ -75,8 +77,8 @@ class ForkGroups:
             new, rest = members[0], members[1:]
             if rest:
                 self.pending[new.seq.seq_id] = rest
-            new.prefix_pending = self.engine._prefix_eligible(new)
-            self.engine.scheduler.waiting.appendleft(new.seq)
+            new.prefix_pending = self.prefix_eligible(new)
+            self.scheduler.waiting.appendleft(new.seq)
             return
         for lst in self.pending.values():
             if live in lst:
@@ -86,12 +88,11 @@ class ForkGroups:
     def take(self, rows: list[SeqWork]) -> tuple[list[SeqWork], list[int]]:
         """In a step, after the forward and before sampling: the members of each leader whose prompt
         just completed, as extra sample rows, and for each the index of its leader's logits row."""
-        eng = self.engine
         extra: list[SeqWork] = []
         idx: list[int] = []
         for j, w in enumerate(rows):
             members = self.pending.get(w.seq_id)
-            live = eng._live.get(w.seq_id)
+            live = self.live.get(w.seq_id)
             if not members or live is None:
                 continue
             seq = live.seq
@@ -99,10 +100,10 @@ class ForkGroups:
                 continue
             del self.pending[w.seq_id]
             source = self._source(w.seq_id)
-            waiting = eng.scheduler.waiting
+            waiting = self.scheduler.waiting
             if source is None:  # no fork here: the members prefill on their own
                 for m in reversed(members):
-                    m.prefix_pending = eng._prefix_eligible(m)
+                    m.prefix_pending = self.prefix_eligible(m)
                     waiting.appendleft(m.seq)
                 continue
             kind, handle, n = source
@@ -117,11 +118,11 @@ class ForkGroups:
 
     def gather(self, logits: Any, n_rows: int, idx: list[int]) -> Any:
         """The step's logits with the leaders' rows repeated for their members (a row gather)."""
-        ops = self.engine.model.ops
+        ops = self.model.ops
         return ops.take(logits, ops.vec(np.asarray(list(range(n_rows)) + idx, dtype=np.int64)))
 
     def _source(self, seq_id: int) -> tuple[str, Any, int] | None:
-        m = self.engine.model
+        m = self.model
         try:
             if self.can_share:
                 got = m.share_prefix(seq_id)
@@ -139,7 +140,7 @@ class ForkGroups:
         """A member about to be admitted: its prompt KV from the fork source (no prefill)."""
         kind, handle, n = live.fork
         live.fork = None
-        seq, m = live.seq, self.engine.model
+        seq, m = live.seq, self.model
         if seq.num_computed:  # pragma: no cover - a member holds nothing before this
             return
         try:

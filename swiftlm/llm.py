@@ -189,7 +189,7 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
         **engine_kw,
     )
     engine.json_close, engine.json_repeat_guard = settings.json_close, settings.json_repeat_guard
-    engine.backend_name = backend.name  # type: ignore[attr-defined]
+    engine.backend_name = backend.name
     engine.tool_parser = settings.tool_parser
     engine.media_processor = processor
     engine.media_policy = MediaPolicy.from_settings(settings, processor.modalities if processor else (), spec.arch)

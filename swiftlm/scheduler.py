@@ -25,6 +25,7 @@ default format): sequences marked ``codes`` are admitted, grown and preempted ag
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from typing import Any
 from .backend import SeqWork, StepBatch
 from .sampling import SamplerState, SamplingParams
 from .turboquant.presets import KVFormat
+
+log = logging.getLogger("swiftlm.engine")  # (the budget's warning sits with the engine's records)
 
 
 @dataclass
@@ -78,6 +81,22 @@ class Sequence:
     def kv_demand(self) -> int:
         """KV positions this sequence holds after its next step."""
         return len(self.prompt_tokens) + len(self.output_tokens) + 1
+
+
+def kv_budget_tokens(budget_bytes: int, bytes_per_token: int, ctx_size: int) -> int | None:
+    """--kv-budget-bytes as tokens (None: no budget), never less than one sequence at full context."""
+    if not budget_bytes or not bytes_per_token:
+        return None
+    tokens = budget_bytes // bytes_per_token
+    if tokens < ctx_size + 1:  # one sequence at full context must always fit
+        log.warning(
+            "--kv-budget-bytes %d holds %d tokens, less than one full context (%d); raising it",
+            budget_bytes,
+            tokens,
+            ctx_size,
+        )
+        tokens = ctx_size + 1
+    return tokens
 
 
 class Scheduler:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -121,3 +123,40 @@ class EngineStats:
         prefill, queueing and every phase of a step included)."""
         busy = self.busy_wall_seconds()
         return self.tokens_generated / busy if busy > 0 else 0.0
+
+
+def kv_stats(model: Any, kv_in_use: Callable[[], int], kv_bytes_per_token: int, default_format: str) -> dict[str, Any]:
+    """KV bytes the running sequences hold (``model.kv_stats()``; without it ``kv_in_use()`` tokens at
+    ``kv_bytes_per_token``), what a 16-bit cache would hold for them, and the compression ratio
+    achieved (16-bit bytes / bytes held)."""
+    try:
+        s = model.kv_stats()
+    except Exception:  # pragma: no cover - a racing free() must not fail /health
+        s = None
+    if s is None:
+        n = kv_in_use() * kv_bytes_per_token
+        s = {"bytes": n, "fp16_bytes": n}
+    ratio = s["fp16_bytes"] / s["bytes"] if s["bytes"] else 1.0
+    return {
+        "default_format": default_format,
+        "bytes": s["bytes"],
+        "fp16_bytes": s["fp16_bytes"],
+        "compression_ratio": round(ratio, 4),
+    }
+
+
+def expert_stream_stats(reader: Any, experts_per_token: int) -> dict[str, Any] | None:
+    """Counted I/O of SSD expert streaming (``reader``: the model's expert reader; None when experts are
+    resident)."""
+    if reader is None:
+        return None
+    out = reader.stats.snapshot()
+    out.update(
+        {
+            "mode": reader.mode,
+            "buffer_bytes": reader.buffer_bytes(),
+            "expert_bytes_on_disk": reader.layout.expert_bytes_total,
+            "experts_per_token": experts_per_token,
+        }
+    )
+    return out

@@ -27,6 +27,13 @@ class StepTimers:
         self.sums = {p: 0.0 for p in PHASES}
         self.n = {p: 0 for p in PHASES}
 
+    def reset(self) -> None:
+        """Forget every phase (a benchmark measures its run only); the holders keep this object."""
+        with self._lock:
+            for p in PHASES:
+                self.counts[p] = [0] * (len(BUCKETS) + 1)
+                self.sums[p], self.n[p] = 0.0, 0
+
     def add(self, phase: str, seconds: float) -> None:
         i = bisect.bisect_left(BUCKETS, seconds)
         with self._lock:

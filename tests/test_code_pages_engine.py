@@ -39,7 +39,7 @@ def make_static(llm, pages: int | None) -> None:
     m.turbo_free.clear()
     if pages is not None:
         m.code_pages = CodePages(m.module.a, m.kv_default, pages, torch.device("cpu"), page_rows=PAGE)
-        eng.kv_blocks = eng._paged_kv(False)
+        eng.kv.attach_pool(False)
         assert eng.code_format == m.kv_default and eng.scheduler.code_blocks is not None
 
 

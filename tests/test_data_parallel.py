@@ -27,7 +27,7 @@ class FakeEngine:
         self.busy = 0  # requests it holds (what live_requests reports)
         self.fatal = None
         self.full = False
-        self._ids = itertools.count(1)
+        self.slots = SimpleNamespace(ids=itertools.count(1))
         self.got: list[int] = []
         self.cancelled: list[int] = []
         self.on_fatal = None
@@ -39,7 +39,7 @@ class FakeEngine:
     def submit(self, prompt, params, sink):
         if self.full:
             raise QueueFull("full")
-        sid = next(self._ids)
+        sid = next(self.slots.ids)
         self.got.append(sid)
         return sid
 

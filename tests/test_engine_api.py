@@ -117,7 +117,7 @@ def test_stream_cancel_frees_the_slot(tiny_llm):
         if eng.stats.requests_active == 0:
             break
         threading.Event().wait(0.02)
-    assert eng.stats.requests_active == 0 and not eng._live
+    assert eng.stats.requests_active == 0 and not eng.live_requests
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

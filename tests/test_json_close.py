@@ -61,7 +61,7 @@ def test_structured_output_cut_by_max_tokens_still_parses(torch_llm):
 
 
 def test_repetition_guard_ends_a_loop():
-    from swiftlm.engine_step import _repeats
+    from swiftlm.stepper import _repeats
 
     block = [5, 6, 7]
     assert _repeats([1, 2] + block * 6, 6) and not _repeats([1, 2] + block * 5, 6)
@@ -76,7 +76,7 @@ def test_a_loop_is_closed_and_the_text_parses(torch_llm, monkeypatch):
     from swiftlm.chat.structured import grammar_for
 
     eng = torch_llm.engine
-    monkeypatch.setattr(eng, "json_repeat_guard", 2)  # trip it early
+    monkeypatch.setattr(eng.stepper, "json_repeat_guard", 2)  # trip it early
     grammar = grammar_for({"type": "json_object"})
     prompt = eng.chat_prompt([{"role": "user", "content": "Nested JSON please."}])
     stops = 0

@@ -4,9 +4,7 @@ the scheduler hands the backend carries that value (no backend parses a preset).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from swiftlm.engine_requests import EngineRequests
+from swiftlm.intake import make_live
 from swiftlm.sampling import SamplerState, SamplingParams
 from swiftlm.scheduler import Scheduler, Sequence
 from swiftlm.turboquant import presets
@@ -14,8 +12,7 @@ from swiftlm.turboquant.presets import KVFormat, affine, parse_turbo
 
 
 def _admit(params: SamplingParams, default: KVFormat) -> Sequence:
-    engine = SimpleNamespace(kv_default=default, tokenizer=None, info=SimpleNamespace(vocab_size=100))
-    return EngineRequests._make_live(engine, 1, [1, 2, 3], params, None, 0.0).seq
+    return make_live(1, [1, 2, 3], params, None, 0.0, tokenizer=None, vocab_size=100, kv_default=default).seq
 
 
 def test_admission_decides_the_format_once(monkeypatch):

@@ -67,10 +67,10 @@ def test_the_probe_check_finds_a_planted_probe(tmp_path):
 
 
 def _model_classes() -> list[type]:
-    from swiftlm.engine_process import _ModelView
+    from swiftlm.engine_views import ModelView
     from swiftlm.media.model import MultimodalModel
 
-    classes: list[type] = [MultimodalModel, _ModelView]
+    classes: list[type] = [MultimodalModel, ModelView]
     fake = importlib.import_module("swiftlm_fake_backend")
     classes.append(fake.FakeModel)
     return classes
@@ -145,9 +145,9 @@ def test_the_leader_forwards_hooks_and_declares_what_differs():
 
 
 def test_engine_process_view_declares_the_childs_facts():
-    from swiftlm.engine_process import _ModelView
+    from swiftlm.engine_views import ModelView
 
-    v = _ModelView({"can_embed": True, "lora_names": ("a", "b"), "kv_default": None})
+    v = ModelView({"can_embed": True, "lora_names": ("a", "b"), "kv_default": None})
     assert v.can_embed and v.lora.names == ("a", "b") and not v.can_snapshot_prefix
-    bare = _ModelView({})
+    bare = ModelView({})
     assert not bare.can_embed and bare.lora is None and bare.kv_stats() is None

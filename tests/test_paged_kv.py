@@ -24,15 +24,13 @@ def make_paged(llm, parallel: int, block_size: int = 16, num_blocks: int | None 
 
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.kv_pool import SlotPool
-    from swiftlm.prefix_cache import PrefixCache
 
     eng, m = llm.engine, llm.engine.model
     cpu = torch.device("cpu")
     m.static, m.info.context_length = True, CTX
     m.pool = SlotPool(m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks)
     m.graphs = GraphDecoder(m.module, cpu, use_graph=False, fused=False)
-    eng.kv_blocks = eng._paged_kv(True)
-    eng.prefix_cache = PrefixCache(0)
+    eng.kv.attach_pool(True)  # with a pool, the prompt cache is its blocks
 
 
 PROMPTS = [

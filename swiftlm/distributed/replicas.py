@@ -93,7 +93,7 @@ class ReplicaSet:
         d["_fatal"] = None
         d["_on_fatal"] = None
         for i, e in enumerate(engines):
-            e._ids = itertools.count(i + 1, n)  # disjoint ids: (id - 1) % n is the replica
+            e.slots.ids = itertools.count(i + 1, n)  # disjoint ids: (id - 1) % n is the replica
             e.on_fatal = self._replica_died
 
     # ------------------------------------------------------------------ attributes
@@ -121,7 +121,7 @@ class ReplicaSet:
     def load(self, i: int) -> int:
         """Outstanding requests of replica ``i``: in its inbox (submitted, not yet taken in) plus held."""
         e = self.replicas[i]
-        pending = getattr(e, "_pending", None)  # Engine and engine_process.EngineClient: submitted, not finished
+        pending = getattr(getattr(e, "slots", None), "pending", None)  # Engine and EngineClient: not finished
         if isinstance(pending, int):  # --api-workers: plus the other workers' sequences on it (their last count)
             return pending + getattr(e, "_others", 0) + self._inflight[i]
         inbox = max(0, self._submitted[i] - e.stats.requests_total)  # other engines: from their counters

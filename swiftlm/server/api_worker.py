@@ -45,7 +45,7 @@ def worker_main(ctl_fd: int) -> None:
         rs = ReplicaSet(clients, devices=setup.devices)
         k = len(clients)
         for i, c in enumerate(clients):  # disjoint from the other workers' too: (id - 1) % k is still the replica
-            c._ids = itertools.count((c.id_base // ID_STRIDE) * k * ID_STRIDE + i + 1, k)
+            c.slots.ids = itertools.count((c.id_base // ID_STRIDE) * k * ID_STRIDE + i + 1, k)
         return rs
 
     def listening() -> None:

@@ -1,7 +1,6 @@
-"""The caller's side of a request, shared by the engine and the engine-process client: prompt
-rendering (chat templates, tool plans, media expansion), the checks that make a submission a 4xx
-(or a 429 / 503), and taking a slot in the queue.  Runs in the caller's thread; touches no model
-state."""
+"""The prompt side of a request, shared by the engine and the engine-process client (each owns a
+``Prompts``): prompt rendering (chat templates, tool plans, media expansion) and the checks that make
+a submission a 4xx (or a 503).  Runs in the caller's thread; touches no model state."""
 
 from __future__ import annotations
 
@@ -9,12 +8,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from .chat.messages import normalize_messages
-from .errors import InvalidRequest, SwiftLMError
+from .errors import InvalidRequest
 from .sampling import SamplingParams
-
-
-class QueueFull(SwiftLMError):
-    pass
+from .slots import Lifecycle, QueueFull
 
 
 def pooled(raw: Future[list[Any]], mode: str, dimensions: int | None) -> Future[list[Any]]:
@@ -39,36 +35,23 @@ def pooled(raw: Future[list[Any]], mode: str, dimensions: int | None) -> Future[
     return out
 
 
-class PromptSide:
-    """Prompt rendering and request checks, shared by ``Engine`` and the engine-process client
-    (``engine_process.EngineClient``): both hold ``tokenizer``, ``info``, ``ctx_size``, ``media_policy``,
-    ``media_processor``, ``tool_parser``, ``fatal`` and ``_stopping``."""
+class Prompts:
+    """Prompt rendering and request checks for one served model.  ``model``: what the checks read of it
+    (``lora``: the adapters served; the engine process's client passes its view of the child's model);
+    ``life``: the owner's ``Lifecycle`` (a dead or stopping engine refuses).  ``tool_parser``,
+    ``media_policy`` and ``media_processor`` are set by whoever builds the engine (make_engine)."""
 
-    def _take_slot(self, params: SamplingParams) -> int:
-        """Count a new request against the queue (429 when full), give it an id and its default max_tokens;
-        ``_lock``, ``_pending``, ``_ids``, ``max_queue``, ``scheduler.max_running`` and ``default_max_tokens``
-        are the subclass's."""
-        with self._lock:
-            if self._pending >= self.max_queue + self.scheduler.max_running:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self._pending += 1
-        seq_id = next(self._ids)
-        if params.max_tokens is None:
-            params.max_tokens = self.default_max_tokens
-        return seq_id
+    def __init__(self, tokenizer: Any, info: Any, ctx_size: int, model: Any, life: Lifecycle):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.ctx_size = ctx_size
+        self.model = model
+        self.life = life
+        self.tool_parser = "auto"  # chat.tool_calls format, or auto (from the chat template)
+        from .media import MediaPolicy
 
-    def _take_slots(self, params: list[SamplingParams]) -> list[int]:
-        """``_take_slot`` for each choice of one request, all or none (a full queue gives back the
-        slots already taken)."""
-        ids: list[int] = []
-        try:
-            for p in params:
-                ids.append(self._take_slot(p))
-        except QueueFull:
-            with self._lock:
-                self._pending -= len(ids)
-            raise
-        return ids
+        self.media_policy = MediaPolicy()  # make_engine sets the model's and the flags' policy
+        self.media_processor: Any = None  # media.MediaProcessor for multimodal models
 
     def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a rendered chat; with image/audio parts a ``MediaPrompt`` carrying the arrays."""
@@ -104,12 +87,13 @@ class PromptSide:
             raise InvalidRequest("'prompt' must be a string", param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def _check(self, prompt_tokens: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_tokens: list[int], params: SamplingParams) -> None:
         """What makes a submission a 4xx (or a 429/503), raised in the caller's thread."""
         if self.info.embedding_only:
             raise InvalidRequest("this model has no language-model head: it serves /v1/embeddings only", param="model")
-        if self.fatal or self._stopping:
-            raise QueueFull(self.fatal or "the server is shutting down")
+        why = self.life.refusal()
+        if why is not None:
+            raise QueueFull(why)
         params.validate(self.info.vocab_size)
         lora = self.model.lora  # (the engine process's model view: the adapters the child serves)
         if params.adapter and params.adapter not in (lora.names if lora is not None else ()):
@@ -123,8 +107,8 @@ class PromptSide:
         if any(not 0 <= t < self.info.vocab_size for t in prompt_tokens):
             raise InvalidRequest("the prompt contains token ids outside the vocabulary", param="prompt")
 
-    def _check_embed(self, prompts: list[list[int]]) -> None:
-        if self._stopping:
+    def check_embed(self, prompts: list[list[int]]) -> None:
+        if self.life.stopping:
             raise QueueFull("the server is shutting down")
         for p in prompts:
             if not p:

@@ -2,21 +2,26 @@
 device-to-host transfer), the next decode step launched before this one's ids are read back when
 it surely is the same rows (the overlap), a lone decode row's speculative draft-and-verify, and
 the checks on each sampled id that need no text (EOS, stop token ids, max tokens, context, closing
-structured output's JSON).  ``EngineStep`` is a mixin of ``engine.Engine``, whose state it uses."""
+structured output's JSON).  ``Stepper`` is owned by ``engine.Engine``; its loop calls it (engine thread only)."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from . import sampler
 from .backend import SampledToken, SeqWork, StepBatch
+from .fork import ForkGroups
+from .intake import Live
+from .kv_admission import KVAdmission
 from .outputs import Out
+from .scheduler import Scheduler
 from .speculative import eligible
-
-if TYPE_CHECKING:
-    from .engine_requests import _Live
+from .stats import EngineStats
+from .timers import StepLog, StepTimers
 
 log = logging.getLogger("swiftlm.engine")  # the engine's logger: a step's records sit with the engine's own
 
@@ -38,13 +43,41 @@ def _repeats(tokens: list[int], times: int) -> bool:
     return False
 
 
-class EngineStep:
-    """The step and the per-token checks of ``engine.Engine``, which holds ``model``, ``scheduler``,
-    ``speculator``, ``forks``, ``fork_stats``, ``stats``, ``timers``, ``tokenizer``, ``ctx_size``,
-    ``json_close``, ``json_repeat_guard``, ``_eos``, ``_inbox``, ``_live`` and ``_outs``, and
-    provides ``_finish`` and ``_flush_outputs``."""
+class Stepper:
+    """The step and the per-token checks.  It shares the engine's ``live`` requests and this step's
+    ``outs`` (the engine flushes them: ``flush``), ends sequences through the engine's ``finish``
+    (which frees what they hold), and looks at ``inbox`` only to see whether a command waits (then it
+    does not overlap).  ``json_close`` / ``json_repeat_guard``: settings (make_engine sets them)."""
 
-    def _step(self, batch: StepBatch, fwd: Any, launch_s: float) -> tuple[StepBatch, Any, float] | None:
+    def __init__(
+        self,
+        model: Any,
+        scheduler: Scheduler,
+        *,
+        live: dict[int, Live],
+        outs: list[Out],
+        finish: Callable[..., None],
+        flush: Callable[[], None],
+        inbox: queue.SimpleQueue,
+        forks: ForkGroups,
+        kv: KVAdmission,
+        speculator: Any,
+        stats: EngineStats,
+        timers: StepTimers,
+        step_log: StepLog | None,
+        tokenizer: Any,
+        ctx_size: int,
+    ):
+        self.model, self.scheduler = model, scheduler
+        self.live, self.outs, self.finish, self.flush, self.inbox = live, outs, finish, flush, inbox
+        self.forks, self.kv, self.speculator = forks, kv, speculator
+        self.stats, self.timers, self.step_log = stats, timers, step_log
+        self.tokenizer, self.ctx_size = tokenizer, ctx_size
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self.json_close = True  # structured output closes its JSON before max_tokens (settings.json_close)
+        self.json_repeat_guard = 0  # structured output caught repeating a block this many times ends
+
+    def step(self, batch: StepBatch, fwd: Any, launch_s: float) -> tuple[StepBatch, Any, float] | None:
         """forward -> batched sampling -> (next step's forward, when it can start on the device
         before these ids are read) -> one transfer -> bookkeeping.  Text is the worker's.
         ``fwd``/``launch_s``: this step's forward when it was launched (overlapped) by the previous
@@ -79,7 +112,7 @@ class EngineStep:
             and pending.tokens is not None
             and not failed
             and not forked
-            and self._can_overlap(batch, fwd)
+            and self.can_overlap(batch, fwd)
         ):
             nb = StepBatch(
                 [
@@ -115,45 +148,42 @@ class EngineStep:
         if any(len(w.tokens) == 1 for w in batch.seqs):
             self.stats.decode_seconds += t5 - t2 + forward_s
         for sid, err in failed.items():  # one sequence's failure (its media, its sampling) is its own
-            live = self._live.get(sid)
+            live = self.live.get(sid)
             if live is not None:
-                self._finish(live, "error", error=err)
+                self.finish(live, "error", error=err)
         for w in batch.seqs:
-            live = self._live.get(w.seq_id)
+            live = self.live.get(w.seq_id)
             if live is not None:
                 seq = live.seq
                 if not seq.output_tokens and not seq.preemptions and seq.num_computed == live.cached_tokens:
                     self.stats.queue_time.observe(t1 - live.submitted)  # its first step
                 if seq.num_computed < seq.prefill_target:
-                    self.fork_stats.prefill_tokens += len(w.tokens)
+                    self.forks.stats.prefill_tokens += len(w.tokens)
                 live.seq.num_computed += len(w.tokens)
-                if self.kv_blocks is not None:  # newly full blocks become matchable (prefix caching)
-                    if live.commit_blocks is None:
-                        live.commit_blocks = self._prefix_eligible(live)
-                    if live.commit_blocks:
-                        self.kv_blocks.commit(w.seq_id, seq.num_computed, seq.tokens)
+                if self.kv.kv_blocks is not None:  # newly full blocks become matchable (prefix caching)
+                    self.kv.commit(live)
                 if not w.sample and not live.seq.output_tokens:
-                    self._outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
+                    self.outs.append(Out(w.seq_id, progress=(live.seq.num_computed, len(live.seq.prompt_tokens))))
         for w, s in zip(rows, sampled):
-            live = self._live.get(w.seq_id)
+            live = self.live.get(w.seq_id)
             if live is not None and w.seq_id not in failed:
-                self._on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
-        self._flush_outputs()
+                self.on_token(live, SampledToken(w.seq_id, s.token, s.logprob, s.top_logprobs))
+        self.flush()
         self.timers.add("process", time.perf_counter() - t5)
         return nxt
 
-    def _can_overlap(self, batch: StepBatch, fwd: Any) -> bool:
+    def can_overlap(self, batch: StepBatch, fwd: Any) -> bool:
         """Launch the next decode step before reading this one's ids back, when the next step is
         certainly these same rows decoding: every row samples, none can end by length now, no
         request waits to be admitted, no command is pending, and the KV budget has room.  A row
         that ends by EOS or a stop string meanwhile has its extra token discarded."""
-        if not self.model.overlap or fwd.failed or self.speculator is not None or not self._inbox.empty():
+        if not self.model.overlap or fwd.failed or self.speculator is not None or not self.inbox.empty():
             return False
         sch = self.scheduler
         if sch.waiting or len(batch.seqs) != len(sch.running):
             return False
         for w in batch.seqs:
-            live = self._live.get(w.seq_id)
+            live = self.live.get(w.seq_id)
             if live is None or not w.sample:
                 return False
             seq = live.seq
@@ -166,17 +196,17 @@ class EngineStep:
             return False
         if sch.managed:  # the next step writes one position past this one: its block first
             for w in batch.seqs:
-                if not sch.ensure_blocks(self._live[w.seq_id].seq, w.start_pos + len(w.tokens) + 1):
+                if not sch.ensure_blocks(self.live[w.seq_id].seq, w.start_pos + len(w.tokens) + 1):
                     return False
         return True
 
-    def _speculate(self, batch: StepBatch) -> bool:
+    def speculate(self, batch: StepBatch) -> bool:
         """Draft and verify when a single sequence is decoding (with several, the batched
         plain step is used: per-sequence acceptance would split the batch).  True if done."""
         if len(batch.seqs) != 1:
             return False
         w = batch.seqs[0]
-        live = self._live.get(w.seq_id)
+        live = self.live.get(w.seq_id)
         if live is None or not w.sample or len(w.tokens) != 1 or not live.seq.output_tokens or not eligible(w.params):
             return False
         seq = live.seq
@@ -188,7 +218,7 @@ class EngineStep:
             sampled = self.speculator.step(w, seq, room)
         except Exception as exc:  # fail this sequence, keep the engine
             log.exception("speculative step failed")
-            self._finish(live, "error", error=f"{type(exc).__name__}: {exc}")
+            self.finish(live, "error", error=f"{type(exc).__name__}: {exc}")
             return True
         if sampled is None:
             return False
@@ -196,12 +226,12 @@ class EngineStep:
         self.stats.decode_seconds += time.perf_counter() - t0
         seq.num_computed = w.start_pos + len(sampled)
         for s in sampled:
-            if w.seq_id not in self._live:  # finished (stop, length) part-way: the rest is dropped
+            if w.seq_id not in self.live:  # finished (stop, length) part-way: the rest is dropped
                 break
-            self._on_token(live, s)
+            self.on_token(live, s)
         return True
 
-    def _on_token(self, live: _Live, s: SampledToken) -> None:
+    def on_token(self, live: Live, s: SampledToken) -> None:
         """Record a sampled id; end the sequence on EOS / stop token / max tokens / context.
         Stop strings need text: the output worker checks them."""
         seq, params = live.seq, live.seq.params
@@ -212,8 +242,8 @@ class EngineStep:
         seq.output_tokens.append(s.token)
         self.stats.tokens_generated += 1
         out = Out(seq.seq_id, s.token, s.logprob, s.top_logprobs)
-        self._outs.append(out)
-        if (not params.ignore_eos and s.token in self._eos) or s.token in params.stop_token_ids:
+        self.outs.append(out)
+        if (not params.ignore_eos and s.token in self.eos) or s.token in params.stop_token_ids:
             out.reason = "stop"
         elif (
             len(seq.output_tokens) >= (params.max_tokens or 0)
@@ -221,11 +251,11 @@ class EngineStep:
         ):
             out.reason = "length"
         if out.reason is None and seq.state.constraint is not None and (self.json_close or self.json_repeat_guard):
-            self._close_json(live, out)
+            self.close_json(live, out)
         if out.reason is not None:
-            self._finish(live, out.reason, notify=False)
+            self.finish(live, out.reason, notify=False)
 
-    def _close_json(self, live: _Live, out: Out) -> None:
+    def close_json(self, live: Live, out: Out) -> None:
         """Structured output near its token limit, or caught in a loop: feed the shortest text that
         completes the JSON (chat.json_close) as the last tokens, so the content always parses.
         Near the limit it ends 'length'; a loop (the same block of >= 3 tokens repeated
@@ -249,8 +279,8 @@ class EngineStep:
         for t in ids:  # forced: the grammar is not asked (the sequence ends with them)
             seq.output_tokens.append(t)
             self.stats.tokens_generated += 1
-            self._outs.append(Out(seq.seq_id, t))
+            self.outs.append(Out(seq.seq_id, t))
         reason = "stop" if looping else "length"
-        self._outs.append(Out(seq.seq_id, reason=reason))  # token-less: every forced token's text is kept
+        self.outs.append(Out(seq.seq_id, reason=reason))  # token-less: every forced token's text is kept
         self.stats.json_closed += 1
-        self._finish(live, reason, notify=False)  # ``out`` keeps reason None: no second finish
+        self.finish(live, reason, notify=False)  # ``out`` keeps reason None: no second finish
