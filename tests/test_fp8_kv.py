@@ -80,6 +80,12 @@ def test_seqcache_fp8_equals_e4m3_rounded_reference(fp8_llm, monkeypatch):
     got = [o.token_ids for o in fp8_llm.generate(PROMPTS[:2], GREEDY)]
     c = SeqCacheProbe.cache(m, PROMPTS[0])
     assert c._k[0].dtype == torch.float8_e4m3fn and c.fp8 is not None
+    ids = m.tokenizer.encode(PROMPTS[0])
+    m.logits(10_002, ids, 0)
+    try:  # /health's kv_cache figures: 1 byte per element, half of 16-bit
+        assert m.kv_stats() == {"bytes": len(ids) * 256, "fp16_bytes": len(ids) * 512}
+    finally:
+        m.free([10_002])
     with monkeypatch.context() as mp:  # plain float32 KV: it must differ, or the test proves nothing
         mp.setattr(m, "kv_fp8", None)
         plain_logits = first_logits(m, PROMPTS[1])
@@ -319,3 +325,46 @@ def test_flag_and_env(monkeypatch):
     assert Settings().kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="auto or fp8"):
         Settings(kv_cache_dtype="int8")
+
+
+def test_kv_formats_bench_runs_fp8_on_its_own_server(tmp_path, monkeypatch, capsys):
+    """scripts/bench_kv_formats_serve.py's "fp8": a server started with --kv-cache-dtype fp8 (even with
+    --one-server: it is not a request field), held to its own bar (TTFT <= 1.1x, decode >= 1.2x)."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_kv_formats_serve", ROOT / "scripts" / "bench_kv_formats_serve.py"
+    )
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    started, sent = [], []
+
+    class FakeServer:
+        def __init__(self, args, flags, log):
+            self.flags = flags
+            started.append(flags)
+
+        def stop(self):
+            pass
+
+    def fake_bench(args, srv, fields, out, streams=1, lengths=None):
+        sent.append(fields)
+        itl = 8.0 if srv.flags else 10.0  # fp8 decodes 1.25x faster; TTFT 1.05x
+        ttft = 105.0 if srv.flags else 100.0
+        return [
+            {"prompt_tokens": n, "ttft_ms_p50": ttft, "itl_ms_p50": itl, "itl_ms_p99": itl, "requests_ok": 1}
+            for n in lengths or args.prompt_tokens
+        ]
+
+    monkeypatch.setattr(m, "Server", FakeServer)
+    monkeypatch.setattr(m, "bench", fake_bench)
+    argv = ["x", "--formats", "16bit,fp8", "--prompt-tokens", "32000", "--one-server", "--check"]
+    monkeypatch.setattr("sys.argv", [*argv, "--tag", "t", "--out", str(tmp_path)])
+    assert m.main() == 0
+    assert started == [[], ["--kv-cache-dtype", "fp8"]] and sent == [{}, {}]
+    doc = json.loads((tmp_path / "kv_formats_serve_t.json").read_text())
+    assert doc["config"]["acceptance_per_format"] == {"fp8": [1.1, 1.2]} and doc["accepted"] is True
+    assert m.acceptance("fp8", None) == (1.1, 1.2)
+    capsys.readouterr()

@@ -474,8 +474,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     kv_store = kv_storage_dtype(kv_name, dtype)  # what the KV rows are stored in (e4m3 with --kv-cache-dtype fp8)
     kv_scales = checkpoint_scales(spec.path, a.layers, a.kv_heads).to(device) if kv_store == FP8 else None
-    if kv_scales is not None:
-        log.info("KV cache: %s", describe(kv_scales))
+    log.info("KV cache: %s", describe(kv_scales) or str(kv_store)[6:])
     info = ModelInfo(
         arch=spec.arch,
         num_layers=a.layers,
