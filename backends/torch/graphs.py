@@ -313,7 +313,7 @@ class GraphDecoder:
         self, model: Transformer, kv: SeqCache, t: torch.Tensor, p: torch.Tensor, L: int, arange: torch.Tensor
     ) -> torch.Tensor:
         """One sequence's decode step: fused (attention by the Triton decode kernel where it is on) or not."""
-        if self.fused:
+        if self.fused and kv.fp8 is None:  # (an fp8 SeqCache: the unfused step quantises its row)
             return decode_static_fused(model, kv, t, p, L, arange, self.splits_for(L, 1))
         return decode_static(model, kv, t, p, L, arange)
 

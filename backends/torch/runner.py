@@ -102,8 +102,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
             )
         if use_graphs is None:
             use_graphs = self.static and graphable(module)
-        # (the fused decode kernels write 16-bit K/V rows: an fp8 cache takes the unfused steps)
-        self.graphs = GraphDecoder(module, device, fused=False if kv_fp8 is not None else None) if use_graphs else None
+        self.graphs = GraphDecoder(module, device) if use_graphs else None
         # CUDA: all sequences' KV live in one paged pool per layer (kv_pool.py), so decode rows of many
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = (
