@@ -392,3 +392,24 @@ def test_kv_formats_bench_runs_fp8_on_its_own_server(tmp_path, monkeypatch, caps
     assert doc["config"]["acceptance_per_format"] == {"fp8": [1.1, 1.2]} and doc["accepted"] is True
     assert m.acceptance("fp8", None) == (1.1, 1.2)
     capsys.readouterr()
+
+
+@needs_torch
+def test_prompt_cache_copies_keep_the_e4m3_rows(fp8_llm):
+    """The CPU prompt cache's snapshot of an fp8 SeqCache holds its e4m3 bytes (1 per element) and a restore
+    gives the logits of recomputing the prefix (the same two chunks, uncached)."""
+    import torch
+
+    m = fp8_llm.engine.model
+    ids = m.tokenizer.encode(PROMPTS[3])
+    n = len(ids) - 1
+    try:
+        m.logits(20_000, ids[:n], 0)
+        payload, nbytes, held = m.snapshot_prefix(20_000)
+        assert held == n and nbytes == n * 256 and payload[0][0].dtype == torch.float8_e4m3fn
+        want = m.logits(20_000, ids[n:], n).clone()
+        m.restore_prefix(20_001, payload, n)
+        assert m.caches[20_001]._k[0].dtype == torch.float8_e4m3fn
+        assert torch.equal(m.logits(20_001, ids[n:], n), want)
+    finally:
+        m.free([20_000, 20_001])
