@@ -413,3 +413,30 @@ def test_prompt_cache_copies_keep_the_e4m3_rows(fp8_llm):
         assert torch.equal(m.logits(20_001, ids[n:], n), want)
     finally:
         m.free([20_000, 20_001])
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_pool_reads_equal_float32_dequantisation(dtype):
+    """The paged pool's cheaper reads (a cast for scales 1.0; a cast and a multiply in the compute dtype for
+    scales exact there) give exactly float32(e4m3) * scale rounded once, as the float32 path does."""
+    import torch
+
+    from swiftlm.backends.torch.kv_fp8 import KVScales, dequantize
+    from swiftlm.backends.torch.kv_pool import SlotPool
+
+    class A:
+        layers, kv_heads, head_dim = 2, 2, 8
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 16, 8, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    modes = []
+    for sc in ([1.0, 1.0], [0.5, 0.125], [0.0123, 3.3]):
+        s = KVScales(torch.tensor([sc, sc]), torch.tensor([sc, sc]))
+        p = SlotPool(A, 1, 16, dt, torch.device("cpu"), block_size=16, fp8=s)
+        k, v = p.dequantize(1, q, q)
+        want = dequantize(q, s.k[1].view(-1, 1, 1), dt)
+        assert torch.equal(k, want) and torch.equal(v, want) and k.dtype == dt
+        modes.append(p._deq)
+    assert modes == ["unit", "cast", "cast" if dtype == "float32" else "f32"]

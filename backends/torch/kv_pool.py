@@ -59,6 +59,18 @@ class SlotPool:
         self.k_scale = list(self.fp8.k.unbind(0)) if self.fp8 is not None else None
         self.v_scale = list(self.fp8.v.unbind(0)) if self.fp8 is not None else None
         store = FP8 if fp8 is not None else dtype
+        # how a read widens e4m3 rows: scales all 1.0 -> a cast; scales exact in the compute dtype -> a cast and a
+        # multiply there (the same values as float32 * scale rounded once: e4m3 * a bf16 scale is exact in
+        # float32); else through float32 (decided once: a per-call check would read the device)
+        self._deq = "f32"
+        if self.fp8 is not None:
+            both = torch.cat([self.fp8.k, self.fp8.v])
+            if bool((both == 1).all()):
+                self._deq = "unit"
+            elif bool((both.to(dtype).float() == both).all()):
+                self._deq = "cast"
+                self._k_dt = [s.to(dtype) for s in self.k_scale]
+                self._v_dt = [s.to(dtype) for s in self.v_scale]
         self.block_size = bs = max(1, min(int(block_size or capacity), capacity))
         self.max_blocks = -(-capacity // bs)
         self.capacity = self.max_blocks * bs  # positions a table row can address
@@ -179,9 +191,13 @@ class SlotPool:
         """Stored rows back in ``dtype`` (the pool's compute dtype); ``head_dim``: the KV-head axis of k, v."""
         if self.fp8 is None:
             return k, v
+        dt = dtype or self.dtype
+        if dt == self.dtype and self._deq == "unit":
+            return k.to(dt), v.to(dt)
         shape = [1] * k.dim()
         shape[head_dim] = -1
-        dt = dtype or self.dtype
+        if dt == self.dtype and self._deq == "cast":
+            return k.to(dt) * self._k_dt[layer].view(shape), v.to(dt) * self._v_dt[layer].view(shape)
         return (
             dequantize(k, self.k_scale[layer].view(shape), dt),
             dequantize(v, self.v_scale[layer].view(shape), dt),
