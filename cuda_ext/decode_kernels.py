@@ -30,6 +30,8 @@ def _rope_kv_rows_kernel(
     q_out,
     k_pool,
     v_pool,
+    ks_ptr,
+    vs_ptr,
     slot_stride,
     head_stride,
     row_stride,
@@ -38,6 +40,7 @@ def _rope_kv_rows_kernel(
     D: tl.constexpr,
     HALF: tl.constexpr,
     GDC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b, h = tl.program_id(0), tl.program_id(1)
     if GDC:  # programmatic dependent launch (pdl.py): the previous kernel's writes first
@@ -64,11 +67,18 @@ def _rope_kv_rows_kernel(
             tl.store(dq + HALF + i, o2.to(q_out.dtype.element_ty))
         else:
             dst = k_pool + slot * slot_stride + (h - H) * head_stride + row * row_stride
+            if KV_FP8:  # e4m3 pool: k / scale saturated to +-448 (kv_fp8.quantize)
+                sc = tl.load(ks_ptr + (h - H))
+                o1 = tl.minimum(tl.maximum(o1 / sc, -448.0), 448.0)
+                o2 = tl.minimum(tl.maximum(o2 / sc, -448.0), 448.0)
             tl.store(dst + i, o1.to(k_pool.dtype.element_ty))
             tl.store(dst + HALF + i, o2.to(k_pool.dtype.element_ty))
     else:
         j = tl.arange(0, D)
         val = tl.load(src + h * D + j)
+        if KV_FP8:
+            val = val.to(tl.float32) / tl.load(vs_ptr + (h - H - KVH))
+            val = tl.minimum(tl.maximum(val, -448.0), 448.0)
         dst = v_pool + slot * slot_stride + (h - H - KVH) * head_stride + row * row_stride
         tl.store(dst + j, val.to(v_pool.dtype.element_ty))
 
@@ -85,15 +95,20 @@ def rope_kv_write_rows(
     KVH: int,
     D: int,
     rows: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """B decode rows at once: qkv [B, (H+2KVH)*D] (contiguous); cos/sin the whole rope tables [ctx, D];
     pos, slots [B] (device ints); pools [S, KVH, C, D] (a slot pool's layer, or a paged pool's blocks).
     Rotates q and k of row b at position pos[b], writes k and v into slot (block) slots[b], row rows[b]
-    (default pos[b]).  Returns q rotated, [B, H, D]."""
+    (default pos[b]).  Returns q rotated, [B, H, D].  e4m3 pools (--kv-cache-dtype fp8) take ``k_scale`` /
+    ``v_scale`` (float32 [KVH]): rows are stored as e4m3(clamp(x / scale, +-448))."""
     B = qkv.shape[0]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_pool.stride(3) == 1
     q = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
     rows = pos if rows is None else rows
+    fp8 = k_pool.dtype == torch.float8_e4m3fn
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an e4m3 pool needs k_scale and v_scale"
     _rope_kv_rows_kernel[(B, H + 2 * KVH)](
         qkv,
         cos,
@@ -104,6 +119,8 @@ def rope_kv_write_rows(
         q,
         k_pool,
         v_pool,
+        k_scale if fp8 else pos,  # (unread without KV_FP8)
+        v_scale if fp8 else pos,
         k_pool.stride(0),
         k_pool.stride(1),
         k_pool.stride(2),
@@ -111,12 +128,13 @@ def rope_kv_write_rows(
         KVH=KVH,
         D=D,
         HALF=D // 2,
+        KV_FP8=fp8,
         **launch_kw(qkv),
     )
     return q
 
 
-def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D, rows=None):
+def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D, rows=None, k_scale=None, v_scale=None):
     B = qkv.shape[0]
     rows = pos if rows is None else rows
     q, k, v = qkv.float().split([H * D, KVH * D, KVH * D], dim=-1)
@@ -127,8 +145,12 @@ def rope_kv_write_rows_ref(qkv, cos, sin, pos, slots, k_pool, v_pool, H, KVH, D,
         half = D // 2
         return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
-    k_pool[slots, :, rows] = rot(k, KVH).to(k_pool.dtype)
-    v_pool[slots, :, rows] = v.view(B, KVH, D).to(v_pool.dtype)
+    kr, vr = rot(k, KVH), v.view(B, KVH, D)
+    if k_scale is not None:
+        kr = (kr / k_scale.float().view(1, KVH, 1)).clamp(-448.0, 448.0)
+        vr = (vr / v_scale.float().view(1, KVH, 1)).clamp(-448.0, 448.0)
+    k_pool[slots, :, rows] = kr.to(k_pool.dtype)
+    v_pool[slots, :, rows] = vr.to(v_pool.dtype)
     return rot(q, H).to(qkv.dtype)
 
 

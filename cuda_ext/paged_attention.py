@@ -60,6 +60,8 @@ def _split_kernel(
     out_ptr,
     mid_o,
     mid_lse,
+    ks_ptr,
+    vs_ptr,
     qk_scale,
     NS,
     MAX_BLOCKS,
@@ -91,6 +93,7 @@ def _split_kernel(
     DOT_F32: tl.constexpr,
     DIRECT: tl.constexpr,
     GDC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)  # KV head
@@ -112,9 +115,13 @@ def _split_kernel(
     q = tl.load(
         q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d, mask=rm[:, None] & dm[None, :], other=0.0
     )  # [RP, DP]
+    v_sc = 1.0
+    if KV_FP8:  # e4m3 tiles: widened to q's dtype; the head's K scale folds into the score scale, V's into o
+        qk_scale = qk_scale * tl.load(ks_ptr + g)
+        v_sc = tl.load(vs_ptr + g)
     if IEEE or not USE_DOT:
         q = q.to(tl.float32)
-    else:  # tensor-core dot in the cache's 16-bit type, fp32 accumulation
+    elif not KV_FP8:  # tensor-core dot in the cache's 16-bit type, fp32 accumulation
         q = q.to(k_ptr.dtype.element_ty)
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
@@ -137,6 +144,8 @@ def _split_kernel(
             v_rows = v_head + blk * sv_n + off * sv_p
         kv_mask = nm[:, None] & dm[None, :]
         k = tl.load(k_rows[:, None] + d[None, :] * sk_d, mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         if USE_DOT:
             if IEEE:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -152,6 +161,8 @@ def _split_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_rows[:, None] + d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         if USE_DOT:
             if IEEE:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -165,7 +176,7 @@ def _split_kernel(
         m = m_new
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # an empty range (or seq_len 0): zeros, not NaN
+    o = acc * v_sc / tl.where(l > 0, l, 1.0)[:, None]  # an empty range (or seq_len 0): zeros, not NaN
     if DIRECT:
         tl.store(
             out_ptr + b * so_b + h[:, None] * so_h + d[None, :] * so_d,
@@ -266,9 +277,15 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_dot: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` [B, H, D] over each sequence's cached K/V; returns ``out`` [B, H, D]
     (allocated in q's dtype unless given; any strides).
+
+    An FP8 cache (``--kv-cache-dtype fp8``: k_cache / v_cache float8 e4m3) takes ``k_scale`` / ``v_scale``,
+    float32 [KVH] device tensors: position p of KV head g holds ``k_cache[...] * k_scale[g]``.  The kernel
+    widens each e4m3 tile to q's dtype and folds the scales into the score scale and the output.
 
     k_cache, v_cache: [num_blocks, KVH, block_size, D] (any strides; same shape).  block_tables:
     int32 [B, max_blocks], the block ids of each sequence in position order (entries past a
@@ -298,6 +315,10 @@ def paged_decode_attention(
     NS = max(1, int(num_splits))
     DP = triton.next_power_of_2(D)
     dot, RP, BN = _config(rep, DP, use_dot, block_n)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        assert k_scale is not None and v_scale is not None, "an e4m3 cache needs k_scale and v_scale"
+        assert k_scale.shape == (KVH,) and v_scale.shape == (KVH,), (k_scale.shape, v_scale.shape)
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     direct = NS == 1
     if direct:
@@ -319,6 +340,8 @@ def paged_decode_attention(
         out,
         mid_o,
         mid_lse,
+        k_scale if fp8 else seq_lens,  # (unread without KV_FP8)
+        v_scale if fp8 else seq_lens,
         float(scale) * _LOG2E,
         NS,
         max_blocks,
@@ -341,8 +364,9 @@ def paged_decode_attention(
         TILE_IN_BLOCK=BS % BN == 0,
         USE_DOT=dot,
         IEEE=ieee,
-        DOT_F32=_interpret() and k_cache.dtype == torch.bfloat16,
+        DOT_F32=_interpret() and torch.bfloat16 in (k_cache.dtype, q.dtype),
         DIRECT=direct,
+        KV_FP8=fp8,
         **kw,
         **launch_kw(q),
     )
@@ -373,10 +397,13 @@ def paged_decode_attention_ref(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     **_tuning,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time (host syncs; not capturable): gather the sequence's
-    blocks, softmax in fp32.  Same contract as ``paged_decode_attention`` (num_splits ignored)."""
+    blocks (an e4m3 cache dequantised: fp32 rows * their head's scale), softmax in fp32.  Same contract
+    as ``paged_decode_attention`` (num_splits ignored)."""
     B, H, D = q.shape
     _, KVH, BS, _ = k_cache.shape
     rep = H // KVH
@@ -391,6 +418,8 @@ def paged_decode_attention_ref(
         blocks = block_tables[b, : -(-L // BS)].long()
         k = k_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :L].float()  # [KVH, L, D]
         v = v_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :L].float()
+        if k_scale is not None:
+            k, v = k * k_scale.float().view(KVH, 1, 1), v * v_scale.float().view(KVH, 1, 1)
         qb = q[b].float().view(KVH, rep, D)
         p = torch.softmax(torch.einsum("grd,gnd->grn", qb, k) * scale, dim=-1)
         out[b] = torch.einsum("grn,gnd->grd", p, v).reshape(H, D).to(out.dtype)
@@ -407,16 +436,22 @@ def paged_decode_attention_sdpa(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     **_tuning,
 ) -> torch.Tensor:
     """Plain torch without host syncs (a CUDA-graph-capturable fallback when Triton is off):
-    gathers every sequence's ``max_blocks`` blocks and runs masked SDPA.  Same contract."""
+    gathers every sequence's ``max_blocks`` blocks (dequantised, for an e4m3 cache) and runs masked SDPA.
+    Same contract."""
     B, H, D = q.shape
     _, KVH, BS, _ = k_cache.shape
     MB = block_tables.shape[1]
     idx = block_tables.long()
     k = k_cache[idx].permute(0, 2, 1, 3, 4).reshape(B, KVH, MB * BS, D)
     v = v_cache[idx].permute(0, 2, 1, 3, 4).reshape(B, KVH, MB * BS, D)
+    if k_scale is not None:
+        k = (k.float() * k_scale.float().view(1, KVH, 1, 1)).to(q.dtype)
+        v = (v.float() * v_scale.float().view(1, KVH, 1, 1)).to(q.dtype)
     pos = torch.arange(MB * BS, device=q.device)
     lens = seq_lens.long().view(B, 1)
     mask = (pos.view(1, -1) < lens) | (pos.view(1, -1) == 0)  # a zero-length row attends to slot 0 ...

@@ -47,6 +47,7 @@ class ModelInfo:
     modalities: tuple[str, ...] = ("text",)
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
+    kv_dtype: str = ""  # what the KV cache stores, in words (e.g. "bfloat16", "fp8 (e4m3, scales: ...)")
     streamed_expert_bytes: int = 0  # expert bytes left on disk (--stream-experts); 0 when all resident
     experts_per_token: int = 0  # in use (after --expert-top-k)
     embedding_only: bool = False  # no LM head (e.g. Qwen3Model): /v1/embeddings only, no generation

@@ -143,7 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     _model_argument(i)
     add_settings_arguments(i, groups=("model",))
     _add_settings(
-        i, "turbo_kv", "turbo_kv_window", "turbo_kv_threshold", "turbo_kv_keep_layers", "stream_experts", "expert_top_k"
+        i,
+        "turbo_kv",
+        "turbo_kv_window",
+        "turbo_kv_threshold",
+        "turbo_kv_keep_layers",
+        "kv_cache_dtype",
+        "stream_experts",
+        "expert_top_k",
     )
     i.add_argument("--json", action="store_true", help="print JSON")
 

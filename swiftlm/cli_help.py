@@ -50,6 +50,7 @@ FIELD_TOPIC = {
     "turbo_kv_prompt_memory": "context",
     "kv_block_size": "memory",
     "kv_cache_memory": "memory",
+    "kv_cache_dtype": "memory",
     "prompt_cache_bytes": "memory",
     "kv_budget_bytes": "memory",
     "mem_limit": "memory",

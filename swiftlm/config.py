@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .errors import NotSupportedYet
+from .errors import ConfigError, NotSupportedYet
 
 
 def _f(
@@ -141,6 +141,13 @@ class Settings(BaseSettings):
         group="engine",
         nargs="?",
         const="default",
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "What the KV cache stores: auto (the model's dtype) or fp8 (float8 e4m3 with per layer and KV head "
+        "scales from the checkpoint's k_scale / v_scale, else 1.0; half the bytes of 16-bit KV, so twice the "
+        "tokens in the same --kv-cache-memory). Torch backend; not with --turbo-kv.",
+        group="engine",
     )
     turbo_kv_window: int = _f(128, "Most recent positions kept in 16-bit by a TurboQuant cache.", group="engine")
     turbo_kv_threshold: int = _f(
@@ -479,6 +486,14 @@ class Settings(BaseSettings):
         parse_turbo(v)  # ValueError names the presets
         return None if v.strip().lower() in ("off", "none", "fp16") else v
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype_ok(cls, v: str) -> str:
+        v = str(v).strip().lower()
+        if v not in ("auto", "fp8"):
+            raise ValueError("must be auto or fp8")
+        return v
+
     @field_validator("turbo_kv_window", "turbo_kv_threshold", "turbo_kv_keep_layers", "expert_top_k")
     @classmethod
     def _non_negative(cls, v: int) -> int:
@@ -696,6 +711,9 @@ class Settings(BaseSettings):
         return v
 
     def check_supported(self) -> None:
+        why = kv_cache_dtype_conflict(self, self.backend)
+        if why:
+            raise ConfigError(why)
         for name, field in type(self).model_fields.items():
             extra = field.json_schema_extra or {}
             what = extra.get("not_built") if isinstance(extra, dict) else None
@@ -777,3 +795,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         models = given.pop("model")
         given["model"], given["extra_models"] = models[0], models[1:]
     return Settings(**given)
+
+
+def kv_cache_dtype_conflict(cfg: Any, backend: str | None) -> str | None:
+    """Why ``--kv-cache-dtype fp8`` does not combine with the other settings of ``cfg`` on ``backend`` (a
+    name; None / "auto": not chosen yet), in one sentence naming the flags; None when it does."""
+    if getattr(cfg, "kv_cache_dtype", "auto") != "fp8":
+        return None
+    if getattr(cfg, "turbo_kv", None) not in (None, False):
+        return (
+            "--kv-cache-dtype fp8 does not combine with --turbo-kv: TurboQuant (and a request's kv_bits) "
+            "is a KV-cache format of its own; choose one"
+        )
+    if backend == "mlx":
+        return "--kv-cache-dtype fp8 is built for the torch backend only (MLX: use --turbo-kv or a request's kv_bits)"
+    for flag in ("tensor_parallel", "pipeline_parallel"):
+        if int(getattr(cfg, flag, None) or 1) > 1:
+            return f"--kv-cache-dtype fp8 does not combine with --{flag.replace('_', '-')} yet"
+    return None

@@ -479,9 +479,11 @@ def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, 
         device = device_kind(entry.availability.device if entry is not None else "")
     except SwiftLMError:
         pass
-    return memory_plan(
+    fp8 = getattr(settings, "kv_cache_dtype", "auto") == "fp8"  # --kv-cache-dtype fp8: 1 byte per element
+    plan = memory_plan(
         spec,
         settings.ctx_size,
+        dtype_bytes=1 if fp8 else None,
         kv_format=settings_format(settings),
         stream_experts=settings.stream_experts,
         expert_top_k=settings.expert_top_k,
@@ -492,3 +494,5 @@ def plan_for(spec: ModelSpec, settings: Any, backends: Any = None) -> dict[str, 
         gpu_layers=getattr(settings, "gpu_layers", None),
         offload_dtype=getattr(settings, "offload_dtype", "float32"),
     )
+    plan["kv_cache_dtype"] = "fp8 (e4m3)" if fp8 else "auto (the model's dtype)"
+    return plan

@@ -30,8 +30,14 @@ class MLXBackend:
         return Availability(True, device=kind)
 
     def load(self, spec: ModelSpec, cfg: Any) -> Any:
+        from swiftlm.config import kv_cache_dtype_conflict
         from swiftlm.media.processor import is_multimodal
 
+        why = kv_cache_dtype_conflict(cfg, "mlx")  # --kv-cache-dtype fp8: the torch backend's
+        if why:
+            from swiftlm.errors import ConfigError
+
+            raise ConfigError(why)
         _clear_streams_at_exit()
         if is_multimodal(spec):
             if getattr(cfg, "adapter", None):

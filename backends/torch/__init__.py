@@ -33,12 +33,18 @@ class TorchBackend:
     def load(self, spec: ModelSpec, cfg: Any) -> Any:
         from swiftlm.media.processor import is_multimodal
 
+        from .fallback import NAME, load_fallback, path_for
+
+        fp8 = getattr(cfg, "kv_cache_dtype", "auto") == "fp8"
+        if fp8 and (is_multimodal(spec) or path_for(spec) == NAME):
+            from swiftlm.errors import ConfigError
+
+            what = "vision / audio models" if is_multimodal(spec) else "the transformers fallback"
+            raise ConfigError(f"--kv-cache-dtype fp8 is not built for {what} ({spec.arch}); leave it at auto")
         if is_multimodal(spec):
             from .vlm import load_multimodal
 
             return load_multimodal(spec, cfg)
-        from .fallback import NAME, load_fallback, path_for
-
         if path_for(spec) == NAME:  # an architecture model.py does not implement: transformers runs it
             return load_fallback(spec, cfg)
         from .runner import load_model

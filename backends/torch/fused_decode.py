@@ -133,8 +133,9 @@ def decode_batch_static_fused(
     for i, blk in enumerate(model.layers):
         qkv, H, KVH, D = _qkv(blk.self_attn, h, model.a.qk_norm)
         K, V = pool.k[i], pool.v[i]  # [blocks, KVH, block_size, D]
-        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, blk_ids, K, V, H, KVH, D, rows)  # [B, H, D]
-        out = attend(q, K, V, tables, lens, D**-0.5, num_splits=splits)  # [B, H, D]
+        fp8 = pool.attend_kw(i)  # an fp8 pool's scales (kv_fp8.py), else {}
+        q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, blk_ids, K, V, H, KVH, D, rows, **fp8)  # [B, H, D]
+        out = attend(q, K, V, tables, lens, D**-0.5, num_splits=splits, **fp8)  # [B, H, D]
         h = _after_attention(model, i, x, out.reshape(B, H * D))
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return rows_linear(h, w)

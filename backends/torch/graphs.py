@@ -58,9 +58,10 @@ def _attn_static(
     # q and k are rotated together: one pass of rope kernels instead of two
     qk = apply_rope(torch.cat([q, k], dim=-1).view(H + KVH, 1, D), cos, sin)
     q, k = qk[:H], qk[H:]
+    k, v = kv._store(layer, k, v.view(KVH, 1, D))  # (e4m3 under --kv-cache-dtype fp8)
     kv.k[layer].index_copy_(1, pos, k)
-    kv.v[layer].index_copy_(1, pos, v.view(KVH, 1, D))
-    keys, values = kv.k[layer][:, :L], kv.v[layer][:, :L]
+    kv.v[layer].index_copy_(1, pos, v)
+    keys, values = kv._rows(layer, L)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH
     )  # [1, H, 1, D]
@@ -117,9 +118,10 @@ def verify_static(
     causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
 
     def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = kv._store(i, k, v.transpose(0, 1))  # (e4m3 under --kv-cache-dtype fp8)
         kv.k[i].index_copy_(1, positions, k)
-        kv.v[i].index_copy_(1, positions, v.transpose(0, 1))
-        return kv.k[i][:, :L], kv.v[i][:, :L]
+        kv.v[i].index_copy_(1, positions, v)
+        return kv._rows(i, L)
 
     return _verify(model, tokens, pos, L, arange, io)
 
@@ -136,16 +138,13 @@ def verify_paged(
     """``verify_static`` over a sequence in the paged pool (its table row ``slot``, a device tensor [1]):
     the block's K/V written through the table, attention over the blocks holding positions [0, L)
     gathered.  Static shapes (T, L), so it graphs per (T, L).  Logits [T, V]."""
-    T, KVH, D = tokens.shape[0], model.a.kv_heads, model.a.head_dim
+    T = tokens.shape[0]
     where = pool.locate(slot.expand(T), pos + arange[:T])
     idx = pool.table[slot][0, : -(-L // pool.block_size)].long()  # (a 0-d tensor index would read it on the host)
 
     def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool.write(i, None, None, k.transpose(0, 1), v, where)
-        return (
-            pool.k[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
-            pool.v[i][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :L],
-        )
+        return pool.gather(i, idx, L)  # [KVH, L, D] each, dequantised from an fp8 pool
 
     return _verify(model, tokens, pos, L, arange, io)
 
@@ -181,8 +180,8 @@ def decode_batch_static(
         q, k, v = project_qkv(attn, blk.input_layernorm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pool.write(i, slots, pos, k, v, where)
-        out = attend(q, pool.k[i], pool.v[i], tables, lens, D**-0.5, num_splits=splits)  # [B, H, D]
-        x = x + attn.o_proj(out.reshape(B, H * D))
+        out = attend(q, pool.k[i], pool.v[i], tables, lens, D**-0.5, num_splits=splits, **pool.attend_kw(i))
+        x = x + attn.o_proj(out.reshape(B, H * D))  # out: [B, H, D]
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -314,7 +313,7 @@ class GraphDecoder:
         self, model: Transformer, kv: SeqCache, t: torch.Tensor, p: torch.Tensor, L: int, arange: torch.Tensor
     ) -> torch.Tensor:
         """One sequence's decode step: fused (attention by the Triton decode kernel where it is on) or not."""
-        if self.fused:
+        if self.fused and kv.fp8 is None:  # (an fp8 SeqCache: the unfused step quantises its row)
             return decode_static_fused(model, kv, t, p, L, arange, self.splits_for(L, 1))
         return decode_static(model, kv, t, p, L, arange)
 

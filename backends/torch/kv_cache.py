@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from .kv_fp8 import FP8, KVScales, dequantize, quantize
 from .model_config import Args
 from .offload import layer_places
 
@@ -46,14 +47,25 @@ class SeqCache:
     fork copy of rows [0, length) cannot be made then; those callers catch it and recompute)."""
 
     _off: list | None = None  # per layer: a window layer's first kept position; None: a full layer / no trim
+    fp8: KVScales | None = None  # --kv-cache-dtype fp8: rows stored as e4m3 with these scales (kv_fp8.py)
 
-    def __init__(self, a: Args, dtype: torch.dtype, device: torch.device, capacity: int = GROW_ROWS):
+    def __init__(
+        self,
+        a: Args,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = GROW_ROWS,
+        fp8: KVScales | None = None,
+    ):
         self.a, self.dtype, self.device = a, dtype, device
         self.capacity = min(capacity, a.ctx)
         shape = (a.kv_heads, self.capacity, a.head_dim)
         # zeros, not empty: the fixed-shape decode reads rows past the position (masked out,
         # but 0 * NaN garbage would still be NaN)
         places = layer_places(a, device, dtype)  # --gpu-layers: each layer's rows where the layer is
+        if fp8 is not None:  # e4m3 rows; read back through dequantize (``_rows``)
+            self.fp8, self._read_dtypes = fp8, [dt for _, dt in places]
+            places = [(dev, FP8) for dev, _ in places]
         self._k = [torch.zeros(shape, dtype=dt, device=dev) for dev, dt in places]
         self._v = [torch.zeros(shape, dtype=dt, device=dev) for dev, dt in places]
         self.length = 0
@@ -127,11 +139,33 @@ class SeqCache:
         end = start + k.shape[1]
         if end > self._k[layer].shape[1]:
             self._grow(end, full_only=True)
+        k, v = self._store(layer, k, v)
         self._k[layer][:, start:end] = k
         self._v[layer][:, start:end] = v
         if layer == self.a.layers - 1:
             self.length = end
-        return self._k[layer][:, :end], self._v[layer][:, :end]
+        return self._rows(layer, end)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as stored: e4m3 through the layer's scales with --kv-cache-dtype fp8, else as given."""
+        if self.fp8 is None:
+            return k, v
+        sk, sv = self._scales(layer)
+        return quantize(k, sk), quantize(v, sv)
+
+    def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sk, sv = self.fp8.layer(layer)
+        dev = self._k[layer].device
+        return (sk, sv) if sk.device == dev else (sk.to(dev), sv.to(dev))
+
+    def _rows(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, e) of ``layer``'s buffers, for attention (dequantised in the compute dtype under fp8)."""
+        k, v = self._k[layer][:, :e], self._v[layer][:, :e]
+        if self.fp8 is None:
+            return k, v
+        sk, sv = self._scales(layer)
+        dt = self._read_dtypes[layer]
+        return dequantize(k, sk, dt), dequantize(v, sv, dt)
 
     def _update_window(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         w = self.a.window(layer)
@@ -165,11 +199,12 @@ class SeqCache:
             off = keep
         self._off[layer] = off
         s, e = start - off, end - off
+        k, v = self._store(layer, k, v)
         self._k[layer][:, s:e] = k
         self._v[layer][:, s:e] = v
         if layer == self.a.layers - 1:
             self.length = end
-        return self._k[layer][:, :e], self._v[layer][:, :e]
+        return self._rows(layer, e)
 
     def layer_nbytes(self) -> list[int]:
         """Each layer's K and V storage in bytes."""

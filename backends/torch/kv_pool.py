@@ -15,6 +15,11 @@ sequence's table before a step that writes past it, preempts when blocks run out
 between requests with the same prefix).  Without that manager (tests that build a pool by hand) slot ``s``
 owns blocks ``[s * max_blocks, (s + 1) * max_blocks)``: the old fixed-slot layout.
 
+With ``--kv-cache-dtype fp8`` (``fp8``: a ``kv_fp8.KVScales``) the blocks hold float8 e4m3 rows, half the
+bytes of a 16-bit block: ``write`` quantises with the layer's per-KV-head scales, every reader dequantises
+(``attend_kw`` hands the scales to the paged decode kernels, ``gather`` / ``round_trip`` serve the paths
+that attend with SDPA).
+
 ``PagedSeqCache`` is one sequence's view for the eager paths (chunks past position 0, LoRA rows, MoE or
 non-graphed models, speculative verification off the graphs, prompt-cache copies): it writes its rows
 into its blocks and attends over them (``update_attend``, the compressed caches' interface).
@@ -26,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .kv_fp8 import FP8, KVScales, dequantize, quantize
 
 
 class SlotPool:
@@ -43,8 +50,27 @@ class SlotPool:
         device: torch.device,
         block_size: int | None = None,
         num_blocks: int | None = None,
+        fp8: KVScales | None = None,
     ):
         self.a, self.n = a, n
+        self.dtype = dtype  # the compute dtype (what readers get back)
+        self.fp8 = fp8.to(device) if fp8 is not None else None
+        # per layer [KVH] float32 scales (device tensors whose addresses never change: the graphs read them)
+        self.k_scale = list(self.fp8.k.unbind(0)) if self.fp8 is not None else None
+        self.v_scale = list(self.fp8.v.unbind(0)) if self.fp8 is not None else None
+        store = FP8 if fp8 is not None else dtype
+        # how a read widens e4m3 rows: scales all 1.0 -> a cast; scales exact in the compute dtype -> a cast and a
+        # multiply there (the same values as float32 * scale rounded once: e4m3 * a bf16 scale is exact in
+        # float32); else through float32 (decided once: a per-call check would read the device)
+        self._deq = "f32"
+        if self.fp8 is not None:
+            both = torch.cat([self.fp8.k, self.fp8.v])
+            if bool((both == 1).all()):
+                self._deq = "unit"
+            elif bool((both.to(dtype).float() == both).all()):
+                self._deq = "cast"
+                self._k_dt = [s.to(dtype) for s in self.k_scale]
+                self._v_dt = [s.to(dtype) for s in self.v_scale]
         self.block_size = bs = max(1, min(int(block_size or capacity), capacity))
         self.max_blocks = -(-capacity // bs)
         self.capacity = self.max_blocks * bs  # positions a table row can address
@@ -52,8 +78,8 @@ class SlotPool:
         self.scratch_block = self.num_blocks
         shape = (self.num_blocks + 1, a.kv_heads, bs, a.head_dim)
         # zeros, not empty: attention reads whole tiles (masked, but 0 * NaN garbage would still be NaN)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(a.layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(a.layers)]
         self.device = device
         self.host = torch.full((n + 1, self.max_blocks), self.scratch_block, dtype=torch.int32)
         if self.num_blocks >= n * self.max_blocks:  # no block manager yet: slot s owns its own run of blocks
@@ -139,8 +165,56 @@ class SlotPool:
     ) -> None:
         """k, v [T, KVH, D] into each row's (slot, position); ``where``: ``locate``'s result, if known."""
         blk, off = where if where is not None else self.locate(slots, pos)
+        if self.fp8 is not None:
+            k, v = self.quantize(layer, k, v)
         self.k[layer][blk, :, off] = k
         self.v[layer][blk, :, off] = v
+
+    # ---- --kv-cache-dtype fp8 (every helper is the identity / empty for a 16-bit pool)
+    def quantize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., KVH, D] as the pool stores them (e4m3 through the layer's scales under fp8)."""
+        if self.fp8 is None:
+            return k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)
+        return quantize(k, self.k_scale[layer].view(-1, 1)), quantize(v, self.v_scale[layer].view(-1, 1))
+
+    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., KVH, D] as a reader of the pool gets them back (unchanged for a 16-bit pool): prompt
+        rows that attend to their own fresh K/V see the same values as those that read them from blocks."""
+        if self.fp8 is None:
+            return k, v
+        qk, qv = self.quantize(layer, k, v)
+        return self.dequantize(layer, qk, qv, k.dtype, -2)
+
+    def dequantize(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None, head_dim: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows back in ``dtype`` (the pool's compute dtype); ``head_dim``: the KV-head axis of k, v."""
+        if self.fp8 is None:
+            return k, v
+        dt = dtype or self.dtype
+        if dt == self.dtype and self._deq == "unit":
+            return k.to(dt), v.to(dt)
+        shape = [1] * k.dim()
+        shape[head_dim] = -1
+        if dt == self.dtype and self._deq == "cast":
+            return k.to(dt) * self._k_dt[layer].view(shape), v.to(dt) * self._v_dt[layer].view(shape)
+        return (
+            dequantize(k, self.k_scale[layer].view(shape), dt),
+            dequantize(v, self.v_scale[layer].view(shape), dt),
+        )
+
+    def gather(self, layer: int, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, n) of the blocks ``idx`` (a sequence's, in order): K, V [KVH, n, D] in the compute dtype."""
+        KVH, D = self.a.kv_heads, self.a.head_dim
+        k = self.k[layer][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :n]
+        v = self.v[layer][idx].transpose(0, 1).reshape(KVH, -1, D)[:, :n]
+        return self.dequantize(layer, k, v)
+
+    def attend_kw(self, layer: int) -> dict[str, torch.Tensor]:
+        """Keyword arguments of ``cuda_ext.paged_attention``'s functions for this layer's blocks."""
+        if self.fp8 is None:
+            return {}
+        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -155,7 +229,7 @@ class PagedSeqCache:
 
     def __init__(self, pool: SlotPool, slot: int):
         self.pool, self.slot = pool, slot
-        self.a, self.dtype, self.device = pool.a, pool.k[0].dtype, pool.k[0].device
+        self.a, self.dtype, self.device = pool.a, pool.dtype, pool.k[0].device
         self.capacity = pool.capacity
         self.length = 0
         self.blocks = [] if pool.managed else list(range(slot * pool.max_blocks, (slot + 1) * pool.max_blocks))
@@ -211,7 +285,8 @@ class PagedSeqCache:
         return g.view(g.shape[0], -1, g.shape[3])[:, :n]
 
     def rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V for positions [0, n), gathered: [KVH, n, D] each (copies)."""
+        """Layer ``layer``'s K and V for positions [0, n), gathered: [KVH, n, D] each (copies), as stored
+        (e4m3 under fp8: a prompt-cache copy keeps its bytes, and ``write_rows`` takes them back as they are)."""
         bs = self.pool.block_size
         idx = torch.tensor(self.blocks[: -(-n // bs)], dtype=torch.long, device=self.device)
         return self._gather(self.pool.k[layer], idx, n), self._gather(self.pool.v[layer], idx, n)
@@ -219,8 +294,11 @@ class PagedSeqCache:
     def write_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [KVH, T, D] at positions [start, start + T)."""
         blk, off, _ = self._plan(start, start + k.shape[1])
-        self.pool.k[layer][blk, :, off] = k.transpose(0, 1).to(self.dtype)
-        self.pool.v[layer][blk, :, off] = v.transpose(0, 1).to(self.dtype)
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        if kt.dtype != self.pool.k[layer].dtype:  # stored rows (a prompt-cache copy) go back as they are
+            kt, vt = self.pool.quantize(layer, kt, vt)
+        self.pool.k[layer][blk, :, off] = kt
+        self.pool.v[layer][blk, :, off] = vt
 
     def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v [KVH, T, D] at positions [start, start + T); attend q [H, T, D] causally to every
@@ -232,6 +310,7 @@ class PagedSeqCache:
         self.write_rows(layer, start, k, v)
         idx = self._plan(start, end)[2]
         keys, values = self._gather(self.pool.k[layer], idx, end), self._gather(self.pool.v[layer], idx, end)
+        keys, values = self.pool.dequantize(layer, keys, values)
         H, KVH, D = q.shape[0], keys.shape[0], q.shape[2]
         rep = H // KVH
         if T == 1:

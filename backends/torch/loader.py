@@ -15,6 +15,7 @@ from swiftlm.errors import CorruptModel, UnsupportedArchitecture
 from swiftlm.quant_config import QuantScheme, parse
 from swiftlm.registry import ModelSpec
 
+from .kv_fp8 import scale_names
 from .model_config import SUPPORTED
 from .quant_linear import quantize_fp8, quantized_state
 from .quant_weights import dequantize_state
@@ -65,6 +66,8 @@ def load_hf_state(
                 state.update(load_file(str(f)))
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
+    for k in [k for k in state if scale_names(k)]:  # KV-cache scales: kv_fp8.checkpoint_scales reads them
+        del state[k]
     scheme = quant_scheme(spec)
     if scheme is not None and keep_quantized:
         quantized_state(state, scheme)

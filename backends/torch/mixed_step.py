@@ -25,19 +25,26 @@ from .rope import apply_rope
 
 
 def decode_attention(
-    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int
+    q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    splits: int,
+    **scales: torch.Tensor,
 ) -> torch.Tensor:
-    """[B, H, D] decode attention of rows over their pool slots (the Triton kernel on CUDA)."""
+    """[B, H, D] decode attention of rows over their pool slots (the Triton kernel on CUDA); ``scales``:
+    an fp8 pool's ``k_scale`` / ``v_scale`` (``SlotPool.attend_kw``)."""
     from swiftlm import cuda_ext
 
     scale = q.shape[-1] ** -0.5
     if q.is_cuda and cuda_ext.enabled("cuda"):
         from swiftlm.cuda_ext.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, K, V, tables, lens, scale, num_splits=splits)
+        return paged_decode_attention(q, K, V, tables, lens, scale, num_splits=splits, **scales)
     from swiftlm.cuda_ext.paged_attention import paged_decode_attention_ref
 
-    return paged_decode_attention_ref(q, K, V, tables, lens, scale)
+    return paged_decode_attention_ref(q, K, V, tables, lens, scale, **scales)
 
 
 def mixed_static(
@@ -72,9 +79,12 @@ def mixed_static(
         q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [T, H, D], [T, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pool.write(i, slots, pos, k, v, where)
+        k, v = pool.round_trip(i, k, v)  # fp8 pool: the prompt rows attend to the K/V as stored
         o = packed_causal(q[:n_prompt], k[:n_prompt], v[:n_prompt], seg[:n_prompt], pos[:n_prompt], cu, max_len)
         if B:
-            o = torch.cat([o, decode_attention(q[n_prompt:], pool.k[i], pool.v[i], tables, lens, splits)])
+            o = torch.cat(
+                [o, decode_attention(q[n_prompt:], pool.k[i], pool.v[i], tables, lens, splits, **pool.attend_kw(i))]
+            )
         x = x + attn.o_proj(o.reshape(T, H * D))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
     x = model.norm(x[rows])

@@ -33,6 +33,7 @@ class PrefixHooks:
             not self._plain()
             or self.static
             or type(c) is not SeqCache
+            or c.fp8 is not None  # (forks copy an fp8 cache's e4m3 rows through the prompt-cache hooks)
             or not c.length
             or a.windows
             or a.offload is not None

@@ -33,6 +33,7 @@ from .devices import (  # noqa: F401 (re-exported)
 from .graphs import GraphDecoder, graphable
 from .kv_accounting import KVAccounting
 from .kv_cache import SeqCache
+from .kv_fp8 import FP8, check_kv_cache_dtype, checkpoint_scales, describe, kv_storage_dtype
 from .kv_pool import PagedSeqCache, SlotPool
 from .loader import check_arch, load_state
 from .model import PackedAttend
@@ -74,8 +75,10 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         block_size: int | None = None,
         num_blocks: int | None = None,
         code_pages: int = 0,
+        kv_fp8: Any = None,
     ):
         self.module, self.tokenizer, self.info = module, tokenizer, info
+        self.kv_fp8 = kv_fp8  # --kv-cache-dtype fp8: kv_fp8.KVScales (K/V stored as e4m3), else None
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
         self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
@@ -104,7 +107,16 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         # CUDA: all sequences' KV live in one paged pool per layer (kv_pool.py), so decode rows of many
         # sequences run as one batched, graphed step (graphs.decode_batch_static)
         self.pool = (
-            SlotPool(module.a, slots, info.context_length, dtype, device, block_size=block_size, num_blocks=num_blocks)
+            SlotPool(
+                module.a,
+                slots,
+                info.context_length,
+                dtype,
+                device,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                fp8=kv_fp8,
+            )
             if self.static
             else None
         )
@@ -395,6 +407,8 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     device, dtype = pick_device(cfg)
     bind_thread(device)
     _apply_mem_limit(cfg, device)
+    kv_name = getattr(cfg, "kv_cache_dtype", "auto") if cfg is not None else "auto"
+    check_kv_cache_dtype(cfg)
     reader = None
     if getattr(cfg, "stream_experts", False):
         from swiftlm.experts import ExpertReader
@@ -458,6 +472,9 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
     # so the default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more (with
     # --kv-cache-memory the pool's size no longer follows the context).
     ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
+    kv_store = kv_storage_dtype(kv_name, dtype)  # what the KV rows are stored in (e4m3 with --kv-cache-dtype fp8)
+    kv_scales = checkpoint_scales(spec.path, a.layers, a.kv_heads).to(device) if kv_store == FP8 else None
+    log.info("KV cache: %s", describe(kv_scales) or str(kv_store)[6:])
     info = ModelInfo(
         arch=spec.arch,
         num_layers=a.layers,
@@ -467,12 +484,13 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
         is_moe=bool(a.experts),
         weight_bytes=param_bytes(module),
-        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
+        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(kv_store).bits // 8,
+        kv_dtype=describe(kv_scales) or str(dtype)[6:],
         streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
         experts_per_token=a.top_k,
     )
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
-    if module.a.offload is not None:  # CPU layers keep their KV rows in --offload-dtype
+    if module.a.offload is not None and kv_scales is None:  # CPU layers keep their KV rows in --offload-dtype
         from .offload import kv_bytes_per_token
 
         info.kv_bytes_per_token = kv_bytes_per_token(a, device, dtype)
@@ -485,7 +503,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
             str(module.a.offload[2])[6:],
         )
     block_size, num_blocks = (
-        kv_pool_size(cfg, a, device, dtype, slots, ctx)
+        kv_pool_size(cfg, a, device, kv_store, slots, ctx)
         if (device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None)
         else (None, None)
     )
@@ -505,6 +523,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         block_size=block_size,
         num_blocks=num_blocks,
         code_pages=code_pages,
+        kv_fp8=kv_scales,
     )
     model.expert_stream = reader
     stage = getattr(cfg, "turbo_kv_prompt_memory", None) or "auto"

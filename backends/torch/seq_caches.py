@@ -4,6 +4,8 @@ compressed cache (TurboQuant / kv_bits; static on CUDA, its codes pages of the c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from swiftlm.backend import StepBatch
@@ -18,7 +20,9 @@ from .kv_pool import PagedSeqCache
 class SeqCaches:
     """Mixed into ``runner.TorchModel`` (``caches``, ``kv_formats``, ``kv_default``, ``pool``, ``free_slots``,
     ``turbo_free``, ``code_pages``, ``kv_blocks``, ``code_blocks``, ``graphs``, ``static``, ``module``, ``info``,
-    ``device``, ``dtype``)."""
+    ``device``, ``dtype``, ``kv_fp8``: --kv-cache-dtype fp8's scales or None)."""
+
+    kv_fp8: Any = None
 
     def _cache(self, seq_id: int, start: int) -> SeqCache:
         c = self.caches.get(seq_id)
@@ -32,7 +36,13 @@ class SeqCaches:
                     c = (
                         self.free_slots.pop()
                         if self.free_slots
-                        else SeqCache(self.module.a, self.dtype, self.device, capacity=self.info.context_length)
+                        else SeqCache(
+                            self.module.a,
+                            self.dtype,
+                            self.device,
+                            capacity=self.info.context_length,
+                            fp8=self.kv_fp8,
+                        )
                     )
                 elif self.kv_blocks is not None:  # the engine's block manager grows this list (kv_blocks.py)
                     c.blocks = self.kv_blocks.table(seq_id)
@@ -40,7 +50,7 @@ class SeqCaches:
             else:
                 # a fresh cache sized to this sequence, not a finished sequence's: reused caches' capacities
                 # only ratchet up, so the KV allocated would grow over a long run
-                c = SeqCache(self.module.a, self.dtype, self.device)
+                c = SeqCache(self.module.a, self.dtype, self.device, fp8=self.kv_fp8)
             self.caches[seq_id] = c
         if isinstance(c, PagedSeqCache):
             c.sync()  # blocks the manager added since the last step -> the slot's table row
