@@ -120,8 +120,6 @@ def make_paged_fp8(llm, parallel: int, num_blocks: int | None = None, block_size
 
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.kv_pool import SlotPool
-    from swiftlm.prefix_cache import PrefixCache
-
     eng, m = llm.engine, llm.engine.model
     cpu = torch.device("cpu")
     m.static, m.info.context_length = True, CTX
@@ -129,8 +127,7 @@ def make_paged_fp8(llm, parallel: int, num_blocks: int | None = None, block_size
         m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks, fp8=m.kv_fp8
     )
     m.graphs = GraphDecoder(m.module, cpu, use_graph=False, fused=False)
-    eng.kv_blocks = eng._paged_kv(True)
-    eng.prefix_cache = PrefixCache(0)
+    eng.kv.attach_pool(True)  # with a pool, the prompt cache is its blocks
 
 
 @pytest.fixture(scope="module")
