@@ -120,6 +120,7 @@ def make_paged_fp8(llm, parallel: int, num_blocks: int | None = None, block_size
 
     from swiftlm.backends.torch.graphs import GraphDecoder
     from swiftlm.backends.torch.kv_pool import SlotPool
+
     eng, m = llm.engine, llm.engine.model
     cpu = torch.device("cpu")
     m.static, m.info.context_length = True, CTX
