@@ -40,7 +40,7 @@ from .fork import ForkGroups
 from .intake import Intake, Live
 from .kv_admission import KVAdmission
 from .outputs import LOGPROB_FLOOR, AsyncSink, Event, Out, OutputWorker, Sink, SyncSink, TokenLogprob  # noqa: F401
-from .prompts import Prompts, pooled  # noqa: F401 (pooled: re-exported)
+from .prompts import PromptFront, Prompts, pooled  # noqa: F401 (pooled: re-exported)
 from .sampling import SamplingParams
 from .scheduler import Scheduler, kv_budget_tokens
 from .slots import Lifecycle, QueueFull, Slots, delegated  # noqa: F401 (QueueFull: re-exported)
@@ -52,7 +52,7 @@ from .turboquant.presets import KVFormat
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(PromptFront):
     # settings and state that live on the parts (set by make_engine, a replica set's broadcast, the server)
     fatal = delegated("life", "fatal", "why the loop died, if it did (then /health is 503)")
     tool_parser = delegated("prompts", "tool_parser")
@@ -169,18 +169,6 @@ class Engine:
 
     def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
         return self.intake.embed(prompts, dimensions)
-
-    def text_prompt(self, text: str) -> list[int]:
-        return self.prompts.text_prompt(text)
-
-    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-        return self.prompts.chat_prompt(messages, add_generation_prompt, **template_kwargs)
-
-    def plan_chat(self, messages: Any, **kw: Any) -> Any:
-        return self.prompts.plan_chat(messages, **kw)
-
-    def encode_plan(self, plan: Any) -> list[int]:
-        return self.prompts.encode_plan(plan)
 
     # ------------------------------------------------------------------ lifecycle
     @property

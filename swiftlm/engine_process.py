@@ -45,7 +45,7 @@ from .engine_views import ModelView, PrefixView, SchedulerView, SpeculatorView
 from .errors import InvalidRequest
 from .fork import ForkStats
 from .outputs import Out, OutputWorker, Sink
-from .prompts import Prompts, pooled
+from .prompts import PromptFront, Prompts, pooled
 from .sampling import SamplingParams
 from .slots import Lifecycle, QueueFull, Slots, delegated
 from .stats import EngineStats
@@ -83,7 +83,7 @@ def _shut(conn: Connection) -> None:
         pass
 
 
-class EngineClient:
+class EngineClient(PromptFront):
     """The ``Engine`` interface, with the engine in a child process (see the module's text).  It owns, as
     ``Engine`` does, the prompt side (``prompts``), the queue's slots (``slots``) and its ``life``; the
     child's engine owns the rest."""
@@ -220,18 +220,6 @@ class EngineClient:
         return msg
 
     # ------------------------------------------------------------------ the Engine interface
-    def text_prompt(self, text: str) -> list[int]:
-        return self.prompts.text_prompt(text)
-
-    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-        return self.prompts.chat_prompt(messages, add_generation_prompt, **template_kwargs)
-
-    def plan_chat(self, messages: Any, **kw: Any) -> Any:
-        return self.prompts.plan_chat(messages, **kw)
-
-    def encode_plan(self, plan: Any) -> list[int]:
-        return self.prompts.encode_plan(plan)
-
     def submit(self, prompt_tokens: list[int], params: SamplingParams, sink: Sink) -> int:
         self.prompts.check(prompt_tokens, params)
         if params.grammar is not None:  # checked here so that a bad grammar is a 400 now, not an error later

@@ -119,3 +119,21 @@ class Prompts:
                 )
             if min(p) < 0 or max(p) >= self.info.vocab_size:
                 raise InvalidRequest("an embedding input contains token ids outside the vocabulary", param="input")
+
+
+class PromptFront:
+    """The prompt methods of an engine (``Engine``, ``EngineClient``), answered by its ``prompts`` part."""
+
+    prompts: Prompts
+
+    def text_prompt(self, text: str) -> list[int]:
+        return self.prompts.text_prompt(text)
+
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        return self.prompts.chat_prompt(messages, add_generation_prompt, **template_kwargs)
+
+    def plan_chat(self, messages: Any, **kw: Any) -> Any:
+        return self.prompts.plan_chat(messages, **kw)
+
+    def encode_plan(self, plan: Any) -> list[int]:
+        return self.prompts.encode_plan(plan)
