@@ -66,6 +66,8 @@ run() {  # label "serve flags" "N list"
   done
   curl -s "http://127.0.0.1:$port/health" > "$OUT/health_$label.json"
   kill $pid; wait $pid 2>/dev/null
+  [ -n "$steplog" ] && cp /tmp/run/steps_${label}_*.jsonl "$OUT/" 2>/dev/null
+  grep -h "forward calls" "$OUT/serve_$label.log" | sed "s/^/[$label follower] /"
 }
 
 RUNS=" ${RUNS:-A B C D} "  # which of the four servers to run

@@ -27,16 +27,19 @@ import itertools
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..backend import SeqWork, StepBatch
+from ..gc_pauses import GcPauses, freeze
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,21 @@ class PrefixRef:
     payload: Any
 
 
+def no_delay(conn: Connection) -> bool:
+    """Turn Nagle's algorithm off on a control connection over TCP (True when it is TCP).  A message over 16 KB
+    (a step of ~100 decode rows and more) is written as its 4-byte length, then the payload; with Nagle on, the
+    payload waits for the length's acknowledgement, which the receiver delays by up to 40 ms: every few steps of
+    a busy tensor-parallel server stalled that long (scripts/gpu_api_workers.sh's step logs)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:  # a second handle on the same socket
+            if s.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return True
+    except (OSError, ValueError):  # closed, or not a socket (a pipe)
+        return False
+
+
 def wire_batch(batch: StepBatch) -> StepBatch:
     seqs = [
         SeqWork(w.seq_id, list(w.tokens), w.start_pos, w.sample, None, None, w.media, w.kv_format) for w in batch.seqs
@@ -95,6 +113,8 @@ class Leader:
         self._model = model
         self._label = label  # how messages name the ranks: "tensor-parallel rank 1"
         self._conns = dict(conns)
+        for c in self._conns.values():
+            no_delay(c)
         self._procs = dict(procs or {})
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
@@ -294,21 +314,58 @@ def _exit_after_failure() -> None:
     os._exit(1)
 
 
+class FollowerTiming:
+    """A follower's forward calls, timed: how long it waited for rank 0's message and how long the call took on
+    the host (launches; the device work is asynchronous), over the last ``keep`` calls, with its garbage
+    collector's pauses.  Logged when the follower stops: a follower that falls behind stalls rank 0 inside the
+    next collective."""
+
+    def __init__(self, rank: int, keep: int = 8192) -> None:
+        self.rank, self.count = rank, 0
+        self.wait: deque[float] = deque(maxlen=keep)
+        self.call: deque[float] = deque(maxlen=keep)
+        self.gc = GcPauses.install()
+
+    def observe(self, wait_s: float, call_s: float) -> None:
+        self.count += 1
+        self.wait.append(wait_s)
+        self.call.append(call_s)
+
+    def summary(self) -> str:
+        def ms(xs: deque[float]) -> str:
+            v = sorted(xs) or [0.0]
+            qs = "/".join(f"{1e3 * v[min(len(v) - 1, int(q * len(v)))]:.2f}" for q in (0.5, 0.9, 0.99))
+            return f"p50/p90/p99 {qs} ms, max {1e3 * v[-1]:.1f} ms"
+
+        g = self.gc.snapshot()
+        gcs = ", ".join(
+            f"gen{i} {g[f'gen{i}']['collections']} (max {g[f'gen{i}']['max_ms']:.1f} ms)" for i in (0, 1, 2)
+        )
+        return f"{self.count} forward calls; waiting {ms(self.wait)}; calling {ms(self.call)}; collections {gcs}"
+
+
 def follow(model: Any, conn: Connection, rank: int) -> None:
     """A follower's loop: make each call rank 0 sends, on this rank's shard, until told to stop or
     rank 0 goes away.  A failing call is reported to rank 0 and ends this process (the model
     cannot go on with one rank out of step)."""
     snaps: dict[int, Any] = {}
+    no_delay(conn)
+    freeze()  # what is loaded now is never garbage: full collections skip it (gc_pauses.py)
+    timing = FollowerTiming(rank)
     while True:
+        t0 = time.perf_counter()
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            log.info("tensor-parallel rank %d: rank 0 has gone; exiting", rank)
+            log.info("tensor-parallel rank %d: rank 0 has gone; exiting (%s)", rank, timing.summary())
             return
         kind = msg[0]
+        t1 = time.perf_counter()
         try:
             if kind == "call":
                 getattr(model, msg[1])(*msg[2], **msg[3])
+                if msg[1] == "forward":
+                    timing.observe(t1 - t0, time.perf_counter() - t1)
             elif kind == "snap":
                 snaps[msg[1]] = model.snapshot_prefix(msg[2])
             elif kind == "restore":
@@ -318,6 +375,7 @@ def follow(model: Any, conn: Connection, rank: int) -> None:
                 for k in msg[1]:
                     snaps.pop(k, None)
             elif kind == "stop":
+                log.info("tensor-parallel rank %d: stopping (%s)", rank, timing.summary())
                 return
         except Exception as exc:
             what = msg[1] if kind == "call" else kind
