@@ -116,12 +116,14 @@ def _split_kernel(
         q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d, mask=rm[:, None] & dm[None, :], other=0.0
     )  # [RP, DP]
     v_sc = 1.0
-    if KV_FP8:  # e4m3 tiles: widened to q's dtype; the head's K scale folds into the score scale, V's into o
+    if KV_FP8:  # e4m3 tiles: widened to float16; the head's K scale folds into the score scale, V's into o
         qk_scale = qk_scale * tl.load(ks_ptr + g)
         v_sc = tl.load(vs_ptr + g)
     if IEEE or not USE_DOT:
         q = q.to(tl.float32)
-    elif not KV_FP8:  # tensor-core dot in the cache's 16-bit type, fp32 accumulation
+    elif KV_FP8:  # float16 dots: e4m3 -> f16 is one instruction per pair (-> bf16 goes through f32)
+        q = q.to(tl.float16)
+    else:  # tensor-core dot in the cache's 16-bit type, fp32 accumulation
         q = q.to(k_ptr.dtype.element_ty)
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
@@ -145,7 +147,7 @@ def _split_kernel(
         kv_mask = nm[:, None] & dm[None, :]
         k = tl.load(k_rows[:, None] + d[None, :] * sk_d, mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
         if KV_FP8:
-            k = k.to(q_ptr.dtype.element_ty)
+            k = k.to(tl.float16)
         if USE_DOT:
             if IEEE:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -162,7 +164,7 @@ def _split_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_rows[:, None] + d[None, :] * sv_d, mask=kv_mask, other=0.0)
         if KV_FP8:
-            v = v.to(q_ptr.dtype.element_ty)
+            v = v.to(tl.float16)
         if USE_DOT:
             if IEEE:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -285,7 +287,11 @@ def paged_decode_attention(
 
     An FP8 cache (``--kv-cache-dtype fp8``: k_cache / v_cache float8 e4m3) takes ``k_scale`` / ``v_scale``,
     float32 [KVH] device tensors: position p of KV head g holds ``k_cache[...] * k_scale[g]``.  The kernel
-    widens each e4m3 tile to q's dtype and folds the scales into the score scale and the output.
+    widens each e4m3 tile to float16 (one conversion instruction per pair on the GPU; to bfloat16 it would go
+    through float32, which made the kernel compute-bound at half the 16-bit kernel's bandwidth:
+    scripts/bench_fp8_kv_kernel.py), runs its dots in float16 with float32 accumulation (q rounded to float16: a
+    finer mantissa than bfloat16's, enough range for query values), and folds the scales into the score scale and
+    the output.
 
     k_cache, v_cache: [num_blocks, KVH, block_size, D] (any strides; same shape).  block_tables:
     int32 [B, max_blocks], the block ids of each sequence in position order (entries past a
