@@ -63,6 +63,43 @@ def test_least_loaded_routing_and_disjoint_ids():
     assert a.cancelled == [3] and b.cancelled == [2]
 
 
+class FakeClient(FakeEngine):
+    """An API worker's view of one replica (engine_process.EngineClient): its own pending requests, exact, and the
+    other workers' live sequences at the replica's last stats snapshot."""
+
+    def __init__(self, worker: int, others: int = 0):
+        super().__init__(max_running=64)
+        self.conn_index, self._others = worker, others
+        self.slots.pending = 0
+
+    def submit(self, prompt, params, sink):
+        self.slots.pending += 1
+        return super().submit(prompt, params, sink)
+
+
+def test_api_workers_split_their_own_requests_evenly_whatever_the_others_counts_say():
+    """Two workers, each routing a burst of 128 over two replicas while the other workers' counts they see are
+    stale: each worker's own split is even (so the total is), the stale counts only break ties, and equal views
+    send the two workers' first requests to different replicas."""
+    split = []
+    for worker, stale in ((0, (40, 0)), (1, (0, 25))):
+        a, b = FakeClient(worker, stale[0]), FakeClient(worker, stale[1])
+        rs = ReplicaSet([a, b])
+        for _ in range(128):
+            rs.submit([1, 2, 3], None, None)
+        split.append(rs.routed)
+    assert split == [[64, 64], [64, 64]]
+    firsts = []
+    for worker in (0, 1):
+        a, b = FakeClient(worker), FakeClient(worker)
+        rs = ReplicaSet([a, b])
+        firsts.append(rs.replica_of(rs.submit([1], None, None)))
+    assert firsts == [0, 1]  # equal loads: each worker starts on its own replica
+    a, b = FakeClient(0, others=3), FakeClient(0, others=1)
+    rs = ReplicaSet([a, b])
+    assert rs.replica_of(rs.submit([1], None, None)) == 1  # own loads equal: the others' counts decide
+
+
 def test_prefix_affinity_then_spill_when_much_busier():
     a, b = FakeEngine(max_running=2), FakeEngine(max_running=2)
     rs = ReplicaSet([a, b])
