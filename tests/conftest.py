@@ -110,6 +110,26 @@ def make_ckpt(out: Path, *args: str) -> Path:
     return out
 
 
+def run_once(key: str, compute):
+    """``compute()``'s result, computed once per test run by whichever xdist worker asks first and shared with the
+    others through this run's cache (pickled; a worker that asks while another computes waits for it).  For
+    expensive deterministic results several test files compare against (the transformers reference's greedy runs)."""
+    import fcntl
+    import pickle
+
+    if _ckpt_cache is None:
+        return compute()
+    entry = _ckpt_cache / "results" / f"{key}.pkl"
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(entry) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not entry.exists():
+            tmp = Path(str(entry) + ".tmp")
+            tmp.write_bytes(pickle.dumps(compute()))
+            tmp.rename(entry)
+        return pickle.loads(entry.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_ckpt(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CHAT_PROMPTS, needs_mlx, needs_torch
-from test_reference_mlx import _ref_greedy
+from reference_runs import mlx_run, reference
 from tolerances import transformer_logits_tol
 
 pytestmark = [needs_torch, pytest.mark.slow]
@@ -18,6 +18,8 @@ N_TOKENS = 32
 # Against MLX: MLX multiplies the 4-bit codes with fp16 scales in its quantized kernel; torch
 # multiplies pre-dequantized fp32 weights.  Same numbers, different order (and at most one more
 # rounding per weight): the same bound.
+# The reference's and MLX's runs are computed once per test run and shared with test_reference_mlx.py
+# (tests/reference_runs.py).
 
 
 def _torch_greedy(llm, ids, n):
@@ -35,31 +37,27 @@ def _torch_logits(llm, ids):
     return x
 
 
-def test_torch_matches_transformers_reference(torch_llm, hf_reference):
+def test_torch_matches_transformers_reference(torch_llm, request):
     worst = 0.0
     for prompt in CHAT_PROMPTS:
         ids = torch_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
-        ref_tokens, ref_logits = _ref_greedy(hf_reference, ids, N_TOKENS)
+        ref_tokens, ref_logits, ref_config = reference(request, ids, N_TOKENS)
+        assert len(ref_tokens) == N_TOKENS
         assert _torch_greedy(torch_llm, ids, N_TOKENS) == ref_tokens, prompt
         diff = float(np.max(np.abs(_torch_logits(torch_llm, ids) - ref_logits)))
         worst = max(worst, diff)
-        tol = transformer_logits_tol(hf_reference.config, float(np.abs(ref_logits).max()), len(ids))
+        tol = transformer_logits_tol(ref_config, float(np.abs(ref_logits).max()), len(ids))
         assert diff <= tol, (prompt, diff, tol)
     print(f"torch vs transformers: max |logit diff| {worst:.2e}")
 
 
 @needs_mlx
 def test_mlx_and_torch_agree(torch_llm, mlx_llm):
-    import mlx.core as mx
-
     worst = 0.0
     for prompt in CHAT_PROMPTS:
         ids = torch_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
         assert ids == mlx_llm.engine.chat_prompt([{"role": "user", "content": prompt}])
-        mm = mlx_llm.engine.model
-        mm.free([-1])
-        mlx_logits = np.array(mm.logits(-1, ids, 0).astype(mx.float32))
-        mm.free([-1])
+        mlx_tokens, mlx_logits = mlx_run(mlx_llm, ids, 16)
         torch_logits = _torch_logits(torch_llm, ids)
         diff = float(np.max(np.abs(torch_logits - mlx_logits)))
         worst = max(worst, diff)
@@ -68,5 +66,5 @@ def test_mlx_and_torch_agree(torch_llm, mlx_llm):
         from swiftlm.sampling import SamplingParams
 
         p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-        assert torch_llm.generate(ids, p).token_ids == mlx_llm.generate(ids, p).token_ids, prompt
+        assert torch_llm.generate(ids, p).token_ids == mlx_tokens, prompt
     print(f"mlx vs torch: max |logit diff| {worst:.2e}")
