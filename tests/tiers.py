@@ -99,6 +99,18 @@ _CALL = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 def _source(obj) -> str:
     try:
+        return _source_cached(obj)
+    except TypeError:  # unhashable
+        return _source_uncached(obj)
+
+
+@cache
+def _source_cached(obj) -> str:  # a fixture or helper is looked up for every test that uses it
+    return _source_uncached(obj)
+
+
+def _source_uncached(obj) -> str:
+    try:
         return textwrap.dedent(inspect.getsource(obj))
     except (OSError, TypeError):
         return ""
