@@ -245,7 +245,10 @@ class Transformer(nn.Module):
     def __init__(self, a: Args):
         super().__init__()
         self.a = a
-        self.embed_tokens = nn.Embedding(a.vocab, a.hidden)
+        # Built on the meta device (build.py) the embedding has nothing to initialise, and normal_ on a meta tensor
+        # imports torch._dynamo (seconds of CPU in every process that loads a model): pass the empty weight there.
+        w = torch.empty(a.vocab, a.hidden)
+        self.embed_tokens = nn.Embedding(a.vocab, a.hidden, _weight=w if w.is_meta else None)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.layers))
         self.norm = RMSNorm(a.hidden, a.eps)
         self.lm_head = None if a.tie else nn.Linear(a.hidden, a.vocab, bias=False)
