@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..backend import SeqWork, StepBatch
+from ..bench.metrics import percentile
 from ..gc_pauses import GcPauses, freeze
 
 log = logging.getLogger(__name__)
@@ -320,8 +321,8 @@ class FollowerTiming:
     collector's pauses.  Logged when the follower stops: a follower that falls behind stalls rank 0 inside the
     next collective."""
 
-    def __init__(self, rank: int, keep: int = 8192) -> None:
-        self.rank, self.count = rank, 0
+    def __init__(self, keep: int = 8192) -> None:
+        self.count = 0
         self.wait: deque[float] = deque(maxlen=keep)
         self.call: deque[float] = deque(maxlen=keep)
         self.gc = GcPauses.install()
@@ -333,9 +334,8 @@ class FollowerTiming:
 
     def summary(self) -> str:
         def ms(xs: deque[float]) -> str:
-            v = sorted(xs) or [0.0]
-            qs = "/".join(f"{1e3 * v[min(len(v) - 1, int(q * len(v)))]:.2f}" for q in (0.5, 0.9, 0.99))
-            return f"p50/p90/p99 {qs} ms, max {1e3 * v[-1]:.1f} ms"
+            qs = "/".join(f"{1e3 * (percentile(xs, p) or 0.0):.2f}" for p in (50, 90, 99))
+            return f"p50/p90/p99 {qs} ms, max {1e3 * max(xs, default=0.0):.1f} ms"
 
         g = self.gc.snapshot()
         gcs = ", ".join(
@@ -351,7 +351,7 @@ def follow(model: Any, conn: Connection, rank: int) -> None:
     snaps: dict[int, Any] = {}
     no_delay(conn)
     freeze()  # what is loaded now is never garbage: full collections skip it (gc_pauses.py)
-    timing = FollowerTiming(rank)
+    timing = FollowerTiming()
     while True:
         t0 = time.perf_counter()
         try:
