@@ -1,9 +1,10 @@
 """Static TurboQuant caches whose codes are pages of a shared pool (``code_pages.CodePages``) against the same
-caches holding whole-context codes of their own: prompts in two chunks (the second attends to codes already
-written), then 16 decode steps one cache at a time (``run_turbo``) and two at a time (``run_compressed_batch``,
-the batched kernels), compressing through ``compress_block`` (the graphed path); the longer sequence's codes
-span two 64-row pages.  The pages are handed out in a shuffled order, so a sequence's codes are scattered over the
-pool.  Same kernels, same tiles, same order: the logits must be equal bit for bit.  CPU tensors under
+caches holding whole-context codes of their own: prompts in two chunks (the first long enough to be compressed,
+so the second attends to codes already written, and leaves 20 rows beyond the window), then 16 decode steps one
+cache at a time (``run_turbo``) and two at a time (``run_compressed_batch``, the batched kernels); at the 12th
+both caches compress a block through ``compress_block`` (the graphed path), and the longer sequence's codes then
+span two 64-row pages.  The pages are handed out in a shuffled order, so a sequence's codes are scattered over
+the pool.  Same kernels, same tiles, same order: the logits must be equal bit for bit.  CPU tensors under
 TRITON_INTERPRET=1."""
 
 from __future__ import annotations
@@ -35,13 +36,19 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     gd = GraphDecoder(model, torch.device("cpu"))
     # the graphed path's compression (compress_block at fixed shapes) rather than the eager one
     orig = CompressedCache.after_graph_step
+    blocks = [0]
+
+    def compress_block(cache, n):
+        blocks[0] += 1
+        cache.compress_block(torch.tensor([n]))
+
     CompressedCache.after_graph_step = lambda self, pos, compress=None: orig(
-        self, pos, lambda n: self.compress_block(torch.tensor([n])))
+        self, pos, lambda n: compress_block(self, n))
     fmt = parse_turbo(sys.argv[1], window=8)
     pool = CodePages(model.a, fmt, 10, torch.device("cpu"), page_rows=64)
     random.Random(3).shuffle(pool.free)
     free0 = sorted(pool.free)
-    starts = [84, 45]
+    starts = [84, 60]
     toks = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def caches(paged):
@@ -51,8 +58,8 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
                                 pages=pool if paged else None)
             c.use_triton = c.kc.use_triton = c.vc.use_triton = True
             with torch.inference_mode():
-                model(torch.tensor(toks[s:s + 20]), c, 0)          # first chunk
-                model(torch.tensor(toks[s + 20:2 * s]), c, 20)     # second: attends to codes
+                model(torch.tensor(toks[s:2 * s - 20]), c, 0)            # first chunk: compressed
+                model(torch.tensor(toks[2 * s - 20:2 * s]), c, s - 20)   # second: attends to codes
             out.append(c)
         return out
 
@@ -80,6 +87,7 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
                 for c in cs:
                     c.reset()
                 res[mode + "_returned"] = sorted(pool.free) == free0
+        res[mode + "_blocks"], blocks[0] = blocks[0], 0
         res[mode + "_equal"] = bool(torch.equal(logits[False], logits[True]))
         res[mode + "_counts"] = [counts[False], counts[True]]
         res[mode + "_finite"] = bool(torch.isfinite(logits[True]).all())
@@ -99,6 +107,7 @@ def test_paged_codes_equal_whole_context_codes(preset):
     for mode in ("solo", "batch"):
         assert res[mode + "_finite"], res
         assert res[mode + "_equal"], res
+        assert res[mode + "_blocks"] == 4, res  # each cache, paged and not, compressed one block in the graphed path
         assert res[mode + "_counts"][0] == res[mode + "_counts"][1], res
         for pages, n_code in res[mode + "_pages"]:
             assert pages >= 1, res
