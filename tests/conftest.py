@@ -197,6 +197,24 @@ def pytest_configure(config):
     _ckpt_cache = Path(tempfile.gettempdir()) / f"swiftlm-test-ckpts-{os.getuid()}" / run
     if not hasattr(config, "workerinput"):
         config._swiftlm_ckpt_cache = _ckpt_cache
+        _drop_stale_runs(_ckpt_cache.parent)
+
+
+def _drop_stale_runs(root: Path, hours: float = 6.0) -> None:
+    """Checkpoint caches of earlier runs that were killed before their clean-up (a run's cache is up to ~2.5 GB;
+    a few of them left behind fill a small disk half-way through the next run).  Only directories untouched for
+    ``hours``: a run going on beside this one keeps its cache."""
+    import shutil
+    import time
+
+    if not root.is_dir():
+        return
+    for old in root.iterdir():
+        try:
+            if time.time() - old.stat().st_mtime > hours * 3600:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def pytest_unconfigure(config):
