@@ -147,7 +147,6 @@ def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
     gguf-py, Q/K rows put back in HF order where llama.cpp permuted them (llama only).  Shared by
     `convert` and the torch backend's loader."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     from .gguf_file import read_gguf_header
 
@@ -159,12 +158,34 @@ def iter_dequantized(spec: ModelSpec) -> Iterator[tuple[str, np.ndarray]]:
     for t, name in zip(tensors, names):
         shape = tuple(reversed(t.shape))  # numpy order: rows first
         data = np.asarray(raw[t.offset : t.offset + t.n_bytes])
-        arr = dequantize(data, GGMLQuantizationType(t.type_id)).reshape(shape).astype(np.float32)
+        arr = dequantize_blocks(data, GGMLQuantizationType(t.type_id)).reshape(shape)
         if permuted and ".self_attn.q_proj." in name:  # weights and (if any) biases: the same row order
             arr = unpermute_rows(arr, heads)
         elif permuted and ".self_attn.k_proj." in name:
             arr = unpermute_rows(arr, kv_heads)
         yield name, np.ascontiguousarray(arr)
+
+
+DEQUANT_CHUNK = 1 << 15  # bytes of blocks per gguf-py call: its temporaries stay in the core's cache
+
+
+def dequantize_blocks(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """gguf-py's ``dequantize`` of one tensor's bytes as float32, the same values, in chunks of whole blocks: gguf-py
+    makes several full-size temporaries per call, and over a large tensor each of its passes goes to memory.  The
+    bundled 135M Q4_1 / Q8_0 model: 1.17 -> 0.53 s on this project's CPU (threads over the chunks were slower on
+    two cores)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    step = max(block_bytes, DEQUANT_CHUNK // block_bytes * block_bytes)
+    if qtype.name in ("F32", "F16", "BF16") or data.size <= step:
+        return np.asarray(dequantize(data, qtype), dtype=np.float32).ravel()
+    out = np.empty(data.size // block_bytes * block, dtype=np.float32)
+    per = step // block_bytes * block  # values per chunk
+    for i in range(0, -(-data.size // step)):
+        out[i * per : (i + 1) * per] = dequantize(data[i * step : (i + 1) * step], qtype).ravel()
+    return out
 
 
 def _write_dequantized(spec: ModelSpec, out: Path, dtype: str) -> None:
