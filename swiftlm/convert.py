@@ -179,11 +179,11 @@ def dequantize_blocks(data: np.ndarray, qtype: Any) -> np.ndarray:
 
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     step = max(block_bytes, DEQUANT_CHUNK // block_bytes * block_bytes)
-    if qtype.name in ("F32", "F16", "BF16") or data.size <= step:
-        return np.asarray(dequantize(data, qtype), dtype=np.float32).ravel()
+    if qtype.name in ("F32", "F16", "BF16") or data.size <= step:  # a copy: F32's would be a view of the file's map
+        return np.array(dequantize(data, qtype), dtype=np.float32).ravel()
     out = np.empty(data.size // block_bytes * block, dtype=np.float32)
     per = step // block_bytes * block  # values per chunk
-    for i in range(0, -(-data.size // step)):
+    for i in range(-(-data.size // step)):
         out[i * per : (i + 1) * per] = dequantize(data[i * step : (i + 1) * step], qtype).ravel()
     return out
 

@@ -1,5 +1,6 @@
 """``convert.dequantize_blocks`` (chunks of whole blocks through gguf-py) gives gguf-py's own ``dequantize`` values
-bit for bit (random bytes: NaN where a scale's bits are one, in the same places), for every block type the loader meets, at sizes that end mid-chunk and below one chunk."""
+bit for bit (random bytes: NaN where a scale's bits are all ones, in the same places), for every block type the
+loader meets, at sizes that end mid-chunk and below one chunk."""
 
 from __future__ import annotations
 
