@@ -158,8 +158,9 @@ class Settings(BaseSettings):
         "auto",
         "Memory in which prompts of compressed KV caches (TurboQuant, kv_bits; torch backend) are held in 16 bits "
         "while they prefill, to be compressed when they end: a prompt chunk then costs what it costs with 16-bit "
-        "KV, and the second token waits for the compression. Prompts past it compress as they go. auto: 4GB on "
-        "CUDA, off on CPUs, where compressing is arithmetic, not per-chunk overhead.",
+        "KV, and the second token waits for the compression. Prompts past it compress as they go. auto: on CUDA "
+        "4GiB, or one whole context of 16-bit rows when --turbo-kv is the default (at most 35 percent of the free "
+        "memory, left out of the code pool); off on CPUs, where compressing is arithmetic, not per-chunk overhead.",
         group="engine",
     )
     max_queue: int = _f(64, "Requests allowed to wait for a slot; beyond that the server answers 429.", group="engine")

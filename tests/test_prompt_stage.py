@@ -125,3 +125,39 @@ def test_a_chunk_past_the_budget_compresses_and_goes_on():
         assert out.shape == (64, a.heads * a.head_dim)
     n_code, n_dense = c.counts()
     assert n_code >= 128 - 16 - 31 and n_code + n_dense == 128 and budget.in_use() == 0
+
+
+def test_auto_staging_room(monkeypatch):
+    """--turbo-kv-prompt-memory: explicit sizes and off as given; auto is off on CPUs, and on CUDA 4 GiB, or one
+    whole context of 16-bit rows when the server's default format is compressed, never past 35% of the free
+    memory (the value the code pool's default then leaves free)."""
+    from types import SimpleNamespace
+
+    from swiftlm.backends.torch import devices
+
+    a = SimpleNamespace(layers=32, kv_heads=8, head_dim=128)
+    row = 2 * 32 * 8 * 128 * 2  # bytes of one position's 16-bit keys and values, every layer
+    free = [200 << 30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1 << 40))
+    cuda = torch.device("cuda")
+
+    def cfg(mem="auto", turbo=None):
+        return SimpleNamespace(
+            turbo_kv_prompt_memory=mem,
+            turbo_kv=turbo,
+            turbo_kv_window=128,
+            turbo_kv_threshold=0,
+            turbo_kv_keep_layers=0,
+        )
+
+    def size(c, device=cuda, ctx=131072):
+        return devices.stage_bytes(c, a, device, ctx, torch.bfloat16)
+
+    assert size(cfg("6GB")) == 6 * 10**9
+    assert size(cfg("off")) == 0 and size(cfg("0")) == 0
+    assert size(cfg(), device=CPU) == 0
+    assert size(cfg()) == devices.STAGE_BYTES  # 16-bit default: turbo per request only
+    assert size(cfg(turbo="k4v3")) == 131072 * row  # 16 GiB: a 128K prompt stages whole
+    assert size(cfg(turbo="k4v3"), ctx=8192) == devices.STAGE_BYTES
+    free[0] = 20 << 30
+    assert size(cfg(turbo="k4v3")) == 7 << 30  # 35% of what is free

@@ -36,12 +36,12 @@ from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, 
 from . import cpu_kernels
 from .code_pages import CodeLayer, PagedCodes, put_rows
 from .compressed_graph import GraphSteps
+from .devices import STAGE_BYTES
 from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
 from .prompt_attention import PROMPT_ROWS, prompt_attention
 
 log = logging.getLogger(__name__)
 
-STAGE_BYTES = 4 << 30  # default: 16-bit bytes that prompts held in staging may take together (``StageBudget``)
 
 DECODE_ROWS = 2048  # compressed rows decoded at a time by the plain-torch attention (per KV head)
 SCORE_BUDGET = 1 << 21  # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)

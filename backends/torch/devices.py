@@ -84,6 +84,32 @@ def pick_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
 
 
 KV_FREE_FRACTION = 0.9  # of the device memory free after loading: the default KV pool's cap
+STAGE_BYTES = 4 << 30  # staging room of compressed prompts on CUDA (--turbo-kv-prompt-memory auto), at least
+STAGE_FREE_FRACTION = 0.35  # of the device memory free after loading: the most auto staging takes
+
+
+def stage_bytes(cfg: Any, a: Any, device: torch.device, ctx: int, dtype: torch.dtype) -> int:
+    """Bytes in which prompts of compressed KV caches are held in 16 bits while they prefill (``StageBudget``),
+    from --turbo-kv-prompt-memory.  ``auto``: off on CPUs; on CUDA STAGE_BYTES, or, when the server's default
+    format is compressed, one whole context's 16-bit rows if that is more (a prompt as long as the context then
+    prefills at the 16-bit speed), capped at STAGE_FREE_FRACTION of the memory free now.  The default pools
+    leave it free (``code_pool_pages``' ``taken``)."""
+    from swiftlm.config import parse_bytes
+    from swiftlm.turboquant.presets import settings_format
+
+    setting = str(getattr(cfg, "turbo_kv_prompt_memory", None) or "auto")
+    if setting != "auto":
+        return 0 if setting in ("off", "0") else parse_bytes(setting)
+    if device.type != "cuda":
+        return 0
+    want = STAGE_BYTES
+    if settings_format(cfg).compressed:
+        row = 2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
+        want = max(want, ctx * row)
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = min(want, int(free * STAGE_FREE_FRACTION))
+    log.info("prompt staging for compressed KV caches: %.2f GiB (--turbo-kv-prompt-memory)", limit / 2**30)
+    return limit
 
 
 def kv_pool_size(cfg: Any, a: Any, device: torch.device, dtype: torch.dtype, slots: int, ctx: int) -> tuple[int, int]:

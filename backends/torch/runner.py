@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from swiftlm.backend import Forward, ModelHooks, ModelInfo, StepBatch
-from swiftlm.config import parse_bytes
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -19,7 +18,7 @@ from swiftlm.turboquant.presets import KVFormat, settings_format
 from . import cpu_kernels
 from .build import build, param_bytes
 from .code_pages import CodePages
-from .compressed_cache import STAGE_BYTES, CompressedCache, StageBudget
+from .compressed_cache import CompressedCache, StageBudget
 from .decode_rows import decode_batch
 from .devices import (  # noqa: F401 (re-exported)
     CUDA_DEFAULT_CTX,
@@ -29,6 +28,7 @@ from .devices import (  # noqa: F401 (re-exported)
     cuda_eager_reason,
     kv_pool_size,
     pick_device,
+    stage_bytes,
 )
 from .graphs import GraphDecoder, graphable
 from .kv_accounting import KVAccounting
@@ -507,10 +507,12 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         if (device.type == "cuda" and cuda_eager_reason(a, device, ctx) is None)
         else (None, None)
     )
+    stage_limit = stage_bytes(cfg, a, device, ctx, dtype)
     code_pages = 0
-    if block_size is not None:  # the 16-bit pool's bytes are not allocated yet: the code pages leave them free
+    if block_size is not None:  # the 16-bit pool's bytes are not allocated yet: the code pages leave them free,
+        # and the staging room of prompts (held outside the pools while they prefill)
         code_pages = code_pool_pages(
-            cfg, a, device, slots, ctx, taken=num_blocks * block_size * info.kv_bytes_per_token
+            cfg, a, device, slots, ctx, taken=num_blocks * block_size * info.kv_bytes_per_token + stage_limit
         )
     model = TorchModel(
         module,
@@ -526,12 +528,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         kv_fp8=kv_scales,
     )
     model.expert_stream = reader
-    stage = getattr(cfg, "turbo_kv_prompt_memory", None) or "auto"
-    if stage == "auto":
-        limit = STAGE_BYTES if device.type == "cuda" else 0
-    else:
-        limit = 0 if stage in ("off", "0") else parse_bytes(stage)
-    model.stage_budget = StageBudget(limit) if limit else None
+    model.stage_budget = StageBudget(stage_limit) if stage_limit else None
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
         from .lora import attach
