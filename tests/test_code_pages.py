@@ -4,7 +4,8 @@ so the second attends to codes already written, and leaves 20 rows beyond the wi
 cache at a time (``run_turbo``) and two at a time (``run_compressed_batch``, the batched kernels); at the 12th
 both caches compress a block through ``compress_block`` (the graphed path), and the longer sequence's codes then
 span two 64-row pages.  The pages are handed out in a shuffled order, so a sequence's codes are scattered over
-the pool.  Same kernels, same tiles, same order: the logits must be equal bit for bit.  CPU tensors under
+the pool.  One at a time, the paged caches get their tokens as tensors (what an overlapped step passes), the others
+as ints.  Same kernels, same tiles, same order: the logits must be equal bit for bit.  CPU tensors under
 TRITON_INTERPRET=1."""
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
                     if mode == "batch":
                         got.append(gd.run_compressed_batch(cs, ids, pos))
                     else:
+                        # paged: the token as the device tensor an overlapped step hands over
+                        ids = [torch.tensor(t) if paged else t for t in ids]
                         got.append(torch.stack([gd.run_turbo(c, t, p) for c, t, p in zip(cs, ids, pos)]))
                     pos = [p + 1 for p in pos]
             logits[paged] = torch.stack(got)

@@ -438,33 +438,39 @@ class GraphDecoder:
         g.replay()
         return out[:B]
 
-    def run_turbo(self, kv: Any, token: int, pos: int) -> torch.Tensor:
+    def run_turbo(self, kv: Any, token: int | torch.Tensor, pos: int) -> torch.Tensor:
         """A decode step over a static TurboQuant cache: one graph per cache (its storage never
         moves), replayed with the token, position and row counts filled in; compression of rows
         leaving the window runs eagerly between replays (once per 32 tokens).  Static affine
-        (``kv_bits``) caches: ``affine_decode.decode_affine_static``, which quantizes the row in the graph."""
+        (``kv_bits``) caches: ``affine_decode.decode_affine_static``, which quantizes the row in the graph.
+        ``token``: an int, or the device tensor an overlapped step sampled (copied on the device: reading it on
+        the host would wait for the step before, and the next step could not be launched while it runs)."""
         for L in kv.layers:
             kv.truncate(L, pos)
         L0 = kv.layers[0]
-        host = (token, pos, L0.n_dense, L0.n_code)
+        host = (pos, L0.n_dense, L0.n_code)
         step = decode_turbo_static_fused if self.fused else decode_turbo_static
         if kv.fmt.kind == "affine":
             from .affine_decode import decode_affine_static
 
             step = functools.partial(decode_affine_static, fused=self.fused)
         if not self.use_graph:
-            t, p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
+            t = torch.empty(1, dtype=torch.long, device=self.device)
+            t.copy_(token.reshape(1)) if torch.is_tensor(token) else t.fill_(token)
+            p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
             out = step(self.model, kv, t, p, nd, nc, self.arange)
         else:
             key = ("turbo", id(kv))
             entry = self.graphs.get(key)
-            if entry is None:
-                ins = tuple(torch.tensor([x], device=self.device) for x in host)
-                entry = self._capture(key, lambda t, p, nd, nc: step(self.model, kv, t, p, nd, nc, self.arange), ins)
-            g, ins, out = entry
-            for t, x in zip(ins, host):
+            ins = entry[1] if entry else tuple(torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(4))
+            ins[0].copy_(token.reshape(1)) if torch.is_tensor(token) else ins[0].fill_(token)
+            for t, x in zip(ins[1:], host):
                 t.fill_(x)
-            g.replay()
+            if entry is None:  # the capture's warm-up run is this step
+                entry = self._capture(key, lambda t, p, nd, nc: step(self.model, kv, t, p, nd, nc, self.arange), ins)
+            else:
+                entry[0].replay()
+            out = entry[2]
         kv.after_graph_step(pos, functools.partial(self._compress_turbo, kv) if self.use_graph else None)
         return out
 

@@ -175,7 +175,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
                 return self.module(ids, cache, start)[-1]
         if len(tokens) == 1 and isinstance(cache, CompressedCache):
             if self.graphs is not None and cache.graphable():
-                return self.graphs.run_turbo(cache, int(tokens[0]), start)
+                return self.graphs.run_turbo(cache, tokens[0] if torch.is_tensor(tokens) else int(tokens[0]), start)
         elif len(tokens) == 1 and self.graphs is not None:
             if isinstance(cache, PagedSeqCache):  # a pool sequence decoding alone: the batch-of-one graph
                 out = self.graphs.run_batch(
