@@ -466,10 +466,9 @@ class GraphDecoder:
             ins[0].copy_(token.reshape(1)) if torch.is_tensor(token) else ins[0].fill_(token)
             for t, x in zip(ins[1:], host):
                 t.fill_(x)
-            if entry is None:  # the capture's warm-up run is this step
+            if entry is None:  # the warm-up's output is not kept and a capture runs nothing: replay below
                 entry = self._capture(key, lambda t, p, nd, nc: step(self.model, kv, t, p, nd, nc, self.arange), ins)
-            else:
-                entry[0].replay()
+            entry[0].replay()
             out = entry[2]
         kv.after_graph_step(pos, functools.partial(self._compress_turbo, kv) if self.use_graph else None)
         return out
