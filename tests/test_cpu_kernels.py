@@ -22,18 +22,19 @@ from swiftlm.backends.torch.kv_quant import Encoded  # noqa: E402
 from swiftlm.turboquant.presets import affine, parse_turbo  # noqa: E402
 
 
-def _filled(fmt, n: int, kvh: int, d: int, seed: int = 0):
+def _filled(fmt, n: int, kvh: int, d: int, seed: int = 0, dense: int = 1):
     a = SimpleNamespace(layers=1, kv_heads=kvh, heads=kvh, head_dim=d)
     cache = CompressedCache(a, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(kvh, n + 1, d, generator=g)
-    v = torch.randn(kvh, n + 1, d, generator=g)
-    with torch.inference_mode():  # n compressed rows, then the decode row itself in 16 bits
+    k = torch.randn(kvh, n + dense, d, generator=g)
+    v = torch.randn(kvh, n + dense, d, generator=g)
+    with torch.inference_mode():  # n compressed rows, then ``dense`` rows (the decode row last) in 16 bits
         L = cache.layers[0]
         cache._store(L, cache.kc.encode(k[:, :n]), cache.vc.encode(v[:, :n]), 0, n)
         L.n_code = n
-        cache._write(0, n, k[:, n:], v[:, n:])
-    cache.length = n + 1
+        for i in range(n, n + dense):
+            cache._write(0, i, k[:, i : i + 1], v[:, i : i + 1])
+    cache.length = n + dense
     return cache, cache.layers[0]
 
 
@@ -76,18 +77,20 @@ CASES = [
 
 
 @pytest.mark.parametrize("fmt,kvh,rep,d", CASES, ids=lambda c: getattr(c, "name", None))
-@pytest.mark.parametrize("n", [1, 37, 1000, 3001])
-def test_kernel_matches_float64_as_well_as_the_torch_path(monkeypatch, fmt, kvh, rep, d, n):
-    cache, L = _filled(fmt, n, kvh, d, seed=n)
-    assert L.n_code == n and L.n_dense == 1
+@pytest.mark.parametrize("n,dense", [(1, 1), (37, 1), (1000, 1), (3001, 1), (1000, 40)])
+def test_kernel_matches_float64_as_well_as_the_torch_path(monkeypatch, fmt, kvh, rep, d, n, dense):
+    """The kernel's partials and the 16-bit rows (the decode row alone, or 40 rows not yet compressed) merged
+    by ``merge_window``."""
+    cache, L = _filled(fmt, n, kvh, d, seed=n, dense=dense)
+    assert L.n_code == n and L.n_dense == dense
     q = torch.randn(kvh * rep, 1, d, generator=torch.Generator().manual_seed(n + 1))
     assert cpu_kernels.usable(cache, L, rep)
     with torch.inference_mode():
         monkeypatch.setenv("SWIFTLM_NUMBA", "0")
         assert not cpu_kernels.usable(cache, L, rep)
-        plain = cache._attend(L, q, n)
+        plain = cache._attend(L, q, n + dense - 1)
         monkeypatch.setenv("SWIFTLM_NUMBA", "1")
-        fast = cache._attend(L, q, n)
+        fast = cache._attend(L, q, n + dense - 1)
     ref = _reference(cache, L, q)
     err_fast = (fast.double().reshape(ref.shape) - ref).abs().max().item()
     err_plain = (plain.double().reshape(ref.shape) - ref).abs().max().item()

@@ -37,7 +37,7 @@ from . import cpu_kernels
 from .code_pages import CodeLayer, PagedCodes, put_rows
 from .compressed_graph import GraphSteps
 from .devices import STAGE_BYTES
-from .kv_quant import AffineCodec, Encoded, Partial, TurboCodec, online_attention
+from .kv_quant import AffineCodec, Encoded, TurboCodec, online_attention
 from .prompt_attention import PROMPT_ROWS, prompt_attention
 
 log = logging.getLogger(__name__)
@@ -410,13 +410,12 @@ class CompressedCache(PagedCodes, GraphSteps):
             return prompt_attention(self, L, q, start)
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
         L = self._code_view(L)
+        if T == 1 and cpu_kernels.usable(self, L, rep):  # codes and 16-bit rows in two compiled calls
+            out = cpu_kernels.decode_attention(self, L, qg, scale, *self._dense(L))
+            return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
 
         def blocks() -> Iterator[tuple]:
-            if cpu_kernels.usable(self, L, rep * T) and T == 1:
-                m, l, acc = cpu_kernels.code_attention(self, L, qg, scale)
-                yield Partial(m, l, acc), None, None, 1 if self.fmt.kind == "turbo" else 0
-            else:
-                yield from self._code_blocks(L, qg, scale)
+            yield from self._code_blocks(L, qg, scale)
             nd = L.n_dense
             dk, dv = self._dense(L)
             keys, vals = dk.float(), dv.float()

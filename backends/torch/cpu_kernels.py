@@ -4,7 +4,7 @@ The kernels themselves (numpy + numba, shared with the MLX backend) live in
 ``swiftlm.turboquant.cpu_attention``: each task owns a span of rows of one KV head, expands codes
 through small per-byte tables and keeps a running softmax (see that module).  Here: when a layer's
 compressed rows go through them (``usable``), handing the cache's tensors over as numpy views
-(``code_attention``) and compiling the server's default format at load (``warm_up``).  Without
+(``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call) and compiling the server's default format at load (``warm_up``).  Without
 numba, or with ``SWIFTLM_NUMBA=0``, the torch path (``compressed_cache._code_blocks``) runs instead.
 """
 
@@ -23,6 +23,7 @@ from swiftlm.turboquant.cpu_attention import (
     TILE,
     affine_kernel,
     enabled,
+    merge_window,
     nb,
     splits,
     turbo_kernel,
@@ -36,7 +37,7 @@ __all__ = [
     "_FM",
     "_LOCK",
     "affine_kernel",
-    "code_attention",
+    "decode_attention",
     "enabled",
     "nb",
     "splits",
@@ -78,7 +79,8 @@ def warm_up(a, fmt, cache_cls: type) -> threading.Thread | None:
             c._store(L, c.kc.encode(rows), c.vc.encode(rows), 0, 1)
             L.n_code = 1
             with torch.inference_mode():
-                code_attention(c, L, torch.ones(a.kv_heads, a.heads // a.kv_heads, a.head_dim), 1.0)
+                none = torch.zeros(a.kv_heads, 0, a.head_dim)
+                decode_attention(c, L, torch.ones(a.kv_heads, a.heads // a.kv_heads, a.head_dim), 1.0, none, none)
         except Exception as e:  # pragma: no cover - the first request compiles it instead
             log.warning("numba kernel warm-up for %s failed: %s", fmt.name, e)
 
@@ -93,9 +95,38 @@ def usable(cache, L, M: int) -> bool:
     return enabled() and L.n_code > 0 and cache.device.type == "cpu" and M <= 32 and cache.kc.d % 8 == 0
 
 
-def code_attention(cache, L, qg, scale: float):
-    """The compressed rows of layer ``L`` for queries qg [KVH, M, D] (fp32): (m, l, acc) merged over
-    the tasks, m / l [KVH, M, 1], acc [KVH, M, D], acc in the rotated domain for TurboQuant."""
+def decode_attention(cache, L, qg, scale: float, dk, dv):
+    """One decode row's attention over layer ``L``'s compressed rows and its 16-bit rows dk / dv [KVH, nd, D]:
+    qg [KVH, M, D] fp32 -> out [KVH, M, D] fp32, normalised, in natural coordinates.  The code kernel's per-task
+    partials and the 16-bit rows are merged by one compiled call (``merge_window``) instead of a chain of small
+    torch ops per layer."""
+    import torch
+
+    m_o, l_o, a_o = code_spans(cache, L, qg, scale)
+    q = (qg * scale).contiguous().numpy()
+    R = _rotation(cache.vc) if cache.fmt.kind == "turbo" else NO_ROTATION
+    out = np.empty(qg.shape, np.float32)
+    merge_window(m_o, l_o, a_o, q, _f32(dk), _f32(dv), R, out)
+    return torch.from_numpy(out)
+
+
+def _f32(t) -> np.ndarray:
+    return np.ascontiguousarray(t.float().numpy())
+
+
+NO_ROTATION = np.zeros((0, 0), np.float32)
+
+
+def _rotation(codec) -> np.ndarray:
+    r = getattr(codec, "_np_R", None)
+    if r is None:
+        r = codec._np_R = np.ascontiguousarray(codec.R.float().numpy())
+    return r
+
+
+def code_spans(cache, L, qg, scale: float):
+    """The code kernel over layer ``L``'s compressed rows for queries qg [KVH, M, D] (fp32): per-task partials
+    (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays, acc in the rotated domain for TurboQuant."""
     import torch
 
     KVH, M, D = qg.shape
@@ -151,10 +182,7 @@ def code_attention(cache, L, qg, scale: float):
         )
         with _LOCK:
             kernel(*args)
-    m, l, acc = torch.from_numpy(m_o), torch.from_numpy(l_o), torch.from_numpy(a_o)
-    mx = m.amax(1, keepdim=True)  # [KVH, 1, M]
-    w = torch.exp(m - mx)  # tasks with no rows: m = -inf -> 0
-    return mx.squeeze(1).unsqueeze(-1), (l * w).sum(1).unsqueeze(-1), (acc * w.unsqueeze(-1)).sum(1)
+    return m_o, l_o, a_o
 
 
 def _numpy(planes) -> list[np.ndarray]:

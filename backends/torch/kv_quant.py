@@ -275,41 +275,18 @@ class AffineCodec:
         return self.decode_planes(enc.planes, enc.norms, enc.signs)
 
 
-@dataclass
-class Partial:
-    """A block already reduced by a kernel: running max m and Σ p [G, M, 1], Σ p v [G, M, D]."""
-
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-
-
 def online_attention(
     blocks: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Softmax over all blocks' scores, accumulated one block at a time (flash-decoding style).
 
-    Each block is (scores [G, M, n], already scaled, or a ``Partial``; values [G, n, D], or a function of the block's
+    Each block is (scores [G, M, n], already scaled; values [G, n, D], or a function of the block's
     unnormalised probabilities [G, M, n] returning Σ p v [G, M, D]; mask [.., M, n] or None; domain).  Values of domain 1 are in the rotated TurboQuant domain: their weighted sums are kept
     apart so the caller rotates that sum back once.  Returns ({domain: Σ p v} [G, M, D], Σ p [G, M, 1]),
     both fp32 and not yet normalised."""
     m = l = None
     acc: dict[int, torch.Tensor] = {}
     for s, v, mask, dom in blocks:
-        if isinstance(s, Partial):  # already reduced: (max, Σ p, Σ p v) of its rows
-            m_new = s.m if m is None else torch.maximum(m, s.m)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            beta = torch.exp(s.m - m_safe)
-            if m is not None:
-                alpha = torch.exp(m - m_safe)
-                l = l * alpha
-                for k in acc:
-                    acc[k] = acc[k] * alpha
-            part = s.acc * beta
-            acc[dom] = acc[dom] + part if dom in acc else part
-            l = s.l * beta if l is None else l + s.l * beta
-            m = m_new
-            continue
         s = s.float()
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))

@@ -333,6 +333,60 @@ def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, gro
     return m_o, l_o, a_o
 
 
+def _merge_window(m_o, l_o, a_o, q, dk, dv, R, out):
+    """One decode row's attention from the code kernel's per-task partials and the 16-bit rows, in one pass:
+    m_o / l_o [KVH, S, M], a_o [KVH, S, M, D] (``turbo_spans`` / ``affine_spans``); q [KVH, M, D] the scaled
+    queries in natural coordinates; dk / dv [KVH, nd, D] fp32 (the window and the step's own rows); R [D, D] the
+    values' rotation when a_o is in the rotated domain (TurboQuant), else [0, 0].  out [KVH, M, D] = (a @ R +
+    Σ p v) / Σ p over every row, codes and 16-bit alike, against one max."""
+    KVH, S, M = m_o.shape
+    D = a_o.shape[3]
+    nd = dk.shape[1]
+    rot = R.shape[0] == D
+    sc = np.empty(nd, np.float32)
+    ar = np.empty(D, np.float32)
+    ad = np.empty(D, np.float32)
+    for h in range(KVH):
+        for t in range(M):
+            mx = -np.inf
+            for s in range(S):
+                if m_o[h, s, t] > mx:
+                    mx = m_o[h, s, t]
+            for j in range(nd):
+                x = np.float32(0.0)
+                for d in range(D):
+                    x += q[h, t, d] * dk[h, j, d]
+                sc[j] = x
+                if x > mx:
+                    mx = x
+            l = np.float32(0.0)
+            for d in range(D):
+                ar[d] = 0.0
+                ad[d] = 0.0
+            for s in range(S):
+                if m_o[h, s, t] > -np.inf:  # a task with no rows holds -inf
+                    w = math.exp(m_o[h, s, t] - mx)
+                    l += l_o[h, s, t] * w
+                    for d in range(D):
+                        ar[d] += a_o[h, s, t, d] * w
+            for j in range(nd):
+                p = math.exp(sc[j] - mx)
+                l += p
+                for d in range(D):
+                    ad[d] += p * dv[h, j, d]
+            for d in range(D):
+                y = ad[d]
+                if rot:
+                    for e in range(D):
+                        y += ar[e] * R[e, d]
+                else:
+                    y += ar[d]
+                out[h, t, d] = y / l
+
+
+merge_window = nb.njit(fastmath=_FM, nogil=True, cache=True)(_merge_window) if nb is not None else _merge_window
+
+
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
     """Per-task partials -> (m, l) [KVH, M, 1] and acc [KVH, M, D] over all tasks."""
     m = m_o.max(1, keepdims=True)  # [KVH, 1, M]
