@@ -855,7 +855,7 @@ MEASURES = [
         notes="`scripts/bench_kv_formats_serve.py --prompt-tokens 4000 --rounds 3 --one-server`: the bundled "
         "SmolLM2-135M in fp32 on torch, a 4,000-token random-token prompt, 64 new tokens, one 16-bit server with the "
         "format chosen per request, the formats in turn three times (medians of each round's ratio). From round to "
-        "round the 16-bit inter-token latency moved between 104 and 128 ms on this shared VM: ratios within ~10% of "
+        "round the 16-bit inter-token latency moved between 89 and 107 ms on this shared VM: ratios within ~10% of "
         "each other are not told apart by this run.",
     ),
     Measure(
