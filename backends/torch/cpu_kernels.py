@@ -4,8 +4,9 @@ The kernels themselves (numpy + numba, shared with the MLX backend) live in
 ``swiftlm.turboquant.cpu_attention``: each task owns a span of rows of one KV head, expands codes
 through small per-byte tables and keeps a running softmax (see that module).  Here: when a layer's
 compressed rows go through them (``usable``), handing the cache's tensors over as numpy views
-(``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call) and compiling the server's default format at load (``warm_up``).  Without
-numba, or with ``SWIFTLM_NUMBA=0``, the torch path (``compressed_cache._code_blocks``) runs instead.
+(``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call) and
+compiling the server's default format at load (``warm_up``).  Without numba, or with
+``SWIFTLM_NUMBA=0``, the torch path (``compressed_cache._code_blocks``) runs instead.
 """
 
 from __future__ import annotations

@@ -248,6 +248,15 @@ def graphable(model: Transformer) -> bool:
     return all(isinstance(b.mlp, MLP) for b in model.layers)
 
 
+def _put_token(t: torch.Tensor, token: int | torch.Tensor) -> torch.Tensor:
+    """A token id into the one-element device tensor ``t``: a device tensor is copied there (no host sync)."""
+    if torch.is_tensor(token):
+        t.copy_(token.reshape(1))
+    else:
+        t.fill_(token)
+    return t
+
+
 def bucket_for(pos: int, capacity: int) -> int:
     L = BUCKET_MIN
     while L < pos + 1:
@@ -455,15 +464,14 @@ class GraphDecoder:
 
             step = functools.partial(decode_affine_static, fused=self.fused)
         if not self.use_graph:
-            t = torch.empty(1, dtype=torch.long, device=self.device)
-            t.copy_(token.reshape(1)) if torch.is_tensor(token) else t.fill_(token)
+            t = _put_token(torch.empty(1, dtype=torch.long, device=self.device), token)
             p, nd, nc = (torch.tensor([x], device=self.device) for x in host)
             out = step(self.model, kv, t, p, nd, nc, self.arange)
         else:
             key = ("turbo", id(kv))
             entry = self.graphs.get(key)
             ins = entry[1] if entry else tuple(torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(4))
-            ins[0].copy_(token.reshape(1)) if torch.is_tensor(token) else ins[0].fill_(token)
+            _put_token(ins[0], token)
             for t, x in zip(ins[1:], host):
                 t.fill_(x)
             if entry is None:  # the warm-up's output is not kept and a capture runs nothing: replay below
