@@ -4,7 +4,8 @@
 - ``attend_row``: the eager single-row path (``CompressedCache._attend`` with ``use_triton``): the
   compressed rows through the split-K kernel, the 16-bit rows the step wrote (not yet quantized)
   exactly, in the combine kernel.
-- ``static_row`` / ``decode_affine_static``: the graph step of a static cache (``capacity=``).  The new
+- ``static_row``: the graph step of a static cache (``capacity=``; ``graphs.decode_turbo_static`` and its fused
+  twin run it, ``decode_affine_static`` is their name for these caches).  The new
   row is quantized into the code storage at position ``n_code`` (a device tensor) by the fused
   encoder, which gives exactly ``AffineCodec.encode``'s codes, scales and biases (what the eager
   path stores when it compresses the row after attending); attention reads the ``n_code`` earlier
@@ -17,7 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from .fused_decode import decode_turbo_static_fused
+from .graphs import decode_turbo_static
 
 
 def kernel_ok(cache: Any) -> bool:
@@ -86,42 +89,8 @@ def decode_affine_static(
     fused: bool = False,
 ) -> torch.Tensor:
     """One decode token over a static affine cache, every shape fixed (one CUDA graph per cache):
-    ``graphs.decode_turbo_static``'s arguments (``n_dense`` is 0: an affine cache quantizes every row).
-    ``fused``: the elementwise stages as the Triton kernels of ``fused_decode`` (rope in one kernel, the
-    residual add + RMSNorm and SiLU * up fused), as the 16-bit graphed step runs them.  Logits [V]."""
-    from .decode_rows import project_qkv
-    from .rope import apply_rope
-
-    a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
-    x = model.embed(token)
-    if fused:
-        from swiftlm.cuda_ext.decode_kernels import rope_kv_write_rows
-
-        from .fused_decode import _after_attention, _qkv
-
-        slot = pos.new_zeros(1)
-        # the rope kernel writes the new k, v rows into a "pool" whose row stride is 0: this buffer
-        row = torch.empty((2, 1, KVH, 1, D), dtype=kv.dense_dtype, device=x.device)
-        K, V = row[0].expand(1, KVH, 2, D), row[1].expand(1, KVH, 2, D)
-        h = model.layers[0].input_layernorm(x)
-        for i, blk in enumerate(model.layers):
-            qkv, H, KVH, D = _qkv(blk.self_attn, h, a.qk_norm)
-            q = rope_kv_write_rows(qkv, model.cos, model.sin, pos, slot, K, V, H, KVH, D)  # [1, H, D]
-            o = kv.attend_static(i, q[0], n_code, None, k=row[0, 0], v=row[1, 0])
-            h = _after_attention(model, i, x, o)
-        w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        from .linear_rows import rows_linear
-
-        return rows_linear(h, w)[0]
-    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [1, 1, D]
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [1, H, D], [1, KVH, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = kv.attend_static(i, q[0], n_code, None, k=k.view(KVH, 1, D), v=v.view(KVH, 1, D))
-        x = x + attn.o_proj(o)
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)[0]
+    ``graphs.decode_turbo_static``'s arguments (``n_dense`` is 0: an affine cache quantizes every row), which is
+    this step (its attend object, attend.CompressedStaticAttend, quantizes the row through ``static_row``).
+    ``fused``: fused_decode.decode_turbo_static_fused, the elementwise stages as Triton kernels.  Logits [V]."""
+    step = decode_turbo_static_fused if fused else decode_turbo_static
+    return step(model, kv, token, pos, n_dense, n_code, arange)

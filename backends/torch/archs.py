@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .archs_config import GEMMA, NORMS, Ext
-from .decode_rows import _mlp_rows
+from .forward import mlp_rows
 from .kv_cache import SeqCache
 from .linear_rows import lora_add, out_proj, rows_linear
 from .model import MLP, Attention, PackedAttend, RMSNorm, Transformer, causal_mask
@@ -157,7 +157,7 @@ class ExtBlock(nn.Module):
             "sandwich": getattr(self, "pre_feedforward_layernorm", None),
             "post": None,
         }[s]
-        h = _mlp_rows(self.mlp, x if h is None else h(x))
+        h = mlp_rows(self.mlp, x if h is None else h(x))
         return x + (h if s == "pre" else self.post_feedforward_layernorm(h))
 
 

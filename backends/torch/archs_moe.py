@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .archs import compressed_refused
-from .decode_rows import _mlp_rows
+from .forward import mlp_rows
 from .kv_cache import SeqCache
 from .linear_rows import rows_linear
 from .model import MLP, PackedAttend, RMSNorm, Transformer, causal_mask
@@ -350,7 +350,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.route(x)
         out = _expert_mix(x, w, idx, self.expert)
-        return out if self.shared_experts is None else out + _mlp_rows(self.shared_experts, x)
+        return out if self.shared_experts is None else out + mlp_rows(self.shared_experts, x)
 
 
 # --- the model -------------------------------------------------------------------------------------------
@@ -373,7 +373,7 @@ class MoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, attend: Callable) -> torch.Tensor:
         q, k, v = self.self_attn.project(self.input_layernorm(x), rope)
         x = x + self.self_attn.out(attend(self.layer, q, k, v))
-        return x + _mlp_rows(self.mlp, self.post_attention_layernorm(x))
+        return x + mlp_rows(self.mlp, self.post_attention_layernorm(x))
 
 
 class MoeTransformer(Transformer):

@@ -5,7 +5,8 @@ with the position as a device tensor: every shape is static, so the whole step (
 all layers, LM head) is captured once per (cache slot, length bucket) and replayed with a
 single launch.  Attention reads the first ``L`` cache rows (the smallest bucket holding the
 position) and masks rows past the position.  MoE layers route on the host, so MoE models
-decode eagerly.
+decode eagerly.  Every step here is forward.dense (or fused_decode's forward.fused) with the attend object
+of its cache (attend.py); ``GraphDecoder`` captures and replays them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .decode_rows import project_qkv
+from .attend import CompressedStaticAttend, PoolAttend, StaticAttend
+from .forward import GRAPHED, dense, logits_graphed
 from .fused_decode import (
     decode_batch_static_fused,
     decode_compressed_batch_static_fused,
@@ -27,9 +28,7 @@ from .fused_decode import (
 )
 from .kv_cache import SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
-from .linear_rows import linear
 from .model import MLP, Transformer
-from .rope import apply_rope
 from .staging import stager
 
 COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decoding together
@@ -37,78 +36,26 @@ COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decodin
 BUCKET_MIN = 256
 
 
-def _attn_static(
-    attn: Any,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv: SeqCache,
-    layer: int,
-    pos: torch.Tensor,
-    L: int,
-    valid: torch.Tensor,
-) -> torch.Tensor:
-    a = attn.a
-    D, H, KVH = a.head_dim, a.heads, a.kv_heads
-    qkv = linear(x, *attn.qkv)
-    q, k, v = qkv.split(attn.splits, dim=-1)
-    if a.qk_norm:
-        q = attn.q_norm(q.view(H, D)).view(1, H * D)
-        k = attn.k_norm(k.view(KVH, D)).view(1, KVH * D)
-    # q and k are rotated together: one pass of rope kernels instead of two
-    qk = apply_rope(torch.cat([q, k], dim=-1).view(H + KVH, 1, D), cos, sin)
-    q, k = qk[:H], qk[H:]
-    k, v = kv._store(layer, k, v.view(KVH, 1, D))  # (e4m3 under --kv-cache-dtype fp8)
-    kv.k[layer].index_copy_(1, pos, k)
-    kv.v[layer].index_copy_(1, pos, v)
-    keys, values = kv._rows(layer, L)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH
-    )  # [1, H, 1, D]
-    return attn.o_proj(out.reshape(1, H * D))
-
-
 def decode_static(
     model: Transformer, kv: SeqCache, token: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor
 ) -> torch.Tensor:
-    """Logits [V] for one token at position ``pos`` (device tensors of shape [1])."""
-    x = model.embed(token)
-    cos, sin = model.cos[pos], model.sin[pos]
-    valid = (arange[:L] <= pos).view(1, 1, 1, L)  # rows this token may attend to; shared by all layers
-    for i, blk in enumerate(model.layers):
-        x = x + _attn_static(blk.self_attn, blk.input_layernorm(x), cos, sin, kv, i, pos, L, valid)
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)[0]
+    """Logits [V] for one token at position ``pos`` (device tensors of shape [1]): ``verify_static`` of one row."""
+    return verify_static(model, kv, token, pos, L, arange)[0]
 
 
 def _verify(
-    model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor, kv_io: Any
-) -> torch.Tensor:
-    """The verify forward: ``kv_io(layer, positions, k [KVH, T, D], v [T, KVH, D])`` writes the block's K/V and
-    returns the layer's keys and values [KVH, L, D] (the cache's layout is its business)."""
-    a = model.a
-    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, L: int, arange: torch.Tensor, rows: Any
+) -> Any:
+    """The verify forward: ``rows`` as ``attend.StaticAttend``'s (writes the block's K/V, returns the layer's
+    first ``L`` keys and values); causal within the block, full to the earlier rows."""
     T = tokens.shape[0]
     positions = pos + arange[:T]
-    x = model.embed(tokens)
-    cos, sin = model.cos[positions], model.sin[positions]  # [T, D]
     valid = (arange[:L].view(1, L) <= positions.view(T, 1)).view(1, 1, T, L)
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        keys, values = kv_io(i, positions, k, v)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=valid, enable_gqa=H != KVH
-        )
-        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, H * D))
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)
+    io = StaticAttend(rows, positions, valid)
+    x = dense(
+        model, model.embed(tokens), model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1), io, GRAPHED
+    )
+    return logits_graphed(model, x)
 
 
 def verify_static(
@@ -116,14 +63,7 @@ def verify_static(
 ) -> torch.Tensor:
     """Logits [T, V] for ``T`` tokens at positions ``pos .. pos+T-1`` (speculative verification):
     causal within the block, full to the earlier rows; static shapes, so it graphs like decode."""
-
-    def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = kv._store(i, k, v.transpose(0, 1))  # (e4m3 under --kv-cache-dtype fp8)
-        kv.k[i].index_copy_(1, positions, k)
-        kv.v[i].index_copy_(1, positions, v)
-        return kv._rows(i, L)
-
-    return _verify(model, tokens, pos, L, arange, io)
+    return _verify(model, tokens, pos, L, arange, StaticAttend.seq(kv, L))
 
 
 def verify_paged(
@@ -141,12 +81,7 @@ def verify_paged(
     T = tokens.shape[0]
     where = pool.locate(slot.expand(T), pos + arange[:T])
     idx = pool.table[slot][0, : -(-L // pool.block_size)].long()  # (a 0-d tensor index would read it on the host)
-
-    def io(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pool.write(i, None, None, k.transpose(0, 1), v, where)
-        return pool.gather(i, idx, L)  # [KVH, L, D] each, dequantised from an fp8 pool
-
-    return _verify(model, tokens, pos, L, arange, io)
+    return _verify(model, tokens, pos, L, arange, StaticAttend.pool(pool, where, idx, L))
 
 
 def decode_batch_static(
@@ -165,27 +100,9 @@ def decode_batch_static(
     (``cuda_ext.paged_attention``: each slot read in place up to its own length, split-K over
     ``splits`` ranges); otherwise the blocks holding every row's first L positions are gathered for SDPA.
     Each row's K/V go to block ``table[slot, pos // block_size]`` (``kv_pool``).  Logits [B, V]."""
-    a = model.a
-    H, D = a.heads, a.head_dim
-    B = tokens.shape[0]
-    x = model.embed(tokens)
-    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [B, 1, D]
-    from swiftlm.cuda_ext.paged_attention import paged_decode_attention, paged_decode_attention_sdpa
-
-    attend = paged_decode_attention if splits else paged_decode_attention_sdpa
-    where = pool.locate(slots, pos)
-    tables, lens = pool.table[slots][:, : -(-L // pool.block_size)], (pos + 1).int()
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        pool.write(i, slots, pos, k, v, where)
-        out = attend(q, pool.k[i], pool.v[i], tables, lens, D**-0.5, num_splits=splits, **pool.attend_kw(i))
-        x = x + attn.o_proj(out.reshape(B, H * D))  # out: [B, H, D]
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)
+    io = PoolAttend(pool, slots, pos, L, splits)
+    x = dense(model, model.embed(tokens), model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1), io, GRAPHED)
+    return logits_graphed(model, x)
 
 
 def prefill_packed_static(
@@ -224,24 +141,9 @@ def decode_turbo_static(
     """One decode token over a static TurboQuant cache (``CompressedCache(capacity=...)``): the new
     row goes into the 16-bit buffer at ``n_dense`` and attention reads ``n_code`` compressed rows
     through the Triton kernel; all shapes are fixed, so the step is one graph per cache.  Logits [V]."""
-    a = model.a
-    KVH, D = a.kv_heads, a.head_dim
-    x = model.embed(token)
-    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)  # [1, 1, D]
-    R = kv.dense_rows
-    valid = arange[:R] <= n_dense  # the rows held plus the one written now
-    for i, blk in enumerate(model.layers):
-        attn = blk.self_attn
-        q, k, v = project_qkv(attn, blk.input_layernorm(x))  # [1, H, D], [1, KVH, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        L = kv.layers[i]
-        L.dk.index_copy_(1, n_dense, k.view(KVH, 1, D).to(L.dk.dtype))
-        L.dv.index_copy_(1, n_dense, v.view(KVH, 1, D).to(L.dv.dtype))
-        x = x + attn.o_proj(kv.attend_static(i, q[0], n_code, valid))
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
-    x = model.norm(x)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(x, w)[0]
+    io = CompressedStaticAttend(kv, n_dense, n_code, arange[: kv.dense_rows] <= n_dense)  # (valid: rows held + new)
+    x = dense(model, model.embed(token), model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1), io, GRAPHED)
+    return logits_graphed(model, x)[0]
 
 
 def graphable(model: Transformer) -> bool:
@@ -451,18 +353,14 @@ class GraphDecoder:
         """A decode step over a static TurboQuant cache: one graph per cache (its storage never
         moves), replayed with the token, position and row counts filled in; compression of rows
         leaving the window runs eagerly between replays (once per 32 tokens).  Static affine
-        (``kv_bits``) caches: ``affine_decode.decode_affine_static``, which quantizes the row in the graph.
+        (``kv_bits``) caches go the same way: their attend object quantizes the row in the graph.
         ``token``: an int, or the device tensor an overlapped step sampled (copied on the device: reading it on
         the host would wait for the step before, and the next step could not be launched while it runs)."""
         for L in kv.layers:
             kv.truncate(L, pos)
         L0 = kv.layers[0]
         host = (pos, L0.n_dense, L0.n_code)
-        step = decode_turbo_static_fused if self.fused else decode_turbo_static
-        if kv.fmt.kind == "affine":
-            from .affine_decode import decode_affine_static
-
-            step = functools.partial(decode_affine_static, fused=self.fused)
+        step = decode_turbo_static_fused if self.fused else decode_turbo_static  # (turbo and affine caches)
         if not self.use_graph:
             t = _put_token(torch.empty(1, dtype=torch.long, device=self.device), token)
             p, nd, nc = (torch.tensor([x], device=self.device) for x in host)

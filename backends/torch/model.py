@@ -6,7 +6,9 @@ fused calls per layer on preallocated cache slices (no cache objects, masks or h
 per token), which is what makes small models fast on CPU and lets CUDA graphs capture a step.
 Weights use HF names, so HF checkpoints load as they are.
 
-This module holds the layers and the forward over a prompt chunk; around it: build.py (the load,
+This module holds the layers and the model; every step runs them through forward.py's ``dense``,
+attention through attend.py's classes (``Transformer.hidden``: one prompt chunk, or packed prompts).
+Around it: build.py (the load,
 ``build``), model_config.py (the config: ``Args``, the architectures, ``check_config``), rope.py (rope
 tables), kv_cache.py (``SeqCache``), linear_rows.py (matmuls over a few rows, LoRA terms) and
 decode_rows.py (``decode_batch``, the batched decode step).  archs.py and archs_moe.py subclass these.
@@ -20,12 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attend import CacheAttend, PackedAttend, PackedRows
+from .attend import causal_mask as causal_mask  # (re-exported: imported from here elsewhere)
+from .attend import chunk_attention as chunk_attention
+from .forward import dense, final_norm, head_weight
 from .kv_cache import SeqCache
 from .linear_rows import linear_rows, lora_add, rows_linear
 from .model_config import Args
-from .offload import from_offload, to_offload
 from .quant_linear import cat_rows
-from .rope import apply_rope, rope_tables
+from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -61,81 +66,6 @@ class Attention(nn.Module):
             self.a.kv_heads * self.a.head_dim,
         )
         del self.q_proj, self.k_proj, self.v_proj
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SeqCache, layer: int, start: int
-    ) -> torch.Tensor:
-        a = self.a
-        T = x.shape[0]
-        q, k, v = lora_add(self, x, rows_linear(x, *self.qkv)).split(self.splits, dim=-1)
-        q = q.view(T, a.heads, a.head_dim)
-        k = k.view(T, a.kv_heads, a.head_dim)
-        v = v.view(T, a.kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, D]
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        w = a.window(layer)
-        if isinstance(kv, PackedAttend):
-            return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1), window=w))
-        if not isinstance(kv, SeqCache):  # a compressed cache attends over its own layout
-            if w and start + T > w:
-                raise NotImplementedError(
-                    f"sliding_window={w} is not implemented for a compressed KV cache; "
-                    "use the plain KV format for this model"
-                )
-            return linear_rows(self.o_proj, kv.update_attend(layer, start, q, k, v.transpose(0, 1)))
-        keys, values = kv.update(layer, start, k, v.transpose(0, 1))  # [KVH, start+T-offset, D]
-        rep = a.heads // a.kv_heads
-        if w and T == 1:  # sliding window: the last w keys
-            keys, values = keys[:, -w:], values[:, -w:]
-        if w and start + T > w and T > 1:
-            # a window layer may have dropped its oldest rows (SeqCache): the keys are positions
-            # [start + T - S, start + T), so the chunk starts at row S - T
-            out = chunk_attention(q, keys, values, keys.shape[1] - T, rep, window=w)
-        elif T == 1:
-            # One query row attends to everything so far: two small matmuls, cheaper on CPU than
-            # the fused kernel's setup for a single query row.
-            qg = q.reshape(a.kv_heads, rep, a.head_dim)
-            scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim**-0.5)  # [KVH, rep, S]
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(a.heads, 1, a.head_dim)
-            return linear_rows(self.o_proj, out.transpose(0, 1).reshape(1, a.heads * a.head_dim))
-        elif start == 0:
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
-            )
-        else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
-            out = chunk_attention(q, keys, values, start, rep)
-        return linear_rows(self.o_proj, out[0].transpose(0, 1).reshape(T, a.heads * a.head_dim))
-
-
-def chunk_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, rep: int, window: int = 0
-) -> torch.Tensor:
-    """Attention of a prompt chunk at positions [start, start + T) over keys [0, start + T): causal
-    within the chunk, full to the past.  On CUDA through a lower-right causal bias, which SDPA runs in
-    its flash kernel; an explicit [T, S] mask would send every chunk of a long prompt to SDPA's slow
-    masked kernel.  Returns [1, H, T, D].
-    ``window``: each query sees only the last ``window`` keys up to itself (sliding-window attention)."""
-    T, S = q.shape[1], keys.shape[1]
-    if q.is_cuda and not window:
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask: Any = causal_lower_right(T, S)
-    else:
-        mask = causal_mask(T, S, start, window, q.device)
-    return F.scaled_dot_product_attention(
-        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=rep > 1
-    )
-
-
-def causal_mask(T: int, S: int, start: int, window: int, device: torch.device) -> torch.Tensor:
-    """[T, S] bool, True where query ``start + i`` may see key ``j``: ``j <= start + i``, and where a window
-    applies (``window`` > 0) ``start + i - window < j``."""
-    ones = torch.ones(T, S, dtype=torch.bool, device=device)
-    causal = ones.tril(diagonal=start)
-    return causal & ones.triu(diagonal=start - window + 1) if window else causal
 
 
 class MLP(nn.Module):
@@ -198,47 +128,14 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    """One llama-family layer; its forward is forward.dense's loop body."""
+
     def __init__(self, a: Args):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden, a.eps)
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
         self.self_attn = Attention(a)
         self.mlp = MoE(a) if a.experts else MLP(a.hidden, a.intermediate, gelu=a.gemma)
-
-    def forward(self, x, cos, sin, kv, layer, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class PackedAttend:
-    """Attention for several independent sequences packed into one row block (no KV kept):
-    causal within each sequence, nothing across them.  Goes where a cache goes
-    (``Attention.forward`` calls ``update_attend`` on anything that is not a ``SeqCache``)."""
-
-    def __init__(self, lengths: list[int], device: torch.device):
-        self.lengths = lengths
-        self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-
-    def update_attend(
-        self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
-    ) -> torch.Tensor:
-        if window and max(self.lengths) > window:  # sliding window: one masked attention per sequence
-            outs = [
-                chunk_attention(qs, ks, vs, 0, q.shape[0] // k.shape[0], window=window)[0]
-                for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
-            ]
-            return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape[1], -1)
-        # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
-        # (sum T)^2 and leave SDPA's fused kernels for its slower masked fallback)
-        gqa = q.shape[0] != k.shape[0]
-        outs = [
-            F.scaled_dot_product_attention(
-                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True, enable_gqa=gqa
-            )[0]
-            for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
-        ]
-        out = torch.cat(outs, dim=1)  # [H, T, D]
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
 class Transformer(nn.Module):
@@ -268,22 +165,13 @@ class Transformer(nn.Module):
         """Final-norm hidden states [T, hidden] (or of the last position only).  With a
         ``PackedAttend`` as ``kv``: several sequences at once, each from position 0."""
         x = self.embed(tokens)
-        T = tokens.shape[0]
         if isinstance(kv, PackedAttend):
-            cos, sin = self.cos[kv.positions], self.sin[kv.positions]
+            io: Any = PackedRows(self.a, kv)
+            pos: Any = kv.positions
         else:
-            cos, sin = self.cos[start : start + T], self.sin[start : start + T]
-        for i, layer in enumerate(self.layers):
-            if self.a.offload is not None and i == self.a.offload[0]:
-                x, cos, sin = to_offload(self.a, x, cos, sin)
-            x = layer(x, cos, sin, kv, i, start)
-        if last_only:
-            x = x[-1:]
-        if self.a.offload is not None:
-            x = from_offload(x, self.norm.weight)
-        return self.norm(x)
+            io, pos = CacheAttend(self.a, kv, start), slice(start, start + tokens.shape[0])
+        x = dense(self, x, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), io)
+        return final_norm(self, x[-1:] if last_only else x)
 
     def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
-        x = self.hidden(tokens, kv, start, last_only)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return rows_linear(x, w)
+        return rows_linear(self.hidden(tokens, kv, start, last_only), head_weight(self))

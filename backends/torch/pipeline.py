@@ -58,10 +58,12 @@ from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
 
 from .archs_config import refuse_flag
+from .attend import CacheAttend
 from .build import finish_load, hf_state_to_ours, param_bytes
 from .cpu_packed import pack
 from .decode_rows import decode_batch
 from .devices import bind_thread
+from .forward import dense
 from .linear_rows import rows_linear
 from .model import Transformer
 from .model_config import Args
@@ -310,12 +312,8 @@ def pipeline_model_class(base: type) -> type:
             return x
 
         def _layers(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
-            m = self.module
-            T = x.shape[0]
-            cos, sin = m.cos[start : start + T], m.sin[start : start + T]
-            for i, layer in enumerate(m.layers):
-                x = layer(x, cos, sin, cache, i, start)
-            return x
+            m, pos = self.module, slice(start, start + x.shape[0])
+            return dense(m, x, m.cos[pos].unsqueeze(1), m.sin[pos].unsqueeze(1), CacheAttend(m.a, cache, start))
 
         def _head(self, x: torch.Tensor) -> torch.Tensor:
             m = self.module
