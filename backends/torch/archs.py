@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .archs_config import GEMMA, NORMS, Ext
-from .forward import mlp_rows
+from .attend import CoreCacheAttend, CorePackedAttend, CoreRowsAttend
+from .forward import blocks, head_weight, mlp_rows, token_ids
 from .kv_cache import SeqCache
 from .linear_rows import lora_add, out_proj, rows_linear
 from .model import MLP, Attention, PackedAttend, RMSNorm, Transformer, causal_mask
@@ -161,13 +163,75 @@ class ExtBlock(nn.Module):
         return x + (h if s == "pre" else self.post_feedforward_layernorm(h))
 
 
-class ExtTransformer(Transformer):
-    """``Transformer`` with this module's layers; ``decode_rows`` is decode_rows.decode_batch for it."""
+class CoreTransformer(Transformer):
+    """A ``Transformer`` whose blocks take ``(x, rope, attend)`` and bring their own attention core
+    (``_core(layer)``: ``(q [H, T, D], keys, values, start, window) -> [T, H*Dv]``): this module's and
+    archs_moe.py's.  Its forwards are forward.blocks with attend.py's ``Core*`` attend objects;
+    ``decode_rows`` is decode_rows.decode_batch for these layers.  Per-sequence caches only."""
+
+    def _core(self, layer: int) -> Callable:
+        raise NotImplementedError
+
+    def _ropes(self, pos: torch.Tensor, last: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each layer's rope rows for rows at ``pos`` (``last``: each row's forward's last position)."""
+        raise NotImplementedError
+
+    def _restart(self, kv: SeqCache, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Token ids to run again from position 0 instead of this forward (longrope's switch), else None."""
+        return None
+
+    def _restart_rows(self, caches: list, ids: torch.Tensor, positions: list[int]) -> torch.Tensor | None:
+        """``decode_rows``' logits when its rows must run another way (longrope's switch), else None."""
+        return None
+
+    def hidden(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = False) -> torch.Tensor:
+        a = self.a
+        x = self.embed(tokens)
+        T, dev = tokens.shape[0], x.device
+        if isinstance(kv, PackedAttend):
+            lengths = torch.tensor(kv.lengths, device=dev)
+            pos, last = kv.positions, torch.repeat_interleave(lengths - 1, lengths)
+            io: Any = CorePackedAttend(a, self._core, kv.lengths)
+        elif isinstance(kv, SeqCache):
+            if (ids := self._restart(kv, tokens, start)) is not None:
+                out = self.hidden(ids, kv, 0, last_only)  # the whole sequence again
+                return out if last_only else out[-T:]
+            pos = torch.arange(start, start + T, device=dev)
+            last = torch.full((T,), start + T - 1, device=dev)
+            io = CoreCacheAttend(a, self._core, kv, start)
+        else:
+            raise compressed_refused(a)
+        x = blocks(self, x, self._ropes(pos, last, x.dtype), io.attend)
+        return self.norm(x[-1:] if last_only else x)
+
+    def decode_rows(
+        self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None, head: bool = True
+    ) -> torch.Tensor:
+        """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
+        sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
+        a, dev = self.a, self.embed_tokens.weight.device
+        if not all(isinstance(c, SeqCache) for c in caches):
+            raise compressed_refused(a)
+        if x is None:
+            ids = token_ids(tokens, dev)
+            if (out := self._restart_rows(caches, ids.view(-1), positions)) is not None:
+                return out
+            x = self.embed(ids)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        x = blocks(self, x, self._ropes(pos, pos, x.dtype), CoreRowsAttend(a, self._core, caches, positions).attend)
+        return self.head(self.norm(x)) if head else x
+
+
+class ExtTransformer(CoreTransformer):
+    """``CoreTransformer`` with this module's layers."""
 
     def __init__(self, a: Any):
         super().__init__(a)
         self.layers = nn.ModuleList(ExtBlock(a, i) for i in range(a.layers))
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _core(self, layer: int) -> Callable:
+        return partial(attention, self.a.ext)
 
     def init_rope(self) -> None:
         a, e, dev = self.a, self.a.ext, self.embed_tokens.weight.device
@@ -184,7 +248,11 @@ class ExtTransformer(Transformer):
                 )
         self.cos, self.sin = next(iter(self.tables.values()))  # build.finish_load / check_device read these
 
-    def _ropes(self, pos: torch.Tensor, long: torch.Tensor | None, dtype: torch.dtype) -> dict:
+    def _ropes(self, pos: torch.Tensor, last: torch.Tensor, dtype: torch.dtype) -> list:
+        ropes = self._tables(pos, self._long(last), dtype)
+        return [None if name is None else ropes[name] for name in self.a.ext.ropes]
+
+    def _tables(self, pos: torch.Tensor, long: torch.Tensor | None, dtype: torch.dtype) -> dict:
         """{table name: (cos, sin) [n, 1, rot]} for rows at ``pos``; longrope: the long table where ``long``."""
         dev = pos.device  # as transformers: the tables in the model's dtype
         tabs = self.tables = {k: (c.to(dev, dtype), s.to(dev, dtype)) for k, (c, s) in self.tables.items()}
@@ -200,12 +268,14 @@ class ExtTransformer(Transformer):
         lr = self.a.ext.longrope
         return None if lr is None else last + 1 > lr["original"]
 
-    def _longrope_ids(self, kv: SeqCache, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
+    def _restart(self, kv: SeqCache, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
         """Longrope's switch, as transformers' Phi-3: the first forward that takes a sequence past
         ``original_max_position_embeddings`` drops its cache (rows computed with the short factors) and
         re-runs the whole sequence with the long ones.  The sequence's tokens are kept on its cache for
         that; returns them when this forward is such a switch, else None."""
         lr, T = self.a.ext.longrope, tokens.shape[0]
+        if lr is None:
+            return None
         ids = kv.__dict__.get("longrope_ids")
         known = start == 0 or (ids is not None and ids.shape[0] >= start)
         kv.longrope_ids = torch.cat([ids[:start], tokens]) if start and known else tokens.clone() if known else None
@@ -219,85 +289,17 @@ class ExtTransformer(Transformer):
             return kv.longrope_ids
         return None
 
-    def _layers(self, x: torch.Tensor, ropes: dict, attend: Callable) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            name = self.a.ext.ropes[i]
-            x = layer(x, None if name is None else ropes[name], attend)
-        return x
-
-    def hidden(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = False) -> torch.Tensor:
-        a = self.a
-        x = self.embed(tokens)
-        T, dev = tokens.shape[0], x.device
-        if isinstance(kv, PackedAttend):
-            pos = kv.positions
-            lengths = torch.tensor(kv.lengths, device=dev)
-            last = torch.repeat_interleave(lengths - 1, lengths)
-
-            def attend(layer, q, k, v):
-                outs = [
-                    attention(a.ext, qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0, a.window(layer))
-                    for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))
-                ]
-                return torch.cat(outs)
-        elif isinstance(kv, SeqCache):
-            if a.ext.longrope is not None and (ids := self._longrope_ids(kv, tokens, start)) is not None:
-                out = self.hidden(ids, kv, 0, last_only)  # the whole sequence again, with the long factors
-                return out if last_only else out[-T:]
-            pos = torch.arange(start, start + T, device=dev)
-            last = torch.full((T,), start + T - 1, device=dev)
-
-            def attend(layer, q, k, v):
-                keys, values = kv.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-                return attention(a.ext, q.transpose(0, 1), keys, values, start, a.window(layer))
-        else:
-            raise compressed_refused(a)
-        x = self._layers(x, self._ropes(pos, self._long(last), x.dtype), attend)
-        if last_only:
-            x = x[-1:]
-        return self.norm(x)
-
-    def forward(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = True) -> torch.Tensor:
-        return self.head(self.hidden(tokens, kv, start, last_only))
-
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = rows_linear(x, w)
+        logits = rows_linear(x, head_weight(self))
         cap = self.a.ext.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def decode_rows(
-        self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None, head: bool = True
-    ) -> torch.Tensor:
-        """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
-        sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
-        a, dev = self.a, self.embed_tokens.weight.device
-        if not all(isinstance(c, SeqCache) for c in caches):
-            raise compressed_refused(a)
-        if a.ext.longrope is not None and x is None:
-            ids = (
-                tokens.long().view(-1)
-                if torch.is_tensor(tokens)
-                else torch.tensor(tokens, dtype=torch.long, device=dev)
-            )
-            if any(0 < p <= a.ext.longrope["original"] < p + 1 for p in positions):  # a row switches: one at a time
-                return torch.cat(
-                    [self.forward(ids[b : b + 1], c, p) for b, (c, p) in enumerate(zip(caches, positions))]
-                )
-            for b, (c, p) in enumerate(zip(caches, positions)):
-                self._longrope_ids(c, ids[b : b + 1], p)
-        if x is None:
-            x = self.embed(
-                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
-            )
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-
-        def attend(layer, q, k, v):  # q [B, H, D], k/v [B, KVH, D]
-            outs = []
-            for b, (c, p) in enumerate(zip(caches, positions)):
-                keys, values = c.update(layer, p, k[b].unsqueeze(1), v[b].unsqueeze(1))
-                outs.append(attention(a.ext, q[b].unsqueeze(1), keys, values, p, a.window(layer)))
-            return torch.cat(outs)
-
-        x = self._layers(x, self._ropes(pos, self._long(pos), x.dtype), attend)
-        return self.head(self.norm(x)) if head else x
+    def _restart_rows(self, caches: list, ids: torch.Tensor, positions: list[int]) -> torch.Tensor | None:
+        lr = self.a.ext.longrope
+        if lr is None:
+            return None
+        if any(0 < p <= lr["original"] < p + 1 for p in positions):  # a row switches: one at a time
+            return torch.cat([self.forward(ids[b : b + 1], c, p) for b, (c, p) in enumerate(zip(caches, positions))])
+        for b, (c, p) in enumerate(zip(caches, positions)):
+            self._restart(c, ids[b : b + 1], p)
+        return None

@@ -45,11 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .archs import compressed_refused
-from .forward import mlp_rows
-from .kv_cache import SeqCache
+from .archs import CoreTransformer
+from .forward import mlp_rows, project_qkv
 from .linear_rows import rows_linear
-from .model import MLP, PackedAttend, RMSNorm, Transformer, causal_mask
+from .model import MLP, RMSNorm, causal_mask
 from .rope import apply_rope, rope_tables
 
 LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
@@ -169,10 +168,8 @@ class SinkAttention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, H, D], k / v [n, KVH, D] (rotated) for n rows."""
-        a, n = self.a, x.shape[0]
-        q, k, v = rows_linear(x, *self.qkv).split(self.splits, dim=-1)
-        q, k = q.view(n, a.heads, a.head_dim), k.view(n, a.kv_heads, a.head_dim)
-        return apply_rope(q, *rope), apply_rope(k, *rope), v.view(n, a.kv_heads, a.head_dim)
+        q, k, v = project_qkv(self, x, rows_linear)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def core(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int) -> torch.Tensor:
         return sink_attention(q, keys, values, start, window, self.sinks, self.a.ext.scale)
@@ -376,8 +373,8 @@ class MoeBlock(nn.Module):
         return x + mlp_rows(self.mlp, self.post_attention_layernorm(x))
 
 
-class MoeTransformer(Transformer):
-    """``Transformer`` with this module's layers; ``decode_rows`` is decode_rows.decode_batch for it."""
+class MoeTransformer(CoreTransformer):
+    """``archs.CoreTransformer`` with this module's layers (one rope table for all of them)."""
 
     def __init__(self, a: Any):
         super().__init__(a)
@@ -390,75 +387,9 @@ class MoeTransformer(Transformer):
             self.embed_tokens.weight.device,
         )
 
-    def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[pos].to(dtype).unsqueeze(1), self.sin[pos].to(dtype).unsqueeze(1)  # [n, 1, rot]
+    def _ropes(self, pos: torch.Tensor, last: torch.Tensor, dtype: torch.dtype) -> list:
+        rope = self.cos[pos].to(dtype).unsqueeze(1), self.sin[pos].to(dtype).unsqueeze(1)  # [n, 1, rot]
+        return [rope] * len(self.layers)
 
     def _core(self, layer: int) -> Callable:
         return self.layers[layer].self_attn.core
-
-    def hidden(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = False) -> torch.Tensor:
-        a = self.a
-        x = self.embed(tokens)
-        T = tokens.shape[0]
-        if isinstance(kv, PackedAttend):
-            pos = kv.positions
-
-            def attend(layer, q, k, v):
-                return torch.cat(
-                    [
-                        self._core(layer)(
-                            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), 0, a.window(layer)
-                        )
-                        for qs, ks, vs in zip(q.split(kv.lengths), k.split(kv.lengths), v.split(kv.lengths))
-                    ]
-                )
-        elif isinstance(kv, SeqCache):
-            pos = torch.arange(start, start + T, device=x.device)
-
-            def attend(layer, q, k, v):
-                keys, values = kv.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-                return self._core(layer)(q.transpose(0, 1), keys, values, start, a.window(layer))
-        else:
-            raise compressed_refused(a)
-        rope = self._rope(pos, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, attend)
-        if last_only:
-            x = x[-1:]
-        return self.norm(x)
-
-    def forward(self, tokens: torch.Tensor, kv: Any, start: int, last_only: bool = True) -> torch.Tensor:
-        return self.head(self.hidden(tokens, kv, start, last_only))
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return rows_linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
-
-    def decode_rows(
-        self, caches: list, tokens: Any, positions: list[int], x: torch.Tensor | None = None, head: bool = True
-    ) -> torch.Tensor:
-        """One decode token for each of B sequences: the matmuls on [B, hidden] rows, attention per
-        sequence over its own cache (decode_rows.decode_batch for this module's layers).  Logits [B, V]."""
-        a, dev = self.a, self.embed_tokens.weight.device
-        if not all(isinstance(c, SeqCache) for c in caches):
-            raise compressed_refused(a)
-        if x is None:
-            x = self.embed(
-                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
-            )
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-
-        def attend(layer, q, k, v):  # q [B, H, Dq], k/v [B, KVH, D]
-            core = self._core(layer)
-            return torch.cat(
-                [
-                    core(
-                        q[b].unsqueeze(1), *c.update(layer, p, k[b].unsqueeze(1), v[b].unsqueeze(1)), p, a.window(layer)
-                    )
-                    for b, (c, p) in enumerate(zip(caches, positions))
-                ]
-            )
-
-        rope = self._rope(pos, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, attend)
-        return self.head(self.norm(x)) if head else x

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .attend import RowsAttend
-from .forward import dense, final_norm, head_weight
+from .forward import dense, final_norm, head_weight, token_ids
 from .kv_cache import SeqCache
 from .linear_rows import rows_linear
 from .model import Transformer
@@ -31,9 +31,7 @@ def decode_batch(
         return model.decode_rows(caches, tokens, positions, x=x, head=head)
     dev = model.cos.device  # a pipeline stage may hold no embedding
     if x is None:
-        x = model.embed(
-            tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=dev)
-        )
+        x = model.embed(token_ids(tokens, dev))
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
     io = RowsAttend(model, caches, positions)
     x = dense(model, x, model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1), io)

@@ -1,28 +1,24 @@
 """The forward of each architecture family of the torch backend, written once.  Every step (a prompt chunk,
-packed prompts, batched decode rows, a mixed step, speculative verification, a pipeline stage's layers, the
-CUDA-graph steps) runs one of these functions; what differs between steps is only how attention reads and
-writes K/V, which the function reaches through an *attend* object handed to it (attend.py: one small class
-per KV format and path, each with ``attend(layer, q, k, v) -> [T, H*D]`` that writes the rows' K/V into its
-cache and attends over it).
+packed prompts, batched decode rows, a mixed step, speculative verification, a pipeline stage, the CUDA-graph
+steps) runs one of these functions and differs only in how attention reads and writes K/V, reached through the
+attend object it hands in (attend.py: one small class per KV format and path, ``attend(layer, q, k, v) ->
+[T, H*D]`` writing the rows' K/V into its cache and attending over it).
 
-- ``dense``: the llama-family layer of model.py (llama, mistral, qwen2/3, their MoE variants via the layer's
-  MLP module; q/k norms, biases and sliding windows are the layer's and the attend object's business):
-  input norm, fused QKV, rope, ``attend``, o_proj, residual, post-attention norm, MLP, residual.  ``lin``
-  says how its matmuls run: ``EAGER`` (``linear_rows.rows_linear``, tuned for a few rows on the CPU; LoRA terms
-  through ``lora_add``) or ``GRAPHED`` (``F.linear`` and the modules' own calls, what the CUDA-graph steps
-  capture).  Layers offloaded to the CPU (``--gpu-layers``) move the activations once, at the first of them.
-- ``fused``: the same layer with its elementwise stages as Triton kernels (fused_decode.py), for CUDA-graph
-  decode steps.  Its layer is shaped differently, not by choice of attention: rope is applied by the
-  kernel that writes the K/V row (so the attend object takes the QKV rows, ``attend_qkv(layer, qkv, H, KVH,
-  D)``), and each residual add is fused with the next norm (so the loop carries the normed rows, not the
-  residual stream).  Forcing it through ``dense`` would cost those fusions, which are what it is for.
-- ``blocks``: the layers of archs.py and archs_moe.py (Gemma 2/3, Phi-3, OLMo 2, SmolLM3, GPT-OSS, DeepSeek
-  MLA), whose blocks take ``(x, rope, attend)`` and differ in norms and attention math; their attend objects
-  (attend.py's ``Core*`` classes) apply the layer's own attention core over the same caches.
+- ``dense``: the llama-family layer of model.py (q/k norms, biases, sliding windows and the MoE MLPs are the
+  layer's and the attend object's business).  ``lin``: ``EAGER`` (``rows_linear``, tuned for a few rows on the
+  CPU; LoRA terms through ``lora_add``) or ``GRAPHED`` (``F.linear`` and the modules' own calls, as the
+  CUDA-graph steps have always captured them).  ``--gpu-layers`` moves the activations once, at the first CPU layer.
+- ``fused``: the same layer with its elementwise stages as Triton kernels (fused_decode.py).  Its shape differs
+  for a reason, not by choice of attention: rope is applied by the kernel that writes the K/V row (so its attend
+  objects take the QKV rows, ``attend_qkv``), and each residual add is fused with the next norm (so the loop
+  carries the normed rows).  Through ``dense`` it would lose the fusions it exists for.
+- ``blocks``: archs.py / archs_moe.py's layers (Gemma 2/3, Phi-3, OLMo 2, SmolLM3, GPT-OSS, DeepSeek MLA), blocks
+  of their own norms and attention math taking ``(x, rope, attend)``; attend.py's ``Core*`` classes apply the
+  layer's attention core over the same caches.
 
-CUDA graphs capture ``dense`` and ``fused`` as they are: no data-dependent Python branch and no host read
-inside them (the attend objects of the graph paths keep to that too).  Imports nothing of this package but
-the leaf helpers (linear_rows, offload, rope, tp_allreduce), so that every model and step module may import it.
+CUDA graphs capture ``dense`` and ``fused`` as they are: no data-dependent Python branch and no host read in
+them or in the attend objects of the graph steps.  Imports only leaf helpers, so every model and step module
+may import it.
 """
 
 from __future__ import annotations
@@ -68,6 +64,11 @@ class Linears:
 
 EAGER = Linears(rows_linear, out_proj, mlp_rows)
 GRAPHED = Linears(linear, lambda lin, x: lin(x), lambda mlp, x: mlp(x))
+
+
+def token_ids(tokens: Any, device: torch.device) -> torch.Tensor:
+    """A decode step's token ids (a list, or last step's ids on the device) as a long tensor."""
+    return tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=device)
 
 
 def head_weight(model: Any) -> torch.Tensor:

@@ -174,4 +174,8 @@ class Transformer(nn.Module):
         return final_norm(self, x[-1:] if last_only else x)
 
     def forward(self, tokens: torch.Tensor, kv: SeqCache, start: int, last_only: bool = True) -> torch.Tensor:
-        return rows_linear(self.hidden(tokens, kv, start, last_only), head_weight(self))
+        return self.head(self.hidden(tokens, kv, start, last_only))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed rows."""
+        return rows_linear(x, head_weight(self))

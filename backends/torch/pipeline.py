@@ -64,7 +64,6 @@ from .cpu_packed import pack
 from .decode_rows import decode_batch
 from .devices import bind_thread
 from .forward import dense
-from .linear_rows import rows_linear
 from .model import Transformer
 from .model_config import Args
 from .parallel import join_group, tokenizer_and_ctx
@@ -311,14 +310,8 @@ def pipeline_model_class(base: type) -> type:
             self.pp_stats["recv_wait_seconds"] += time.perf_counter() - t0
             return x
 
-        def _layers(self, x: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
-            m, pos = self.module, slice(start, start + x.shape[0])
-            return dense(m, x, m.cos[pos].unsqueeze(1), m.sin[pos].unsqueeze(1), CacheAttend(m.a, cache, start))
-
         def _head(self, x: torch.Tensor) -> torch.Tensor:
-            m = self.module
-            w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
-            return rows_linear(m.norm(x), w)  # as Transformer.forward: the same kernels, the same bits
+            return self.module.head(self.module.norm(x))  # as Transformer.forward: the same kernels, the same bits
 
         @torch.inference_mode()
         def forward(self, batch: StepBatch) -> Forward:
@@ -353,7 +346,10 @@ def pipeline_model_class(base: type) -> type:
                         x = m.embed(torch.tensor(w.tokens, dtype=torch.long, device=self.device))
                     else:
                         x = self._recv(len(w.tokens))
-                    y = self._layers(x, cache, w.start_pos)
+                    pos, m = slice(w.start_pos, w.start_pos + x.shape[0]), self.module
+                    y = dense(
+                        m, x, m.cos[pos].unsqueeze(1), m.sin[pos].unsqueeze(1), CacheAttend(m.a, cache, w.start_pos)
+                    )
                     if self.last:
                         if w.sample:  # as Transformer.forward(last_only=True): norm and head of the last row
                             out[unit[0]] = self._head(y[-1:])[-1]
