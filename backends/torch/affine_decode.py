@@ -5,7 +5,7 @@
   compressed rows through the split-K kernel, the 16-bit rows the step wrote (not yet quantized)
   exactly, in the combine kernel.
 - ``static_row``: the graph step of a static cache (``capacity=``; ``graphs.decode_turbo_static`` and its fused
-  twin run it, ``decode_affine_static`` is their name for these caches).  The new
+  twin run it for both compressed kinds).  The new
   row is quantized into the code storage at position ``n_code`` (a device tensor) by the fused
   encoder, which gives exactly ``AffineCodec.encode``'s codes, scales and biases (what the eager
   path stores when it compresses the row after attending); attention reads the ``n_code`` earlier
@@ -18,9 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from .fused_decode import decode_turbo_static_fused
-from .graphs import decode_turbo_static
 
 
 def kernel_ok(cache: Any) -> bool:
@@ -76,21 +73,3 @@ def static_row(
     codes = (L.kp[0], L.kn, L.ks, L.vp[0], L.vn, L.vb)
     affine_encode_rows(k, v, *codes, cache.kc.bits, cache.kc.group, n_code)
     return _attend(cache, L, q, codes, n_code, k, v)
-
-
-def decode_affine_static(
-    model: Any,
-    kv: Any,
-    token: torch.Tensor,
-    pos: torch.Tensor,
-    n_dense: torch.Tensor,
-    n_code: torch.Tensor,
-    arange: torch.Tensor,
-    fused: bool = False,
-) -> torch.Tensor:
-    """One decode token over a static affine cache, every shape fixed (one CUDA graph per cache):
-    ``graphs.decode_turbo_static``'s arguments (``n_dense`` is 0: an affine cache quantizes every row), which is
-    this step (its attend object, attend.CompressedStaticAttend, quantizes the row through ``static_row``).
-    ``fused``: fused_decode.decode_turbo_static_fused, the elementwise stages as Triton kernels.  Logits [V]."""
-    step = decode_turbo_static_fused if fused else decode_turbo_static
-    return step(model, kv, token, pos, n_dense, n_code, arange)

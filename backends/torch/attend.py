@@ -24,6 +24,7 @@ The ``Core*`` classes are the same for archs.py / archs_moe.py, whose layers bri
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,6 +64,25 @@ def causal_mask(T: int, S: int, start: int, window: int, device: torch.device) -
     return causal & ones.triu(diagonal=start - window + 1) if window else causal
 
 
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """q [H, T, D] at positions [start, start + T) over keys / values [KVH, start + T, D], causal: [T, H*D].
+    One query row attends to everything so far: two small matmuls, cheaper on CPU than the fused kernel's
+    setup for a single query row."""
+    (H, T, D), KVH = q.shape, keys.shape[0]
+    rep = H // KVH
+    if T == 1:
+        qg = q.reshape(KVH, rep, D)
+        probs = torch.softmax((qg @ keys.transpose(1, 2) * D**-0.5).float(), dim=-1).to(values.dtype)
+        return (probs @ values).reshape(1, H * D)
+    if start == 0:
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
+        )
+    else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
+        out = chunk_attention(q, keys, values, start, rep)
+    return rows_out(out[0])
+
+
 def heads_first(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[T, heads, D] -> [heads, T, D] (contiguous: the layout the caches and SDPA read)."""
     return tuple(t.transpose(0, 1).contiguous() for t in ts)
@@ -97,27 +117,13 @@ class CacheAttend(Attend):
                 )
             return kv.update_attend(layer, start, q, k, v)
         keys, values = kv.update(layer, start, k, v)  # [KVH, start+T-offset, D]
-        rep = a.heads // a.kv_heads
         if w and T == 1:  # sliding window: the last w keys
             keys, values = keys[:, -w:], values[:, -w:]
         if w and start + T > w and T > 1:
             # a window layer may have dropped its oldest rows (SeqCache): the keys are positions
             # [start + T - S, start + T), so the chunk starts at row S - T
-            out = chunk_attention(q, keys, values, keys.shape[1] - T, rep, window=w)
-        elif T == 1:
-            # One query row attends to everything so far: two small matmuls, cheaper on CPU than
-            # the fused kernel's setup for a single query row.
-            qg = q.reshape(a.kv_heads, rep, a.head_dim)
-            scores = torch.matmul(qg, keys.transpose(1, 2)) * (a.head_dim**-0.5)  # [KVH, rep, S]
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            return torch.matmul(probs, values).reshape(1, a.heads * a.head_dim)
-        elif start == 0:
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
-            )
-        else:  # a prefill chunk after earlier positions: causal within the chunk, full to the past
-            out = chunk_attention(q, keys, values, start, rep)
-        return rows_out(out[0])
+            return rows_out(chunk_attention(q, keys, values, keys.shape[1] - T, a.heads // a.kv_heads, window=w)[0])
+        return causal_attention(q, keys, values, start)
 
 
 class PackedAttend:
@@ -132,23 +138,17 @@ class PackedAttend:
     def update_attend(
         self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
     ) -> torch.Tensor:
-        """q [H, T, D], k / v [KVH, T, D] -> [T, H*D]."""
-        if window and max(self.lengths) > window:  # sliding window: one masked attention per sequence
-            outs = [
-                chunk_attention(qs, ks, vs, 0, q.shape[0] // k.shape[0], window=window)[0]
-                for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
-            ]
-            return rows_out(torch.cat(outs, dim=1))
-        # one causal attention per sequence (a block-diagonal mask over the whole pack would cost
-        # (sum T)^2 and leave SDPA's fused kernels for its slower masked fallback)
-        gqa = q.shape[0] != k.shape[0]
+        """q [H, T, D], k / v [KVH, T, D] -> [T, H*D]: one causal attention per sequence (a block-diagonal mask
+        over the whole pack would cost (sum T)^2 and leave SDPA's fused kernels for its slower masked fallback);
+        where a sliding window cuts a sequence, one masked attention per sequence."""
+        rep, masked = q.shape[0] // k.shape[0], window and max(self.lengths) > window
         outs = [
-            F.scaled_dot_product_attention(
-                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True, enable_gqa=gqa
-            )[0]
+            chunk_attention(qs, ks, vs, 0, rep, window=window)[0]
+            if masked
+            else F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=rep > 1)[0]
             for qs, ks, vs in zip(q.split(self.lengths, 1), k.split(self.lengths, 1), v.split(self.lengths, 1))
         ]
-        return rows_out(torch.cat(outs, dim=1))  # [H, T, D] -> [T, H*D]
+        return rows_out(torch.cat(outs, dim=1))
 
 
 class PackedRows(Attend):
@@ -233,15 +233,9 @@ class RowsAttend(Attend):
 
     def _row(self, cache: Any, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
         """One sequence's decode-row attention (q [H, D], k/v [KVH, D]) -> [1, H*D]."""
-        a = self.a
         if not isinstance(cache, SeqCache):
             return cache.update_attend(layer, pos, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
-        keys, values = cache.update(layer, pos, k.unsqueeze(1), v.unsqueeze(1))
-        if a.window(layer):  # sliding window: the last w keys
-            keys, values = keys[:, -a.window(layer) :], values[:, -a.window(layer) :]
-        qg = q.reshape(a.kv_heads, a.heads // a.kv_heads, a.head_dim)
-        probs = torch.softmax((qg @ keys.transpose(1, 2) * self.scale).float(), dim=-1).to(values.dtype)
-        return (probs @ values).reshape(1, a.heads * a.head_dim)
+        return CacheAttend(self.a, cache, pos).attend(layer, q[None], k[None], v[None])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         a, caches, positions, groups = self.a, self.caches, self.positions, self.groups
@@ -348,33 +342,11 @@ class PoolAttend(Attend):
         return out.reshape(B, H * D)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    K: torch.Tensor,
-    V: torch.Tensor,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    splits: int,
-    **scales: torch.Tensor,
-) -> torch.Tensor:
-    """[B, H, D] decode attention of rows over their pool slots (the Triton kernel on CUDA); ``scales``:
-    an fp8 pool's ``k_scale`` / ``v_scale`` (``SlotPool.attend_kw``)."""
-    from swiftlm import cuda_ext
-
-    scale = q.shape[-1] ** -0.5
-    if q.is_cuda and cuda_ext.enabled("cuda"):
-        from swiftlm.cuda_ext.paged_attention import paged_decode_attention
-
-        return paged_decode_attention(q, K, V, tables, lens, scale, num_splits=splits, **scales)
-    from swiftlm.cuda_ext.paged_attention import paged_decode_attention_ref
-
-    return paged_decode_attention_ref(q, K, V, tables, lens, scale, **scales)
-
-
 class MixedAttend(Attend):
     """Rows [0, n_prompt): first prompt chunks packed in order (``seg``, ``cu``, ``max_len``: packed_attention's
     ``packed_causal``, over their own new K/V as the pool stores them); rows [n_prompt, T): one decode token each
-    over its pool slot (``decode_attention``).  Every row's K/V is written first, to its slot's block."""
+    over its pool slot (the Triton paged kernel on CUDA, its plain-torch reference elsewhere).  Every row's K/V is
+    written first, to its slot's block."""
 
     def __init__(self, pool: Any, slots: Any, pos: Any, seg: Any, cu: Any, max_len: int, n_prompt: int, splits: int):
         self.pool, self.slots, self.pos, self.seg, self.cu = pool, slots, pos, seg, cu
@@ -382,6 +354,11 @@ class MixedAttend(Attend):
         self.decode = pos.shape[0] > n_prompt
         self.tables, self.lens = pool.table[slots[n_prompt:]], (pos[n_prompt:] + 1).int()
         self.where = pool.locate(slots, pos)  # each row's block and its row there (kv_pool)
+        from swiftlm import cuda_ext
+        from swiftlm.cuda_ext.paged_attention import paged_decode_attention, paged_decode_attention_ref
+
+        kernel = pos.is_cuda and cuda_ext.enabled("cuda")
+        self.fn = partial(paged_decode_attention, num_splits=splits) if kernel else paged_decode_attention_ref
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p, n, (T, H, D) = self.pool, self.n, q.shape
@@ -390,9 +367,7 @@ class MixedAttend(Attend):
         o = packed_causal(q[:n], k[:n], v[:n], self.seg[:n], self.pos[:n], self.cu, self.max_len)
         if self.decode:
             kw = p.attend_kw(layer)
-            o = torch.cat(
-                [o, decode_attention(q[n:], p.k[layer], p.v[layer], self.tables, self.lens, self.splits, **kw)]
-            )
+            o = torch.cat([o, self.fn(q[n:], p.k[layer], p.v[layer], self.tables, self.lens, D**-0.5, **kw)])
         return o.reshape(T, H * D)
 
 

@@ -11,10 +11,8 @@ q/k norms (Qwen3) run as torch ops between the QKV matmul and the rope kernel.  
 unfused functions compute, rounded in other places (fp32 inside each kernel instead of one rounding
 to the model's dtype per torch op): ``tests/test_fused_decode.py`` bounds the difference.
 
-Each step is forward.fused (the one fused layer loop) with an attend object of this module, one per cache:
-``SeqRows`` (a sequence's own cache), ``PoolRows`` (the slot pool), ``CompressedRows`` (one static compressed
-cache, TurboQuant or affine) and ``CompressedBatchRows`` (B of them).  ``attend_qkv`` takes the QKV rows: the
-rope is applied by the kernel that writes the K/V row.
+Each step is forward.fused with this module's attend object of its cache: ``SeqRows``, ``PoolRows``,
+``CompressedRows`` (TurboQuant or affine) or ``CompressedBatchRows``; rope comes with the K/V row's write.
 """
 
 from __future__ import annotations

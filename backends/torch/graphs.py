@@ -5,8 +5,7 @@ with the position as a device tensor: every shape is static, so the whole step (
 all layers, LM head) is captured once per (cache slot, length bucket) and replayed with a
 single launch.  Attention reads the first ``L`` cache rows (the smallest bucket holding the
 position) and masks rows past the position.  MoE layers route on the host, so MoE models
-decode eagerly.  Every step here is forward.dense (or fused_decode's forward.fused) with the attend object
-of its cache (attend.py); ``GraphDecoder`` captures and replays them.
+decode eagerly.  Each step is forward.dense with its cache's attend object (attend.py).
 """
 
 from __future__ import annotations
@@ -247,59 +246,31 @@ class GraphDecoder:
         return entry
 
     def verify(self, kv: SeqCache, tokens: list[int], pos: int) -> torch.Tensor:
-        """Logits [len(tokens), V] at positions pos.. (graphed per slot, bucket and length)."""
-        T = len(tokens)
+        """Logits [len(tokens), V] at positions pos.. (graphed per cache, bucket and length): ``verify_static``,
+        or ``verify_paged`` for a paged-pool sequence (graphed per pool; its table row is an input)."""
+        T, m = len(tokens), self.model
         L = bucket_for(pos + T - 1, kv.capacity)
-        if isinstance(kv, PagedSeqCache):
-            return self._verify_paged(kv, tokens, pos, L)
-        if not self.use_graph:
-            return verify_static(
-                self.model,
-                kv,
-                torch.tensor(tokens, device=self.device),
-                torch.tensor([pos], device=self.device),
-                L,
-                self.arange,
-            )
-        key = ("verify", id(kv), L, T)
-        entry = self.graphs.get(key)
-        if entry is None:
-            tok = torch.tensor(tokens, device=self.device)
-            p = torch.tensor([pos], device=self.device)
-            entry = self._capture(key, lambda t, q: verify_static(self.model, kv, t, q, L, self.arange), (tok, p))
-        g, (tok, p), out = entry
-        tok.copy_(torch.tensor(tokens), non_blocking=True)
-        p.fill_(pos)
-        g.replay()
-        return out
+        paged = isinstance(kv, PagedSeqCache)
+        if paged:
+            kv.sync()
+            kv.pool.flush()
+            key: tuple = ("verify-paged", id(kv.pool), L, T)
 
-    def _verify_paged(self, kv: PagedSeqCache, tokens: list[int], pos: int, L: int) -> torch.Tensor:
-        """``verify`` over a paged-pool sequence: one graph per (slot, L, T) (``verify_paged``)."""
-        T, pool = len(tokens), kv.pool
-        kv.sync()
-        pool.flush()
-        fn = functools.partial(verify_paged, self.model, pool)
+            def fn(s: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+                return verify_paged(m, kv.pool, s, t, p, L, self.arange)
+        else:
+            key = ("verify", id(kv), L, T)
+
+            def fn(s: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # (s: the paged path's)
+                return verify_static(m, kv, t, p, L, self.arange)
+
+        host = (torch.tensor([kv.slot if paged else 0]), torch.tensor(tokens), torch.tensor([pos]))
         if not self.use_graph:
-            return fn(
-                torch.tensor([kv.slot], device=self.device),
-                torch.tensor(tokens, device=self.device),
-                torch.tensor([pos], device=self.device),
-                L,
-                self.arange,
-            )
-        key = ("verify-paged", id(pool), L, T)
-        entry = self.graphs.get(key)
-        if entry is None:
-            ins = (
-                torch.tensor([kv.slot], device=self.device),
-                torch.tensor(tokens, device=self.device),
-                torch.tensor([pos], device=self.device),
-            )
-            entry = self._capture(key, lambda s, t, q: fn(s, t, q, L, self.arange), ins)
-        g, (s, tok, p), out = entry
-        s.fill_(kv.slot)
-        tok.copy_(torch.tensor(tokens), non_blocking=True)
-        p.fill_(pos)
+            return fn(*(t.to(self.device) for t in host))
+        entry = self.graphs.get(key) or self._capture(key, fn, tuple(t.to(self.device) for t in host))
+        g, ins, out = entry
+        for dst, src in zip(ins, host):
+            dst.copy_(src, non_blocking=True)
         g.replay()
         return out
 

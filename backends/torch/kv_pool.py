@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from .attend import causal_attention
 from .kv_fp8 import FP8, KVScales, dequantize, quantize
 
 
@@ -303,28 +303,11 @@ class PagedSeqCache:
     def update_attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v [KVH, T, D] at positions [start, start + T); attend q [H, T, D] causally to every
         position up to each query's.  Returns [T, H * D]."""
-        from .model import chunk_attention
-
-        T = k.shape[1]
-        end = start + T
+        end = start + k.shape[1]
         self.write_rows(layer, start, k, v)
         idx = self._plan(start, end)[2]
         keys, values = self._gather(self.pool.k[layer], idx, end), self._gather(self.pool.v[layer], idx, end)
-        keys, values = self.pool.dequantize(layer, keys, values)
-        H, KVH, D = q.shape[0], keys.shape[0], q.shape[2]
-        rep = H // KVH
-        if T == 1:
-            qg = q.reshape(KVH, rep, D)
-            probs = torch.softmax((qg @ keys.transpose(1, 2) * D**-0.5).float(), dim=-1).to(values.dtype)
-            out = (probs @ values).reshape(1, H * D)
-        else:
-            if start == 0:
-                o = F.scaled_dot_product_attention(
-                    q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=rep > 1
-                )
-            else:
-                o = chunk_attention(q, keys, values, start, rep)
-            out = o[0].transpose(0, 1).reshape(T, H * D)
+        out = causal_attention(q, *self.pool.dequantize(layer, keys, values), start)
         if layer == self.a.layers - 1:
             self.length = end
         return out

@@ -2,7 +2,7 @@
 
 A chunk of T query rows (``PROMPT_ROWS`` or more) attends over the layer's compressed rows and its 16-bit rows
 (the window plus the chunk's own rows).  The compressed rows are decoded once into one [KVH, n_code + n_dense, D]
-key tensor and one value tensor, the 16-bit rows copied behind them, and ``model.chunk_attention``, the 16-bit
+key tensor and one value tensor, the 16-bit rows copied behind them, and ``attend.chunk_attention``, the 16-bit
 prompt path's own call (SDPA: flash on CUDA; causal within the chunk, full to the past), attends:
 
 - TurboQuant rows are decoded in the rotated domain (``x @ R^T``): centroids times the norm, no rotation of the
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .model import chunk_attention
+from .attend import chunk_attention
 
 PROMPT_ROWS = 16  # query rows (a prompt chunk) from which a chunk takes this path; fewer: the blockwise path
 DECODE_ROWS = 8192  # compressed rows decoded at a time (per KV head) into the key / value tensors
