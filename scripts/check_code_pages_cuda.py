@@ -51,9 +51,7 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, pages: bool = Tru
             "generate_s": round(dt, 2),
             "out_tok_s": round(len(prompts) * max_tokens / dt, 1),
             "kv_allocated_gib": round(mem["kv_allocated"] / 2**30, 3),
-            "pool": None
-            if eng.model.code_pages is None
-            else [eng.model.code_pages.pages, eng.model.code_pages.page_rows, eng.model.code_pages.page_bytes],
+            "pool": None if (cp := eng.model.seqs.code_pages) is None else [cp.pages, cp.page_rows, cp.page_bytes],
             "kw": dict(kw, pages=pages),
         }
 

@@ -44,7 +44,7 @@ def main() -> None:
         "first_difference_at": first_diff,
         "tokens": len(off.token_ids),
         "graph_captures": model.graphs.captures if model.graphs else None,
-        "pooled_caches": {f.name: len(v) for f, v in model.turbo_free.items()},
+        "pooled_caches": {f.name: len(v) for f, v in model.seqs.turbo_free.items()},
         "solo_tok_s": len(again.token_ids) / t_solo,
         "batched_seconds": t_together,
         "k4v3_text": again.text[:200],

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import needs_torch
+from torch_layout import relayout
 
 from swiftlm.sampling import SamplingParams
 
@@ -34,11 +35,10 @@ def make_static(llm, pages: int | None) -> None:
     from swiftlm.backends.torch.code_pages import CodePages
 
     eng, m = llm.engine, llm.engine.model
-    m.info.context_length = CTX
-    m._static_ok = lambda fmt: fmt.kind == "turbo"
-    m.turbo_free.clear()
+    relayout(m, context=CTX)
+    m.seqs.static_ok = lambda fmt: fmt.kind == "turbo"
     if pages is not None:
-        m.code_pages = CodePages(m.module.a, m.kv_default, pages, torch.device("cpu"), page_rows=PAGE)
+        m.seqs.code_pages = CodePages(m.module.a, m.kv_default, pages, torch.device("cpu"), page_rows=PAGE)
         eng.kv.attach_pool(False)
         assert eng.code_format == m.kv_default and eng.scheduler.code_blocks is not None
 
@@ -51,7 +51,7 @@ def whole(tiny_llama):
     with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=4, **TURBO) as llm:
         make_static(llm, None)
         outs = [o.token_ids for o in llm.generate(PROMPTS, p)]
-        assert all(getattr(c, "static", False) for c in llm.engine.model.turbo_free[llm.engine.model.kv_default])
+        assert all(getattr(c, "static", False) for c in llm.engine.model.seqs.turbo_free[llm.engine.model.kv_default])
         return outs
 
 
@@ -87,8 +87,8 @@ def test_code_pages_engine_equals_whole_context_codes(tiny_llama, whole, pages):
         assert 0 < max(peak) <= pages
         assert codes.used() == 0  # every page back once the requests end
         codes.check()
-        pool = llm.engine.model.code_pages
-        caches = llm.engine.model.turbo_free[llm.engine.model.kv_default]
+        pool = llm.engine.model.seqs.code_pages
+        caches = llm.engine.model.seqs.turbo_free[llm.engine.model.kv_default]
         assert caches and all(c.paged and c.code_pages is pool and not c.page_list for c in caches)
         stats = llm.engine.scheduler.block_stats()["code_pages"]
         assert stats == {"page_size": PAGE, "pages_total": pages, "pages_used": 0, "pages_free": pages}
@@ -114,7 +114,9 @@ def test_other_formats_keep_their_own_caches(tiny_llama):
         got.append(llm.generate(PROMPTS[4], reqs[2]).token_ids)
         assert got == want
         m = llm.engine.model
-        assert not any(c.paged for c in m.turbo_free[[f for f in m.turbo_free if f.name.startswith("k3v2")][0]])
+        assert not any(
+            c.paged for c in m.seqs.turbo_free[[f for f in m.seqs.turbo_free if f.name.startswith("k3v2")][0]]
+        )
 
 
 def _peak_of(llm, params):
@@ -161,14 +163,14 @@ def test_a_cache_that_does_not_fit_fails_only_its_request(tiny_llama, whole):
     with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=4, **TURBO) as llm:
         make_static(llm, 40)
         m = llm.engine.model
-        made = m._compressed
+        made = m.seqs.compressed
 
         def compressed(fmt):
             if fmt.name.startswith("k3v2"):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return made(fmt)
 
-        m._compressed = compressed
+        m.seqs.compressed = compressed
         errors, outs = [], {}
 
         def one(i, params):

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 from conftest import needs_torch
+from torch_layout import relayout
 
 from swiftlm import SamplingParams
 
@@ -123,11 +124,10 @@ def make_paged_fp8(llm, parallel: int, num_blocks: int | None = None, block_size
 
     eng, m = llm.engine, llm.engine.model
     cpu = torch.device("cpu")
-    m.static, m.info.context_length = True, CTX
-    m.pool = SlotPool(
+    pool = SlotPool(
         m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks, fp8=m.kv_fp8
     )
-    m.graphs = GraphDecoder(m.module, cpu, use_graph=False, fused=False)
+    relayout(m, static=True, context=CTX, pool=pool, graphs=GraphDecoder(m.module, cpu, use_graph=False, fused=False))
     eng.kv.attach_pool(True)  # with a pool, the prompt cache is its blocks
 
 

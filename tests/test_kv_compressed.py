@@ -298,8 +298,8 @@ def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
     from swiftlm.backends.torch.compressed_cache import StageBudget
 
     m = turbo_llm.engine.model
-    assert m.stage_budget is None  # --turbo-kv-prompt-memory auto: off on CPUs
-    m.stage_budget = budget = StageBudget()
+    assert m.seqs.stage_budget is None  # --turbo-kv-prompt-memory auto: off on CPUs
+    m.seqs.stage_budget = budget = StageBudget()
     try:
         ids = turbo_llm.tokenizer.encode(PROMPTS[0] * 6)
         m.kv_formats[901] = parse_turbo("k4v3", window=16)
@@ -308,7 +308,7 @@ def test_smollm2_prompt_is_compressed_beyond_the_window(turbo_llm):
         assert c.counts() == (0, len(ids)) and budget.in_use() > 0
         m.logits(901, [nxt], len(ids))
     finally:
-        m.stage_budget = None
+        m.seqs.stage_budget = None
     n_code, n_dense = c.counts()
     held = len(ids) + 1
     assert n_code + n_dense == held and n_code >= held - 16 - 31 and 16 <= n_dense < 48

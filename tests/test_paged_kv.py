@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import needs_torch
+from torch_layout import relayout
 
 from swiftlm import SamplingParams
 
@@ -27,9 +28,8 @@ def make_paged(llm, parallel: int, block_size: int = 16, num_blocks: int | None 
 
     eng, m = llm.engine, llm.engine.model
     cpu = torch.device("cpu")
-    m.static, m.info.context_length = True, CTX
-    m.pool = SlotPool(m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks)
-    m.graphs = GraphDecoder(m.module, cpu, use_graph=False, fused=False)
+    pool = SlotPool(m.module.a, parallel, CTX, torch.float32, cpu, block_size=block_size, num_blocks=num_blocks)
+    relayout(m, static=True, context=CTX, pool=pool, graphs=GraphDecoder(m.module, cpu, use_graph=False, fused=False))
     eng.kv.attach_pool(True)  # with a pool, the prompt cache is its blocks
 
 
@@ -98,14 +98,14 @@ def test_prefix_blocks_are_shared_not_copied(tiny_llama):
     with LLM(str(tiny_llama), backend="torch", ctx_size=CTX, parallel=2) as llm:
         make_paged(llm, 2)
         m, late = llm.engine.model, []
-        chunk_rows = m._late_chunks  # the rest after the cached blocks: rows of the batched decode step
+        chunk_rows = m.packed.late_chunks  # the rest after the cached blocks: rows of the batched decode step
 
-        def counted(batch, aid):
-            r = chunk_rows(batch, aid)
+        def counted(batch, aid, graphs):
+            r = chunk_rows(batch, aid, graphs)
             late.extend(r)
             return r
 
-        m._late_chunks = counted
+        m.packed.late_chunks = counted
         got = [llm.generate(c, p) for c in chats]
         assert len(late) == 2  # the two cached requests' rests ran as decode rows (and gave the same tokens)
         assert [o.token_ids for o in got] == want

@@ -6,6 +6,7 @@ import time
 
 import pytest
 from conftest import BACKENDS, needs_torch
+from torch_layout import relayout
 
 from swiftlm import SamplingParams
 from swiftlm.prefix_cache import PrefixCache
@@ -125,12 +126,11 @@ def test_torch_static_slot_pool_on_cpu(tiny_llama):
         LLM(str(tiny_llama), backend="torch", prompt_cache_bytes=0) as plain,
     ):
         m = cached.engine.model
-        m.static = True  # slots as on CUDA (no graphs: those need a GPU)
-        m.info.context_length = 256
+        relayout(m, static=True, context=256)  # slots as on CUDA (no graphs: those need a GPU)
         got = [cached.generate(c, p) for c in chats]
         assert [o.usage["cached_tokens"] > 0 for o in got] == [False, True, True]
         assert [o.token_ids for o in got] == [plain.generate(c, p).token_ids for c in chats]
-        assert len(m.free_slots) == 1  # the one slot went back to the pool and was reused
+        assert len(m.seqs.free_slots) == 1  # the one slot went back to the pool and was reused
 
 
 @needs_torch

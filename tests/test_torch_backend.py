@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import make_ckpt, needs_mlx, needs_torch
 from tolerances import REDUCTIONS_PER_BLOCK, fp32_matmul_tol, transformer_logits_tol
+from torch_layout import relayout
 
 pytestmark = needs_torch
 
@@ -147,9 +148,13 @@ def test_slot_pool_layout_runs_engine_exactly(tiny_llama):
     for kw in ({"parallel": 4}, {"parallel": 1, "speculative": "ngram"}):
         with LLM(str(tiny_llama), backend="torch", ctx_size=512, prompt_cache_bytes=0, **kw) as llm:
             m = llm.engine.model
-            m.static, m.info.context_length = True, 512
-            m.pool = SlotPool(m.module.a, kw["parallel"], 512, torch.float32, torch.device("cpu"))
-            m.graphs = GraphDecoder(m.module, torch.device("cpu"), use_graph=False, fused=False)
+            relayout(
+                m,
+                static=True,
+                context=512,
+                pool=SlotPool(m.module.a, kw["parallel"], 512, torch.float32, torch.device("cpu")),
+                graphs=GraphDecoder(m.module, torch.device("cpu"), use_graph=False, fused=False),
+            )
             outs = llm.generate(prompts, p)
             assert [o.token_ids for o in outs] == solo, kw
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -32,7 +33,6 @@ from .devices import (  # noqa: F401 (re-exported)
 )
 from .graphs import GraphDecoder, graphable
 from .kv_accounting import KVAccounting
-from .kv_cache import SeqCache
 from .kv_fp8 import FP8, check_kv_cache_dtype, checkpoint_scales, describe, kv_storage_dtype
 from .kv_pool import PagedSeqCache, SlotPool
 from .loader import check_arch, load_state
@@ -41,26 +41,30 @@ from .ops import TorchOps
 from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks
 from .prefill_graphs import PackedGraphs
-from .prefix_hooks import PrefixHooks
-from .seq_caches import SeqCaches
+from .prefix_hooks import PrefixCopies
+from .seq_caches import SeqCaches, static_turbo, without
 
 log = logging.getLogger(__name__)
 
 
 EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
-# a short prompt chunk past position 0 (the rest of a prompt whose first blocks came from the prefix cache) runs
-# as rows of the batched decode graph when its rows x positions stay under this (each row reads its prefix)
-LATE_CHUNK_ROW_POSITIONS = 1 << 17
-LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
 
 
-class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
+class TorchModel(ModelHooks):
     """On CUDA, each running sequence holds a fixed-capacity cache slot from a pool (slots are
     reused, so their CUDA graphs are captured once) and dense models decode by graph replay.
-    On CPU, caches grow on demand and every step runs eagerly."""
+    On CPU, caches grow on demand and every step runs eagerly.
 
-    kv_blocks: Any = None  # swiftlm.kv_blocks.KVBlocks: the engine's block manager (attach_kv_blocks)
-    code_blocks: Any = None  # the engine's manager of the code pages (attach_code_pages)
+    Its parts: ``seqs`` (each sequence's KV cache, seq_caches.py), ``prefix`` (KV rows handed between
+    sequences, prefix_hooks.py), ``kv`` (memory figures, kv_accounting.py) and ``packed`` (packed prompt
+    steps, packed_steps.py).  Each is built on first use from the fields ``__init__`` sets (``module``,
+    ``device``, ``dtype``, ``info``, ``kv_default``, ``caches``, ``kv_formats``, ``static``, ``pool``,
+    ``graphs``...): a pipeline stage (pipeline.py) sets those fields in its own ``__init__``."""
+
+    kv_fp8: Any = None  # --kv-cache-dtype fp8: kv_fp8.KVScales (K/V stored as e4m3), else None
+    prefill_graphs: PackedGraphs | None = None  # short first prompt chunks: a graph per token bucket
+    mixed_graphs: PackedGraphs | None = None  # decode rows and first prompt chunks: a graph per token bucket
+    packed_weight_bytes = 0  # cpu_packed.py's second copy of the weights
 
     def __init__(
         self,
@@ -78,16 +82,13 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         kv_fp8: Any = None,
     ):
         self.module, self.tokenizer, self.info = module, tokenizer, info
-        self.kv_fp8 = kv_fp8  # --kv-cache-dtype fp8: kv_fp8.KVScales (K/V stored as e4m3), else None
+        self.kv_fp8 = kv_fp8
         self.kv_default = kv_default or KVFormat()
         self.kv_formats: dict[int, KVFormat] = {}  # per sequence, from its request (set by step())
-        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}  # static compressed caches to reuse
-        self.stage_budget: StageBudget | None = None  # prompts of compressed caches held in 16 bits (load_model)
+        self.caches: dict[int, Any] = {}
         self.device, self.dtype = device, dtype
         if device.type == "cpu" and self.kv_default.compressed:  # compile the CPU kernel before the first request
             cpu_kernels.warm_up(module.a, self.kv_default, CompressedCache)
-        self.caches: dict[int, SeqCache] = {}
-        self.free_slots: list[SeqCache] = []
         self.ops = TorchOps(device)
         # --gpu-layers (CPU layers in the forward), archs.py / archs_moe.py layers and live sliding windows
         # (the graphs and paged attention run the llama-family layer over every key): the eager path on CUDA,
@@ -121,52 +122,61 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
             else None
         )
         # CUDA graphs + a TurboQuant server default: its static caches keep their codes in pages of one pool
-        self.code_pages: CodePages | None = None
-        if code_pages and self.graphs is not None and self._static_turbo(self.kv_default):
-            self.code_pages = CodePages(module.a, self.kv_default, code_pages, device)
+        if code_pages and self.graphs is not None and static_turbo(self.kv_default, device):
+            self.seqs.code_pages = CodePages(module.a, self.kv_default, code_pages, device)
         self.expert_stream: Any = None  # swiftlm.experts.ExpertReader with --stream-experts
         self.lora: Any = None  # lora.LoraSet with --adapter: per-request LoRA adapters
         # CUDA kernels run asynchronously: the engine may launch step k+1 before reading step k's ids
         self.overlap = self.static
         self.graph_capture = {"graphs": 0, "seconds": 0.0, "bytes": 0}
-        # short first prompt chunks (one prompt or several packed) replay a graph per token bucket
-        self.prefill_graphs = (
-            PackedGraphs(self.graphs, self.pool) if (self.graphs is not None and self.pool is not None) else None
+        if self.graphs is not None and self.pool is not None:
+            self.prefill_graphs = PackedGraphs(self.graphs, self.pool)
+            self.mixed_graphs = PackedGraphs(self.graphs, self.pool, rows=self.pool.n)
+            if self.graphs.use_graph:
+                self.graph_capture = self.packed.capture(self.graphs)
+
+    # ---------------------------------------------------------------- parts (built from the fields above)
+    @functools.cached_property
+    def seqs(self) -> SeqCaches:
+        return SeqCaches(
+            self.module.a,
+            self.device,
+            self.dtype,
+            self.info.context_length,
+            self.kv_default,
+            self.caches,
+            self.kv_formats,
+            static=self.static,
+            pool=self.pool,
+            graphed=self.graphs is not None,
+            fp8=self.kv_fp8,
         )
-        # a step with decode rows and first prompt chunks: one forward, one graph per token bucket
-        self.mixed_graphs = (
-            PackedGraphs(self.graphs, self.pool, rows=self.pool.n) if (self.prefill_graphs is not None) else None
-        )
-        if self.graphs is not None and self.pool is not None and self.graphs.use_graph:
-            torch.cuda.synchronize()
-            m0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
-            with torch.inference_mode():
-                # batched decode, every batch size (a lone row: size 1; short prompt rests: LATE_CHUNK_ROWS)
-                self.graphs.precapture(self.pool, max(self.pool.n, LATE_CHUNK_ROWS))
-                self.prefill_graphs.precapture()
-                self.mixed_graphs.precapture()
-            torch.cuda.synchronize()
-            self.graph_capture = {
-                "graphs": self.graphs.captures,
-                "seconds": round(time.perf_counter() - t0, 3),
-                "bytes": torch.cuda.memory_reserved() - m0,
-            }
-            log.info(
-                "captured %d CUDA graphs (batched decode, prompt buckets, mixed steps) in %.2f s (%.0f MB)",
-                self.graph_capture["graphs"],
-                self.graph_capture["seconds"],
-                self.graph_capture["bytes"] / 2**20,
-            )
+
+    @functools.cached_property
+    def prefix(self) -> PrefixCopies:
+        # tensor / pipeline ranks (subclasses) share no forks: each rank's caches would have to follow
+        return PrefixCopies(self.seqs, shareable=self._plain() and not self.static)
+
+    @functools.cached_property
+    def kv(self) -> KVAccounting:
+        return KVAccounting(self.seqs, self.pool, self.info.kv_bytes_per_token, self.info.weight_bytes)
+
+    @functools.cached_property
+    def packed(self) -> PackedSteps:
+        return PackedSteps(self.seqs, self.module, self.pool, self.prefill_graphs, self.mixed_graphs)
 
     def _plain(self) -> bool:
         """The single-process model itself (tensor / pipeline ranks subclass it and keep their own KV rules)."""
         return type(self) is TorchModel
 
+    def _cache(self, seq_id: int, start: int) -> Any:
+        return self.seqs.get(seq_id, start)
+
     @torch.inference_mode()
     def logits(self, seq_id: int, tokens: list[int] | torch.Tensor, start: int, adapter: int = 0) -> torch.Tensor:
         """Last position's logits; ``tokens`` may be a device tensor (overlapped decode).  ``adapter``: a
         LoRA adapter's index (lora.py), run eagerly (no CUDA graph)."""
-        cache = self._cache(seq_id, start)
+        cache = self.seqs.get(seq_id, start)
         if adapter:
             ids = (
                 tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -217,7 +227,7 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         replayed from a graph (the padding writes KV rows past the block, which the next step
         overwrites: rollback is by position)."""
         bind_thread(self.device)
-        cache = self._cache(seq_id, start)
+        cache = self.seqs.get(seq_id, start)
         T = len(tokens)
         width = max(T, pad_to or T)
         if self.graphs is not None and start + width <= cache.capacity:
@@ -234,26 +244,26 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
         graph (on GPU); prefill chunks run per sequence.  Logits [n_sample, V] in batch order."""
         bind_thread(self.device)
         t0 = time.perf_counter()
-        for w in batch.seqs:
-            if w.seq_id not in self.caches:
-                self.kv_formats[w.seq_id] = self.kv_default if w.kv_format is None else w.kv_format
+        self.seqs.admit(batch.seqs)
         failed: dict[int, str] = {}
         aid: dict[int, int] = {}
         if self.lora is not None or any(getattr(w.params, "adapter", None) for w in batch.seqs):
             batch, aid, failed = self._adapters(batch)
-        batch = self._new_caches(batch, failed)
+        batch = self.seqs.make_compressed(batch, failed)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         dev = batch.input_ids  # overlapped decode: the ids are still on the device (row i: batch.seqs[i])
         rows: dict[int, torch.Tensor] = {}
         batched = None
         prep = None
-        chunks = PromptChunks(self, batch, aid)  # the step's packable prompt chunks: worked out once, on first use
-        mixed = self._mixed(batch, decode, aid, chunks) if dev is None and decode else None
+        chunks = PromptChunks(
+            self.packed, batch, aid
+        )  # the step's packable prompt chunks: worked out once, on first use
+        mixed = self.packed.mixed(batch, decode, aid, chunks) if dev is None and decode else None
         if mixed is not None:  # decode rows and first prompt chunks in one forward
             batched, packed = mixed
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         elif len(decode) > 1:
-            caches = [self._cache(w.seq_id, w.start_pos) for w in decode]
+            caches = [self.seqs.get(w.seq_id, w.start_pos) for w in decode]
             toks = dev if dev is not None else [w.tokens[0] for w in decode]
             positions = [w.start_pos for w in decode]
             prep = time.perf_counter() - t0
@@ -279,9 +289,9 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
                 batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         if mixed is None:
-            packed = self._prefill_packed(batch, aid, chunks) if dev is None else {}
+            packed = self.packed.prefill(batch, aid, chunks) if dev is None else {}
         if dev is None:
-            packed.update(self._late_chunks(batch, aid))
+            packed.update(self.packed.late_chunks(batch, aid, self.graphs))
         out: list[torch.Tensor] = []
         for i, w in enumerate(batch.seqs):
             j = rows.get(w.seq_id)
@@ -310,45 +320,6 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
             logits = torch.stack(out) if out else None
         return Forward(logits, failed=failed, prepare_seconds=prep or 0.0)
 
-    def _late_chunks(self, batch: StepBatch, aid: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Short prompt chunks past position 0 on the paged pool (the rest of a prompt after its cached prefix
-        blocks) as rows of one batched decode graph replay: each token a row at its own position in its
-        sequence's slot; every row's K/V is written before any row attends, and a row attends up to its own
-        position, so the chunk is causal.  Instead of an eager forward per chunk, which is bound by its kernel
-        launches.  Their last rows' logits."""
-        g = self.graphs
-        if g is None or self.pool is None or (g.use_graph and not g.paged_attention):  # (no graph per length)
-            return {}
-        slots: list[int] = []
-        toks: list[int] = []
-        pos: list[int] = []
-        ends: list[tuple[Any, int, Any]] = []
-        for w in batch.seqs:
-            T, s0 = len(w.tokens), w.start_pos
-            if (
-                T < 2
-                or s0 == 0
-                or w.media is not None
-                or aid.get(w.seq_id)
-                or len(slots) + T > max(self.pool.n, LATE_CHUNK_ROWS)
-                or T * (s0 + T) > LATE_CHUNK_ROW_POSITIONS
-                or self.kv_formats.get(w.seq_id, self.kv_default).compressed
-            ):
-                continue
-            c = self._cache(w.seq_id, s0)
-            if not isinstance(c, PagedSeqCache):
-                continue
-            slots += [c.slot] * T
-            toks += list(w.tokens)
-            pos += range(s0, s0 + T)
-            ends.append((w, len(slots) - 1, c))
-        if not ends:
-            return {}
-        logits = g.run_batch(self.pool, slots, toks, pos)
-        for w, _last, c in ends:
-            c.length = w.start_pos + len(w.tokens)
-        return {w.seq_id: logits[last] for w, last, _ in ends}
-
     def _adapters(self, batch: StepBatch) -> tuple[StepBatch, dict[int, int], dict[int, str]]:
         """Each sequence's adapter index (from ``params.adapter``); sequences naming an adapter this
         model does not serve fail (and leave the batch) instead of running on the base."""
@@ -362,30 +333,55 @@ class TorchModel(PackedSteps, PrefixHooks, KVAccounting, SeqCaches, ModelHooks):
                 aid[w.seq_id] = -1
             if aid[w.seq_id] < 0:
                 failed[w.seq_id] = f"LoRA adapter {name!r} is not loaded on this model"
-        if failed:
-            keep = [i for i, w in enumerate(batch.seqs) if w.seq_id not in failed]
-            ids = batch.input_ids[keep] if batch.input_ids is not None else None
-            batch = StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
-        return batch, aid, failed
+        return without(batch, failed), aid, failed
 
     def free(self, seq_ids: Sequence[int]) -> None:
-        for s in seq_ids:
-            c = self.caches.pop(s, None)
-            self.kv_formats.pop(s, None)
-            if self.kv_blocks is not None:
-                self.kv_blocks.free(s)
-            if self.code_blocks is not None:
-                self.code_blocks.free(s)
-            if isinstance(c, CompressedCache):
-                c.drop_stage()
-            if isinstance(c, CompressedCache) and c.static:
-                c.release_pages()  # now, not when the cache is reused
-                self.turbo_free.setdefault(c.fmt, []).append(c)
-                continue
-            if isinstance(c, PagedSeqCache):
-                self.pool.give_back(c)
-            elif c is not None and self.static and isinstance(c, SeqCache):
-                self.free_slots.append(c)
+        self.seqs.free(seq_ids)
+
+    # ---------------------------------------------------------------- ModelHooks (swiftlm/backend.py)
+    def share_prefix(self, seq_id: int) -> tuple[Any, int] | None:
+        return self.prefix.share(seq_id)
+
+    def fork_from(self, seq_id: int, handle: Any, n: int) -> None:
+        self.prefix.fork(seq_id, handle, n)
+
+    def snapshot_prefix(self, seq_id: int) -> tuple[Any, int, int] | None:
+        return self.prefix.snapshot(seq_id)
+
+    def restore_prefix(self, seq_id: int, payload: Any, n: int) -> None:
+        self.prefix.restore(seq_id, payload, n)
+
+    def adopt_prefix(self, seq_id: int, n: int) -> None:
+        self.prefix.adopt(seq_id, n)
+
+    def kv_block_spec(self) -> tuple[int, int] | None:
+        """None where sequences keep their own caches (CPU, eager CUDA models) and on tensor / pipeline ranks, which
+        keep fixed slot runs: the leader's block decisions (prefix blocks above all) would have to reach every
+        rank's pool."""
+        p = self.pool
+        return None if p is None or p.managed or not self._plain() else (p.num_blocks, p.block_size)
+
+    def attach_kv_blocks(self, blocks: Any) -> None:
+        self.seqs.kv_blocks = blocks
+        self.pool.attach()
+
+    def code_page_spec(self) -> tuple[int, int, Any] | None:
+        """The pages of the server's TurboQuant format (the engine's second manager hands them out), or None."""
+        p = self.seqs.code_pages
+        return None if p is None or p.managed or not self._plain() else (p.pages, p.page_rows, p.fmt)
+
+    def attach_code_pages(self, blocks: Any) -> None:
+        self.seqs.code_blocks = blocks
+        self.seqs.code_pages.attach()
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.kv.kv_stats()
+
+    def reset_peak_memory(self) -> None:
+        self.kv.reset_peak_memory()
+
+    def memory(self) -> dict[str, Any]:
+        return self.kv.memory(self.packed_weight_bytes)
 
 
 def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
@@ -528,7 +524,7 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         kv_fp8=kv_scales,
     )
     model.expert_stream = reader
-    model.stage_budget = StageBudget(stage_limit) if stage_limit else None
+    model.seqs.stage_budget = StageBudget(stage_limit) if stage_limit else None
     model.packed_weight_bytes = packed_bytes
     if adapters:  # --adapter NAME=PATH: LoRA adapters served on this base, chosen per request (lora.py)
         from .lora import attach

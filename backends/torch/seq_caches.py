@@ -1,56 +1,109 @@
 """Which KV cache each sequence of ``runner.TorchModel`` gets: a block table in the paged pool (CUDA), a
 compressed cache (TurboQuant / kv_bits; static on CUDA, its codes pages of the code pool in the server's
---turbo-kv format), or a cache of its own that grows (CPU, eager CUDA models)."""
+--turbo-kv format), or a cache of its own that grows (CPU, eager CUDA models); and where a finished sequence's
+storage goes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from swiftlm.backend import StepBatch
+from swiftlm.backend import SeqWork, StepBatch
+from swiftlm.config import parse_bytes
 from swiftlm.turboquant.presets import KVFormat
 
 from .affine_decode import static_ok
-from .compressed_cache import CompressedCache
-from .kv_cache import SeqCache
-from .kv_pool import PagedSeqCache
+from .code_pages import CodePages
+from .compressed_cache import STAGE_BYTES, CompressedCache, StageBudget
+from .kv_cache import GROW_ROWS, SeqCache
+from .kv_pool import PagedSeqCache, SlotPool
+
+
+def triton_ok(device: torch.device) -> bool:
+    from swiftlm import cuda_ext
+
+    return device.type == "cuda" and cuda_ext.enabled("cuda")
+
+
+def static_turbo(fmt: KVFormat, device: torch.device) -> bool:
+    """A TurboQuant format whose static caches may keep their codes in pages of one pool (``code_pages.py``)."""
+    return fmt.kind == "turbo" and not fmt.keep_layers and triton_ok(device)
+
+
+def stage_budget(cfg: Any, device: torch.device) -> StageBudget | None:
+    """--turbo-kv-prompt-memory: the budget of prompts held in 16 bits (auto: STAGE_BYTES on CUDA, off on CPUs)."""
+    stage = getattr(cfg, "turbo_kv_prompt_memory", None) or "auto"
+    if stage == "auto":
+        limit = STAGE_BYTES if device.type == "cuda" else 0
+    else:
+        limit = 0 if stage in ("off", "0") else parse_bytes(stage)
+    return StageBudget(limit) if limit else None
 
 
 class SeqCaches:
-    """Mixed into ``runner.TorchModel`` (``caches``, ``kv_formats``, ``kv_default``, ``pool``, ``free_slots``,
-    ``turbo_free``, ``code_pages``, ``kv_blocks``, ``code_blocks``, ``graphs``, ``static``, ``module``, ``info``,
-    ``device``, ``dtype``, ``kv_fp8``: --kv-cache-dtype fp8's scales or None)."""
+    """The running sequences' KV caches (``caches``) and formats (``formats``: decided at admission), made on
+    first use, and the storage of finished sequences kept for reuse (``free_slots``: standalone fixed caches;
+    ``turbo_free``: static compressed caches per format).  ``caches`` and ``formats`` are the model's own dicts
+    (a pipeline stage reads them too)."""
 
-    kv_fp8: Any = None
+    kv_blocks: Any = None  # swiftlm.kv_blocks.KVBlocks: the engine's block manager (attach_kv_blocks)
+    code_blocks: Any = None  # the engine's manager of the code pages (attach_code_pages)
+    stage_budget: StageBudget | None = None  # prompts of compressed caches held in 16 bits (load_model)
+    code_pages: CodePages | None = None  # the server's TurboQuant format: codes of its static caches in pages
 
-    def _cache(self, seq_id: int, start: int) -> SeqCache:
+    def __init__(
+        self,
+        a: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        context: int,
+        kv_default: KVFormat,
+        caches: dict[int, Any],
+        formats: dict[int, KVFormat],
+        *,
+        static: bool = False,
+        pool: SlotPool | None = None,
+        graphed: bool = False,
+        fp8: Any = None,
+    ):
+        """``static``: fixed-capacity caches (CUDA), from ``pool`` when it has a slot; ``graphed``: decode steps
+        replay CUDA graphs (compressed caches are then static where their kernels allow); ``fp8``: --kv-cache-dtype
+        fp8's scales (kv_fp8.KVScales) or None."""
+        self.a, self.device, self.dtype, self.context = a, device, dtype, context
+        self.kv_default, self.caches, self.formats = kv_default, caches, formats
+        self.static, self.pool, self.graphed, self.fp8 = static, pool, graphed, fp8
+        self.free_slots: list[SeqCache] = []
+        self.turbo_free: dict[KVFormat, list[CompressedCache]] = {}
+
+    def admit(self, seqs: Iterable[SeqWork]) -> None:
+        """New sequences' formats, from their requests (the server's default where they name none)."""
+        for w in seqs:
+            if w.seq_id not in self.caches:
+                self.formats[w.seq_id] = self.kv_default if w.kv_format is None else w.kv_format
+
+    def fmt(self, seq_id: int) -> KVFormat:
+        return self.formats.get(seq_id, self.kv_default)
+
+    def get(self, seq_id: int, start: int) -> Any:
+        """The sequence's cache (made on first use), holding positions [0, start) for a step that starts there."""
         c = self.caches.get(seq_id)
-        fmt = self.kv_formats.get(seq_id, self.kv_default)
+        fmt = self.fmt(seq_id)
         if c is None and fmt.compressed:
-            c = self.caches[seq_id] = self._compressed(fmt)
+            c = self.caches[seq_id] = self.compressed(fmt)
         if c is None:
             if self.static:
                 c = self.pool.take() if self.pool is not None else None
                 if c is None:  # more sequences than slots (or no pool): a standalone fixed cache
-                    c = (
-                        self.free_slots.pop()
-                        if self.free_slots
-                        else SeqCache(
-                            self.module.a,
-                            self.dtype,
-                            self.device,
-                            capacity=self.info.context_length,
-                            fp8=self.kv_fp8,
-                        )
-                    )
+                    c = self.free_slots.pop() if self.free_slots else self.plain(self.context)
                 elif self.kv_blocks is not None:  # the engine's block manager grows this list (kv_blocks.py)
                     c.blocks = self.kv_blocks.table(seq_id)
                 c.length = 0
             else:
                 # a fresh cache sized to this sequence, not a finished sequence's: reused caches' capacities
                 # only ratchet up, so the KV allocated would grow over a long run
-                c = SeqCache(self.module.a, self.dtype, self.device, fp8=self.kv_fp8)
+                c = self.plain()
             self.caches[seq_id] = c
         if isinstance(c, PagedSeqCache):
             c.sync()  # blocks the manager added since the last step -> the slot's table row
@@ -64,71 +117,84 @@ class SeqCaches:
             raise RuntimeError(f"sequence {seq_id}: KV cache holds {c.length} positions, step starts at {start}")
         return c
 
-    def _triton_ok(self) -> bool:
-        from swiftlm import cuda_ext
+    def plain(self, capacity: int = GROW_ROWS) -> SeqCache:
+        return SeqCache(self.a, self.dtype, self.device, capacity=capacity, fp8=self.fp8)
 
-        return self.device.type == "cuda" and cuda_ext.enabled("cuda")
-
-    def _static_turbo(self, fmt: KVFormat) -> bool:
-        return fmt.kind == "turbo" and not fmt.keep_layers and self._triton_ok()
-
-    def _static_ok(self, fmt: KVFormat) -> bool:
+    def static_ok(self, fmt: KVFormat) -> bool:
         """CUDA + TurboQuant or kv_bits: a static cache (storage for the whole context, allocated once and
         reused by later requests with the same format) so that decode steps replay one CUDA graph; the
         server's TurboQuant format: codes in pages of the shared pool instead, taken as the sequence grows."""
-        return (
-            self.graphs is not None and self._triton_ok() and (self._static_turbo(fmt) or static_ok(self.module.a, fmt))
-        )
+        return self.graphed and triton_ok(self.device) and (static_turbo(fmt, self.device) or static_ok(self.a, fmt))
 
-    def _compressed(self, fmt: KVFormat) -> CompressedCache:
+    def compressed(self, fmt: KVFormat) -> CompressedCache:
         pooled = self.turbo_free.get(fmt)
         if pooled:
             c = pooled.pop()
             c.reset()
             return c
-        # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
-        dense = self.dtype if self.dtype != torch.float32 else torch.float16
-        triton_ok = self._triton_ok()
-        static = self._static_ok(fmt)
+        static = self.static_ok(fmt)
         pages = self.code_pages if static and self.code_pages is not None and fmt == self.code_pages.fmt else None
         c = CompressedCache(
-            self.module.a,
+            self.a,
             fmt,
             self.dtype,
             self.device,
-            dense_dtype=dense,
-            capacity=self.info.context_length if static else None,
+            # 16-bit rows: bf16 on the GPU (the model's dtype); fp16 on CPU, upcast when attended
+            dense_dtype=self.dtype if self.dtype != torch.float32 else torch.float16,
+            capacity=self.context if static else None,
             pages=pages,
             stage=self.stage_budget,
         )
-        c.use_triton = triton_ok
+        c.use_triton = triton_ok(self.device)
         if fmt.kind == "turbo":
             c.kc.use_triton = c.vc.use_triton = c.use_triton
         return c
 
-    def _new_caches(self, batch: StepBatch, failed: dict[int, str]) -> StepBatch:
+    def make_compressed(self, batch: StepBatch, failed: dict[int, str]) -> StepBatch:
         """Compressed caches of the step's new sequences, made before the forward: one that does not fit in
         device memory (a static cache holds a whole context unless its codes are pages) fails its own request,
         not the step's other rows."""
         bad: dict[int, str] = {}
         for w in batch.seqs:
-            if w.seq_id in self.caches:
-                continue
-            fmt = self.kv_formats.get(w.seq_id, self.kv_default)
-            if not fmt.compressed:
+            fmt = self.fmt(w.seq_id)
+            if w.seq_id in self.caches or not fmt.compressed:
                 continue
             try:
-                self._cache(w.seq_id, w.start_pos)
+                self.get(w.seq_id, w.start_pos)
             except torch.OutOfMemoryError:
                 self.caches.pop(w.seq_id, None)
                 bad[w.seq_id] = (
                     f"not enough device memory for this request's {fmt.name} KV cache (a whole "
-                    f"{self.info.context_length}-token context); requests in the server's --turbo-kv "
+                    f"{self.context}-token context); requests in the server's --turbo-kv "
                     "format take pages of the code pool instead"
                 )
-        if not bad:
-            return batch
         failed.update(bad)
-        keep = [i for i, w in enumerate(batch.seqs) if w.seq_id not in bad]
-        ids = batch.input_ids[keep] if batch.input_ids is not None else None
-        return StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
+        return without(batch, bad)
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        """Finished sequences: their blocks and pages back to the managers, their storage back for reuse."""
+        for s in seq_ids:
+            c = self.caches.pop(s, None)
+            self.formats.pop(s, None)
+            if self.kv_blocks is not None:
+                self.kv_blocks.free(s)
+            if self.code_blocks is not None:
+                self.code_blocks.free(s)
+            if isinstance(c, CompressedCache):
+                c.drop_stage()
+                if c.static:
+                    c.release_pages()  # now, not when the cache is reused
+                    self.turbo_free.setdefault(c.fmt, []).append(c)
+            elif isinstance(c, PagedSeqCache):
+                self.pool.give_back(c)
+            elif c is not None and self.static and isinstance(c, SeqCache):
+                self.free_slots.append(c)
+
+
+def without(batch: StepBatch, drop: dict[int, Any]) -> StepBatch:
+    """``batch`` less the sequences in ``drop`` (their on-device input ids too)."""
+    if not drop:
+        return batch
+    keep = [i for i, w in enumerate(batch.seqs) if w.seq_id not in drop]
+    ids = batch.input_ids[keep] if batch.input_ids is not None else None
+    return StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
