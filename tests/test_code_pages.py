@@ -83,9 +83,9 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
             logits[paged] = torch.stack(got)
             counts[paged] = [c.counts()[0] for c in cs]
             if paged:
-                res[mode + "_pages"] = [[len(c.page_list), c.counts()[0]] for c in cs]
-                res[mode + "_scattered"] = any(c.page_list != sorted(c.page_list) or
-                                               c.page_list[-1] - c.page_list[0] != len(c.page_list) - 1 for c in cs)
+                res[mode + "_pages"] = [[len(c.pages.list), c.counts()[0]] for c in cs]
+                res[mode + "_scattered"] = any(c.pages.list != sorted(c.pages.list) or
+                                               c.pages.list[-1] - c.pages.list[0] != len(c.pages.list) - 1 for c in cs)
                 res[mode + "_bytes"] = [c.pages_bytes() for c in cs]
                 for c in cs:
                     c.reset()

@@ -89,7 +89,7 @@ def test_code_pages_engine_equals_whole_context_codes(tiny_llama, whole, pages):
         codes.check()
         pool = llm.engine.model.seqs.code_pages
         caches = llm.engine.model.seqs.turbo_free[llm.engine.model.kv_default]
-        assert caches and all(c.paged and c.code_pages is pool and not c.page_list for c in caches)
+        assert caches and all(c.paged and c.code_pages is pool and not c.pages.list for c in caches)
         stats = llm.engine.scheduler.block_stats()["code_pages"]
         assert stats == {"page_size": PAGE, "pages_total": pages, "pages_used": 0, "pages_free": pages}
         if pages == 4:

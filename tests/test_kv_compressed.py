@@ -349,15 +349,15 @@ def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads,
     per block, values summed from the probabilities) equals softmax attention over the decoded rows,
     for random rows, odd lengths and blocks/chunks that end anywhere: DECODE_ROWS and SCORE_BUDGET are
     shrunk so a few hundred rows cross many blocks and chunks, with decode rows (T = 1) and chunks."""
-    import swiftlm.backends.torch.compressed_cache as cc
+    import swiftlm.backends.torch.code_attention as ca
 
     if fmt.kind == "affine" and d % 32:
         pytest.skip("affine groups need a head dim divisible by 32")
     a = shape(layers=1, kv_heads=kv_heads, heads=heads, d=d)
     g = torch.Generator().manual_seed(d * 7 + heads)
     for rows, budget in [(64, 1 << 21), (37, 500), (5, 1 << 21), (2048, 64)]:
-        monkeypatch.setattr(cc, "DECODE_ROWS", rows)
-        monkeypatch.setattr(cc, "SCORE_BUDGET", budget)
+        monkeypatch.setattr(ca, "DECODE_ROWS", rows)
+        monkeypatch.setattr(ca, "SCORE_BUDGET", budget)
         cache = CompressedCache(a, fmt, torch.float32, CPU)
         pos = 0
         for T in (1, 131, 7, 1, 259, 1):

@@ -32,7 +32,7 @@ torch = pytest.importorskip("torch")
 from test_kv_compressed import reference_attention, shape  # noqa: E402
 from tolerances import fp32_matmul_tol  # noqa: E402
 
-from swiftlm.backends.torch import cpu_kernels  # noqa: E402
+from swiftlm.backends.torch import code_attention, cpu_kernels  # noqa: E402
 from swiftlm.backends.torch import prompt_attention as pa  # noqa: E402
 from swiftlm.backends.torch.compressed_cache import CompressedCache  # noqa: E402
 from swiftlm.backends.torch.kv_quant import TurboCodec  # noqa: E402
@@ -192,11 +192,11 @@ def test_each_chunk_decodes_every_code_row_once(monkeypatch):
         decoded.append(e - s)
         return orig(self, planes, s, e)
 
-    def refuse(self, L, qg, scale):
+    def refuse(fmt, kc, vc, L, qg, scale):
         raise AssertionError("a prompt chunk took the blockwise path")
 
     monkeypatch.setattr(TurboCodec, "unit_rows", counting)
-    monkeypatch.setattr(CompressedCache, "_code_blocks", refuse)
+    monkeypatch.setattr(code_attention, "code_blocks", refuse)
     a = shape(layers=1, kv_heads=2, heads=4, d=64)
     cache = CompressedCache(a, parse_turbo("k4v3", window=16), torch.float32, CPU)
     g = torch.Generator().manual_seed(4)

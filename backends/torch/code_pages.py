@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .kv_quant import Encoded, TurboCodec
+from .staging import stager
 
 PAGE_ROWS = 256  # positions per page: a multiple of the split kernel's 64-row tile
 
@@ -49,16 +50,18 @@ class CodeLayer:
         self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
 
 
-def put_rows(L: CodeLayer, idx: torch.Tensor, k: Encoded, v: Encoded) -> None:
-    """Encoded rows (tensors [KVH, n, ...]) into rows ``idx`` (device int64 [n]) of L's code storage."""
-    for dst, src in zip(L.kp + L.vp, k.planes + v.planes):
-        dst.index_copy_(1, idx, src)
-    L.kn.index_copy_(1, idx, k.norms)
-    L.vn.index_copy_(1, idx, v.norms)
-    if k.signs is not None:
-        L.ks.index_copy_(1, idx, k.signs)
-    if k.rnorms is not None:
-        L.kr.index_copy_(1, idx, k.rnorms)
+def put_rows(L: CodeLayer, idx: torch.Tensor | slice, k: Encoded, v: Encoded) -> None:
+    """Encoded rows (tensors [KVH, n, ...]) into rows ``idx`` of L's code storage: device int64 [n] (a pool's rows,
+    through a page table), or a slice of a cache's own contiguous rows."""
+    pairs = [*zip(L.kp + L.vp, k.planes + v.planes), (L.kn, k.norms), (L.vn, v.norms)]
+    pairs += [(L.ks, k.signs), (L.kr, k.rnorms), (L.vb, v.signs)]  # QJL keys; affine value biases
+    for dst, src in pairs:
+        if src is None:
+            continue
+        if isinstance(idx, slice):
+            dst[:, idx] = src
+        else:
+            dst.index_copy_(1, idx, src)
 
 
 class CodePages:
@@ -119,74 +122,76 @@ class CodePages:
         return torch.full((n,), self.scratch, dtype=torch.int32, device=self.device)
 
 
-class PagedCodes:
-    """``CompressedCache``'s side of code pages: its page list, the device table, rows to write and read.
-    Expects ``paged``, ``code_pages``, ``page_list``, ``ptab``, ``device``, ``capacity`` (set in its __init__)."""
+class CachePages:
+    """One static cache's pages of ``pool``: the list in position order (``list``: its own, or the manager's live
+    list for the sequence), the same list in a device table for ``capacity`` positions (``table``: fixed address,
+    read by CUDA graphs), and the pool rows that code rows map to."""
 
-    def release_pages(self) -> None:
-        """Give the code pages back: to the pool (a manager's list is the manager's to free)."""
-        if not self.paged:
-            return
-        if not self.code_pages.managed:
-            self.code_pages.free.extend(reversed(self.page_list))
-        self.page_list = []
-        self._pages_synced = -1  # the device table still names them: rewrite it before the next read
-        self._rows_key = None
+    def __init__(self, pool: CodePages, capacity: int):
+        self.pool = pool
+        self.list: list[int] = []
+        self.table = pool.table(capacity)
+        self._synced = 0  # entries of ``list`` the table holds (-1: rewrite it)
+        self._rows: tuple[tuple, torch.Tensor] | None = None  # ((at, n, pages), rows_at's answer)
 
-    def set_pages(self, pages: list[int]) -> None:
+    def release(self) -> None:
+        """Give the pages back: to the pool (a manager's list is the manager's to free)."""
+        if not self.pool.managed:
+            self.pool.free.extend(reversed(self.list))
+        self.set([])  # the device table still names them: rewrite it before the next read
+
+    def set(self, pages: list[int]) -> None:
         """The manager's live page list for this cache's sequence (``KVBlocks.table``)."""
-        self.page_list, self._pages_synced, self._rows_key = pages, -1, None
+        self.list, self._synced, self._rows = pages, -1, None
 
-    def sync_pages(self) -> None:
+    def sync(self) -> None:
         """Copy the page list into the device table if it changed (before a step that reads it)."""
-        n = len(self.page_list)
-        if not self.paged or n == self._pages_synced:
+        n = len(self.list)
+        if n == self._synced:
             return
-        host = torch.full((self.ptab.shape[0],), self.code_pages.scratch, dtype=torch.int32)
-        host[:n] = torch.tensor(self.page_list[: host.shape[0]], dtype=torch.int32)
-        if self.ptab.is_cuda:
-            from .staging import stager
+        host = torch.full((self.table.shape[0],), self.pool.scratch, dtype=torch.int32)
+        host[:n] = torch.tensor(self.list[: host.shape[0]], dtype=torch.int32)
+        self.table.copy_(stager(self.pool.device).to_device(host) if self.table.is_cuda else host)
+        self._synced = n
 
-            self.ptab.copy_(stager(self.device).to_device(host))
-        else:
-            self.ptab.copy_(host)
-        self._pages_synced = n
-
-    def _need_pages(self, rows: int) -> None:
+    def need(self, rows: int) -> None:
         """Pages for code rows [0, rows): a managed list must already hold them; else take free pages."""
-        P = self.code_pages.page_rows
-        need = -(-rows // P) - len(self.page_list)
+        P, pool = self.pool.page_rows, self.pool
+        need = -(-rows // P) - len(self.list)
         if need > 0:
-            if self.code_pages.managed:
-                raise RuntimeError(
-                    f"code pages for {rows} positions are not allocated ({len(self.page_list)} pages of {P})"
-                )
-            if need > len(self.code_pages.free):
-                raise RuntimeError(f"TurboQuant code pages exhausted ({self.code_pages.pages} pages of {P} positions)")
-            self.page_list.extend(self.code_pages.free.pop() for _ in range(need))
-        self.sync_pages()
+            if pool.managed:
+                raise RuntimeError(f"code pages for {rows} positions are not allocated ({len(self.list)} pages of {P})")
+            if need > len(pool.free):
+                raise RuntimeError(f"TurboQuant code pages exhausted ({pool.pages} pages of {P} positions)")
+            self.list.extend(pool.free.pop() for _ in range(need))
+        self.sync()
 
-    def _rows_at(self, at: int, n: int) -> torch.Tensor:
+    def rows_at(self, at: int, n: int) -> torch.Tensor:
         """Pool rows of code rows [at, at + n) (device int64; every layer writes the same rows)."""
-        key = (at, n, len(self.page_list))
-        if self._rows_key != key:
-            self._need_pages(at + n)
-            P = self.code_pages.page_rows
+        key = (at, n, len(self.list))
+        if self._rows is None or self._rows[0] != key:
+            self.need(at + n)
+            P = self.pool.page_rows
             p = torch.arange(at, at + n)
-            rows = torch.tensor(self.page_list, dtype=torch.long)[p // P] * P + p % P
-            self._rows_key, self._rows_val = key, rows.to(self.device)
-        return self._rows_val
+            rows = torch.tensor(self.list, dtype=torch.long)[p // P] * P + p % P
+            self._rows = key, rows.to(self.pool.device)
+        return self._rows[1]
 
-    def _pages_arg(self, rows: int) -> tuple | None:
-        """The kernels' ``pages`` argument for ``rows`` code rows at most (None: contiguous codes)."""
-        return (self.ptab, self.code_pages.page_rows, rows) if self.paged else None
+    def arg(self, rows: int) -> tuple:
+        """The kernels' ``pages`` argument for ``rows`` code rows at most."""
+        return self.table, self.pool.page_rows, rows
 
-    def _code_view(self, L: Any) -> Any:
-        """L with its code rows [0, n_code) gathered into contiguous tensors (paged caches; the eager
-        paths read codes by position)."""
-        if not self.paged or not L.n_code:
+    def table_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Pool rows of code rows ``idx`` (device) through the device table: no host sync (capturable)."""
+        P = self.pool.page_rows
+        return self.table[idx // P].long() * P + idx % P
+
+    def view(self, L: CodeLayer) -> CodeLayer:
+        """L with its code rows [0, n_code) gathered into contiguous tensors (the eager paths read codes by
+        position)."""
+        if not L.n_code:
             return L
-        idx = self._rows_at(0, L.n_code)
+        idx = self.rows_at(0, L.n_code)
         v = CodeLayer(True)
         v.n_code, v.n_dense, v.dk, v.dv, v.pending = L.n_code, L.n_dense, L.dk, L.dv, L.pending
         v.stage, v.staging = L.stage, L.staging
@@ -197,6 +202,6 @@ class PagedCodes:
         v.kr = L.kr.index_select(1, idx) if L.kr is not None else None
         return v
 
-    def pages_bytes(self) -> int:
-        """Bytes of the code pages this cache holds (0 for a cache with codes of its own)."""
-        return len(self.page_list) * self.code_pages.page_bytes if self.paged else 0
+    def nbytes(self) -> int:
+        """Bytes of the pages held."""
+        return len(self.list) * self.pool.page_bytes

@@ -33,8 +33,8 @@ import torch
 
 from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, code_capacity, dense_capacity
 
-from . import cpu_kernels
-from .code_pages import CodeLayer, PagedCodes, put_rows
+from . import code_attention, cpu_kernels
+from .code_pages import CachePages, CodeLayer, put_rows
 from .compressed_graph import GraphSteps
 from .devices import STAGE_BYTES
 from .kv_quant import AffineCodec, Encoded, TurboCodec, online_attention
@@ -42,9 +42,6 @@ from .prompt_attention import PROMPT_ROWS, prompt_attention
 
 log = logging.getLogger(__name__)
 
-
-DECODE_ROWS = 2048  # compressed rows decoded at a time by the plain-torch attention (per KV head)
-SCORE_BUDGET = 1 << 21  # fp32 scores [KVH, queries, rows] held at a time: rows per chunk = this / (KVH * queries)
 
 
 class StageBudget:
@@ -72,8 +69,9 @@ class StageBudget:
         return sum(self.held.values())
 
 
-class CompressedCache(PagedCodes, GraphSteps):
-    """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine)."""
+class CompressedCache:
+    """One sequence's KV cache in a compressed ``KVFormat`` (``kind`` turbo or affine).  Its parts: ``pages`` (a
+    paged cache's ``CachePages``, else None) and ``graph`` (its Triton decode rows and graph steps)."""
 
     def __init__(
         self,
@@ -90,7 +88,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         16-bit buffer of window + COMPRESS_BLOCK + threshold rows are allocated once and never move;
         a step's rows that overflow the buffer are held aside until compression makes room.
         ``pages`` (a static TurboQuant cache): a ``code_pages.CodePages`` pool of ``fmt`` whose pages hold the
-        codes instead, taken as they are needed (``page_list``; ``ptab``: the same list on the device).
+        codes instead, taken as they are needed (``pages``: the list, and the same list on the device).
         ``stage``: the budget under which prompts are held in 16 bits until they end (None: every chunk compresses
         what left the window as it goes)."""
         self.a, self.fmt, self.dtype, self.device = a, fmt, dtype, device
@@ -110,7 +108,6 @@ class CompressedCache(PagedCodes, GraphSteps):
         self.window = fmt.window if fmt.kind == "turbo" else 0
         self.length = 0
         self.slot = None  # never part of the CUDA slot pool (graphs read plain caches only)
-        self._rot = None  # (R^T * scale, S^T * scale) fp32, made on first use by _kernel_row
         self.use_triton = False
         self.stage_budget = stage
         # bytes one staged position takes: 16-bit keys and values of every compressed layer
@@ -118,14 +115,10 @@ class CompressedCache(PagedCodes, GraphSteps):
         self._stage_row_bytes = 2 * a.kv_heads * a.head_dim * elem * sum(L.compressed for L in self.layers)
         self.code_pages = pages if self.static else None
         self.paged = self.code_pages is not None
-        self.page_list: list[int] = []  # the pages holding code rows, in position order (paged caches)
-        self._pages_synced = 0
-        self._rows_key: tuple | None = None
-        self._rows_val: Any = None
-        if self.paged:
-            if pages.fmt != fmt:
-                raise ValueError(f"code pages of {pages.fmt.name} for a {fmt.name} cache")
-            self.ptab = pages.table(capacity)
+        if self.paged and pages.fmt != fmt:
+            raise ValueError(f"code pages of {pages.fmt.name} for a {fmt.name} cache")
+        self.pages = CachePages(pages, capacity) if self.paged else None
+        self.graph = GraphSteps(a, fmt, self.kc, self.vc, self.dense_dtype, capacity, self.pages)
         if self.static:
             if fmt.kind == "affine" and fmt.threshold:  # graph steps quantize every row as it arrives
                 raise ValueError("a static affine cache needs threshold 0")
@@ -153,6 +146,30 @@ class CompressedCache(PagedCodes, GraphSteps):
         self.length = 0
         self.release_pages()
 
+    # ------------------------------------------------------------------ code pages (code_pages.CachePages)
+    @property
+    def ptab(self) -> torch.Tensor:
+        """The page list on the device (fixed address: CUDA graphs read it)."""
+        return self.pages.table
+
+    def release_pages(self) -> None:
+        if self.paged:
+            self.pages.release()
+
+    def _rows_at(self, at: int, n: int) -> torch.Tensor:
+        return self.pages.rows_at(at, n)
+
+    def _pages_arg(self, rows: int) -> tuple | None:
+        """The kernels' ``pages`` argument for ``rows`` code rows at most (None: contiguous codes)."""
+        return self.pages.arg(rows) if self.paged else None
+
+    def _code_view(self, L: CodeLayer) -> CodeLayer:
+        return self.pages.view(L) if self.paged else L
+
+    def pages_bytes(self) -> int:
+        """Bytes of the code pages this cache holds (0 for a cache with codes of its own)."""
+        return self.pages.nbytes() if self.paged else 0
+
     # ------------------------------------------------------------------ storage
     def _dense_cap(self, L: CodeLayer, need: int) -> int:
         if L.compressed and self.fmt.kind == "affine":  # no window: only the step's own rows
@@ -164,13 +181,15 @@ class CompressedCache(PagedCodes, GraphSteps):
         if need <= have:
             return
         cap = self._dense_cap(L, need)
-        shape = (self.a.kv_heads, cap, self.a.head_dim)
-        dk = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
-        dv = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
+        dk, dv = self._buffer(cap), self._buffer(cap)
         if L.n_dense:
             dk[:, : L.n_dense] = L.dk[:, : L.n_dense]
             dv[:, : L.n_dense] = L.dv[:, : L.n_dense]
         L.dk, L.dv = dk, dv
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        """Zeroed 16-bit rows [KVH, rows, D]."""
+        return torch.zeros((self.a.kv_heads, rows, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
 
     def _alloc_codes(self, L: CodeLayer, k: Encoded, v: Encoded, cap: int, keep: int = 0) -> None:
         """(Re)allocate code storage for ``cap`` positions, keeping the first ``keep`` rows."""
@@ -194,25 +213,14 @@ class CompressedCache(PagedCodes, GraphSteps):
     def _store(self, L: CodeLayer, k: Encoded, v: Encoded, at: int, n: int) -> None:
         """Write n encoded rows (tensors [KVH, n, ...]) at code position ``at``."""
         if self.paged:
-            put_rows(L, self._rows_at(at, n), k, v)
+            put_rows(L, self.pages.rows_at(at, n), k, v)
             return
         have = 0 if L.kn is None else L.kn.shape[1]
         if at + n > have:
             if self.static:
                 raise RuntimeError(f"static TurboQuant cache holds {have} positions; {at + n} needed")
             self._alloc_codes(L, k, v, code_capacity(at + n), keep=at)
-        for dst, src in zip(L.kp, k.planes):
-            dst[:, at : at + n] = src
-        for dst, src in zip(L.vp, v.planes):
-            dst[:, at : at + n] = src
-        L.kn[:, at : at + n] = k.norms
-        L.vn[:, at : at + n] = v.norms
-        if k.signs is not None:
-            L.ks[:, at : at + n] = k.signs
-        if k.rnorms is not None:
-            L.kr[:, at : at + n] = k.rnorms
-        if v.signs is not None:
-            L.vb[:, at : at + n] = v.signs
+        put_rows(L, slice(at, at + n), k, v)
 
     def _compress(self, L: CodeLayer) -> None:
         if not L.compressed or L.n_code + L.n_dense <= self.fmt.threshold:
@@ -236,8 +244,7 @@ class CompressedCache(PagedCodes, GraphSteps):
         if not self.static:  # a large prefill chunk or a staged prompt grew it: give the memory back
             cap = self._dense_cap(L, n)
             if L.dk is None or cap < L.dk.shape[1] or n > L.dk.shape[1]:
-                L.dk = torch.zeros((self.a.kv_heads, cap, self.a.head_dim), dtype=self.dense_dtype, device=self.device)
-                L.dv = torch.zeros_like(L.dk)
+                L.dk, L.dv = self._buffer(cap), self._buffer(cap)
         L.dk[:, :n] = k  # a static buffer in place: its address is part of a CUDA graph
         L.dv[:, :n] = v
 
@@ -309,103 +316,14 @@ class CompressedCache(PagedCodes, GraphSteps):
         return L.dk[:, : L.n_dense], L.dv[:, : L.n_dense]
 
     # ------------------------------------------------------------------ attention
-    def _code_blocks(self, L: CodeLayer, qg: torch.Tensor, scale: float) -> Iterator[tuple]:
-        """Score/value chunks over the compressed rows (qg: [KVH, M, D] fp32 queries).
-
-        A chunk holds as many rows as SCORE_BUDGET allows (a decode step: the whole history in one
-        chunk); its scores are computed DECODE_ROWS rows at a time, each block's codes decoded into a
-        reused buffer by one table gather (``TurboCodec.unit_rows``) and multiplied with all queries
-        at once.  Its values are never returned decoded: the chunk yields a function that, given the
-        chunk's probabilities, sums the values block by block in the same way (TurboQuant: in the
-        rotated domain, norms folded into the probabilities; affine: codes times probabilities scaled
-        per group, plus the biases weighted by the probabilities)."""
-        n = L.n_code
-        if not n:
-            return
-        KVH, M, D = qg.shape
-        chunk = max(64, SCORE_BUDGET // (KVH * M))
-        blk = min(chunk, DECODE_ROWS)
-        turbo = self.fmt.kind == "turbo"
-        if turbo:
-            q_rot = qg @ self.kc.R.T  # rotate the query once per step
-            sq = qg @ self.kc.S_rows.T if self.kc.qjl else None
-        else:
-            groups = self.kc.d // self.kc.group
-            qs = qg.view(KVH, M, groups, -1).sum(-1)  # Σ q per group: what each key's bias adds
-            if self.kc.order is not None:  # the order of ``code_rows``
-                qg = qg[..., self.kc.order.to(qg.device)]
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            sc = torch.empty((KVH, M, e - s), dtype=torch.float32, device=qg.device)
-            for b in range(s, e, blk):
-                be = min(e, b + blk)
-                out = sc[:, :, b - s : be - s]
-                if turbo:
-                    out.copy_(torch.bmm(q_rot, self.kc.unit_rows(L.kp, b, be).transpose(1, 2)))
-                    if sq is not None:
-                        qjl = torch.bmm(sq, self.kc.sign_rows(L.ks, b, be).transpose(1, 2))
-                        out.addcmul_(qjl, L.kr[:, b:be].float().unsqueeze(1), value=self.kc.qjl_scale)
-                else:
-                    self._affine_scores(L, qg, qs, b, be, out)
-            if turbo:
-                sc.mul_((L.kn[:, s:e].float() * scale).unsqueeze(1))
-            else:
-                sc.mul_(scale)
-            yield sc, self._value_sum(L, s, e, blk), None, 1 if turbo else 0
-
-    def _affine_scores(
-        self, L: CodeLayer, qg: torch.Tensor, qs: torch.Tensor, b: int, be: int, out: torch.Tensor
-    ) -> None:
-        """q . (code * scale + bias) per group = scale * (q . code) + bias * Σ q, for rows [b, be)."""
-        codes = self.kc.code_rows(L.kp, b, be)  # [KVH, n, D] fp32 integer codes
-        gs = self.kc.group
-        for g in range(self.kc.d // gs):
-            part = torch.bmm(qg[..., g * gs : (g + 1) * gs], codes[..., g * gs : (g + 1) * gs].transpose(1, 2))
-            part.mul_(L.kn[:, b:be, g].float().unsqueeze(1))
-            part.add_(qs[:, :, g : g + 1] * L.ks[:, b:be, g].float().unsqueeze(1))
-            if g:
-                out.add_(part)
-            else:
-                out.copy_(part)
-
-    def _value_sum(self, L: CodeLayer, s: int, e: int, blk: int):
-        """Σ_j p_j v_j over compressed rows [s, e) for probabilities p [KVH, M, e - s]."""
-
-        def turbo(p: torch.Tensor) -> torch.Tensor:
-            p = p * L.vn[:, s:e].float().unsqueeze(1)  # norms into the weights: values stay unit centroids
-            acc = None
-            for b in range(s, e, blk):
-                be = min(e, b + blk)
-                vu = self.vc.unit_rows(L.vp, b, be)
-                pb = p[:, :, b - s : be - s]
-                acc = torch.bmm(pb, vu) if acc is None else acc.baddbmm_(pb, vu)
-            return acc
-
-        def affine(p: torch.Tensor) -> torch.Tensor:
-            gs, groups = self.vc.group, self.vc.d // self.vc.group
-            acc = None
-            for b in range(s, e, blk):
-                be = min(e, b + blk)
-                codes = self.vc.code_rows(L.vp, b, be)
-                pb = p[:, :, b - s : be - s]
-                scale, bias = L.vn[:, b:be].float(), L.vb[:, b:be].float()  # [KVH, n, groups]
-                parts = [torch.bmm(pb * scale[:, None, :, g], codes[..., g * gs : (g + 1) * gs]) for g in range(groups)]
-                part = torch.cat(parts, -1) if groups > 1 else parts[0]
-                base = torch.bmm(pb, bias)  # [KVH, M, groups]
-                part = (part.view(*part.shape[:2], groups, gs) + base.unsqueeze(-1)).view(part.shape)
-                acc = part if acc is None else acc.add_(part)
-            return acc if self.vc.inverse is None else acc[..., self.vc.inverse.to(acc.device)]
-
-        return turbo if self.fmt.kind == "turbo" else affine
-
     def _attend(self, L: CodeLayer, q: torch.Tensor, start: int) -> torch.Tensor:
         """q [H, T, D] -> out [T, H*D] over this layer's codes + dense rows."""
         a = self.a
         H, T, D = q.shape
         KVH, rep = a.kv_heads, H // a.kv_heads
         scale = D**-0.5
-        if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self._affine_kernel()):
-            return self._attend_triton(L, q, scale)
+        if T == 1 and self.use_triton and L.n_code and (self.fmt.kind == "turbo" or self.graph.affine_kernel()):
+            return self.graph.attend_row(L, q, *self._dense(L))
         if T >= PROMPT_ROWS:  # a prompt chunk: the codes decoded once, one fused attention call
             return prompt_attention(self, L, q, start)
         qg = q.float().reshape(KVH, rep * T, D)  # query heads grouped under their KV head
@@ -415,7 +333,7 @@ class CompressedCache(PagedCodes, GraphSteps):
             return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D).to(q.dtype)
 
         def blocks() -> Iterator[tuple]:
-            yield from self._code_blocks(L, qg, scale)
+            yield from code_attention.code_blocks(self.fmt, self.kc, self.vc, L, qg, scale)
             nd = L.n_dense
             dk, dv = self._dense(L)
             keys, vals = dk.float(), dv.float()
@@ -485,6 +403,49 @@ class CompressedCache(PagedCodes, GraphSteps):
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write (and compress) without attending: filling a cache for memory measurements."""
         self._compress(self._write(layer, start, k, v))
+
+    # ------------------------------------------------------------------ graph steps (compressed_graph.GraphSteps)
+    def attend_static(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        n_code: torch.Tensor,
+        valid: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode-row attention with every shape fixed (capturable): q [H, D]; the new row is
+        already in the 16-bit buffer; ``n_code`` (device, [1]) compressed rows are read through the
+        Triton kernel over the whole code storage, the buffer's rows through ``valid`` [rows].
+        Affine caches: the new row is ``k``, ``v`` [KVH, 1, D], quantized into the codes at ``n_code``
+        here and attended in 16 bits (``affine_decode.static_row``).  Returns [1, H*D]."""
+        return self.graph.attend_static(self.layers[layer], q, n_code, valid, k, v)
+
+    def graphable(self) -> bool:
+        """Can this cache's decode rows replay a CUDA graph?  A prompt held in 16 bits is compressed first
+        (``settle``): every graph path asks this before its first decode row."""
+        self.settle()
+        if self.fmt.kind == "affine":
+            return self.static and self.graph.affine_kernel()
+        return self.static and self.fmt.kind == "turbo" and all(L.compressed for L in self.layers)
+
+    def after_graph_step(self, pos: int, compress: Any = None) -> None:
+        """Host bookkeeping after a replayed decode step wrote position ``pos``.  ``compress``: a callable
+        that runs ``compress_block`` (e.g. replays a CUDA graph of it), used when exactly COMPRESS_BLOCK
+        rows of every layer leave the window (the steady state of one-row steps); otherwise each
+        layer compresses eagerly."""
+        self.graph.after_step(self.layers, compress, self._compress)
+        self.length = pos + 1
+
+    def compress_block(self, at: torch.Tensor) -> None:
+        """Every layer: encode the first COMPRESS_BLOCK rows of the 16-bit buffer into the codes at positions
+        ``at`` (device [1]) + 0.. and move the window's rows down in the buffer -- what ``_compress`` does when
+        ``block_due``, with every shape fixed and no host sync (capturable).  Counters are the caller's."""
+        self.graph.compress_block(self.layers, at)
+
+    def rotations(self, scale: float) -> tuple:
+        """(R^T, S^T or None) with the softmax scale folded in, fp32, for ``rotate_rows`` (made once)."""
+        return self.graph.rotations(scale)
 
     # ------------------------------------------------------------------ accounting
     def tensors(self) -> list[torch.Tensor]:

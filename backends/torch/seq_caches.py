@@ -108,9 +108,9 @@ class SeqCaches:
         if isinstance(c, PagedSeqCache):
             c.sync()  # blocks the manager added since the last step -> the slot's table row
         elif isinstance(c, CompressedCache) and c.paged:
-            if self.code_blocks is not None and not c.page_list:  # the manager's live list for this sequence
-                c.set_pages(self.code_blocks.table(seq_id))
-            c.sync_pages()  # pages added since the last step -> the cache's device table
+            if self.code_blocks is not None and not c.pages.list:  # the manager's live list for this sequence
+                c.pages.set(self.code_blocks.table(seq_id))
+            c.pages.sync()  # pages added since the last step -> the cache's device table
         if c.length > start:  # recompute / rollback: later positions are simply overwritten
             c.length = start
         elif c.length < start:
