@@ -16,6 +16,7 @@ from swiftlm.backend import SeqWork, StepBatch
 
 from .graphs import prefill_packed_static
 from .kv_pool import PagedSeqCache, SlotPool
+from .model import PackedAttend
 from .packed_attention import cu_seqlens, pack, prefill_attention
 from .prefill_graphs import PackedGraphs
 from .seq_caches import SeqCaches
@@ -27,6 +28,26 @@ log = logging.getLogger(__name__)
 # as rows of the batched decode graph when its rows x positions stay under this (each row reads its prefix)
 LATE_CHUNK_ROW_POSITIONS = 1 << 17
 LATE_CHUNK_ROWS = 32  # rows such a step may have (batched decode graphs are captured up to this or --parallel)
+EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
+
+
+def packed_hidden_states(module: Any, prompts: list[list[int]], device: torch.device) -> list[Any]:
+    """Each prompt's final-norm hidden states [T, hidden] as float32 numpy (embeddings).  Prompts are packed into
+    forwards of up to EMBED_PACK_TOKENS tokens (one GEMM per weight for the pack; attention causal within each
+    prompt and blind across them), so a vector differs from the prompt's solo run only by summation order."""
+    out: list[Any] = []
+    i = 0
+    while i < len(prompts):
+        j, n = i, 0
+        while j < len(prompts) and (j == i or n + len(prompts[j]) <= EMBED_PACK_TOKENS):
+            n += len(prompts[j])
+            j += 1
+        group = prompts[i:j]
+        ids = torch.tensor([t for p in group for t in p], dtype=torch.long, device=device)
+        h = module.hidden(ids, PackedAttend([len(p) for p in group], device), 0).float().cpu()
+        out.extend(x.numpy() for x in h.split([len(p) for p in group]))
+        i = j
+    return out
 
 
 class PromptChunks:

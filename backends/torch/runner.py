@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,18 +37,14 @@ from .kv_accounting import KVAccounting
 from .kv_fp8 import FP8, check_kv_cache_dtype, checkpoint_scales, describe, kv_storage_dtype
 from .kv_pool import PagedSeqCache, SlotPool
 from .loader import check_arch, load_state
-from .model import PackedAttend
 from .ops import TorchOps
 from .packed_attention import prefill_attention
-from .packed_steps import PackedSteps, PromptChunks
+from .packed_steps import PackedSteps, PromptChunks, packed_hidden_states
 from .prefill_graphs import PackedGraphs
 from .prefix_hooks import PrefixCopies
-from .seq_caches import SeqCaches, static_turbo, without
+from .seq_caches import SeqCaches, adapter_rows, static_turbo
 
 log = logging.getLogger(__name__)
-
-
-EMBED_PACK_TOKENS = 4096  # tokens per packed embedding forward
 
 
 class TorchModel(ModelHooks):
@@ -177,16 +174,10 @@ class TorchModel(ModelHooks):
         """Last position's logits; ``tokens`` may be a device tensor (overlapped decode).  ``adapter``: a
         LoRA adapter's index (lora.py), run eagerly (no CUDA graph)."""
         cache = self.seqs.get(seq_id, start)
-        if adapter:
-            ids = (
-                tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
-            )
-            with prefill_attention(self.device, len(ids)), self.lora.rows(single=adapter):
-                return self.module(ids, cache, start)[-1]
-        if len(tokens) == 1 and isinstance(cache, CompressedCache):
+        if len(tokens) == 1 and not adapter and isinstance(cache, CompressedCache):
             if self.graphs is not None and cache.graphable():
                 return self.graphs.run_turbo(cache, tokens[0] if torch.is_tensor(tokens) else int(tokens[0]), start)
-        elif len(tokens) == 1 and self.graphs is not None:
+        elif len(tokens) == 1 and not adapter and self.graphs is not None:
             if isinstance(cache, PagedSeqCache):  # a pool sequence decoding alone: the batch-of-one graph
                 out = self.graphs.run_batch(
                     self.pool, [cache.slot], tokens if torch.is_tensor(tokens) else [tokens[0]], [start]
@@ -196,29 +187,14 @@ class TorchModel(ModelHooks):
             cache.length = start + 1
             return out
         ids = tokens.long() if torch.is_tensor(tokens) else torch.tensor(tokens, dtype=torch.long, device=self.device)
-        with prefill_attention(self.device, len(ids)):
+        with prefill_attention(self.device, len(ids)), self.lora.rows(single=adapter) if adapter else nullcontext():
             return self.module(ids, cache, start)[-1]
 
     @torch.inference_mode()
     def hidden_states(self, prompts: list[list[int]]) -> list[Any]:
-        """Each prompt's final-norm hidden states [T, hidden] as float32 numpy (embeddings).
-        Prompts are packed into forwards of up to EMBED_PACK_TOKENS tokens (one GEMM per weight
-        for the pack; attention causal within each prompt and blind across them), so a vector
-        differs from the prompt's solo run only by summation order."""
+        """Embeddings, prompts packed into few forwards (``packed_steps.packed_hidden_states``)."""
         bind_thread(self.device)
-        out: list[Any] = []
-        i = 0
-        while i < len(prompts):
-            j, n = i, 0
-            while j < len(prompts) and (j == i or n + len(prompts[j]) <= EMBED_PACK_TOKENS):
-                n += len(prompts[j])
-                j += 1
-            group = prompts[i:j]
-            ids = torch.tensor([t for p in group for t in p], dtype=torch.long, device=self.device)
-            h = self.module.hidden(ids, PackedAttend([len(p) for p in group], self.device), 0).float().cpu()
-            out.extend(x.numpy() for x in h.split([len(p) for p in group]))
-            i = j
-        return out
+        return packed_hidden_states(self.module, prompts, self.device)
 
     @torch.inference_mode()
     def score(self, seq_id: int, tokens: list[int], start: int, pad_to: int | None = None) -> torch.Tensor:
@@ -248,16 +224,14 @@ class TorchModel(ModelHooks):
         failed: dict[int, str] = {}
         aid: dict[int, int] = {}
         if self.lora is not None or any(getattr(w.params, "adapter", None) for w in batch.seqs):
-            batch, aid, failed = self._adapters(batch)
+            batch, aid, failed = adapter_rows(batch, self.lora)
         batch = self.seqs.make_compressed(batch, failed)
         decode = [w for w in batch.seqs if len(w.tokens) == 1 and w.sample]
         dev = batch.input_ids  # overlapped decode: the ids are still on the device (row i: batch.seqs[i])
         rows: dict[int, torch.Tensor] = {}
         batched = None
         prep = None
-        chunks = PromptChunks(
-            self.packed, batch, aid
-        )  # the step's packable prompt chunks: worked out once, on first use
+        chunks = PromptChunks(self.packed, batch, aid)  # the step's packable prompt chunks, worked out on first use
         mixed = self.packed.mixed(batch, decode, aid, chunks) if dev is None and decode else None
         if mixed is not None:  # decode rows and first prompt chunks in one forward
             batched, packed = mixed
@@ -267,11 +241,12 @@ class TorchModel(ModelHooks):
             toks = dev if dev is not None else [w.tokens[0] for w in decode]
             positions = [w.start_pos for w in decode]
             prep = time.perf_counter() - t0
+            adapters = [aid.get(w.seq_id, 0) for w in decode]  # adapter rows run eagerly (no CUDA graph)
             if (
                 self.graphs is not None
                 and all(getattr(c, "slot", None) is not None for c in caches)
-                and not any(aid.get(w.seq_id) for w in decode)
-            ):  # adapter rows run eagerly (no CUDA graph)
+                and not any(adapters)
+            ):
                 batched = self.graphs.run_batch(self.pool, [c.slot for c in caches], toks, positions)
                 for c, p in zip(caches, positions):
                     c.length = p + 1
@@ -279,14 +254,12 @@ class TorchModel(ModelHooks):
                 self.graphs is not None
                 and self.graphs.fused
                 and all(isinstance(c, CompressedCache) and c.graphable() for c in caches)
-                and not any(aid.get(w.seq_id) for w in decode)
+                and not any(adapters)
             ):  # weights once, each row its cache's kernels
                 batched = self.graphs.run_compressed_batch(caches, toks, positions)
-            elif any(aid.get(w.seq_id) for w in decode):
-                with self.lora.rows([aid.get(w.seq_id, 0) for w in decode], self.device):
-                    batched = decode_batch(self.module, caches, toks, positions)
             else:
-                batched = decode_batch(self.module, caches, toks, positions)
+                with self.lora.rows(adapters, self.device) if any(adapters) else nullcontext():
+                    batched = decode_batch(self.module, caches, toks, positions)
             rows = {w.seq_id: j for j, w in enumerate(decode)}
         if mixed is None:
             packed = self.packed.prefill(batch, aid, chunks) if dev is None else {}
@@ -319,21 +292,6 @@ class TorchModel(ModelHooks):
         else:
             logits = torch.stack(out) if out else None
         return Forward(logits, failed=failed, prepare_seconds=prep or 0.0)
-
-    def _adapters(self, batch: StepBatch) -> tuple[StepBatch, dict[int, int], dict[int, str]]:
-        """Each sequence's adapter index (from ``params.adapter``); sequences naming an adapter this
-        model does not serve fail (and leave the batch) instead of running on the base."""
-        aid: dict[int, int] = {}
-        failed: dict[int, str] = {}
-        for w in batch.seqs:
-            name = getattr(w.params, "adapter", None)
-            try:
-                aid[w.seq_id] = self.lora.index(name) if self.lora is not None else (0 if not name else -1)
-            except KeyError:
-                aid[w.seq_id] = -1
-            if aid[w.seq_id] < 0:
-                failed[w.seq_id] = f"LoRA adapter {name!r} is not loaded on this model"
-        return without(batch, failed), aid, failed
 
     def free(self, seq_ids: Sequence[int]) -> None:
         self.seqs.free(seq_ids)

@@ -1,7 +1,7 @@
 """Which KV cache each sequence of ``runner.TorchModel`` gets: a block table in the paged pool (CUDA), a
 compressed cache (TurboQuant / kv_bits; static on CUDA, its codes pages of the code pool in the server's
---turbo-kv format), or a cache of its own that grows (CPU, eager CUDA models); and where a finished sequence's
-storage goes."""
+--turbo-kv format), or a cache of its own that grows (CPU, eager CUDA models); where a finished sequence's
+storage goes; which LoRA adapter a step's rows run."""
 
 from __future__ import annotations
 
@@ -198,3 +198,19 @@ def without(batch: StepBatch, drop: dict[int, Any]) -> StepBatch:
     keep = [i for i, w in enumerate(batch.seqs) if w.seq_id not in drop]
     ids = batch.input_ids[keep] if batch.input_ids is not None else None
     return StepBatch([batch.seqs[i] for i in keep], batch.preempted, ids)
+
+
+def adapter_rows(batch: StepBatch, lora: Any) -> tuple[StepBatch, dict[int, int], dict[int, str]]:
+    """Each sequence's LoRA adapter index in ``lora`` (lora.LoraSet or None), from ``params.adapter``; sequences
+    naming an adapter not served fail (and leave the batch) instead of running on the base."""
+    aid: dict[int, int] = {}
+    failed: dict[int, str] = {}
+    for w in batch.seqs:
+        name = getattr(w.params, "adapter", None)
+        try:
+            aid[w.seq_id] = lora.index(name) if lora is not None else (0 if not name else -1)
+        except KeyError:
+            aid[w.seq_id] = -1
+        if aid[w.seq_id] < 0:
+            failed[w.seq_id] = f"LoRA adapter {name!r} is not loaded on this model"
+    return without(batch, failed), aid, failed
