@@ -49,7 +49,7 @@ def rounded_reference(m, monkeypatch, scales):
 
     monkeypatch.setattr(SeqCache, "update", update)
     monkeypatch.setattr(cpu_batch_attention, "usable", lambda *a: False)
-    monkeypatch.setattr(m, "kv_fp8", None)
+    monkeypatch.setattr(m.seqs, "fp8", None)  # the caches part makes the sequences' caches
 
 
 def first_logits(m, text: str):
@@ -88,7 +88,7 @@ def test_seqcache_fp8_equals_e4m3_rounded_reference(fp8_llm, monkeypatch):
     finally:
         m.free([10_002])
     with monkeypatch.context() as mp:  # plain float32 KV: it must differ, or the test proves nothing
-        mp.setattr(m, "kv_fp8", None)
+        mp.setattr(m.seqs, "fp8", None)
         plain_logits = first_logits(m, PROMPTS[1])
     assert not torch.equal(plain_logits, got_logits)
     rounded_reference(m, monkeypatch, scales)
