@@ -43,7 +43,6 @@ from .prompt_attention import PROMPT_ROWS, prompt_attention
 log = logging.getLogger(__name__)
 
 
-
 class StageBudget:
     """The 16-bit memory that prompts of compressed caches may hold while they prefill (staging), shared by one
     model's caches.  A prompt chunk of a cache with no codes yet keeps its rows in 16 bits and attends them through

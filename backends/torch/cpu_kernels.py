@@ -6,7 +6,7 @@ through small per-byte tables and keeps a running softmax (see that module).  He
 compressed rows go through them (``usable``), handing the cache's tensors over as numpy views
 (``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call) and
 compiling the server's default format at load (``warm_up``).  Without numba, or with
-``SWIFTLM_NUMBA=0``, the torch path (``compressed_cache._code_blocks``) runs instead.
+``SWIFTLM_NUMBA=0``, the torch path (``code_attention.code_blocks``) runs instead.
 """
 
 from __future__ import annotations

@@ -267,10 +267,8 @@ def pipeline_model_class(base: type) -> type:
             self.module, self.tokenizer, self.info = module, tokenizer, info
             self.kv_default = kv_default or KVFormat()
             self.kv_formats: dict[int, Any] = {}
-            self.turbo_free: dict[Any, list] = {}
             self.device, self.dtype = device, dtype
             self.caches: dict[int, Any] = {}
-            self.free_slots: list = []
             self.ops = TorchOps(device)
             self.static = False  # growing caches, eager steps, no overlapped decode (ids go through the control plane)
             self.graphs = None

@@ -13,7 +13,7 @@ prompt path's own call (SDPA: flash on CUDA; causal within the chunk, full to th
 
 Where the cache runs its Triton kernels (CUDA) the codes are decoded by ``cuda_ext.code_rows`` (one pass over the
 packed bytes, through the page table for code pages); elsewhere by the codecs' torch decoders, DECODE_ROWS rows at a
-time.  The blockwise path (``CompressedCache._code_blocks``) scored every block of codes against every query in
+time.  The blockwise path (``code_attention.code_blocks``) scored every block of codes against every query in
 fp32 with the softmax merged in Python: on CUDA a block held SCORE_BUDGET / (KVH * rep * T) rows, 128 on an 8B
 shape with 512-token chunks, so each chunk of a long prompt launched hundreds of small kernels per layer.  Decode
 rows and short verify blocks keep that path (and the decode kernels): their numbers do not change.

@@ -11,12 +11,11 @@ from typing import Any
 import torch
 
 from swiftlm.backend import SeqWork, StepBatch
-from swiftlm.config import parse_bytes
 from swiftlm.turboquant.presets import KVFormat
 
 from .affine_decode import static_ok
 from .code_pages import CodePages
-from .compressed_cache import STAGE_BYTES, CompressedCache, StageBudget
+from .compressed_cache import CompressedCache, StageBudget
 from .kv_cache import GROW_ROWS, SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
 
@@ -30,16 +29,6 @@ def triton_ok(device: torch.device) -> bool:
 def static_turbo(fmt: KVFormat, device: torch.device) -> bool:
     """A TurboQuant format whose static caches may keep their codes in pages of one pool (``code_pages.py``)."""
     return fmt.kind == "turbo" and not fmt.keep_layers and triton_ok(device)
-
-
-def stage_budget(cfg: Any, device: torch.device) -> StageBudget | None:
-    """--turbo-kv-prompt-memory: the budget of prompts held in 16 bits (auto: STAGE_BYTES on CUDA, off on CPUs)."""
-    stage = getattr(cfg, "turbo_kv_prompt_memory", None) or "auto"
-    if stage == "auto":
-        limit = STAGE_BYTES if device.type == "cuda" else 0
-    else:
-        limit = 0 if stage in ("off", "0") else parse_bytes(stage)
-    return StageBudget(limit) if limit else None
 
 
 class SeqCaches:
