@@ -7,10 +7,11 @@
 #   bash scripts/gpu_ab_checks.sh serve8b serve1b # throughput through HTTP, both trees' servers in turn
 # checks: scripts/gpu_archs.py (every architecture against transformers), check_paged_cuda.py,
 # check_code_pages_cuda.py, check_mixed_step.py, check_packed_prefill.py, check_streaming_exact.py, and pytest on the
-# test files that use CUDA (CUDA_TESTS), each tree's own copies, with per-check time limits; logs, JSON and JUnit XML
-# under $OUT/<tree>/.  serveNN: the random-weight Llama shape behind `swiftlm serve` (engine process, prompt cache
-# off), measured by `swiftlm bench serve` (~40-token prompts, TOK new tokens, EOS banned, several client processes)
-# at NS concurrent streams; $OUT/serve_<tree>_<shape>_n<N>.json and a summary line per run.
+# test files that use CUDA (CUDA_TESTS), each tree's own copies, with per-check time limits (CHECKS: which); logs,
+# JSON and JUnit XML packed into $OUT/checks.tgz (<tree>/...).
+# serveNN: the random-weight Llama shape behind `swiftlm serve` (engine process, prompt cache off), measured by
+# `swiftlm bench serve` (~40-token prompts, TOK new tokens, EOS banned, several client processes) at NS concurrent
+# streams; $OUT/serve_<tree>_<shape>_n<N>.json and a summary line per run.
 set -uo pipefail
 REPO=$(pwd)
 source scripts/gpu_site.sh  # wheels + this tree -> /tmp/site
@@ -23,8 +24,9 @@ export PYTHONPATH=
 TREES=${TREES:-a}
 NS=${NS:-"1 64 128"}
 TOK=${TOK:-256}
-CUDA_TESTS=${CUDA_TESTS:-"test_cuda_ext.py test_paged_attention.py test_fp8_kv.py test_prompt_stage.py
-  test_chunk_attention.py test_tq_paged.py"}
+CUDA_TESTS=${CUDA_TESTS:-"test_paged_attention.py test_fp8_kv.py test_prompt_stage.py test_chunk_attention.py
+  test_tq_paged.py"}
+CHECKS=${CHECKS:-"pytest_cuda gpu_archs paged code_pages mixed_step packed_prefill streaming_exact"}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 site() { [ "$1" = b ] && echo /tmp/site_b || echo /tmp/site; }
@@ -39,6 +41,7 @@ ckpt() {  # name hidden layers heads kv head_dim inter [extra]
 
 check() {  # tree name seconds command...
   local t=$1 name=$2 secs=$3; shift 3
+  [[ " $(echo $CHECKS) " == *" $name "* ]] || return 0
   local t0=$(date +%s)
   (cd /tmp/run_$t && env PYTHONPATH=$(site $t) timeout $secs "$@" > "$OUT/$t/$name.log" 2>&1)
   local rc=$?
@@ -47,7 +50,7 @@ check() {  # tree name seconds command...
 }
 
 checks() {
-  ckpt 1b 2048 16 32 8 64 8192
+  [[ " $(echo $CHECKS) " =~ " "(paged|code_pages|mixed_step|packed_prefill)" " ]] && ckpt 1b 2048 16 32 8 64 8192
   env PYTHONPATH=/tmp/site python3 $REPO/scripts/make_checkpoint.py /tmp/moe_small --arch qwen3_moe --hidden 256 \
       --layers 3 --experts 16 --experts-per-token 4 --moe-intermediate 128 --shard-mb 2 --force \
       --tokenizer-from $REPO/.gpu/tok > /dev/null || exit 1
@@ -64,6 +67,7 @@ checks() {
     check $t packed_prefill 90 python3 scripts/check_packed_prefill.py --model /tmp/m1b --json "$OUT/$t/packed.json"
     check $t streaming_exact 60 python3 scripts/check_streaming_exact.py /tmp/moe_small
   done
+  tar -czf "$OUT/checks.tgz" -C "$OUT" $TREES && rm -rf $(for t in $TREES; do echo "$OUT/$t"; done)
 }
 
 serve() {  # shape
