@@ -8,7 +8,7 @@
 # checks: scripts/gpu_archs.py (every architecture against transformers), check_paged_cuda.py,
 # check_code_pages_cuda.py, check_mixed_step.py, check_packed_prefill.py, check_streaming_exact.py, and pytest on the
 # test files that use CUDA (CUDA_TESTS), each tree's own copies, with per-check time limits (CHECKS: which); logs,
-# JSON and JUnit XML packed into $OUT/checks.tgz (<tree>/...).
+# JSON and JUnit XML packed into $OUT/checks_<trees>.tgz (<tree>/...).
 # serveNN: the random-weight Llama shape behind `swiftlm serve` (engine process, prompt cache off), measured by
 # `swiftlm bench serve` (~40-token prompts, TOK new tokens, EOS banned, several client processes) at NS concurrent
 # streams; $OUT/serve_<tree>_<shape>_n<N>.json and a summary line per run.
@@ -67,7 +67,7 @@ checks() {
     check $t packed_prefill 90 python3 scripts/check_packed_prefill.py --model /tmp/m1b --json "$OUT/$t/packed.json"
     check $t streaming_exact 60 python3 scripts/check_streaming_exact.py /tmp/moe_small
   done
-  tar -czf "$OUT/checks.tgz" -C "$OUT" $TREES && rm -rf $(for t in $TREES; do echo "$OUT/$t"; done)
+  tar -czf "$OUT/checks_$(echo $TREES | tr -d " ").tgz" -C "$OUT" $TREES && rm -rf $(for t in $TREES; do echo "$OUT/$t"; done)
 }
 
 serve() {  # shape

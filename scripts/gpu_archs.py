@@ -387,7 +387,7 @@ def ours(path: Path, device: str, dtype: str, eager_log: Eager) -> dict:
             "load_log": list(eager_log.lines),
         }
         model.free([-1])
-        blocks = getattr(model, "kv_blocks", None)  # a paged pool's sequence holds the blocks its rows go to
+        blocks = getattr(llm.engine, "kv_blocks", None)  # a paged pool's sequence holds the blocks its rows go to
         if blocks is not None:
             blocks.grow(-1, len(PROMPT))
         first = model.logits(-1, PROMPT, 0).float().cpu()
