@@ -1,9 +1,12 @@
-"""The CI soak: scripts/soak.py for about a minute, 32 concurrent clients against the
-tiny checkpoint on torch (streams with random disconnects, non-streamed requests, bad requests).
-Every well-formed request completes or is cancelled by its client, no 5xx, requests_active goes
-back to 0, and RSS after the warm-up stays within the limit.  The 30-minute run with 200 streams on
-the bundled model is on the benchmark page (docs/benchmarks.md, "Memory under load"; how to run it:
-docs/guide/measuring.md)."""
+"""The CI soak: a short smoke of scripts/soak.py (18 s of load, the first 10 the warm-up), 32 concurrent
+clients against the tiny checkpoint on torch (streams with random disconnects, non-streamed requests, bad
+requests).  Every well-formed request completes or is cancelled by its client, no 5xx, requests_active goes
+back to 0, RSS after the warm-up stays within the limit, and Python objects do not pile up per request.
+The long runs are scripts/soak.py's own: the 30-minute run with 200 streams on the bundled model is on the
+benchmark page (docs/benchmarks.md, "Memory under load"; how to run it: docs/guide/measuring.md); a minute of
+this same load is ``scripts/soak.py --model CKPT --backend torch --parallel 8 --streams 32 --duration 60
+--warmup 25 --max-tokens 64`` plus the server options below (same checks; on the 2-core CI machine it measured
++2.0% RSS and +0.25% Python blocks after its warm-up)."""
 
 from __future__ import annotations
 
@@ -31,16 +34,18 @@ def test_soak_short(tiny_llama, tmp_path):
         "--streams",
         "32",
         "--duration",
-        "60",
+        "18",
         "--warmup",
-        "25",
+        "10",
+        # 36 samples: the warm-up's peak and the RSS after it are each taken over many samples
         "--sample-every",
-        "2",
+        "0.5",
         "--max-tokens",
         "64",
-        # RSS after a short warm-up still settles for a minute (glibc arenas, the allocator's pools, the prompt
-        # cache filling): a CI run measured +5.3% with Python objects +0.15%, where the 30-minute soak settles at
-        # +1.5%.  10% holds a gross leak; the 5% limit is the 30-minute soak's (scripts/soak.py's default).
+        # RSS after a short warm-up still settles for half a minute (glibc arenas, the allocator's pools, the
+        # prompt cache filling): runs of this 18-s smoke measured +3% to +6% (also with another process busy on
+        # one of the two cores), Python objects +0.1% to +0.3%, where the 30-minute soak settles at +1.5%.
+        # 10% holds a gross leak; the 5% limit is the 30-minute soak's (scripts/soak.py's default).
         "--max-rss-growth",
         "0.10",
         # a prompt cache small enough to fill during the warm-up: its bytes are a bounded, wanted cost
@@ -61,8 +66,8 @@ def test_soak_short(tiny_llama, tmp_path):
     assert s["ok"] > 20 and s["cancelled"] > 0 and s["bad_rejected_4xx"] > 0
     assert s["failed"] == 0 and s["5xx"] == 0 and s["requests_active_after"] == 0
     assert s["checks"]["rss_growth_within_limit"] and s["server_exit_code"] == 0
-    # a leak of Python objects per request shows within the minute: ~200 requests after the warm-up that each
-    # kept 100 objects would add ~1.3% to the ~1.5M live blocks
+    # a leak of Python objects per request shows within the smoke: its ~130-200 requests after the warm-up that
+    # each kept 100 objects would add 1.3-2% to the ~1.04M live blocks
     assert s["python_blocks_growth_after_warmup"] <= 0.01, s
     assert len(doc["series"]) > 20 and all(row["rss"] > 0 for row in doc["series"])
     assert out.with_suffix(".png").stat().st_size > 10_000
