@@ -44,15 +44,23 @@ def _greedy(llm, prompts, max_tokens):
     return [llm.generate([{"role": "user", "content": q}], sp).token_ids for q in prompts]
 
 
+SMOLLM2_PROMPTS = [COPY] + CHAT_PROMPTS[:3]
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain(torch_llm):
+    """Plain greedy decoding of SMOLLM2_PROMPTS (48 tokens each), once for both modes below (~9 s on CPU)."""
+    return _greedy(torch_llm, SMOLLM2_PROMPTS, 48)
+
+
 @needs_torch
 @pytest.mark.parametrize("mode", ["ngram", "self-draft"])
-def test_smollm2_greedy_is_identical_torch(torch_llm, mode):
-    prompts = [COPY] + CHAT_PROMPTS[:3]
-    plain = _greedy(torch_llm, prompts, 48)
+def test_smollm2_greedy_is_identical_torch(smollm2_plain, mode):
+    plain = smollm2_plain
     kw = {"speculative": "ngram"} if mode == "ngram" else {"draft_model": "smollm2-135m-instruct"}
     spec = _llm(None, "torch", **kw)
     try:
-        assert _greedy(spec, prompts, 48) == plain
+        assert _greedy(spec, SMOLLM2_PROMPTS, 48) == plain
         st = spec.engine.speculator.stats
         assert st.steps > 0 and st.accepted > 0
         if mode == "self-draft":  # the model as its own draft: every draft is the target's own choice
