@@ -42,4 +42,6 @@ if [ "$fast" = 1 ]; then
   fast_expr="$(cd tests && ../.venv/bin/python -c 'import tiers; print(tiers.FAST_EXPR)')"
   exec .venv/bin/python -m pytest -q -ra -n 2 --durations=25 -m "$fast_expr" "$@"
 fi
-exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --durations=25 "$@"
+# --no-loadscope-reorder: the files go to the workers in collection order, which tests/conftest.py makes longest
+# first (tests/file_order.py); xdist's own order (most tests first) left files of one or two long tests for last.
+exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"

@@ -230,6 +230,12 @@ def pytest_collection_modifyitems(config, items):
         have = {m.name for m in item.iter_markers()}
         for name in sorted(tiers.needs(item) - have):
             item.add_marker(getattr(pytest.mark, name))
+    # an xdist worker under --no-loadscope-reorder (scripts/test.sh, whole suite): the longest files first, so the
+    # workers end together (tests/file_order.py); a run without xdist keeps pytest's own order
+    if hasattr(config, "workerinput") and not getattr(config.option, "loadscopereorder", True):
+        import file_order
+
+        items[:] = file_order.longest_first(items)
 
 
 # ------------------------------------------------------------------ the fake backend (fast tier)
