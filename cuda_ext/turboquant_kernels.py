@@ -6,8 +6,10 @@ per byte, little-end first; 3-bit codes are a 2-bit plane + a 1-bit plane), cent
 looked up from the codebooks, scores use the fp16 norms, and an online softmax accumulates
 ``Σ p_i ‖v_i‖ c[v_i]`` in the rotated domain.  The kernel returns the running max, the
 softmax denominator and the unnormalised sum, so the caller can merge it with the 16-bit
-window (flash-decoding style) and rotate the result back once.  The code-tile helpers (unpacking, the
-``prmt`` lookups, selector words) and the fused encoder are in ``tq_codes.py``.
+window (flash-decoding style) and rotate the result back once; in ``tq_decode_attention_full`` each split
+normalises and rotates its own sum back (ROT), so the combine pass merges slices of coordinates independently.
+The code-tile helpers (unpacking, the ``prmt`` lookups, selector words) and the fused encoder are in
+``tq_codes.py``.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ def _tq_attn_kernel(
     DIAG: tl.constexpr = 0,
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
+    rot_ptr=None,
+    ROT: tl.constexpr = 0,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -175,7 +179,9 @@ def _tq_attn_kernel(
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
-    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
+    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
+    ROT: the value sum is stored normalised by its denominator and rotated back (``rot_ptr``: R^T [D, D], x = u @ R),
+    in natural order, so that a combine pass merges any slice of coordinates without the others."""
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
@@ -260,6 +266,9 @@ def _tq_attn_kernel(
             VSWAR,
             PAGE,
         )
+        if ROT:  # (R^T (acc / l)^T): the transposed sum, back in the original domain
+            rt = tl.load(rot_ptr + col[:, None] * D + col[None, :])  # R^T [e, d]
+            accT = _dot(rt, accT / tl.where(l > 0, l, 1.0)[None, :], F16)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
@@ -321,11 +330,23 @@ def _tq_attn_kernel(
         lv = lv * alpha[:, None] + p
         m = m_new
     l = l + tl.sum(lv, axis=1)
+    if ROT:  # (acc / l) @ R, the sum's columns in vcoord order: R's rows taken in that order
+        rt = tl.load(rot_ptr + col[:, None] * D + vcoord[None, :])  # [e, c] = R[vcoord[c], e]
+        acc = _dot(acc / tl.where(l > 0, l, 1.0)[:, None], tl.trans(rt), F16)
+        vcoord = col
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(m_out + h * S + sp, m, mask=rv)
     tl.store(l_out + h * S + sp, l, mask=rv)
     tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
+
+
+@triton.jit
+def _dot(a, b, F16: tl.constexpr):
+    """a @ b with fp16 operands and fp32 accumulation (tensor cores), or fp32 throughout."""
+    if F16:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -418,6 +439,21 @@ def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB:
 
 
 @triton.jit
+def merge_normalised(m_ptr, l_ptr, o_ptr, h, S, cols, D: tl.constexpr, BS: tl.constexpr):
+    """A combine kernel's first stage over splits that stored their value sums normalised (``o`` = acc / l, in
+    the original domain): head ``h``'s S partials merged onto their common max, columns ``cols`` only, in one
+    load.  Returns (max, l, unnormalised sum[cols])."""
+    sidx = tl.arange(0, BS)
+    sok = sidx < S
+    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
+    ls = tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0)
+    os_ = tl.load(o_ptr + (h * S + sidx[:, None]) * D + cols[None, :], mask=sok[:, None], other=0.0)
+    mc = tl.max(ms, axis=0)
+    w = tl.exp(ms - tl.where(mc == float("-inf"), 0.0, mc)) * ls
+    return mc, tl.sum(w, axis=0), tl.sum(w[:, None] * os_, axis=0)
+
+
+@triton.jit
 def _tq_combine_kernel(
     m_ptr,
     l_ptr,
@@ -446,6 +482,7 @@ def _tq_combine_kernel(
     BATCH_H: tl.constexpr = 0,
     doffs_ptr=None,
     nd_ptr=None,
+    ROTATED: tl.constexpr = 0,
 ):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
@@ -453,7 +490,8 @@ def _tq_combine_kernel(
     ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
     normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
     sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
-    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
+    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``).  ROTATED: the split pass stored its sums
+    normalised and rotated back (its ROT): the program merges its slice only, and ``rot_ptr`` is not read."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
     if GDC:
@@ -468,12 +506,15 @@ def _tq_combine_kernel(
         g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    if SB > 0:
-        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
+    if ROTATED:
+        mc, l, code = merge_normalised(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS)
     else:
-        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
-    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
-    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
+        if SB > 0:
+            mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
+        else:
+            mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
+        rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
+        code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     code, l = dense_rows_online(
         code,
@@ -503,7 +544,11 @@ def _tq_combine_kernel(
 
 _SM_COUNT: dict[int, int] = {}
 _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages / TRANS) set by scripts/bench_tq_kernel.py sweeps
-_COMBINE: dict[str, int] = {}  # the combine pass's knobs (SB, BLOCK_R, num_warps), same use
+# the combine pass's knobs (SB, BLOCK_R, DS, num_warps), same use; SWIFTLM_TQ_COMBINE="SB=0,num_warps=8" sets them
+# for a whole process (a diagnostic knob for end-to-end runs)
+_COMBINE: dict[str, int] = {
+    k: int(v) for k, v in (kv.split("=") for kv in filter(None, os.environ.get("SWIFTLM_TQ_COMBINE", "").split(",")))
+}
 _LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
 _REGS: dict[tuple, tuple] = {}  # (key bits, value bits, TRANS, N_PTR, BATCH) -> the split kernel's (registers, spills)
 # the split kernel's register cap where the code tiles are first operands (ptxas maxnreg; SWIFTLM_TQ_MAXNREG, 0:
@@ -514,8 +559,11 @@ MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
+PROGRAMS_PER_SM = int(os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM", "8"))
+
+
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
-    """Splits per KV head: about eight programs per SM in all (enough loads in flight to keep the
+    """Splits per KV head: about ``PROGRAMS_PER_SM`` (8) programs per SM in all (enough loads in flight to keep the
     memory busy; ``scripts/bench_tq_kernel.py --splits`` sweeps the count), never more than the row
     tiles (on the CPU interpreter, ranges of 256 rows)."""
     if device.type != "cuda":
@@ -523,7 +571,7 @@ def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(triton.cdiv(8 * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
 
 
 def _split_pass(
@@ -544,7 +592,10 @@ def _split_pass(
     splits,
     batch=None,
     pages=None,
+    rot=None,
 ):
+    """The split kernel's launch (``tq_decode_attention`` documents the arguments).  ``rot``: R^T [D, D] (fp16 with
+    ``f16``, else fp32, contiguous): the sums come back normalised and rotated back (the kernel's ROT)."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -638,9 +689,11 @@ def _split_pass(
         BATCH=kvh,
         pt_ptr=pages[0] if pages is not None else m,
         PAGE=int(pages[1]) if pages is not None else 0,
+        rot_ptr=rot if rot is not None else m,
+        ROT=int(rot is not None),
         **tune,
     )
-    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None, rot is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
         _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
@@ -730,8 +783,8 @@ def tq_decode_attention_full(
     pages: tuple | None = None,
 ) -> torch.Tensor:
     """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
-    the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
-    splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
+    the packed codes (``tq_decode_attention``'s arguments), whose programs rotate their normalised sums back
+    with ``v_rotation`` (R: x = u @ R), and a combine pass that merges the splits, attends the 16-bit rows
     ``dk``/``dv`` [H // rep, R, D] with the unrotated query ``q`` [H, D] times ``scale`` (``valid``
     [R] bool masks a static buffer's rows) and normalises.  Returns [H, D] in ``q``'s dtype.
 
@@ -740,6 +793,8 @@ def tq_decode_attention_full(
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
     ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
+    # the split programs rotate their own sums back (R^T, one [D, D] tile each): the combine merges slices only
+    rot_t = v_rotation.t().to(torch.float16 if f16 else torch.float32).contiguous()
     m, l, acc = _split_pass(
         q_rot,
         k_planes,
@@ -758,6 +813,7 @@ def tq_decode_attention_full(
         splits,
         (batch[0], batch[3] // rep) if batch is not None else None,
         pages,
+        rot_t,
     )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
@@ -775,7 +831,7 @@ def tq_decode_attention_full(
         m,
         l,
         acc,
-        v_rotation.float().contiguous(),
+        rot_t,
         q.contiguous(),
         dk,
         dv,
@@ -792,6 +848,7 @@ def tq_decode_attention_full(
         BS=max(2, triton.next_power_of_2(S)),
         REP=rep,
         VALID=valid is not None and batch is None,
+        ROTATED=1,
         **kw,
     )
     return out

@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--kv-bits", default="", help="affine kv_bits formats to time (e.g. 8,4)")
     ap.add_argument("--group", type=int, default=64, help="affine group size")
     ap.add_argument("--window", type=int, default=64, help="16-bit rows the combine pass attends")
+    ap.add_argument("--whole-splits", default="", help="split counts per KV head to time the whole path with")
+    ap.add_argument("--windows", default="", help="16-bit window rows to time the whole path with (e.g. 0,64,160)")
     ap.add_argument("--maxnreg", default="", help="register caps to time the split pass with (e.g. 96,112)")
     a = ap.parse_args()
     global WINDOW
@@ -230,8 +232,10 @@ def main() -> None:
             rt = (kcod.R.T * scale).float().contiguous()  # what the cache's rows pass to rotate_rows
             st = (kcod.S.T * scale).float().contiguous() if fmt.key_qjl else None
 
-            def run(bn=None):
+            def run(bn=None, sp=None, rows=None):
                 for b, (kp, vp, kn, vn, ks, kr, dk, dv) in enumerate(seqs):
+                    if rows is not None:  # a window of another size (rows of a larger buffer, all valid)
+                        dk, dv = dks[:, :rows], dvs[:, :rows]
                     qjl = (rotate_rows(q[b], st), ks, kr, kcod.qjl_scale) if fmt.key_qjl else None
                     tq_decode_attention_full(
                         q[b],
@@ -251,7 +255,11 @@ def main() -> None:
                         rep=H // KVH,
                         qjl=qjl,
                         block_n=bn,
+                        splits=sp,
                     )
+
+            dks = torch.randn(KVH, 256, D, device=dev, dtype=torch.bfloat16)
+            dvs = torch.randn_like(dks)
 
             t = timed(run)
             kp, vp, kn, vn, ks, kr, dk, dv = seqs[0]
@@ -341,6 +349,18 @@ def main() -> None:
                 )
             for what, tv in parts.items():
                 print(f"        {name}: {what}: {tv * 1e6:8.1f} us", flush=True)
+            for sp in filter(None, a.whole_splits.split(",")):  # the whole path (split + combine) at a split count
+                parts[f"whole, {sp} splits per KV head"] = timed(lambda: run(sp=int(sp)))
+                print(
+                    f"        {name}: whole, {sp} splits per KV head: {parts[f'whole, {sp} splits per KV head'] * 1e6:8.1f} us",
+                    flush=True,
+                )
+            for w in filter(None, a.windows.split(",")):  # the combine's 16-bit rows: what the window costs
+                parts[f"whole, {w} window rows"] = timed(lambda: run(rows=int(w)))
+                print(
+                    f"        {name}: whole, {w} window rows: {parts[f'whole, {w} window rows'] * 1e6:8.1f} us",
+                    flush=True,
+                )
             for mr in filter(None, a.maxnreg.split(",")):  # register caps: more programs resident per SM
                 tk._TUNE.clear()
                 tk._TUNE.update(maxnreg=int(mr))
