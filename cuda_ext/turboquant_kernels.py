@@ -6,10 +6,8 @@ per byte, little-end first; 3-bit codes are a 2-bit plane + a 1-bit plane), cent
 looked up from the codebooks, scores use the fp16 norms, and an online softmax accumulates
 ``Σ p_i ‖v_i‖ c[v_i]`` in the rotated domain.  The kernel returns the running max, the
 softmax denominator and the unnormalised sum, so the caller can merge it with the 16-bit
-window (flash-decoding style) and rotate the result back once; in ``tq_decode_attention_full`` each split
-normalises and rotates its own sum back (ROT), so the combine pass merges slices of coordinates independently.
-The code-tile helpers (unpacking, the ``prmt`` lookups, selector words) and the fused encoder are in
-``tq_codes.py``.
+window (flash-decoding style) and rotate the result back once.  The code-tile helpers (unpacking, the
+``prmt`` lookups, selector words) and the fused encoder are in ``tq_codes.py``.
 """
 
 from __future__ import annotations
@@ -163,8 +161,6 @@ def _tq_attn_kernel(
     DIAG: tl.constexpr = 0,
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
-    rot_ptr=None,
-    ROT: tl.constexpr = 0,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -179,9 +175,7 @@ def _tq_attn_kernel(
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
-    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
-    ROT: the value sum is stored normalised by its denominator and rotated back (``rot_ptr``: R^T [D, D], x = u @ R),
-    in natural order, so that a combine pass merges any slice of coordinates without the others."""
+    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
@@ -266,9 +260,6 @@ def _tq_attn_kernel(
             VSWAR,
             PAGE,
         )
-        if ROT:  # (R^T (acc / l)^T): the transposed sum, back in the original domain
-            rt = tl.load(rot_ptr + col[:, None] * D + col[None, :])  # R^T [e, d]
-            accT = _dot(rt, accT / tl.where(l > 0, l, 1.0)[None, :], F16)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
@@ -330,23 +321,11 @@ def _tq_attn_kernel(
         lv = lv * alpha[:, None] + p
         m = m_new
     l = l + tl.sum(lv, axis=1)
-    if ROT:  # (acc / l) @ R, the sum's columns in vcoord order: R's rows taken in that order
-        rt = tl.load(rot_ptr + col[:, None] * D + vcoord[None, :])  # [e, c] = R[vcoord[c], e]
-        acc = _dot(acc / tl.where(l > 0, l, 1.0)[:, None], tl.trans(rt), F16)
-        vcoord = col
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(m_out + h * S + sp, m, mask=rv)
     tl.store(l_out + h * S + sp, l, mask=rv)
     tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
-
-
-@triton.jit
-def _dot(a, b, F16: tl.constexpr):
-    """a @ b with fp16 operands and fp32 accumulation (tensor cores), or fp32 throughout."""
-    if F16:
-        return tl.dot(a.to(tl.float16), b.to(tl.float16))
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -439,21 +418,6 @@ def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB:
 
 
 @triton.jit
-def merge_normalised(m_ptr, l_ptr, o_ptr, h, S, cols, D: tl.constexpr, BS: tl.constexpr):
-    """A combine kernel's first stage over splits that stored their value sums normalised (``o`` = acc / l, in
-    the original domain): head ``h``'s S partials merged onto their common max, columns ``cols`` only, in one
-    load.  Returns (max, l, unnormalised sum[cols])."""
-    sidx = tl.arange(0, BS)
-    sok = sidx < S
-    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
-    ls = tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0)
-    os_ = tl.load(o_ptr + (h * S + sidx[:, None]) * D + cols[None, :], mask=sok[:, None], other=0.0)
-    mc = tl.max(ms, axis=0)
-    w = tl.exp(ms - tl.where(mc == float("-inf"), 0.0, mc)) * ls
-    return mc, tl.sum(w, axis=0), tl.sum(w[:, None] * os_, axis=0)
-
-
-@triton.jit
 def _tq_combine_kernel(
     m_ptr,
     l_ptr,
@@ -482,7 +446,6 @@ def _tq_combine_kernel(
     BATCH_H: tl.constexpr = 0,
     doffs_ptr=None,
     nd_ptr=None,
-    ROTATED: tl.constexpr = 0,
 ):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
@@ -490,8 +453,7 @@ def _tq_combine_kernel(
     ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
     normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
     sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
-    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``).  ROTATED: the split pass stored its sums
-    normalised and rotated back (its ROT): the program merges its slice only, and ``rot_ptr`` is not read."""
+    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
     if GDC:
@@ -506,15 +468,12 @@ def _tq_combine_kernel(
         g = h // REP
     d = tl.arange(0, D)
     e = c0 + tl.arange(0, DS)
-    if ROTATED:
-        mc, l, code = merge_normalised(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS)
+    if SB > 0:
+        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
     else:
-        if SB > 0:
-            mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
-        else:
-            mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
-        rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
-        code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
+        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
+    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
+    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     code, l = dense_rows_online(
         code,
@@ -559,6 +518,8 @@ MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
+# split programs per SM (SWIFTLM_TQ_PROGRAMS_PER_SM, a diagnostic knob: on an H200, 4 took 0.1-0.2 ms off a
+# one-stream 8B decode step at 32K-128K in one run each; the 8-stream case was not measured, so 8 stays)
 PROGRAMS_PER_SM = int(os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM", "8"))
 
 
@@ -592,10 +553,7 @@ def _split_pass(
     splits,
     batch=None,
     pages=None,
-    rot=None,
 ):
-    """The split kernel's launch (``tq_decode_attention`` documents the arguments).  ``rot``: R^T [D, D] (fp16 with
-    ``f16``, else fp32, contiguous): the sums come back normalised and rotated back (the kernel's ROT)."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -689,11 +647,9 @@ def _split_pass(
         BATCH=kvh,
         pt_ptr=pages[0] if pages is not None else m,
         PAGE=int(pages[1]) if pages is not None else 0,
-        rot_ptr=rot if rot is not None else m,
-        ROT=int(rot is not None),
         **tune,
     )
-    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None, rot is not None)
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
         _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
@@ -783,8 +739,8 @@ def tq_decode_attention_full(
     pages: tuple | None = None,
 ) -> torch.Tensor:
     """The whole decode-row attention of a TurboQuant layer in two kernels: the split pass over
-    the packed codes (``tq_decode_attention``'s arguments), whose programs rotate their normalised sums back
-    with ``v_rotation`` (R: x = u @ R), and a combine pass that merges the splits, attends the 16-bit rows
+    the packed codes (``tq_decode_attention``'s arguments) and a combine pass that merges the
+    splits, rotates the code part back with ``v_rotation`` (R: x = u @ R), attends the 16-bit rows
     ``dk``/``dv`` [H // rep, R, D] with the unrotated query ``q`` [H, D] times ``scale`` (``valid``
     [R] bool masks a static buffer's rows) and normalises.  Returns [H, D] in ``q``'s dtype.
 
@@ -793,8 +749,6 @@ def tq_decode_attention_full(
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
     ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
-    # the split programs rotate their own sums back (R^T, one [D, D] tile each): the combine merges slices only
-    rot_t = v_rotation.t().to(torch.float16 if f16 else torch.float32).contiguous()
     m, l, acc = _split_pass(
         q_rot,
         k_planes,
@@ -813,7 +767,6 @@ def tq_decode_attention_full(
         splits,
         (batch[0], batch[3] // rep) if batch is not None else None,
         pages,
-        rot_t,
     )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
@@ -831,7 +784,7 @@ def tq_decode_attention_full(
         m,
         l,
         acc,
-        rot_t,
+        v_rotation.float().contiguous(),
         q.contiguous(),
         dk,
         dv,
@@ -848,7 +801,6 @@ def tq_decode_attention_full(
         BS=max(2, triton.next_power_of_2(S)),
         REP=rep,
         VALID=valid is not None and batch is None,
-        ROTATED=1,
         **kw,
     )
     return out
