@@ -336,23 +336,32 @@ CODE_FORMATS = [
 @pytest.mark.parametrize("fmt", CODE_FORMATS, ids=lambda f: f.name)
 # the fast tier runs the smallest shape; the whole suite every shape (slow: ~a minute per shape over every format)
 @pytest.mark.parametrize(
-    "kv_heads,heads,d",
+    "kv_heads,heads,d,compiled",
     [
-        pytest.param(3, 9, 64, marks=pytest.mark.slow),
-        pytest.param(1, 2, 128, marks=pytest.mark.slow),
-        (2, 2, 32),
-        pytest.param(2, 6, 96, marks=pytest.mark.slow),
+        pytest.param(3, 9, 64, False, marks=pytest.mark.slow),
+        pytest.param(1, 2, 128, False, marks=pytest.mark.slow),
+        (2, 2, 32, True),
+        pytest.param(2, 6, 96, False, marks=pytest.mark.slow),
     ],
 )
-def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads, d, monkeypatch):
+def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads, d, compiled, monkeypatch):
     """The vectorised path over the codes (one table gather per packed byte, scores of every query
     per block, values summed from the probabilities) equals softmax attention over the decoded rows,
     for random rows, odd lengths and blocks/chunks that end anywhere: DECODE_ROWS and SCORE_BUDGET are
-    shrunk so a few hundred rows cross many blocks and chunks, with decode rows (T = 1) and chunks."""
+    shrunk so a few hundred rows cross many blocks and chunks, with decode rows (T = 1) and chunks.
+
+    Where numba is installed, decode rows (T = 1) go to its compiled kernel (cpu_kernels.usable) instead of
+    this path.  The smallest shape keeps that (each format's kernel against the same reference); the other
+    shapes set SWIFTLM_NUMBA=0, so their decode rows run the vectorised path with the shrunk DECODE_ROWS and
+    SCORE_BUDGET.  A fresh checkout compiles one numba kernel per shape and format (~4 s each on the 2-core CI
+    machine: 33 of them were ~140 s of the whole suite); the kernels' own checks against float64 at several
+    shapes and row counts are tests/test_cpu_kernels.py's."""
     import swiftlm.backends.torch.code_attention as ca
 
     if fmt.kind == "affine" and d % 32:
         pytest.skip("affine groups need a head dim divisible by 32")
+    if not compiled:
+        monkeypatch.setenv("SWIFTLM_NUMBA", "0")
     a = shape(layers=1, kv_heads=kv_heads, heads=heads, d=d)
     g = torch.Generator().manual_seed(d * 7 + heads)
     for rows, budget in [(64, 1 << 21), (37, 500), (5, 1 << 21), (2048, 64)]:
