@@ -6,68 +6,73 @@ order.  Handing out the longest files first and the short ones last lets both wo
 other (longest-processing-time first).  xdist's own order (most tests first) put files of one or two long tests last
 (test_soak, test_code_pages, test_reference_torch, test_tq_paged): one worker ran them alone for the last ~25-60 s.
 
-SECONDS is each file's time in a whole run on the 2-core CI machine (``--durations=0``, summed per file; files of
-10 s or more).  A file not listed counts 0.16 s per test (the mean of the unlisted ones).  The figures only order the
-files: a stale or missing entry changes no test, only when its file starts.
+SECONDS is each file's time in a whole run from a fresh clone on the 2-core CI machine (junit times, setup + call +
+teardown, summed per file; files of 10 s or more), test_kv_compressed.py's less what its numba cut saved since.  A
+fresh clone pays first-use costs in the file that meets them first (numba compiles its CPU attention kernels once
+per shape and format, ~4 s each; the checkpoint cache fills).  A file not listed counts 0.21 s per test (the mean of
+the unlisted ones).  The figures only order the files: a stale or missing entry changes no test, only when its file
+starts.  Replaying that run's per-file times through two workers: this order ends both within 1 s of each other,
+alphabetical order 17 s apart, xdist's most-tests-first 3 s (with 125 files the short ones fill the gaps either way;
+what the order guards against is a long file handed out last).
 """
 
 from __future__ import annotations
 
-UNLISTED_PER_TEST = 0.16
+UNLISTED_PER_TEST = 0.21
 
 SECONDS = {
-    "test_install.py": 155,
-    "test_ray_serve.py": 129,
-    "test_speculative.py": 127,
-    "test_cuda_ext.py": 93,
-    "test_server.py": 82,
-    "test_mlx_distributed.py": 67,
-    "test_reference_torch.py": 66,
-    "test_code_pages.py": 66,
-    "test_compressed_batch.py": 57,
-    "test_fork.py": 55,
-    "test_batching.py": 54,
-    "test_tensor_parallel.py": 54,
-    "test_engine_process.py": 45,
-    "test_cli_convert.py": 43,
-    "test_pipeline_parallel.py": 37,
-    "test_quant_formats.py": 30,
-    "test_window_kv_bounded.py": 30,
-    "test_cli_first_contact.py": 29,
-    "test_lora_mlx.py": 28,
-    "test_prefix_cache.py": 27,
-    "test_gguf_torch_archs.py": 25,
-    "test_soak.py": 23,
-    "test_test_time.py": 23,
+    "test_install.py": 225,
+    "test_speculative.py": 179,
+    "test_cuda_ext.py": 158,
+    "test_server.py": 156,
+    "test_ray_serve.py": 130,
+    "test_kv_compressed.py": 101,
+    "test_reference_torch.py": 76,
+    "test_code_pages.py": 69,
+    "test_mlx_distributed.py": 66,
+    "test_tensor_parallel.py": 64,
+    "test_cli_convert.py": 57,
+    "test_compressed_batch.py": 53,
+    "test_fork.py": 47,
+    "test_engine_process.py": 47,
+    "test_lora_mlx.py": 46,
+    "test_pipeline_parallel.py": 46,
+    "test_batching.py": 37,
+    "test_quant_formats.py": 36,
+    "test_cli_first_contact.py": 36,
+    "test_prefix_cache.py": 29,
+    "test_window_kv_bounded.py": 29,
+    "test_bench_matrix.py": 28,
+    "test_multimodal.py": 26,
+    "test_soak.py": 24,
+    "test_gguf_torch_archs.py": 24,
     "test_hub.py": 22,
-    "test_multi_model.py": 21,
-    "test_multimodal.py": 19,
-    "test_bench_matrix.py": 19,
-    "test_registry.py": 19,
-    "test_api_workers.py": 18,
-    "test_health_metrics.py": 18,
-    "test_tq_paged.py": 18,
+    "test_health_metrics.py": 22,
+    "test_cpu_kernels.py": 22,
+    "test_code_pages_engine.py": 20,
+    "test_multi_model.py": 19,
+    "test_expert_streaming.py": 19,
+    "test_torch_archs.py": 19,
+    "test_paged_kv.py": 19,
+    "test_torch_archs_moe.py": 19,
     "test_torch_backend.py": 18,
-    "test_kv_compressed.py": 18,
-    "test_paged_kv.py": 18,
-    "test_expert_streaming.py": 17,
-    "test_shutdown.py": 17,
-    "test_json_close.py": 17,
-    "test_fused_decode.py": 17,
-    "test_bench_serve.py": 16,
-    "test_webui.py": 15,
-    "test_torch_archs.py": 15,
-    "test_structured.py": 15,
-    "test_paged_attention.py": 15,
-    "test_anthropic_api.py": 14,
-    "test_responses_api.py": 14,
-    "test_engine_exact.py": 14,
+    "test_api_workers.py": 18,
+    "test_mlx_kvbits_cpu_kernel.py": 17,
+    "test_test_time.py": 17,
+    "test_webui.py": 17,
+    "test_responses_api.py": 16,
+    "test_engine_exact.py": 16,
+    "test_anthropic_api.py": 16,
+    "test_tq_paged.py": 16,
+    "test_shutdown.py": 15,
+    "test_bench_serve.py": 15,
+    "test_fused_decode.py": 15,
+    "test_paged_attention.py": 14,
+    "test_structured.py": 13,
     "test_ollama_api.py": 13,
-    "test_torch_archs_moe.py": 13,
-    "test_code_pages_engine.py": 11,
+    "test_data_parallel.py": 12,
     "test_lora.py": 11,
-    "test_sample_kernel.py": 10,
-    "test_auth_tls.py": 10,
+    "test_registry.py": 11,
 }
 
 
