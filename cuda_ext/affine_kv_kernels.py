@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kw
-from .turboquant_kernels import dense_rows_online, merge_splits
+from .tq_combine import dense_rows_online, merge_splits
 
 _LOG2E = 1.4426950408889634
 _RINT = tl.constexpr(

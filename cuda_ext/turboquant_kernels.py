@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .pdl import launch_kw
 from .tq_codes import _PLANES, _codes, _field, _mux_tile, _planes, _prmt_for, _signs_nat, _swar_ok
+from .tq_combine import _tq_combine_kernel, _window_rows
 
 
 @triton.jit
@@ -161,6 +162,22 @@ def _tq_attn_kernel(
     DIAG: tl.constexpr = 0,
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
+    wq_ptr=None,
+    wk_ptr=None,
+    wv_ptr=None,
+    wvalid_ptr=None,
+    wrows=0,
+    wscale=1.0,
+    wk_head=0,
+    wk_row=0,
+    wv_head=0,
+    wv_row=0,
+    mw_out=None,
+    lw_out=None,
+    accw_out=None,
+    WIN: tl.constexpr = 0,
+    WVALID: tl.constexpr = 0,
+    WBLOCK: tl.constexpr = 16,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -175,10 +192,14 @@ def _tq_attn_kernel(
     + g, split); sequence b's tensors sit at ``offs`` [B, 8] elements (planes, norms, QJL signs and
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
-    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it)."""
+    sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
+    WIN (not with BATCH): one program more per KV head, the last, attends the 16-bit rows instead of codes
+    (``_window_rows``: the unrotated query ``wq``, ``wrows`` rows of ``wk`` / ``wv``, ``wvalid`` masking them when
+    WVALID) and stores its (max, denominator, sum) at ``mw`` / ``lw`` / ``accw`` [H(, D)], in the original domain,
+    so that the combine pass only merges them."""
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
-    S = tl.num_programs(1)
+    S = tl.num_programs(1) - WIN  # code splits (WIN: the last program takes the 16-bit rows)
     if GDC:
         tl.extra.cuda.gdc_wait()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
@@ -214,6 +235,29 @@ def _tq_attn_kernel(
     r = tl.arange(0, RP)
     rv = r < REP
     h = hg * REP + r
+    if WIN:
+        if sp == S:
+            mw, lw, aw = _window_rows(
+                wq_ptr,
+                wk_ptr + g * wk_head,
+                wv_ptr + g * wv_head,
+                wvalid_ptr,
+                wrows,
+                wscale,
+                wk_row,
+                wv_row,
+                h,
+                rv,
+                col,
+                D,
+                RP,
+                WBLOCK,
+                WVALID,
+            )
+            tl.store(mw_out + h, mw, mask=rv)
+            tl.store(lw_out + h, lw, mask=rv)
+            tl.store(accw_out + h[:, None] * D + col[None, :], aw, mask=rv[:, None])
+            return
     q = tl.load(q_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)  # [RP, D]
     q = q.to(tl.float16) if F16 else q.to(tl.float32)
     if QJL:
@@ -328,179 +372,6 @@ def _tq_attn_kernel(
     tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
 
 
-@triton.jit
-def merge_splits(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, BS: tl.constexpr, EXP2: tl.constexpr):
-    """A combine kernel's first stage: head ``h``'s S split partials (max m [H, S], denominator l
-    [H, S], value sums acc [H, S, D]) merged onto their common max.  Returns (max, l, acc[cols]);
-    EXP2: the partials' scores are in the exp2 domain."""
-    sidx = tl.arange(0, BS)
-    sok = sidx < S
-    ms = tl.load(m_ptr + h * S + sidx, mask=sok, other=float("-inf"))
-    mc = tl.max(ms, axis=0)
-    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
-    if EXP2:
-        w = tl.exp2(ms - mc_safe)
-    else:
-        w = tl.exp(ms - mc_safe)
-    l = tl.sum(w * tl.load(l_ptr + h * S + sidx, mask=sok, other=0.0), axis=0)
-    accs = tl.load(acc_ptr + (h * S + sidx[:, None]) * D + cols[None, :], mask=sok[:, None], other=0.0)
-    return mc, l, tl.sum(w[:, None] * accs, axis=0)
-
-
-@triton.jit
-def dense_rows_online(
-    acc,
-    l,
-    m,
-    q,
-    dk_ptr,
-    dv_ptr,
-    valid_ptr,
-    g,
-    dk_head,
-    dk_row,
-    dv_head,
-    dv_row,
-    d,
-    e,
-    R,
-    scale,
-    BLOCK_R: tl.constexpr,
-    VALID: tl.constexpr,
-    EXP2: tl.constexpr,
-):
-    """A combine kernel's 16-bit rows: continue the online softmax (running value sum ``acc`` [DS] for
-    coordinates ``e``, denominator ``l``, max ``m``) over the R rows dk/dv [KVH, R, D] of KV head ``g``,
-    scores q . k over all D coordinates ``d`` times ``scale`` (``valid`` [R] masks rows when VALID; EXP2:
-    scores already in the exp2 domain).  Returns (acc, l), not normalised."""
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        ok = rr < R
-        if VALID:
-            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
-        kd = tl.load(dk_ptr + g * dk_head + rr[:, None] * dk_row + d[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.sum(kd.to(tl.float32) * q[None, :], axis=1) * scale
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if EXP2:
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(sc - m_safe)
-        else:
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(sc - m_safe)
-        vd = tl.load(dv_ptr + g * dv_head + rr[:, None] * dv_row + e[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
-    return acc, l
-
-
-@triton.jit
-def merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, SB: tl.constexpr):
-    """``merge_splits`` over SB splits at a time (two passes: the max, then the weighted sums), so that
-    a head's [S, len(cols)] partials never sit in registers at once (S grows with the GPU's SM count)."""
-    sidx = tl.arange(0, SB)
-    mv = tl.full((SB,), float("-inf"), tl.float32)
-    for s0 in range(0, S, SB):
-        mv = tl.maximum(mv, tl.load(m_ptr + h * S + s0 + sidx, mask=s0 + sidx < S, other=float("-inf")))
-    mc = tl.max(mv, axis=0)
-    mc_safe = tl.where(mc == float("-inf"), 0.0, mc)
-    lv = tl.zeros((SB,), tl.float32)
-    acc = tl.zeros((SB, cols.shape[0]), tl.float32)
-    for s0 in range(0, S, SB):
-        s = s0 + sidx
-        ok = s < S
-        w = tl.exp(tl.load(m_ptr + h * S + s, mask=ok, other=float("-inf")) - mc_safe)
-        lv += w * tl.load(l_ptr + h * S + s, mask=ok, other=0.0)
-        acc += w[:, None] * tl.load(acc_ptr + (h * S + s[:, None]) * D + cols[None, :], mask=ok[:, None], other=0.0)
-    return mc, tl.sum(lv, axis=0), tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _tq_combine_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    rot_ptr,
-    q_ptr,
-    dk_ptr,
-    dv_ptr,
-    valid_ptr,
-    out_ptr,
-    R,
-    S,
-    scale,
-    dk_head,
-    dk_row,
-    dv_head,
-    dv_row,
-    D: tl.constexpr,
-    DS: tl.constexpr,
-    BS: tl.constexpr,
-    REP: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    VALID: tl.constexpr,
-    SB: tl.constexpr = 0,
-    GDC: tl.constexpr = 0,
-    BATCH_H: tl.constexpr = 0,
-    doffs_ptr=None,
-    nd_ptr=None,
-):
-    """One program per (query head, DS output coordinates): merge the head's S split partials
-    ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
-    coordinates (acc @ R[:, slice]), attend over the 16-bit rows (dense window, original domain;
-    ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
-    normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
-    sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
-    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
-    h = tl.program_id(0)
-    c0 = tl.program_id(1) * DS
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-    if BATCH_H > 0:
-        b = h // BATCH_H
-        g = (h % BATCH_H) // REP
-        dk_ptr += tl.multiple_of(tl.load(doffs_ptr + 2 * b), 16)
-        dv_ptr += tl.multiple_of(tl.load(doffs_ptr + 2 * b + 1), 16)
-        R = tl.load(nd_ptr + b) + 1
-    else:
-        g = h // REP
-    d = tl.arange(0, D)
-    e = c0 + tl.arange(0, DS)
-    if SB > 0:
-        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
-    else:
-        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
-    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
-    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
-    q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    code, l = dense_rows_online(
-        code,
-        l,
-        mc,
-        q,
-        dk_ptr,
-        dv_ptr,
-        valid_ptr,
-        g,
-        dk_head,
-        dk_row,
-        dv_head,
-        dv_row,
-        d,
-        e,
-        R,
-        scale,
-        BLOCK_R,
-        VALID,
-        False,
-    )
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
-
-
 _SM_COUNT: dict[int, int] = {}
 _TUNE: dict[str, int] = {}  # launch knobs (num_warps / num_stages / TRANS) set by scripts/bench_tq_kernel.py sweeps
 # the combine pass's knobs (SB, BLOCK_R, DS, num_warps), same use; SWIFTLM_TQ_COMBINE="SB=0,num_warps=8" sets them
@@ -521,6 +392,10 @@ TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_T
 # split programs per SM (SWIFTLM_TQ_PROGRAMS_PER_SM, a diagnostic knob: on an H200, 4 took 0.1-0.2 ms off a
 # one-stream 8B decode step at 32K-128K in one run each; the 8-stream case was not measured, so 8 stays)
 PROGRAMS_PER_SM = int(os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM", "8"))
+# SWIFTLM_TQ_WINDOW_SPLIT=1: the 16-bit window rows of a one-sequence decode row attended by one more split program
+# per KV head, beside the code splits, instead of by the combine pass after them (an A/B knob, off by default until
+# measured through serve)
+WINDOW_SPLIT = os.environ.get("SWIFTLM_TQ_WINDOW_SPLIT", "0") == "1"
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
@@ -553,7 +428,11 @@ def _split_pass(
     splits,
     batch=None,
     pages=None,
+    window=None,
 ):
+    """The split kernel's launch (``tq_decode_attention`` documents the arguments).  ``window`` = (q [H, D], dk, dv
+    [H // rep, R, D], valid [R] or None, scale, mw [H], lw [H], accw [H, D]): one program more per KV head attends
+    the 16-bit rows (the kernel's WIN) and writes their partials to mw / lw / accw."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -592,7 +471,27 @@ def _split_pass(
     if MAXNREG and trans and dev.type == "cuda" and "maxnreg" not in tune and tune.get("num_warps", 4) == 4:
         tune["maxnreg"] = MAXNREG
     offs, kvh = batch if batch is not None else (m, 0)
-    _LAST["split"] = _tq_attn_kernel[(H // rep, S)](
+    if window is not None:
+        wq, wk, wv, wvalid, wscale, mw, lw, accw = window
+        assert batch is None and wk.stride(2) == 1 and wv.stride(2) == 1
+        tune.update(
+            wq_ptr=wq,
+            wk_ptr=wk,
+            wv_ptr=wv,
+            wvalid_ptr=wvalid if wvalid is not None else m,
+            wrows=wk.shape[1],
+            wscale=float(wscale),
+            wk_head=wk.stride(0),
+            wk_row=wk.stride(1),
+            wv_head=wv.stride(0),
+            wv_row=wv.stride(1),
+            mw_out=mw,
+            lw_out=lw,
+            accw_out=accw,
+            WIN=1,
+            WVALID=int(wvalid is not None),
+        )
+    _LAST["split"] = _tq_attn_kernel[(H // rep, S + (window is not None))](
         q_rot.float().contiguous(),
         kp0,
         kp1,
@@ -649,7 +548,7 @@ def _split_pass(
         PAGE=int(pages[1]) if pages is not None else 0,
         **tune,
     )
-    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None, window is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
         _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
@@ -749,6 +648,20 @@ def tq_decode_attention_full(
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
     ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
+    window = None
+    if WINDOW_SPLIT and batch is None:
+        assert dk.stride(2) == 1 and dv.stride(2) == 1
+        mw = torch.empty(H, dtype=torch.float32, device=q.device)
+        window = (
+            q.contiguous(),
+            dk,
+            dv,
+            valid,
+            scale,
+            mw,
+            torch.empty_like(mw),
+            torch.empty(H, D, dtype=mw.dtype, device=q.device),
+        )
     m, l, acc = _split_pass(
         q_rot,
         k_planes,
@@ -767,6 +680,7 @@ def tq_decode_attention_full(
         splits,
         (batch[0], batch[3] // rep) if batch is not None else None,
         pages,
+        window,
     )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
@@ -802,6 +716,7 @@ def tq_decode_attention_full(
         REP=rep,
         VALID=valid is not None and batch is None,
         **kw,
+        **(dict(mw_ptr=window[5], lw_ptr=window[6], accw_ptr=window[7], WIN=1) if window is not None else {}),
     )
     return out
 

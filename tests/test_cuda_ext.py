@@ -343,6 +343,80 @@ def test_turboquant_selector_words_equal_byte_path_on_gpu():
     _check_tq_swar("cuda", interpret=False)
 
 
+TQ_WINDOW_CODE = """
+import json, torch
+from swiftlm.cuda_ext import turboquant_kernels as tk
+from swiftlm.cuda_ext.tq_codes import _PLANES
+dev = "{device}"
+g = torch.Generator().manual_seed(1)
+out = []
+# (D, N code rows, 16-bit buffer rows, rows valid (None: no mask), key bits, value bits, query heads per KV head,
+# fp16 dots): a buffer larger than one 64-row block, a masked prefix, every KV head's window its own
+for D, N, R, nv, kb, vb, rep, f16 in [(128, 77, 160, 97, 4, 3, 4, True), (64, 130, 40, None, 3, 2, 2, True),
+                                      (128, 33, 70, 70, 2, 3, 4, False), (64, 200, 64, 1, 4, 2, 1, False)]:
+    KVH = 2
+    pl = lambda b: [torch.randint(0, 256, (KVH, N, D * w // 8), generator=g, dtype=torch.uint8).to(dev)
+                    for w in _PLANES[b] if w]
+    kp, vp = pl(kb), pl(vb)
+    kn, vn = ((torch.rand(KVH, N, generator=g) + 0.5).half().to(dev) for _ in range(2))
+    kc, vc = (torch.sort(torch.randn(2 ** b, generator=g)).values.to(dev) for b in (kb, vb))
+    dt = torch.bfloat16 if f16 else torch.float32
+    q = torch.randn(KVH * rep, D, generator=g).to(dt).to(dev)
+    rot = torch.linalg.qr(torch.randn(D, D, generator=g))[0].to(dev)
+    q_rot = (q.float() @ rot.T) * D ** -0.5
+    dk, dv = (torch.randn(KVH, R, D, generator=g).to(dt).to(dev) for _ in range(2))
+    valid = None if nv is None else (torch.arange(R) < nv).to(dev)
+    res = []
+    for win in (False, True):
+        tk.WINDOW_SPLIT = win
+        res.append(tk.tq_decode_attention_full(q, q_rot, kp, kn, kc, kb, vp, vn, vc, vb, rot, dk, dv, D ** -0.5,
+                                               rep=rep, valid=valid, f16=f16, splits=3).double())
+    out.append(dict(case=[D, N, R, nv, rep, f16], ref_max=float(res[0].abs().max()),
+                    diff=float((res[1] - res[0]).abs().max()), finite=bool(torch.isfinite(res[1]).all())))
+print(json.dumps(out))
+"""
+
+
+def _check_tq_window(device: str, interpret: bool) -> None:
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
+    r = subprocess.run(
+        [sys.executable, "-c", TQ_WINDOW_CODE.format(device=device)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(cases) == 4
+    for c in cases:
+        # the same codes and 16-bit rows on both sides; only where the rows' scores, softmax and value sums are
+        # summed differs (one more split program's dots against the combine pass's elementwise sums), and the
+        # merge order of the partials: the fp32 bound for two summation orders of 3 chained reductions (D, R terms),
+        # before the output is rounded to its dtype (bfloat16: half an ulp of 2^-8 at the largest value)
+        D, N, R = c["case"][:3]
+        bound = fp32_matmul_tol(max(D, N, R), c["ref_max"], 3)
+        if c["case"][5]:
+            bound += 2**-8 * c["ref_max"]
+        assert c["finite"] and c["diff"] <= bound, (c, bound)
+
+
+@triton_missing
+def test_turboquant_window_split_equals_combine_window_interpreted():
+    """SWIFTLM_TQ_WINDOW_SPLIT: the 16-bit window rows attended by one more split program per KV head give the
+    decode row that the combine pass's own window loop gives (masked and unmasked buffers, GQA, fp16 and fp32
+    dots)."""
+    _check_tq_window("cpu", interpret=True)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
+def test_turboquant_window_split_equals_combine_window_on_gpu():
+    _check_tq_window("cuda", interpret=False)
+
+
 GEMV_CODE = """
 import json, torch
 from swiftlm.cuda_ext.gemv import linear_small_m, linear_small_m_ref
