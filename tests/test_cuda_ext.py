@@ -303,12 +303,13 @@ print(json.dumps(out))
 """
 
 
-def _check_tq_swar(device: str, interpret: bool) -> None:
+def _run_cases(code: str, device: str, interpret: bool) -> list:
+    """Run a kernel-check script (``code`` formatted with ``device``) in a subprocess; its last line's JSON."""
     import json
 
     env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
     r = subprocess.run(
-        [sys.executable, "-c", TQ_SWAR_CODE.format(device=device)],
+        [sys.executable, "-c", code.format(device=device)],
         capture_output=True,
         text=True,
         env=env,
@@ -316,7 +317,11 @@ def _check_tq_swar(device: str, interpret: bool) -> None:
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check_tq_swar(device: str, interpret: bool) -> None:
+    cases = _run_cases(TQ_SWAR_CODE, device, interpret)
     assert len(cases) == 5
     for c in cases:
         # the selector-word path looks up the same fp16 centroids as the byte path and feeds them to the same
@@ -378,19 +383,7 @@ print(json.dumps(out))
 
 
 def _check_tq_window(device: str, interpret: bool) -> None:
-    import json
-
-    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
-    r = subprocess.run(
-        [sys.executable, "-c", TQ_WINDOW_CODE.format(device=device)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    cases = _run_cases(TQ_WINDOW_CODE, device, interpret)
     assert len(cases) == 4
     for c in cases:
         # the same codes and 16-bit rows on both sides; only where the rows' scores, softmax and value sums are
