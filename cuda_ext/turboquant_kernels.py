@@ -380,7 +380,7 @@ _COMBINE: dict[str, int] = {
     k: int(v) for k, v in (kv.split("=") for kv in filter(None, os.environ.get("SWIFTLM_TQ_COMBINE", "").split(",")))
 }
 _LAST: dict[str, object] = {}  # the last launched split / combine kernels (their registers and spills, for benchmarks)
-_REGS: dict[tuple, tuple] = {}  # (key bits, value bits, TRANS, N_PTR, BATCH) -> the split kernel's (registers, spills)
+_REGS: dict[tuple, tuple] = {}  # _split_pass's variant key -> the split kernel's (registers, spills)
 # the split kernel's register cap where the code tiles are first operands (ptxas maxnreg; SWIFTLM_TQ_MAXNREG, 0:
 # none): four 4-warp programs per SM need <= 128.  Uncapped, ptxas can give the graphed step's k4v3 kernel (row
 # count read on the device) a few registers more, which leaves room for only three programs per SM; the cap costs

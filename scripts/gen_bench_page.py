@@ -505,14 +505,17 @@ def m_kv_step(docs: list) -> str:
         for fmt, r in run["formats"].items():
             k = r["kernels"]
             split = next(v for n, v in k.items() if KV_STEP_ATTENTION.get(n) == "split")
-            per_token = 32 / split["calls_per_step"]  # 32 layers: a streamed delta may carry more than one token
+            # per token: one split launch per layer and decode step (the profiled window's token count, from
+            # streamed deltas, need not match the steps whose kernels it caught); the runs before the field: 8B, 32
+            L = run.get("layers", 32)
+            per_token = L / split["calls_per_step"]
             layer = {}
             for n, v in k.items():
                 if n in KV_STEP_ATTENTION:
                     col = KV_STEP_ATTENTION[n]
-                    layer[col] = layer.get(col, 0.0) + v["us_per_step"] * per_token / 32
+                    layer[col] = layer.get(col, 0.0) + v["us_per_step"] * per_token / L
             total = sum(v["us_per_step"] for v in k.values()) * per_token / 1e3
-            attn = sum(layer.values()) * 32 / 1e3
+            attn = sum(layer.values()) * L / 1e3
             rows.append(
                 [
                     f"{run['prompt_tokens']:,}",

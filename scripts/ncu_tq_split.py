@@ -21,6 +21,8 @@ from swiftlm.backends.torch.kv_quant import TurboCodec  # noqa: E402
 from swiftlm.cuda_ext import turboquant_kernels as tk  # noqa: E402
 from swiftlm.turboquant.presets import parse_turbo  # noqa: E402
 
+H, KVH, D = 32, 8, 128  # the Llama-3-8B attention shape
+
 
 def bf16(N: int, dev: torch.device) -> None:
     from swiftlm.cuda_ext.paged_attention import default_splits, paged_decode_attention
@@ -32,9 +34,6 @@ def bf16(N: int, dev: torch.device) -> None:
     lens = torch.full((1,), N, device=dev, dtype=torch.int32)
     for _ in range(4):
         paged_decode_attention(q, kc, vc, bt, lens, D**-0.5, num_splits=default_splits(N, 1, KVH))
-
-
-H, KVH, D = 32, 8, 128
 
 
 def main() -> None:

@@ -53,7 +53,8 @@ def main() -> None:
     vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 32000
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rng = random.Random(0)
-    out = {"model": a.model, "prompt_tokens": a.prompt_tokens, "steps": a.steps, "formats": {}}
+    layers = llm.engine.model.info.num_layers  # attention launches per decode step
+    out = {"model": a.model, "prompt_tokens": a.prompt_tokens, "steps": a.steps, "layers": layers, "formats": {}}
     for fmt in a.formats.split(","):
         prompt = [rng.randrange(100, min(vocab, 32000) - 100) for _ in range(a.prompt_tokens)]
         p = SamplingParams(max_tokens=a.skip + a.steps + 8, temperature=0, ignore_eos=True, **request_fields(fmt))
