@@ -132,7 +132,10 @@ def _quant_mm_kernel(
             k = k0 + kk
             xt = tl.load(x + m[:, None] * K + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
             wt = _weight_tile(w, s, z, n, nm, k0, N, K, BH, BW, S_N, G, BLOCK_N, BLOCK_K, MODE, GB)
-            acc2 += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
+            if x.dtype.element_ty == tl.float32:  # fp32 rows: fp32 products (the GPU's default would be TF32)
+                acc2 += tl.dot(xt, tl.trans(wt.to(xt.dtype)), input_precision="ieee")
+            else:
+                acc2 += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
         if MODE == 0:
             acc2 = acc2 * tl.load(s + n, mask=nm, other=0.0)[None, :]
         tl.store(y + m[:, None] * N + n[None, :], acc2.to(y.dtype.element_ty), mask=mm[:, None] & nm[None, :])

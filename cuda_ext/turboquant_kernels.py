@@ -389,25 +389,30 @@ MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
 
 
-# split programs per SM (SWIFTLM_TQ_PROGRAMS_PER_SM, a diagnostic knob: on an H200, 4 took 0.1-0.2 ms off a
-# one-stream 8B decode step at 32K-128K in one run each; the 8-stream case was not measured, so 8 stays)
-PROGRAMS_PER_SM = int(os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM", "8"))
+# split programs per SM: 4 for one sequence's row (its 16-bit window and merge then wait on fewer, longer splits),
+# 8 for several sequences' rows in one launch; SWIFTLM_TQ_PROGRAMS_PER_SM sets both (an A/B knob).  Through `swiftlm
+# serve` on an H200 (8B shape, 32K, k4v3, with the combine's one-load merge below), one stream's inter-token p50
+# went 5.64 -> 5.55 ms, and 4 for eight streams' batched rows made theirs 13.1 -> 14.4 ms
+# (docs/results/tq_s30/).
+_PPS_ENV = os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM")
+PROGRAMS_PER_SM = (int(_PPS_ENV), int(_PPS_ENV)) if _PPS_ENV else (4, 8)  # (one sequence, batched rows)
 # SWIFTLM_TQ_WINDOW_SPLIT=1: the 16-bit window rows of a one-sequence decode row attended by one more split program
-# per KV head, beside the code splits, instead of by the combine pass after them (an A/B knob, off by default until
-# measured through serve)
+# per KV head, beside the code splits, instead of by the combine pass after them (an A/B knob, off: through `swiftlm
+# serve` on an H200, 8B shape, 32K, k4v3, one stream's inter-token p50 went 5.64 -> 6.98 ms)
 WINDOW_SPLIT = os.environ.get("SWIFTLM_TQ_WINDOW_SPLIT", "0") == "1"
 
 
-def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
-    """Splits per KV head: about ``PROGRAMS_PER_SM`` (8) programs per SM in all (enough loads in flight to keep the
-    memory busy; ``scripts/bench_tq_kernel.py --splits`` sweeps the count), never more than the row
+def _splits(device: torch.device, groups: int, rows: int, block_n: int, per_sm: int | None = None) -> int:
+    """Splits per KV head: about ``per_sm`` (default: ``PROGRAMS_PER_SM``'s one-sequence count) programs per SM in
+    all (enough loads in flight to keep the memory busy; ``scripts/bench_tq_kernel.py --splits`` sweeps the count), never more than the row
     tiles (on the CPU interpreter, ranges of 256 rows)."""
     if device.type != "cuda":
         return max(1, triton.cdiv(rows, 256))
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
+    per_sm = per_sm or PROGRAMS_PER_SM[0]
+    return max(1, min(triton.cdiv(per_sm * _SM_COUNT[idx], groups), triton.cdiv(rows, block_n), 256))
 
 
 def _split_pass(
@@ -444,7 +449,7 @@ def _split_pass(
         assert pages[1] % block_n == 0 and pages[0].dtype == torch.int32, (
             "pages: int32 table, rows a multiple of the tile"
         )
-    S = splits or _splits(dev, H // rep, N, block_n)
+    S = splits or _splits(dev, H // rep, N, block_n, PROGRAMS_PER_SM[batch is not None])
     m = torch.empty(H, S, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     acc = torch.empty(H, S, D, dtype=torch.float32, device=dev)
@@ -686,8 +691,11 @@ def tq_decode_attention_full(
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
     assert dk.stride(2) == 1 and dv.stride(2) == 1
     R = dk.shape[1]
-    # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10
+    # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10.  One sequence's
+    # row: its splits (66 for 8 KV heads on 132 SMs) merged in one load by 8 warps (measured with PROGRAMS_PER_SM)
     kw = {"SB": 32, "BLOCK_R": 64, "num_warps": 4, "DS": min(D, 32)}
+    if batch is None and S <= 128:
+        kw.update(SB=0, num_warps=8)
     kw.update(_COMBINE)
     ds = kw["DS"]
     if "GDC" not in kw:

@@ -901,7 +901,7 @@ MEASURES = [
         "Long context: TurboQuant and kv_bits",
         "32K and 128K prompts through `swiftlm serve` (H200)",
         [
-            "kv_formats_serve_h200_32k.json",
+            "kv_formats_serve_h200_32k_split4.json",
             "kv_formats_serve_h200_128k_overlap.json",
             "kv_formats_serve_h200_32k_kvbits.json",
         ],
@@ -913,8 +913,10 @@ MEASURES = [
         "steps are overlapped and GPU-bound (step log: 0.3 ms to launch, ~7 ms waiting on the GPU); a compressed step "
         "reads about a quarter of the 16-bit cache's bytes, but the TurboQuant decode kernel runs well below the "
         "memory bound, so at 128K the step is 8-11% faster rather than the ~1.8x the bytes allow. With 8 streams of "
-        "32K only one prompt fits the staging room at a time, hence their time to first token. `kv_bits` rows are "
-        "requests with `kv_bits` on a 16-bit server (staging 4 GiB), an earlier build of the same day.",
+        "32K only one prompt fits the staging room at a time, hence their time to first token. The 32K TurboQuant rows "
+        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load); "
+        "the 128K rows and the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, staging 4 GiB) are an "
+        "earlier build with 8 split programs per SM for every row.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",

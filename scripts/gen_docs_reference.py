@@ -67,8 +67,9 @@ OTHER_ENV = {
     "SWIFTLM_TP_TIMEOUT": "seconds a tensor/pipeline-parallel collective may wait (default 600)",
     "SWIFTLM_TQ_BATCHED": "`0`: each TurboQuant row its own kernel launch instead of one per format",
     "SWIFTLM_TQ_MAXNREG": "`0`: no register cap on the TurboQuant split kernel (A/B)",
-    "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=0,num_warps=8` (A/B)",
-    "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 8; A/B)",
+    "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=32,num_warps=4` (A/B)",
+    "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 4 for one sequence's row, 8 for batched rows; "
+    "a number sets both; A/B)",
     "SWIFTLM_TQ_WINDOW_SPLIT": "`1`: a TurboQuant decode row's 16-bit window rows attended by one more split program "
     "beside the code splits instead of by the combine pass (A/B, off by default)",
     "SWIFTLM_TQ_PRMT": "`0`: no inline-PTX codebook lookup in the TurboQuant kernels (A/B)",
