@@ -11,50 +11,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _window_rows(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    valid_ptr,
-    R,
-    scale,
-    k_row,
-    v_row,
-    h,
-    rv,
-    col,
-    D: tl.constexpr,
-    RP: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    VALID: tl.constexpr,
-):
-    """Query heads ``h`` (``rv``: real) over R 16-bit rows of one KV head, k / v [R, D] with row strides k_row /
-    v_row, in fp32 (``dense_rows_online``'s math for several heads at once): scores q . k * scale, ``valid`` [R]
-    masking rows when VALID.  Returns (max [RP], denominator [RP], unnormalised sum [RP, D])."""
-    q = tl.load(q_ptr + h[:, None] * D + col[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
-    m = tl.full((RP,), float("-inf"), tl.float32)
-    l = tl.zeros((RP,), tl.float32)
-    acc = tl.zeros((RP, D), tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        ok = rr < R
-        if VALID:
-            ok = ok & (tl.load(valid_ptr + rr, mask=rr < R, other=0) != 0)
-        kd = tl.load(k_ptr + rr[:, None] * k_row + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        sc = tl.dot(q, tl.trans(kd), input_precision="ieee") * scale
-        sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        vd = tl.load(v_ptr + rr[:, None] * v_row + col[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, vd, input_precision="ieee")
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
-    return m, l, acc
-
-
-@triton.jit
 def merge_splits(m_ptr, l_ptr, acc_ptr, h, S, cols, D: tl.constexpr, BS: tl.constexpr, EXP2: tl.constexpr):
     """A combine kernel's first stage: head ``h``'s S split partials (max m [H, S], denominator l
     [H, S], value sums acc [H, S, D]) merged onto their common max.  Returns (max, l, acc[cols]);
@@ -172,10 +128,6 @@ def _tq_combine_kernel(
     BATCH_H: tl.constexpr = 0,
     doffs_ptr=None,
     nd_ptr=None,
-    mw_ptr=None,
-    lw_ptr=None,
-    accw_ptr=None,
-    WIN: tl.constexpr = 0,
 ):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
@@ -183,8 +135,7 @@ def _tq_combine_kernel(
     ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
     normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
     sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
-    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``).  WIN: the split pass attended the 16-bit
-    rows already (its WIN): their (max, denominator, sum) at ``mw`` / ``lw`` / ``accw`` are merged in."""
+    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
     if GDC:
@@ -205,17 +156,6 @@ def _tq_combine_kernel(
         mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
     rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
     code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
-    if WIN:
-        mw = tl.load(mw_ptr + h)
-        m2 = tl.maximum(mc, mw)
-        m2 = tl.where(m2 == float("-inf"), 0.0, m2)
-        a1, a2 = tl.exp(mc - m2), tl.exp(mw - m2)
-        code = code * a1 + tl.load(accw_ptr + h * D + e) * a2
-        l = l * a1 + tl.load(lw_ptr + h) * a2
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))
-        return
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     code, l = dense_rows_online(
         code,

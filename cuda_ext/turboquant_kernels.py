@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .pdl import launch_kw
 from .tq_codes import _PLANES, _codes, _field, _mux_tile, _planes, _prmt_for, _signs_nat, _swar_ok
-from .tq_combine import _tq_combine_kernel, _window_rows
+from .tq_combine import _tq_combine_kernel
 
 
 @triton.jit
@@ -162,22 +162,6 @@ def _tq_attn_kernel(
     DIAG: tl.constexpr = 0,
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
-    wq_ptr=None,
-    wk_ptr=None,
-    wv_ptr=None,
-    wvalid_ptr=None,
-    wrows=0,
-    wscale=1.0,
-    wk_head=0,
-    wk_row=0,
-    wv_head=0,
-    wv_row=0,
-    mw_out=None,
-    lw_out=None,
-    accw_out=None,
-    WIN: tl.constexpr = 0,
-    WVALID: tl.constexpr = 0,
-    WBLOCK: tl.constexpr = 16,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -193,13 +177,10 @@ def _tq_attn_kernel(
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
     sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
-    WIN (not with BATCH): one program more per KV head, the last, attends the 16-bit rows instead of codes
-    (``_window_rows``: the unrotated query ``wq``, ``wrows`` rows of ``wk`` / ``wv``, ``wvalid`` masking them when
-    WVALID) and stores its (max, denominator, sum) at ``mw`` / ``lw`` / ``accw`` [H(, D)], in the original domain,
-    so that the combine pass only merges them."""
+    """
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
-    S = tl.num_programs(1) - WIN  # code splits (WIN: the last program takes the 16-bit rows)
+    S = tl.num_programs(1)
     if GDC:
         tl.extra.cuda.gdc_wait()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
@@ -235,29 +216,6 @@ def _tq_attn_kernel(
     r = tl.arange(0, RP)
     rv = r < REP
     h = hg * REP + r
-    if WIN:
-        if sp == S:
-            mw, lw, aw = _window_rows(
-                wq_ptr,
-                wk_ptr + g * wk_head,
-                wv_ptr + g * wv_head,
-                wvalid_ptr,
-                wrows,
-                wscale,
-                wk_row,
-                wv_row,
-                h,
-                rv,
-                col,
-                D,
-                RP,
-                WBLOCK,
-                WVALID,
-            )
-            tl.store(mw_out + h, mw, mask=rv)
-            tl.store(lw_out + h, lw, mask=rv)
-            tl.store(accw_out + h[:, None] * D + col[None, :], aw, mask=rv[:, None])
-            return
     q = tl.load(q_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)  # [RP, D]
     q = q.to(tl.float16) if F16 else q.to(tl.float32)
     if QJL:
@@ -396,10 +354,6 @@ TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_T
 # (docs/results/tq_s30/).
 _PPS_ENV = os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM")
 PROGRAMS_PER_SM = (int(_PPS_ENV), int(_PPS_ENV)) if _PPS_ENV else (4, 8)  # (one sequence, batched rows)
-# SWIFTLM_TQ_WINDOW_SPLIT=1: the 16-bit window rows of a one-sequence decode row attended by one more split program
-# per KV head, beside the code splits, instead of by the combine pass after them (an A/B knob, off: through `swiftlm
-# serve` on an H200, 8B shape, 32K, k4v3, one stream's inter-token p50 went 5.64 -> 6.98 ms)
-WINDOW_SPLIT = os.environ.get("SWIFTLM_TQ_WINDOW_SPLIT", "0") == "1"
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int, per_sm: int | None = None) -> int:
@@ -433,11 +387,8 @@ def _split_pass(
     splits,
     batch=None,
     pages=None,
-    window=None,
 ):
-    """The split kernel's launch (``tq_decode_attention`` documents the arguments).  ``window`` = (q [H, D], dk, dv
-    [H // rep, R, D], valid [R] or None, scale, mw [H], lw [H], accw [H, D]): one program more per KV head attends
-    the 16-bit rows (the kernel's WIN) and writes their partials to mw / lw / accw."""
+    """The split kernel's launch (``tq_decode_attention`` documents the arguments)."""
     H, D = q_rot.shape
     N = k_planes[0].shape[1] if pages is None else int(pages[2])
     assert k_norms.stride(1) == 1 and v_norms.stride(1) == 1
@@ -476,27 +427,7 @@ def _split_pass(
     if MAXNREG and trans and dev.type == "cuda" and "maxnreg" not in tune and tune.get("num_warps", 4) == 4:
         tune["maxnreg"] = MAXNREG
     offs, kvh = batch if batch is not None else (m, 0)
-    if window is not None:
-        wq, wk, wv, wvalid, wscale, mw, lw, accw = window
-        assert batch is None and wk.stride(2) == 1 and wv.stride(2) == 1
-        tune.update(
-            wq_ptr=wq,
-            wk_ptr=wk,
-            wv_ptr=wv,
-            wvalid_ptr=wvalid if wvalid is not None else m,
-            wrows=wk.shape[1],
-            wscale=float(wscale),
-            wk_head=wk.stride(0),
-            wk_row=wk.stride(1),
-            wv_head=wv.stride(0),
-            wv_row=wv.stride(1),
-            mw_out=mw,
-            lw_out=lw,
-            accw_out=accw,
-            WIN=1,
-            WVALID=int(wvalid is not None),
-        )
-    _LAST["split"] = _tq_attn_kernel[(H // rep, S + (window is not None))](
+    _LAST["split"] = _tq_attn_kernel[(H // rep, S)](
         q_rot.float().contiguous(),
         kp0,
         kp1,
@@ -553,7 +484,7 @@ def _split_pass(
         PAGE=int(pages[1]) if pages is not None else 0,
         **tune,
     )
-    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None, window is not None)
+    key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
     if key not in _REGS:  # once per variant: this runs on every eager step
         k = _LAST["split"]
         _REGS[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
@@ -653,20 +584,6 @@ def tq_decode_attention_full(
     q / q_rot are [B * H, D], ``n_rows`` [B] (``_tq_attn_kernel``'s BATCH).  ``pages``: as for
     ``tq_decode_attention`` (with ``batch``, offs is [B, 9]: column 8, sequence b's page table's offset)."""
     H, D = q.shape
-    window = None
-    if WINDOW_SPLIT and batch is None:
-        assert dk.stride(2) == 1 and dv.stride(2) == 1
-        mw = torch.empty(H, dtype=torch.float32, device=q.device)
-        window = (
-            q.contiguous(),
-            dk,
-            dv,
-            valid,
-            scale,
-            mw,
-            torch.empty_like(mw),
-            torch.empty(H, D, dtype=mw.dtype, device=q.device),
-        )
     m, l, acc = _split_pass(
         q_rot,
         k_planes,
@@ -685,7 +602,6 @@ def tq_decode_attention_full(
         splits,
         (batch[0], batch[3] // rep) if batch is not None else None,
         pages,
-        window,
     )
     S = m.shape[1]
     out = torch.empty(H, D, dtype=q.dtype, device=q.device)
@@ -724,7 +640,6 @@ def tq_decode_attention_full(
         REP=rep,
         VALID=valid is not None and batch is None,
         **kw,
-        **(dict(mw_ptr=window[5], lw_ptr=window[6], accw_ptr=window[7], WIN=1) if window is not None else {}),
     )
     return out
 

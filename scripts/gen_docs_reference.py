@@ -70,8 +70,6 @@ OTHER_ENV = {
     "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=32,num_warps=4` (A/B)",
     "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 4 for one sequence's row, 8 for batched rows; "
     "a number sets both; A/B)",
-    "SWIFTLM_TQ_WINDOW_SPLIT": "`1`: a TurboQuant decode row's 16-bit window rows attended by one more split program "
-    "beside the code splits instead of by the combine pass (A/B, off by default)",
     "SWIFTLM_TQ_PRMT": "`0`: no inline-PTX codebook lookup in the TurboQuant kernels (A/B)",
     "SWIFTLM_TQ_SWAR": "`0`: no whole-word code lookups in the TurboQuant kernels (A/B)",
     "SWIFTLM_TQ_TRANS": "`0` / `1`: operand order of the TurboQuant split kernel (A/B)",

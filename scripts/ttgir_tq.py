@@ -41,7 +41,6 @@ def compile_split(
     gdc: int = 0,
     maxnreg: int | None = None,
     page: int = 0,
-    win: int = 0,
 ):
     """The split kernel for ``preset`` (no QJL) compiled for sm_90: Triton's CompiledKernel (asm: ttgir, ptx,
     cubin -- ptxas runs here, so the inline PTX of the lookups is assembled too)."""
@@ -76,9 +75,6 @@ def compile_split(
         BATCH=0,
         DIAG=0,
         PAGE=page,
-        WIN=win,
-        WVALID=win,
-        WBLOCK=int(__import__("os").environ.get("WBLOCK", "16")),
     )
     ptrs = {
         "kp0": "*u8",
@@ -91,10 +87,6 @@ def compile_split(
         "kr_ptr": "*fp16",
         "pt_ptr": "*i32",
         "n_ptr": "*i64",
-        "wq_ptr": "*bf16",
-        "wk_ptr": "*bf16",
-        "wv_ptr": "*bf16",
-        "wvalid_ptr": "*i1",
     }
     sig = {}
     for n in fn.arg_names:
@@ -103,7 +95,7 @@ def compile_split(
         elif n.endswith("_ptr") or n in ptrs or n.endswith("_out"):
             sig[n] = ptrs.get(n, "*fp32")
         else:
-            sig[n] = "fp32" if n in ("qjl_scale", "wscale") else "i32"
+            sig[n] = "fp32" if n == "qjl_scale" else "i32"
     opts = {"num_warps": warps, "num_stages": stages}
     if maxnreg:
         opts["maxnreg"] = maxnreg
@@ -144,10 +136,9 @@ def main() -> None:
     ap.add_argument("--n-ptr", type=int, default=0, help="row count read on the device (the graphed step's variant)")
     ap.add_argument("--gdc", type=int, default=0, help="programmatic dependent launch waits (as launched on Hopper)")
     ap.add_argument("--maxnreg", type=int, default=0)
-    ap.add_argument("--win", type=int, default=0, help="one more program per KV head attends the 16-bit window")
     ap.add_argument("--dump", default="", help="write <dump>.ttgir and <dump>.ptx")
     a = ap.parse_args()
-    k = compile_split(a.preset, a.trans, a.block_n, a.warps, a.stages, a.n_ptr, a.gdc, a.maxnreg or None, win=a.win)
+    k = compile_split(a.preset, a.trans, a.block_n, a.warps, a.stages, a.n_ptr, a.gdc, a.maxnreg or None)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     if a.dump:
         open(a.dump + ".ttgir", "w").write(ttgir)
