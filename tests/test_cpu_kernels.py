@@ -146,3 +146,89 @@ def test_torch_path_buffers_work_inside_and_outside_inference_mode(monkeypatch):
     t.start()
     t.join()
     assert out["diff"] == 0.0
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32), (8, 32)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_affine_encode_writes_the_bytes_of_the_torch_codec(bits, group, dtype):
+    """``affine_encode`` (a kv_bits cache's compression on the CPU, ``cpu_kernels.encode_into``) does
+    ``AffineCodec.encode``'s fp32 arithmetic (IEEE: compiled without fastmath; fp16 rounding by the hardware
+    conversion, round to nearest even like torch's), so it writes the same bytes: codes, fp16 scales and biases.
+    Also for constant groups (scale 1) and spreads below fp16's range (scale 0: codes from inf / nan)."""
+    import numpy as np
+
+    from swiftlm.backends.torch.kv_quant import AffineCodec
+    from swiftlm.turboquant.cpu_attention import affine_encode
+
+    codec = AffineCodec(64, bits, group)
+    g = torch.Generator().manual_seed(bits * group)
+    for spread in (1e-7, 1e-3, 1.0, 300.0):
+        x = (torch.randn(3, 9, 64, generator=g) * spread).to(dtype)
+        x[:, 0] = x[:, 0, :1]  # a row of constant groups
+        e = codec.encode(x)
+        at, cap = 5, 20
+        kp = np.full((3, cap, 64 * bits // 8), 7, np.uint8)
+        sb = np.full((2, 3, cap, 64 // group), 7, np.uint16)
+        rows = x.numpy().view(np.uint16) if dtype == torch.float16 else x.numpy()
+        affine_encode(rows, kp, sb[0], sb[1], at, bits, group)
+        assert np.array_equal(kp[:, at : at + 9], e.planes[0].numpy()), spread
+        assert np.array_equal(sb[0, :, at : at + 9], e.norms.numpy().view(np.uint16)), spread
+        assert np.array_equal(sb[1, :, at : at + 9], e.signs.numpy().view(np.uint16)), spread
+        assert (kp[:, :at] == 7).all() and (kp[:, at + 9 :] == 7).all() and (sb[:, :, :at] == 7).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_affine_kernel_reads_fp16_sides_as_their_fp32_values(bits):
+    """Scales and biases handed over as fp16 bits (the torch cache's storage, no fp32 copy) give exactly the
+    partials of the same values as fp32 arrays (MLX's): the conversion is exact and the arithmetic the same."""
+    import numpy as np
+
+    from swiftlm.turboquant.cpu_attention import affine_spans
+
+    rng = np.random.default_rng(bits)
+    kvh, m, d, n = 2, 3, 64, 1500
+    kp, vp = (rng.integers(0, 256, (kvh, n + 8, d * bits // 8), dtype=np.uint8) for _ in range(2))
+    sides = [(rng.standard_normal((kvh, n + 8, 1)) * 0.05).astype(np.float16) for _ in range(4)]
+    q = (rng.standard_normal((kvh, m, d)) * 0.3).astype(np.float32)
+    half = affine_spans(
+        q, kp, *(s.view(np.uint16) for s in sides[:2]), vp, *(s.view(np.uint16) for s in sides[2:]), n, bits, 64
+    )
+    full = affine_spans(
+        q, kp, *(s.astype(np.float32) for s in sides[:2]), vp, *(s.astype(np.float32) for s in sides[2:]), n, bits, 64
+    )
+    for a, b in zip(half, full):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_affine_decode_steps_store_what_the_torch_codec_stores(monkeypatch, bits):
+    """Decode steps of a kv_bits cache (each compresses its own row, every layer): the compiled encoder
+    (``encode_into``) leaves the storage, the byte count and the outputs of the torch codec's path."""
+    a = SimpleNamespace(layers=2, kv_heads=2, heads=4, head_dim=64)
+    g = torch.Generator().manual_seed(bits)
+    prompt_q, prompt = torch.randn(4, 20, 64, generator=g), torch.randn(2, 20, 64, generator=g)
+    steps = [[torch.randn(h, 1, 64, generator=g) for h in (4, 2, 2)] for _ in range(40)]
+
+    def run(fast: bool):
+        if not fast:
+            monkeypatch.setattr(cpu_kernels, "encode_into", lambda *args: False)
+        cache = CompressedCache(a, affine(bits, 64), torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
+        outs = []
+        with torch.inference_mode():
+            for layer in range(2):
+                cache.update_attend(layer, 0, prompt_q, prompt, prompt)
+            for i, (q, k, v) in enumerate(steps):
+                outs += [cache.update_attend(layer, 20 + i, q, k, v) for layer in range(2)]
+        monkeypatch.undo()
+        return cache, outs
+
+    fast, out_fast = run(True)
+    plain, out_plain = run(False)
+    assert fast.counts() == plain.counts() == (60, 0)
+    assert fast.nbytes() == plain.nbytes()
+    for Lf, Lp in zip(fast.layers, plain.layers):
+        for name in ("kn", "ks", "vn", "vb"):
+            assert torch.equal(getattr(Lf, name)[:, :60], getattr(Lp, name)[:, :60]), name
+        assert torch.equal(Lf.kp[0][:, :60], Lp.kp[0][:, :60]) and torch.equal(Lf.vp[0][:, :60], Lp.vp[0][:, :60])
+    for x, y in zip(out_fast, out_plain):
+        assert torch.equal(x, y)

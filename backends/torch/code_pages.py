@@ -34,7 +34,7 @@ class CodeLayer:
 
     __slots__ = (
         "compressed", "n_code", "n_dense", "dk", "dv", "kp", "kn", "ks", "kr", "vp", "vn", "vb", "pending", "stage",
-        "staging",
+        "staging", "np_codes",
     )  # fmt: skip
 
     def __init__(self, compressed: bool):
@@ -48,6 +48,7 @@ class CodeLayer:
         self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
         self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
         self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
+        self.np_codes = None  # numpy views of the code storage and the tensors they view (cpu_kernels.encode_into)
 
 
 def put_rows(L: CodeLayer, idx: torch.Tensor | slice, k: Encoded, v: Encoded) -> None:

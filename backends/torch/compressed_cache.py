@@ -94,6 +94,7 @@ class CompressedCache:
         self.static = capacity is not None
         self.capacity = capacity
         self.dense_dtype = dense_dtype or dtype
+        self._no_rows = None  # the empty 16-bit buffer of affine layers whose rows all went to codes (_compress)
         d = a.head_dim
         if fmt.kind == "turbo":
             self.kc = TurboCodec(d, fmt.key_code_bits, fmt.seed * 2 + 1, device, qjl=fmt.key_qjl)
@@ -228,9 +229,19 @@ class CompressedCache:
             return
         c = L.n_dense - self.window
         dk, dv = self._dense(L)
-        k = self.kc.encode(dk[:, :c])
-        v = self.vc.encode(dv[:, :c])
-        self._store(L, k, v, L.n_code, c)
+        # kv_bits on the CPU (a decode step compresses its own row, every layer): one compiled call writes the codes
+        if self.paged or not cpu_kernels.encode_into(self, L, dk[:, :c], dv[:, :c], L.n_code):
+            k = self.kc.encode(dk[:, :c])
+            v = self.vc.encode(dv[:, :c])
+            self._store(L, k, v, L.n_code, c)
+        if self.fmt.kind == "affine" and c == L.n_dense and L.pending is None and L.stage is None:  # none left
+            L.n_code += c
+            L.n_dense = 0
+            if not self.static and L.dk.shape[1]:  # as ``_place_dense`` leaves it for no rows (one shared, empty)
+                if self._no_rows is None:
+                    self._no_rows = self._buffer(0)
+                L.dk = L.dv = self._no_rows
+            return
         rest_k, rest_v = dk[:, c : L.n_dense].clone(), dv[:, c : L.n_dense].clone()
         L.n_code += c
         L.n_dense -= c

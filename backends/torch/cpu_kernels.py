@@ -22,6 +22,7 @@ from swiftlm.turboquant.cpu_attention import (
     _LOCK,
     MIN_SPAN,
     TILE,
+    affine_encode,
     affine_kernel,
     enabled,
     merge_window,
@@ -82,6 +83,11 @@ def warm_up(a, fmt, cache_cls: type) -> threading.Thread | None:
             with torch.inference_mode():
                 none = torch.zeros(a.kv_heads, 0, a.head_dim)
                 decode_attention(c, L, torch.ones(a.kv_heads, a.heads // a.kv_heads, a.head_dim), 1.0, none, none)
+                if fmt.kind == "affine":  # a decode step's compression (``encode_into``), with its argument types
+                    from swiftlm.turboquant.presets import COMPRESS_BLOCK
+
+                    row = torch.zeros(a.kv_heads, COMPRESS_BLOCK, a.head_dim, dtype=c.dense_dtype)[:, :1]
+                    encode_into(c, L, row, row, 0)
         except Exception as e:  # pragma: no cover - the first request compiles it instead
             log.warning("numba kernel warm-up for %s failed: %s", fmt.name, e)
 
@@ -103,8 +109,8 @@ def decode_attention(cache, L, qg, scale: float, dk, dv):
     torch ops per layer."""
     import torch
 
-    m_o, l_o, a_o = code_spans(cache, L, qg, scale)
     q = (qg * scale).contiguous().numpy()
+    m_o, l_o, a_o = code_spans(cache, L, qg, scale, q)
     R = _rotation(cache.vc) if cache.fmt.kind == "turbo" else NO_ROTATION
     out = np.empty(qg.shape, np.float32)
     merge_window(m_o, l_o, a_o, q, _f32(dk), _f32(dv), R, out)
@@ -125,9 +131,10 @@ def _rotation(codec) -> np.ndarray:
     return r
 
 
-def code_spans(cache, L, qg, scale: float):
+def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
     """The code kernel over layer ``L``'s compressed rows for queries qg [KVH, M, D] (fp32): per-task partials
-    (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays, acc in the rotated domain for TurboQuant."""
+    (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays, acc in the rotated domain for TurboQuant.  ``q``: the
+    scaled queries as a C-contiguous numpy array, where the caller has them."""
     import torch
 
     KVH, M, D = qg.shape
@@ -163,27 +170,71 @@ def code_spans(cache, L, qg, scale: float):
         m_o = np.empty((KVH, S, M), np.float32)
         l_o = np.empty((KVH, S, M), np.float32)
         a_o = np.empty((KVH, S, M, D), np.float32)
-        G = D // kc.group
-        qs = (qg.view(KVH, M, G, kc.group).sum(-1) * scale).contiguous()
+        if q is None:
+            q = (qg * scale).contiguous().numpy()
         kernel = affine_kernel(D, M, kc.bits, kc.group)
-        args = (
-            (qg * scale).contiguous().numpy(),
-            qs.numpy(),
-            L.kp[0].numpy(),
-            L.kn[:, :n].float().numpy(),
-            L.ks[:, :n].float().numpy(),
-            L.vp[0].numpy(),
-            L.vn[:, :n].float().numpy(),
-            L.vb[:, :n].float().numpy(),
-            n,
-            S,
-            m_o,
-            l_o,
-            a_o,
-        )
+        # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
+        args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
         with _LOCK:
             kernel(*args)
     return m_o, l_o, a_o
+
+
+def _sides(L, which: str = "k") -> tuple[np.ndarray, np.ndarray]:
+    """A layer's affine scales and biases [KVH, cap, G] as the kernel reads them: fp16 storage as its uint16
+    bits, fp32 as itself."""
+    out = []
+    for t in (L.kn, L.ks) if which == "k" else (L.vn, L.vb):
+        a = t.numpy()
+        out.append(a.view(np.uint16) if a.dtype == np.float16 else np.asarray(a, np.float32))
+    return out[0], out[1]
+
+
+def encode_into(cache, L, dk, dv, at: int) -> bool:
+    """Affine (``kv_bits``) rows dk / dv [KVH, c, D] encoded straight into rows [at, at + c) of ``L``'s code
+    storage by one compiled call each (``affine_encode``: the bytes of ``AffineCodec.encode``), instead of a
+    chain of small torch ops per layer and decode step.  False (nothing written) where it does not apply: no
+    numba, not the CPU, storage too short or of other dtypes; the caller encodes and stores them itself."""
+    import torch
+
+    if cache.fmt.kind != "affine" or L.kn is None or at + dk.shape[1] > L.kn.shape[1] or not enabled():
+        return False
+    views = L.np_codes
+    if views is None or any(a is not b for a, b in zip(views[0], _code_tensors(L))):
+        views = L.np_codes = (_code_tensors(L), _code_views(cache, L))
+    arrays = views[1]
+    if arrays is None or dk.dtype != dv.dtype or dk.dtype not in (torch.float16, torch.float32):
+        return False
+    kp, kn, ks, vp, vn, vb = arrays
+    affine_encode(_rows(dk), kp, kn, ks, at, cache.kc.bits, cache.kc.group)
+    affine_encode(_rows(dv), vp, vn, vb, at, cache.vc.bits, cache.vc.group)
+    return True
+
+
+def _code_tensors(L) -> tuple:
+    return (L.kp[0], L.kn, L.ks, L.vp[0], L.vn, L.vb)
+
+
+def _code_views(cache, L) -> tuple | None:
+    """numpy views of an affine layer's storage for ``affine_encode`` (codes uint8, fp16 scales / biases as uint16
+    bits), or None where ``encode_into`` does not apply (not the CPU, other dtypes)."""
+    import torch
+
+    kc, vc = cache.kc, cache.vc
+    if cache.fmt.kind != "affine" or cache.device.type != "cpu" or kc.dtype != torch.float32 or vc.dtype != kc.dtype:
+        return None
+    if len(L.kp) != 1 or len(L.vp) != 1:
+        return None
+    ts = _code_tensors(L)
+    if any(t.dtype != (torch.uint8 if i % 3 == 0 else torch.float16) for i, t in enumerate(ts)):
+        return None
+    return tuple(t.numpy() if i % 3 == 0 else t.numpy().view(np.uint16) for i, t in enumerate(ts))
+
+
+def _rows(t) -> np.ndarray:
+    """16-bit rows as ``affine_encode`` reads them: fp16 as uint16 bits, fp32 as itself."""
+    a = t.numpy()
+    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def _numpy(planes) -> list[np.ndarray]:

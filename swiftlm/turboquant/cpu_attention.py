@@ -15,7 +15,8 @@ domain.
 Layout (``swiftlm.turboquant.packing``; both backends' caches write the same bytes): row-major bit
 planes [KVH, cap, D * width / 8] uint8, QJL sign bytes [KVH, cap, D / 8] (bit t of byte k is
 coordinate 8k + t), the code tables of ``byte_lut``; norms and residual norms as fp32 [KVH, >=n]
-(the caches hold fp16: the glue passes fp32 copies of the first n).
+(the caches hold fp16: the glue passes fp32 copies of the first n; affine scales and biases may also come
+as the fp16 storage itself, ``cpu_affine``).
 
 Each kernel is specialised (head dim, query heads per KV head, code widths) when first used and
 compiled by numba (a few seconds, cached on disk where the package directory is writable); without
@@ -31,6 +32,8 @@ import os
 import threading
 
 import numpy as np
+
+from .cpu_affine import _f32, affine_encode  # noqa: F401  (affine_encode: re-exported for the glue)
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +189,13 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
 @functools.cache
 def affine_kernel(D: int, M: int, bits: int, group: int):
     """Split-K attention over affine codes (``kv_bits``): codes [KVH, cap, D*bits/8] (4 bits: code
-    2k in the low nibble of byte k), fp32 scale / bias [KVH, >=n, D/group] per row and group.
+    2k in the low nibble of byte k), scale / bias [KVH, >=n, D/group] per row and group, fp32 or the uint16 bit
+    patterns of fp16 (the torch cache's own storage: converted as read; numba compiles one kernel per type).
     score = Σ_g scale_g (q_g . code_g) + bias_g Σ q_g; values code * scale + bias.  Arguments:
-    q [KVH, M, D] scaled; qs [KVH, M, G] Σ q per group; kp, kscale, kbias, vp, vscale, vbias; n; S;
-    outputs as ``turbo_kernel``."""
+    q [KVH, M, D] scaled; kp, kscale, kbias, vp, vscale, vbias; n; S; outputs as ``turbo_kernel``."""
     G = D // group
 
-    def kernel(q, qs, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
+    def kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
         KVH = q.shape[0]
         span = (n + S - 1) // S
         for task in nb.prange(KVH * S):
@@ -202,9 +205,16 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
             l = np.zeros(M, dtype=np.float32)
             acc = np.zeros((M, D), dtype=np.float32)
             bsum = np.zeros((M, G), dtype=np.float32)
+            qs = np.zeros((M, G), dtype=np.float32)  # Σ q per group
             row = np.empty(D, dtype=np.float32)
             sc = np.empty((M, TILE), dtype=np.float32)
             qh, kph, vph = q[h], kp[h], vp[h]
+            for t in range(M):
+                for g in range(G):
+                    y = np.float32(0.0)
+                    for d in range(g * group, (g + 1) * group):
+                        y += qh[t, d]
+                    qs[t, g] = y
             for t0 in range(lo, hi, TILE):
                 cnt = min(hi, t0 + TILE) - t0
                 for jj in range(cnt):
@@ -216,7 +226,7 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
                             y = np.float32(0.0)
                             for d in range(g * group, (g + 1) * group):
                                 y += qh[t, d] * row[d]
-                            x += kscale[h, j, g] * y + kbias[h, j, g] * qs[h, t, g]
+                            x += _f32(kscale[h, j, g]) * y + _f32(kbias[h, j, g]) * qs[t, g]
                         sc[t, jj] = x
                 # the running bias sums live apart from acc: rescale them with it
                 for t in range(M):
@@ -232,11 +242,13 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
                 for jj in range(cnt):
                     j = t0 + jj
                     _affine_row(vph, j, row, bits, D)
-                    for t in range(M):
-                        p = sc[t, jj]
-                        for g in range(G):
-                            w = p * vscale[h, j, g]
-                            bsum[t, g] += p * vbias[h, j, g]
+                    for g in range(G):
+                        vs = _f32(vscale[h, j, g])
+                        vb = _f32(vbias[h, j, g])
+                        for t in range(M):
+                            p = sc[t, jj]
+                            w = p * vs
+                            bsum[t, g] += p * vb
                             for d in range(g * group, (g + 1) * group):
                                 acc[t, d] += w * row[d]
             for t in range(M):
@@ -319,17 +331,17 @@ def turbo_spans(
 
 def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, group: int):
     """Run ``affine_kernel`` over rows [0, n): q [KVH, M, D] fp32 scaled queries; kp / vp codes
-    [KVH, cap, D*bits/8] uint8; scales and biases fp32 [KVH, >=n, D/group].  All C-contiguous numpy
-    arrays (views of the caller's storage).  Returns the per-task (m, l, acc) like ``turbo_spans``."""
+    [KVH, cap, D*bits/8] uint8; scales and biases [KVH, >=n, D/group], fp32 or fp16 as uint16 bits.  All
+    C-contiguous numpy arrays (views of the caller's storage).  Returns the per-task (m, l, acc) like
+    ``turbo_spans``."""
     KVH, M, D = q.shape
     S = splits(n, KVH)
     m_o = np.empty((KVH, S, M), np.float32)
     l_o = np.empty((KVH, S, M), np.float32)
     a_o = np.empty((KVH, S, M, D), np.float32)
-    qs = np.ascontiguousarray(q.reshape(KVH, M, D // group, group).sum(-1, dtype=np.float32))
     kernel = affine_kernel(D, M, bits, group)
     with _LOCK:
-        kernel(q, qs, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
+        kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
     return m_o, l_o, a_o
 
 
