@@ -179,9 +179,13 @@ def test_affine_encode_writes_the_bytes_of_the_torch_codec(bits, group, dtype):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_affine_kernel_reads_fp16_sides_as_their_fp32_values(bits):
-    """Scales and biases handed over as fp16 bits (the torch cache's storage, no fp32 copy) give exactly the
-    partials of the same values as fp32 arrays (MLX's): the conversion is exact and the arithmetic the same."""
+    """Scales and biases handed over as fp16 bits (the torch cache's storage, no fp32 copy) give the partials of the
+    same values as fp32 arrays (MLX's): the conversion is exact and the arithmetic the same, but each argument type
+    is its own compiled kernel, and fastmath (reassoc, contract) lets LLVM order and fuse its sums differently in
+    each: the fp32 bound for two summation orders of 3 chained reductions (D-term scores, n-row softmax sums,
+    the value sums), at the largest value compared (seen: ~1e-5 at 74 on a fresh clone; equal bits elsewhere)."""
     import numpy as np
+    from tolerances import fp32_matmul_tol
 
     from swiftlm.turboquant.cpu_attention import affine_spans
 
@@ -197,7 +201,9 @@ def test_affine_kernel_reads_fp16_sides_as_their_fp32_values(bits):
         q, kp, *(s.astype(np.float32) for s in sides[:2]), vp, *(s.astype(np.float32) for s in sides[2:]), n, bits, 64
     )
     for a, b in zip(half, full):
-        assert np.array_equal(a, b)
+        assert a.shape == b.shape and np.isfinite(a).all()
+        tol = fp32_matmul_tol(max(n, d), float(np.abs(b).max()), 3)
+        assert float(np.abs(a - b).max()) <= tol, (float(np.abs(a - b).max()), tol)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
