@@ -227,6 +227,9 @@ def set_options(pg, **fields) -> None:
         pg.fill(f"#{sel.replace('_', '-')}", str(value))
     pg.keyboard.press("Escape")  # the dialog closes and keeps what was typed
     pg.wait_for_selector("#settings", state="hidden")
+    # the dialog's close event (which saves the form, then focuses the settings button) is a task queued after the
+    # dialog hides: a prompt sent before it runs would go with the old settings
+    until(pg, "document.activeElement && document.activeElement.id === 'open-settings'")
 
 
 def until(pg, expr: str, timeout: float = 60) -> None:
