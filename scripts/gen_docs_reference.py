@@ -74,6 +74,8 @@ OTHER_ENV = {
     "SWIFTLM_TQ_SWAR": "`0`: no whole-word code lookups in the TurboQuant kernels (A/B)",
     "SWIFTLM_TQ_TRANS": "`0` / `1`: operand order of the TurboQuant split kernel (A/B)",
     "SWIFTLM_TRITON": "`0`: no Triton kernels at all (plain torch on CUDA)",
+    "SWIFTLM_TRITON_SELFCHECK": "`0`: use the Triton kernels without the startup check against their references "
+    "(the test suite's interpreted runs)",
     "SWIFTLM_VARLEN_ATTENTION": "`0`: packed prompts attend through masked SDPA instead of FlashAttention's varlen kernel",
     "SWIFTLM_WINDOW_KV_TRIM": "`0`: sliding-window layers keep every KV row (equivalence tests only)",
     "SWIFTLM_TORCH_INDEX": "`scripts/install.sh`: the index CPU torch is taken from (default: PyTorch's CPU wheels)",

@@ -20,6 +20,11 @@ import tiers  # noqa: E402  (tests/ is on sys.path: pytest puts a rootdir confte
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Processes under TRITON_INTERPRET=1 use the Triton kernels without cuda_ext.enabled()'s startup self-check (~3.5 s
+# of interpreted launches per process, in each of the ~15 subprocesses that build a GraphDecoder): the tests compare
+# the kernels with their references themselves, and with the check a broken kernel would be switched off and the
+# test would compare the plain path with itself.  test_cuda_ext.py runs the check once (test_selfcheck_passes_...).
+os.environ.setdefault("SWIFTLM_TRITON_SELFCHECK", "0")
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -71,6 +71,18 @@ def test_kernels_match_reference_interpreted(shape):
 
 
 @triton_missing
+def test_selfcheck_passes_interpreted():
+    """``cuda_ext.enabled()``'s startup self-check (every kernel against its reference, fp32) passes under the
+    interpreter, so the kernels are switched on.  The suite's other interpreted processes skip it
+    (SWIFTLM_TRITON_SELFCHECK=0, tests/conftest.py): they compare the kernels with their references themselves."""
+    code = "from swiftlm import cuda_ext; print(cuda_ext.enabled('cpu'))"
+    env = dict(os.environ, TRITON_INTERPRET="1", SWIFTLM_TRITON_SELFCHECK="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "True", r.stdout + r.stderr[-3000:]
+
+
+@triton_missing
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="no CUDA GPU on this machine")
 def test_kernels_match_reference_on_gpu():
     errs = _run("cuda", ["float32", "bfloat16"], interpret=False)
