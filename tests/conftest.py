@@ -25,6 +25,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the kernels with their references themselves, and with the check a broken kernel would be switched off and the
 # test would compare the plain path with itself.  test_cuda_ext.py runs the check once (test_selfcheck_passes_...).
 os.environ.setdefault("SWIFTLM_TRITON_SELFCHECK", "0")
+# ... and their nested jit calls skip Triton's redundant re-patching of triton.language (tests/interp_site/
+# sitecustomize.py: a start-up hook that does nothing without TRITON_INTERPRET=1; ~15% of an interpreted test's time).
+_INTERP_SITE = str(ROOT / "tests" / "interp_site")
+if _INTERP_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_INTERP_SITE, os.environ.get("PYTHONPATH")) if p)
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
