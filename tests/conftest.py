@@ -180,14 +180,20 @@ def torch_llm():
 
 @pytest.fixture(scope="session")
 def hf_reference(bundled_gguf):
-    """transformers' own GGUF loader (dequantized to fp32 torch): the reference model."""
+    """transformers' own GGUF loader (dequantized to fp32 torch): the reference model.  Loaded once per test run
+    (``run_once``: the loader's dequantization takes 12-17 s on the 2-core machine); a second xdist worker that needs
+    it (test_cli_convert.py beside test_reference_*.py) unpickles the same module, the same fp32 tensors, in ~1 s."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled_gguf.parent), gguf_file=bundled_gguf.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
+
+    def load():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(bundled_gguf.parent), gguf_file=bundled_gguf.name, dtype=torch.float32
+        )
+        model.eval()
+        return model
+
+    return run_once(f"hf-reference-model-{bundled_gguf.stat().st_size}", load)
 
 
 # ------------------------------------------------------------------ markers by what a test needs (tests/tiers.py)
