@@ -7,10 +7,12 @@ other (longest-processing-time first).  xdist's own order (most tests first) put
 (test_soak, test_code_pages, test_reference_torch, test_tq_paged): one worker ran them alone for the last ~25-60 s.
 
 SECONDS is each file's time in a whole run from a fresh clone on the 2-core CI machine (junit times, setup + call +
-teardown, summed per file; files of 10 s or more), test_kv_compressed.py's less what its numba cut saved since.  A
-fresh clone pays first-use costs in the file that meets them first (numba compiles its CPU attention kernels once
-per shape and format, ~4 s each; the checkpoint cache fills).  A file not listed counts 0.21 s per test (the mean of
-the unlisted ones).  The figures only order the files: a stale or missing entry changes no test, only when its file
+teardown, summed per file; files of 10 s or more in that run), test_kv_compressed.py's less what its numba cut saved
+since, and the files of interpreted Triton kernels scaled by what skipping the self-check and the interpreter's
+redundant patching saved (tests/conftest.py: their tests alone took 0.6-0.8 of their earlier time).  A fresh clone
+pays first-use costs in the file that meets them first (numba compiles its CPU attention kernels once per shape and
+format, ~4 s each; the checkpoint cache fills).  A file not listed counts 0.21 s per test (the mean of the unlisted
+ones).  The figures only order the files: a stale or missing entry changes no test, only when its file
 starts.  Replaying that run's per-file times through two workers: this order ends both within 1 s of each other,
 alphabetical order 17 s apart, xdist's most-tests-first 3 s (with 125 files the short ones fill the gaps either way;
 what the order guards against is a long file handed out last).
@@ -28,15 +30,15 @@ SECONDS = {
     "test_ray_serve.py": 130,
     "test_kv_compressed.py": 101,
     "test_reference_torch.py": 76,
-    "test_code_pages.py": 69,
     "test_mlx_distributed.py": 66,
     "test_tensor_parallel.py": 64,
     "test_cli_convert.py": 57,
-    "test_compressed_batch.py": 53,
+    "test_code_pages.py": 53,
     "test_fork.py": 47,
     "test_engine_process.py": 47,
     "test_lora_mlx.py": 46,
     "test_pipeline_parallel.py": 46,
+    "test_compressed_batch.py": 41,
     "test_batching.py": 37,
     "test_quant_formats.py": 36,
     "test_cli_first_contact.py": 36,
@@ -63,16 +65,16 @@ SECONDS = {
     "test_responses_api.py": 16,
     "test_engine_exact.py": 16,
     "test_anthropic_api.py": 16,
-    "test_tq_paged.py": 16,
     "test_shutdown.py": 15,
     "test_bench_serve.py": 15,
-    "test_fused_decode.py": 15,
-    "test_paged_attention.py": 14,
+    "test_tq_paged.py": 13,
     "test_structured.py": 13,
     "test_ollama_api.py": 13,
     "test_data_parallel.py": 12,
+    "test_paged_attention.py": 11,
     "test_lora.py": 11,
     "test_registry.py": 11,
+    "test_fused_decode.py": 9,
 }
 
 
