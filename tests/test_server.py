@@ -484,7 +484,10 @@ def test_queue_full_is_429(tiny_llama, backend):
 
     s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--parallel", "1", "--max-queue", "1")
     try:
-        body = {"messages": MSGS, "max_tokens": 400, "temperature": 0}
+        # long enough that the first request still runs and the second still waits when the other four arrive (sent
+        # at once, they arrive within milliseconds; 200 tokens of the tiny model are ~0.6 s of decoding on torch and
+        # ~1.5 s on MLX on the 2-core machine), short enough that waiting out two of them costs little
+        body = {"messages": MSGS, "max_tokens": 200, "temperature": 0}
         with cf.ThreadPoolExecutor(6) as ex:
             codes = list(
                 ex.map(lambda _: httpx.post(s.base + "/v1/chat/completions", json=body, timeout=300), range(6))
