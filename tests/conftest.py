@@ -134,9 +134,11 @@ def run_once(key: str, compute):
     with open(str(entry) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not entry.exists():
+            result = compute()
             tmp = Path(str(entry) + ".tmp")
-            tmp.write_bytes(pickle.dumps(compute()))
+            tmp.write_bytes(pickle.dumps(result))
             tmp.rename(entry)
+            return result  # the worker that computed it keeps its own (a model need not be read back)
         return pickle.loads(entry.read_bytes())
 
 
