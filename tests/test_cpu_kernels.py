@@ -9,8 +9,10 @@ larger: fp32 sums of up to ~4K terms drift ~sqrt(n) * 6e-8 relative)."""
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -158,7 +160,7 @@ def test_affine_encode_writes_the_bytes_of_the_torch_codec(bits, group, dtype):
     import numpy as np
 
     from swiftlm.backends.torch.kv_quant import AffineCodec
-    from swiftlm.turboquant.cpu_attention import affine_encode
+    from swiftlm.turboquant.cpu_affine import affine_encode
 
     codec = AffineCodec(64, bits, group)
     g = torch.Generator().manual_seed(bits * group)
@@ -238,3 +240,58 @@ def test_affine_decode_steps_store_what_the_torch_codec_stores(monkeypatch, bits
         assert torch.equal(Lf.kp[0][:, :60], Lp.kp[0][:, :60]) and torch.equal(Lf.vp[0][:, :60], Lp.vp[0][:, :60])
     for x, y in zip(out_fast, out_plain):
         assert torch.equal(x, y)
+
+
+def test_vectorised_exp_is_within_fp32_rounding_of_exp():
+    """The kernels' exponential (``_exp_tile``: range reduction, a degree-6 polynomial, exponent bits) against
+    float64 exp over the softmax's whole input range.  Relative error below 3e-7 from -20 to 0 (the terms that
+    count next to the tile's max, e^0 = 1: the polynomial's truncation, 1.2e-7, plus fp32 rounding of its Horner
+    steps), below 5e-7 down to -87 (k ln 2 is rounded in fp32 when fastmath fuses the two halves of ln 2, and
+    grows with |k|: ~1e-7 more at k = -125); 0 < e^x < 2e-38 below -87, where it clamps."""
+    from swiftlm.turboquant import cpu_attention as ca
+
+    x = np.concatenate([np.linspace(-87, 0, 100_003), -np.logspace(-8, 0, 1001), [0.0, -1e-30]]).astype(np.float32)
+    y = x.copy()
+    E = np.zeros(len(x), np.int32)
+    ca._exp_tile(y, len(y), E, E.view(np.float32))
+    ref = np.exp(x.astype(np.float64))
+    rel = np.abs(y - ref) / ref
+    near = x >= -20
+    assert rel[near].max() < 3e-7, (float(rel[near].max()), float(x[near][rel[near].argmax()]))
+    assert rel.max() < 5e-7, (float(rel.max()), float(x[rel.argmax()]))
+    low = np.array([-87.5, -100.0, -1e4, -np.inf], np.float32)
+    E = np.zeros(len(low), np.int32)
+    ca._exp_tile(low, len(low), E, E.view(np.float32))
+    assert np.all(low > 0) and np.all(low < 2e-38), low
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_keep_torchs_thread_count(threads):
+    """The first kernel starts numba's threading layer: its OpenMP layer (the one it prefers here, sharing torch's
+    pool) would set the process's OpenMP thread count to every core.  Afterwards torch still runs on
+    OMP_NUM_THREADS threads and the kernels on as many.  A fresh process: the layer starts once per process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from swiftlm.backends.torch import cpu_kernels
+        from test_cpu_kernels import _filled
+        from swiftlm.turboquant.presets import parse_turbo
+        before = torch.get_num_threads()
+        cache, L = _filled(parse_turbo("k4v3"), 700, 2, 64)
+        dk, dv = cache._dense(L)
+        out = cpu_kernels.decode_attention(cache, L, torch.randn(2, 2, 64), 0.125, dk, dv)
+        import numba
+        print(before, torch.get_num_threads(), numba.get_num_threads(), numba.threading_layer(), out.shape[0])
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(__file__)}
+    env.pop("NUMBA_THREADING_LAYER", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after, nb_threads, layer, rows = r.stdout.split()
+    assert (int(before), int(after), int(nb_threads), int(rows)) == (threads, threads, threads, 2)
+    assert layer in ("omp", "workqueue")

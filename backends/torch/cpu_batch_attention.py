@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cpu_kernels import _FM, _LOCK, enabled, nb
+from .cpu_kernels import _FM, _LOCK, _launch_threads, enabled, nb, start_pool
 
 if nb is not None:
     from numba.core import types
@@ -128,7 +128,9 @@ def attend(step: StepAddresses, i: int, q, k, v, scale: float):
     B, H, D = q.shape
     out = torch.empty(B, H, D, dtype=torch.float32)
     k_at, v_at, cap = step.layer(i)
+    start_pool()
     with _LOCK:
+        _launch_threads()
         _attend(
             q.float().contiguous().numpy(),
             k.float().contiguous().numpy(),

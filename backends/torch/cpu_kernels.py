@@ -17,12 +17,13 @@ import threading
 
 import numpy as np
 
+from swiftlm.turboquant.cpu_affine import affine_encode
 from swiftlm.turboquant.cpu_attention import (
     _FM,
     _LOCK,
     MIN_SPAN,
     TILE,
-    affine_encode,
+    _launch_threads,
     affine_kernel,
     enabled,
     merge_window,
@@ -30,6 +31,7 @@ from swiftlm.turboquant.cpu_attention import (
     splits,
     turbo_kernel,
     turbo_spans,
+    use_threads,
 )
 
 # the kernels and their settings, re-exported (cpu_batch_attention, tests)
@@ -38,11 +40,13 @@ __all__ = [
     "TILE",
     "_FM",
     "_LOCK",
+    "_launch_threads",
     "affine_kernel",
     "decode_attention",
     "enabled",
     "nb",
     "splits",
+    "start_pool",
     "turbo_kernel",
     "usable",
     "warm_up",
@@ -50,14 +54,34 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# numba's thread pool runs on its "workqueue" layer unless the user chose one (NUMBA_THREADING_LAYER).  Its
-# default, the OpenMP layer, is the libgomp that torch's CPU ops run on: starting it (the first compressed decode
-# step) sets the process's OpenMP thread count to numba's, every core, so every later torch op of the engine thread
-# would run on that many threads whatever OMP_NUM_THREADS says, and wake numba's spinning pool thread; on a few
-# shared cores that slows the prompts and decode steps of a compressed-KV server several times over.  The kernels'
-# tasks, their split (``splits``: numba's thread count) and their merge are the same on every layer.
+# numba's thread pool: its OpenMP layer first.  With torch's CPU wheels its parallel loops then run on the threads of
+# torch's own OpenMP pool (numba's layer binds to the libgomp torch loaded), so a kernel and the torch ops around it
+# take turns on one set of threads.  The "workqueue" layer (numba's fallback, and earlier the default here) is a
+# second pool: its threads wake through condition variables for every kernel while torch's idle threads still spin,
+# and a decode step of a compressed cache took ~1.2x its OpenMP-layer time on 2 cores (SmolLM2, 4K context).  Numba's
+# OpenMP layer sets the process's OpenMP thread count to its own (every core) when it starts: ``start_pool`` puts
+# torch's count back and runs the kernels on as many threads (OMP_NUM_THREADS holds for both).
 if nb is not None and not os.environ.get("NUMBA_THREADING_LAYER"):
-    nb.config.THREADING_LAYER = "workqueue"
+    nb.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+
+_POOL: list[int] = []
+
+
+def start_pool() -> None:
+    """Start numba's threading layer (once per process) and keep torch's thread count for torch and the kernels."""
+    if nb is None or _POOL:
+        return
+    import torch
+
+    with _LOCK:
+        if _POOL:
+            return
+        n = torch.get_num_threads()
+        nb.get_num_threads()  # starts the layer
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        use_threads(n)
+        _POOL.append(n)
 
 
 # ---------------------------------------------------------------------------------------- glue
@@ -75,6 +99,7 @@ def warm_up(a, fmt, cache_cls: type) -> threading.Thread | None:
         import torch
 
         try:
+            start_pool()
             one = types.SimpleNamespace(layers=1, kv_heads=a.kv_heads, heads=a.heads, head_dim=a.head_dim)
             c = cache_cls(one, fmt, torch.float32, torch.device("cpu"), dense_dtype=torch.float16)
             L, rows = c.layers[0], torch.ones(a.kv_heads, 1, a.head_dim)
@@ -109,6 +134,7 @@ def decode_attention(cache, L, qg, scale: float, dk, dv):
     torch ops per layer."""
     import torch
 
+    start_pool()
     q = (qg * scale).contiguous().numpy()
     m_o, l_o, a_o = code_spans(cache, L, qg, scale, q)
     R = _rotation(cache.vc) if cache.fmt.kind == "turbo" else NO_ROTATION
@@ -175,7 +201,9 @@ def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
         kernel = affine_kernel(D, M, kc.bits, kc.group)
         # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
         args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
+        start_pool()
         with _LOCK:
+            _launch_threads()
             kernel(*args)
     return m_o, l_o, a_o
 

@@ -4,11 +4,12 @@ Shared by both backends: ``backends/torch/cpu_kernels.py``, ``backends/mlx/turbo
 ``backends/mlx/affine_cpu.py`` (``kv_bits``) are the glue that hands their arrays over as numpy
 views.  A block-wise path that decodes compressed rows into a full-width fp32 buffer with a table
 gather, then multiplies it with the queries, writes every compressed row out at full width and reads
-it back: it costs more memory traffic than the fp32 row it replaces.  These kernels never leave a
-decoded row in memory: per row they expand the codes through a small per-byte table into registers /
-L1, take the dot products with the query heads of its KV head, update a running softmax
-(flash-decoding: each task owns one span of rows of one KV head and returns its max, denominator and
-unnormalised value sum) and add the row's weighted values.  TurboQuant values are summed in the
+it back: it costs more memory traffic than the fp32 row it replaces.  These kernels never leave more
+than one tile of decoded rows in memory: per tile of TILE rows they expand the codes through a small
+per-byte table into a buffer that stays in L1, take the dot products with the query heads of its KV
+head, update a running softmax (flash-decoding: each task owns one span of rows of one KV head and
+returns its max, denominator and unnormalised value sum; the exponentials in vectorised loops,
+``_exp_tile``) and add the rows' weighted values.  TurboQuant values are summed in the
 rotated domain and rotated back once by the caller; affine (``kv_bits``) values in the original
 domain.
 
@@ -33,7 +34,7 @@ import threading
 
 import numpy as np
 
-from .cpu_affine import _f32, affine_encode  # noqa: F401  (affine_encode: re-exported for the glue)
+from .cpu_affine import _f32
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 # no NaN/Inf assumptions: the running max starts at -inf
 _FM = {"reassoc", "contract", "arcp", "nsz", "afn"}
 TILE = 64  # rows scored before their softmax update
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 split in two (Cody-Waite): k * _LN2_HI is exact for |k| < 2^9
+_LN2_LO = np.float32(1.428606765330187e-06)
 MIN_SPAN = 512  # rows per task at least
 # one kernel at a time per process: numba's thread pool (workqueue/omp layers) does not take
 # concurrent launches from two threads (two engines, e.g. two models served at once)
@@ -55,9 +59,28 @@ def enabled() -> bool:
     return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
 
 
+# numba threads a kernel runs on: numba's own count unless a backend sets one (``use_threads``)
+_THREADS = [0]
+
+
+def use_threads(n: int) -> None:
+    """Run the kernels on ``n`` threads (the torch backend: torch's own count, on the OpenMP pool they share)."""
+    _THREADS[0] = max(1, n)
+
+
+def _launch_threads() -> int:
+    """The thread count for a kernel launched from this thread, set to ``use_threads``'s (numba keeps a count per
+    calling thread, its full pool by default).  Called under _LOCK before each launch."""
+    n = nb.get_num_threads()
+    want = min(_THREADS[0], nb.config.NUMBA_NUM_THREADS) if _THREADS[0] else n
+    if want != n:
+        nb.set_num_threads(want)
+    return want
+
+
 def splits(n: int, kv_heads: int) -> int:
     """Tasks per KV head: enough for every thread, no task shorter than MIN_SPAN rows."""
-    threads = max(1, nb.get_num_threads()) if nb is not None else 1
+    threads = max(1, _THREADS[0] or nb.get_num_threads()) if nb is not None else 1
     want = -(-4 * threads // kv_heads)
     return max(1, min(want, -(-n // MIN_SPAN)))
 
@@ -67,47 +90,77 @@ def _helpers():
     specialised kernel, where those arguments are constants.  (Module-level rather than closures:
     numba's disk cache keys a kernel by what its closure captures, which must pickle the same in
     every process.)"""
-    global _decode_row, _softmax_tile, _affine_row
+    global _decode_tile, _exp_tile, _softmax_tile, _affine_row
 
     @nb.njit(inline="always", fastmath=_FM)
-    def _decode_row(tab, p0, p1, j, row, bits, D):
-        """Row j of packed planes into ``row`` [D] through ``tab``: 1/2/4 bits [256, 8/bits]
-        entries per byte of plane 0; 3 bits [4096, 4] indexed by plane-0 byte * 16 + the nibble of
-        plane 1 covering the same four codes (``kv_quant.byte_lut``)."""
+    def _decode_tile(tab, p0, p1, t0, cnt, T, bits, D):
+        """Rows t0 .. t0 + cnt of packed planes into rows 0 .. cnt of the tile ``T`` [TILE, D / 2] (an int64
+        view of the fp32 tile), through ``tab``, the int64 view of a code table (``wide_table``): an entry's
+        values move as 8-byte words.  1/2/4 bits: one entry of 8/bits values per byte of plane 0; 3 bits: an
+        entry of 4 values indexed by plane-0 byte * 16 + the nibble of plane 1 covering the same four codes
+        (``kv_quant.byte_lut``).  A whole tile is decoded before the dot products read it: a row decoded and
+        read at once would stall on the 8-byte stores under the wide loads."""
         if bits == 3:
-            for k in range(D // 8):
-                hb = p1[j, k]
-                i0 = np.int64(p0[j, 2 * k]) * 16 + (hb & 15)
-                i1 = np.int64(p0[j, 2 * k + 1]) * 16 + (hb >> 4)
-                for t in range(4):
-                    row[8 * k + t] = tab[i0, t]
-                    row[8 * k + 4 + t] = tab[i1, t]
+            for jj in range(cnt):
+                j = t0 + jj
+                for k in range(D // 8):
+                    hb = p1[j, k]
+                    i0 = np.int64(p0[j, 2 * k]) * 16 + (hb & 15)
+                    i1 = np.int64(p0[j, 2 * k + 1]) * 16 + (hb >> 4)
+                    T[jj, 4 * k] = tab[i0, 0]
+                    T[jj, 4 * k + 1] = tab[i0, 1]
+                    T[jj, 4 * k + 2] = tab[i1, 0]
+                    T[jj, 4 * k + 3] = tab[i1, 1]
         else:
-            per = 8 // bits
-            for k in range(D // per):
-                i = p0[j, k]
-                for t in range(per):
-                    row[k * per + t] = tab[i, t]
+            w = 4 // bits  # words per byte's entry
+            for jj in range(cnt):
+                j = t0 + jj
+                for k in range(D * bits // 8):
+                    i = p0[j, k]
+                    for u in range(w):
+                        T[jj, k * w + u] = tab[i, u]
 
     @nb.njit(inline="always", fastmath=_FM)
-    def _softmax_tile(sc, cnt, m, l, acc, M, D):
+    def _exp_tile(x, cnt, E, Ef):
+        """x[:cnt] (<= 0) -> exp(x) in place, in loops LLVM vectorises (numba's math.exp is a scalar call):
+        exp(x) = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 in [-ln2/2, ln2/2], e^r by its degree-6
+        Taylor polynomial (truncation < 1.2e-7 relative), 2^k written as exponent bits into E (int32; Ef is its
+        float32 view).  x below -87 is taken as -87 (e^-87 ~ 1.6e-38: nothing next to the tile's max of 1)."""
+        for i in range(cnt):
+            v = max(x[i], np.float32(-87.0))
+            k = np.floor(v * _LOG2E + np.float32(0.5))
+            E[i] = (np.int32(k) + 127) << 23
+            r = v - k * _LN2_HI - k * _LN2_LO
+            y = np.float32(1.0 / 720)
+            y = y * r + np.float32(1.0 / 120)
+            y = y * r + np.float32(1.0 / 24)
+            y = y * r + np.float32(1.0 / 6)
+            y = y * r + np.float32(0.5)
+            y = y * r + np.float32(1.0)
+            x[i] = y * r + np.float32(1.0)
+        for i in range(cnt):
+            x[i] *= Ef[i]
+
+    @nb.njit(inline="always", fastmath=_FM)
+    def _softmax_tile(sc, cnt, m, l, acc, M, D, E, Ef):
         """Scores sc [M, TILE] (first ``cnt``) -> probabilities against the running max m, with
-        l and acc rescaled to the new max."""
+        l and acc rescaled to the new max (E, Ef: ``_exp_tile``'s scratch)."""
         for t in range(M):
             bm = m[t]
             for jj in range(cnt):
-                if sc[t, jj] > bm:
-                    bm = sc[t, jj]
+                bm = max(bm, sc[t, jj])
             alpha = math.exp(m[t] - bm) if m[t] > -np.inf else np.float32(0.0)
             l[t] *= alpha
             for d in range(D):
                 acc[t, d] *= alpha
             m[t] = bm
+            row = sc[t]
+            for jj in range(cnt):
+                row[jj] -= bm
+            _exp_tile(row, cnt, E, Ef)
             s = np.float32(0.0)
             for jj in range(cnt):
-                p = math.exp(sc[t, jj] - bm)
-                sc[t, jj] = p
-                s += p
+                s += row[jj]
             l[t] += s
 
     @nb.njit(inline="always", fastmath=_FM)
@@ -132,7 +185,7 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
 
     Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
     signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
-    unused otherwise); qjl_scale; ktab, kp0, kp1 key tables / planes; kn [KVH, >=n] fp32 key norms;
+    unused otherwise); qjl_scale; ktab, kp0, kp1 key table (``wide_table``) / planes; kn [KVH, >=n] fp32 key norms;
     ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n] fp32 residual norms (QJL); vtab, vp0,
     vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
     nsb = D // 8
@@ -146,15 +199,21 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
             m = np.full(M, -np.inf, dtype=np.float32)
             l = np.zeros(M, dtype=np.float32)
             acc = np.zeros((M, D), dtype=np.float32)
-            row = np.empty(D, dtype=np.float32)
+            kt = np.zeros((TILE, D), dtype=np.float32)
+            vt = np.zeros((TILE, D), dtype=np.float32)
+            kt64 = kt.reshape(TILE * D).view(np.int64).reshape(TILE, D // 2)
+            vt64 = vt.reshape(TILE * D).view(np.int64).reshape(TILE, D // 2)
             sg = np.empty(M, dtype=np.float32)
             sc = np.empty((M, TILE), dtype=np.float32)
+            E = np.zeros(TILE, dtype=np.int32)
+            Ef = E.view(np.float32)
             q, kp0h, kp1h, vp0h, vp1h = qr[h], kp0[h], kp1[h], vp0[h], vp1[h]
             for t0 in range(lo, hi, TILE):
                 cnt = min(hi, t0 + TILE) - t0
+                _decode_tile(ktab, kp0h, kp1h, t0, cnt, kt64, kbits, D)
+                _decode_tile(vtab, vp0h, vp1h, t0, cnt, vt64, vbits, D)
                 for jj in range(cnt):
                     j = t0 + jj
-                    _decode_row(ktab, kp0h, kp1h, j, row, kbits, D)
                     if qjl:  # Σ_d (S q)_d sign_d, a table entry per sign byte and query head
                         for t in range(M):
                             sg[t] = 0.0
@@ -166,19 +225,17 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
                     for t in range(M):
                         x = np.float32(0.0)
                         for d in range(D):
-                            x += q[t, d] * row[d]
+                            x += q[t, d] * kt[jj, d]
                         if qjl:
                             x += w * sg[t]
                         sc[t, jj] = x * kn[h, j]
-                _softmax_tile(sc, cnt, m, l, acc, M, D)
+                _softmax_tile(sc, cnt, m, l, acc, M, D, E, Ef)
                 for jj in range(cnt):
-                    j = t0 + jj
-                    _decode_row(vtab, vp0h, vp1h, j, row, vbits, D)
-                    nj = vn[h, j]
+                    nj = vn[h, t0 + jj]
                     for t in range(M):
                         w = sc[t, jj] * nj
                         for d in range(D):
-                            acc[t, d] += w * row[d]
+                            acc[t, d] += w * vt[jj, d]
             m_out[h, s] = m
             l_out[h, s] = l
             acc_out[h, s] = acc
@@ -208,6 +265,8 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
             qs = np.zeros((M, G), dtype=np.float32)  # Σ q per group
             row = np.empty(D, dtype=np.float32)
             sc = np.empty((M, TILE), dtype=np.float32)
+            E = np.zeros(TILE, dtype=np.int32)
+            Ef = E.view(np.float32)
             qh, kph, vph = q[h], kp[h], vp[h]
             for t in range(M):
                 for g in range(G):
@@ -238,7 +297,7 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
                         alpha = math.exp(m[t] - bm)
                         for g in range(G):
                             bsum[t, g] *= alpha
-                _softmax_tile(sc, cnt, m, l, acc, M, D)
+                _softmax_tile(sc, cnt, m, l, acc, M, D, E, Ef)
                 for jj in range(cnt):
                     j = t0 + jj
                     _affine_row(vph, j, row, bits, D)
@@ -285,6 +344,12 @@ def planes(ps) -> tuple[np.ndarray, np.ndarray]:
     return ps[0], (ps[1] if len(ps) > 1 else NO_PLANE)
 
 
+def wide_table(tab: np.ndarray) -> np.ndarray:
+    """A code table [entries, values] fp32 (``byte_lut``) as the kernels read it: int64 [entries, values / 2], its
+    values two to a word."""
+    return np.ascontiguousarray(tab, np.float32).view(np.int64)
+
+
 def qjl_table(sq: np.ndarray) -> np.ndarray:
     """sq [KVH, M, D] (scaled S q) -> st [KVH, D/8, 256, M]: Σ over the eight signs of sign byte k
     with value b of sq * sign, the kernel's per-byte QJL table."""
@@ -324,8 +389,10 @@ def turbo_spans(
     kernel = turbo_kernel(D, M, kbits, vbits, qjl)
     kp0, kp1 = planes(kplanes)
     vp0, vp1 = planes(vplanes)
+    kw, vw = wide_table(ktab), wide_table(vtab)
     with _LOCK:
-        kernel(qr, st, np.float32(qjl_scale), ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S, m_o, l_o, a_o)
+        _launch_threads()
+        kernel(qr, st, np.float32(qjl_scale), kw, kp0, kp1, kn, ks, kr, vw, vp0, vp1, vn, n, S, m_o, l_o, a_o)
     return m_o, l_o, a_o
 
 
@@ -341,6 +408,7 @@ def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, gro
     a_o = np.empty((KVH, S, M, D), np.float32)
     kernel = affine_kernel(D, M, bits, group)
     with _LOCK:
+        _launch_threads()
         kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
     return m_o, l_o, a_o
 
