@@ -28,6 +28,7 @@ from swiftlm.turboquant.cpu_attention import (
     enabled,
     merge_window,
     nb,
+    rotate,
     splits,
     turbo_kernel,
     turbo_spans,
@@ -167,27 +168,30 @@ def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
     n = L.n_code
     if cache.fmt.kind == "turbo":
         kc, vc = cache.kc, cache.vc
-        qr = ((qg @ kc.R.T) * scale).contiguous()
+        if q is None:
+            q = (qg * scale).contiguous().numpy()
+        qr = np.empty_like(q)
+        rotate(q, _rotation(kc), qr)
         qjl = {}
         if kc.qjl:
             sq = ((qg @ kc.S.T) * scale).view(KVH, M, D // 8, 8)
             qjl = dict(
                 st=torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy(),
                 ks=L.ks.numpy(),
-                kr=L.kr[:, :n].float().numpy(),
+                kr=_norms(L.kr),
                 qjl_scale=kc.qjl_scale,
             )
         m_o, l_o, a_o = turbo_spans(
-            qr.numpy(),
+            qr,
             n,
             kc.mse_bits,
             vc.mse_bits,
             _table(kc),
             _numpy(L.kp),
-            L.kn[:, :n].float().numpy(),
+            _norms(L.kn),
             _table(vc),
             _numpy(L.vp),
-            L.vn[:, :n].float().numpy(),
+            _norms(L.vn),
             **qjl,
         )
     else:
@@ -206,6 +210,12 @@ def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
             _launch_threads()
             kernel(*args)
     return m_o, l_o, a_o
+
+
+def _norms(t) -> np.ndarray:
+    """A layer's norms [KVH, cap] as the TurboQuant kernel reads them, in place: fp16 storage as its uint16 bits."""
+    a = t.numpy()
+    return a.view(np.uint16) if a.dtype == np.float16 else np.ascontiguousarray(a, np.float32)
 
 
 def _sides(L, which: str = "k") -> tuple[np.ndarray, np.ndarray]:

@@ -185,8 +185,9 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
 
     Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
     signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
-    unused otherwise); qjl_scale; ktab, kp0, kp1 key table (``wide_table``) / planes; kn [KVH, >=n] fp32 key norms;
-    ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n] fp32 residual norms (QJL); vtab, vp0,
+    unused otherwise); qjl_scale; ktab, kp0, kp1 key table (``wide_table``) / planes; kn [KVH, >=n] key norms, fp32
+    or the uint16 bits of fp16 (read through ``_f32``, as kr and vn); ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n]
+    residual norms (QJL); vtab, vp0,
     vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
     nsb = D // 8
 
@@ -221,17 +222,17 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
                             b = ks[h, j, k]
                             for t in range(M):
                                 sg[t] += st[h, k, b, t]
-                        w = qjl_scale * kr[h, j]
+                        w = qjl_scale * _f32(kr[h, j])
                     for t in range(M):
                         x = np.float32(0.0)
                         for d in range(D):
                             x += q[t, d] * kt[jj, d]
                         if qjl:
                             x += w * sg[t]
-                        sc[t, jj] = x * kn[h, j]
+                        sc[t, jj] = x * _f32(kn[h, j])
                 _softmax_tile(sc, cnt, m, l, acc, M, D, E, Ef)
                 for jj in range(cnt):
-                    nj = vn[h, t0 + jj]
+                    nj = _f32(vn[h, t0 + jj])
                     for t in range(M):
                         w = sc[t, jj] * nj
                         for d in range(D):
@@ -465,6 +466,22 @@ def _merge_window(m_o, l_o, a_o, q, dk, dv, R, out):
 
 
 merge_window = nb.njit(fastmath=_FM, nogil=True, cache=True)(_merge_window) if nb is not None else _merge_window
+
+
+def _rotate(q, R, out):
+    """out [KVH, M, D] = q [KVH, M, D] @ R^T: queries into the keys' rotated domain (one call per layer, rather
+    than a torch matmul of a few rows)."""
+    KVH, M, D = q.shape
+    for h in range(KVH):
+        for t in range(M):
+            for e in range(D):
+                x = np.float32(0.0)
+                for d in range(D):
+                    x += q[h, t, d] * R[e, d]
+                out[h, t, e] = x
+
+
+rotate = nb.njit(fastmath=_FM, nogil=True, cache=True)(_rotate) if nb is not None else _rotate
 
 
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
