@@ -366,11 +366,11 @@ _TUNE: dict = {}  # launch knobs of the split pass (num_warps, num_stages) for s
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
-    from .turboquant_kernels import PROGRAMS_PER_SM
+    from .turboquant_kernels import AFFINE_PROGRAMS_PER_SM
     from .turboquant_kernels import _splits as tq_splits
 
-    # 8 programs per SM (the batched count): the one-sequence 4 was measured on the TurboQuant kernel only
-    return tq_splits(device, groups, rows, block_n, PROGRAMS_PER_SM[1])
+    # 8 programs per SM: the TurboQuant kernel's counts were measured on that kernel only
+    return tq_splits(device, groups, rows, block_n, AFFINE_PROGRAMS_PER_SM)
 
 
 def _block_n(f16: bool, D: int) -> int:

@@ -348,12 +348,13 @@ TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_T
 
 
 # split programs per SM: 4 for one sequence's row (its 16-bit window and merge then wait on fewer, longer splits),
-# 8 for several sequences' rows in one launch; SWIFTLM_TQ_PROGRAMS_PER_SM sets both (an A/B knob).  Through `swiftlm
-# serve` on an H200 (8B shape, 32K, k4v3, with the combine's one-load merge below), one stream's inter-token p50
-# went 5.64 -> 5.55 ms, and 4 for eight streams' batched rows made theirs 13.1 -> 14.4 ms
-# (docs/results/tq_s30/).
-_PPS_ENV = os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM")
-PROGRAMS_PER_SM = (int(_PPS_ENV), int(_PPS_ENV)) if _PPS_ENV else (4, 8)  # (one sequence, batched rows)
+# 16 for several sequences' rows in one launch; SWIFTLM_TQ_PROGRAMS_PER_SM sets both ("8") or each ("4,16"), an A/B
+# knob.  Through `swiftlm serve` on an H200 (8B shape, 32K, k4v3, with the combine's one-load merge below): one
+# stream's inter-token p50 went 5.64 -> 5.55 ms with 4 (16: 5.83); eight streams' batched rows 13.1 ms with 8 against
+# 16-bit's 12.6, 14.4 with 4, 12.5 with 16 (docs/results/tq_s30/, tq_s31/).
+_PPS_ENV = [int(x) for x in os.environ.get("SWIFTLM_TQ_PROGRAMS_PER_SM", "").split(",") if x.strip()]
+PROGRAMS_PER_SM = (_PPS_ENV[0], _PPS_ENV[-1]) if _PPS_ENV else (4, 16)  # (one sequence, batched rows)
+AFFINE_PROGRAMS_PER_SM = _PPS_ENV[-1] if _PPS_ENV else 8  # the kv_bits kernels (measured with 8)
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int, per_sm: int | None = None) -> int:

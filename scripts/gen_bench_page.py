@@ -901,8 +901,8 @@ MEASURES = [
         "Long context: TurboQuant and kv_bits",
         "32K and 128K prompts through `swiftlm serve` (H200)",
         [
-            "kv_formats_serve_h200_32k_split4.json",
-            "kv_formats_serve_h200_128k_overlap.json",
+            "tq_s31/kv_formats_serve_32k_8streams_pps4x16.json",
+            "tq_s31/kv_formats_serve_131k_after_split4.json",
             "kv_formats_serve_h200_32k_kvbits.json",
         ],
         H200,
@@ -912,11 +912,12 @@ MEASURES = [
         "bits (`--turbo-kv-prompt-memory auto`: one context, 17 GB here) and compresses it when it ends. The decode "
         "steps are overlapped and GPU-bound (step log: 0.3 ms to launch, ~7 ms waiting on the GPU); a compressed step "
         "reads about a quarter of the 16-bit cache's bytes, but the TurboQuant decode kernel runs well below the "
-        "memory bound, so at 128K the step is 8-11% faster rather than the ~1.8x the bytes allow. With 8 streams of "
-        "32K only one prompt fits the staging room at a time, hence their time to first token. The 32K TurboQuant rows "
-        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load); "
-        "the 128K rows and the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, staging 4 GiB) are an "
-        "earlier build with 8 split programs per SM for every row.",
+        "memory bound, so at 128K the step is 9-11% faster rather than the ~1.8x the bytes allow. With 8 streams of "
+        "32K only one prompt fits the staging room at a time, hence their time to first token. The TurboQuant rows "
+        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load; "
+        "several sequences' rows in one launch: 16 per SM, which took 8 streams from 1.03x of 16-bit's inter-token "
+        "latency with 8 per SM to 0.99x, `tq_s31/`); the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, "
+        "staging 4 GiB) are an earlier build with 8 split programs per SM for every row.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
