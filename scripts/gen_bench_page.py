@@ -901,8 +901,8 @@ MEASURES = [
         "Long context: TurboQuant and kv_bits",
         "32K and 128K prompts through `swiftlm serve` (H200)",
         [
-            "tq_s31/kv_formats_serve_32k_8streams_pps4x16.json",
-            "tq_s31/kv_formats_serve_131k_after_split4.json",
+            "kv_formats_serve_h200_32k_8streams.json",
+            "kv_formats_serve_h200_131k.json",
             "kv_formats_serve_h200_32k_kvbits.json",
         ],
         H200,
@@ -936,14 +936,14 @@ MEASURES = [
     Measure(
         "Long context: TurboQuant and kv_bits",
         "Time to first token and inter-token latency through `swiftlm serve` (CPU)",
-        ["kv_formats_serve_cpu_s31.json"],
+        ["kv_formats_serve_cpu_4k.json"],
         CPU,
         m_kv_serve,
         notes="`scripts/bench_kv_formats_serve.py --prompt-tokens 4000 --rounds 3 --one-server`: the bundled "
         "SmolLM2-135M in fp32 on torch, a 4,000-token random-token prompt, 128 new tokens, one 16-bit server with the "
         "format chosen per request, the formats in turn three times (medians of each round's ratio). The 16-bit "
         "inter-token latency was 47-54 ms in this run. The same code with one server per format (2 rounds, "
-        "`kv_formats_serve_cpu_s31_servers.json`, each format at its own minutes) measured decode at 0.92x (k4v3), "
+        "`kv_formats_serve_cpu_4k_servers.json`, each format at its own minutes) measured decode at 0.92x (k4v3), "
         "0.87x (k3v2), 1.04x (kv8) and 1.01x (kv4), with 16-bit's own inter-token latency 43.7 ms in one round and "
         "51.4 ms in the other: ratios within ~10% of each other are not told apart on this shared VM. Before the "
         "kernels decoded whole tiles, took their exponentials in vectorised loops and ran on torch's OpenMP threads "

@@ -9,7 +9,6 @@ larger: fp32 sums of up to ~4K terms drift ~sqrt(n) * 6e-8 relative)."""
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -263,35 +262,3 @@ def test_vectorised_exp_is_within_fp32_rounding_of_exp():
     E = np.zeros(len(low), np.int32)
     ca._exp_tile(low, len(low), E, E.view(np.float32))
     assert np.all(low > 0) and np.all(low < 2e-38), low
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_kernels_keep_torchs_thread_count(threads):
-    """The first kernel starts numba's threading layer: its OpenMP layer (the one it prefers here, sharing torch's
-    pool) would set the process's OpenMP thread count to every core.  Afterwards torch still runs on
-    OMP_NUM_THREADS threads and the kernels on as many.  A fresh process: the layer starts once per process."""
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent(
-        """
-        import torch
-        from swiftlm.backends.torch import cpu_kernels
-        from test_cpu_kernels import _filled
-        from swiftlm.turboquant.presets import parse_turbo
-        before = torch.get_num_threads()
-        cache, L = _filled(parse_turbo("k4v3"), 700, 2, 64)
-        dk, dv = cache._dense(L)
-        out = cpu_kernels.decode_attention(cache, L, torch.randn(2, 2, 64), 0.125, dk, dv)
-        import numba
-        print(before, torch.get_num_threads(), numba.get_num_threads(), numba.threading_layer(), out.shape[0])
-        """
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(__file__)}
-    env.pop("NUMBA_THREADING_LAYER", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    before, after, nb_threads, layer, rows = r.stdout.split()
-    assert (int(before), int(after), int(nb_threads), int(rows)) == (threads, threads, threads, 2)
-    assert layer in ("omp", "workqueue")
