@@ -945,9 +945,7 @@ MEASURES = [
         "inter-token latency was 47-54 ms in this run. The same code with one server per format (2 rounds, "
         "`kv_formats_serve_cpu_4k_servers.json`, each format at its own minutes) measured decode at 0.92x (k4v3), "
         "0.87x (k3v2), 1.04x (kv8) and 1.01x (kv4), with 16-bit's own inter-token latency 43.7 ms in one round and "
-        "51.4 ms in the other: ratios within ~10% of each other are not told apart on this shared VM. Before the "
-        "kernels decoded whole tiles, took their exponentials in vectorised loops and ran on torch's OpenMP threads "
-        "(`kv_formats_serve_cpu_kvbits.json`, same method): 0.69x / 0.70x (TurboQuant), 0.89x / 0.84x (kv_bits).",
+        "51.4 ms in the other: ratios within ~10% of each other are not told apart on this shared VM.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
