@@ -393,7 +393,7 @@ def test_attachments_become_content_parts(page):
     page.set_input_files("#image-input", files=[{"name": "dot.png", "mimeType": "image/png", "buffer": PNG}])
     page.set_input_files("#audio-input", files=[{"name": "hum.wav", "mimeType": "audio/wav", "buffer": WAV}])
     # the files are read asynchronously (FileReader): wait for both items, then check there are exactly two
-    page.wait_for_function("document.querySelectorAll('#attachments li').length >= 2", timeout=10_000)
+    until(page, "document.querySelectorAll('#attachments li').length >= 2", timeout=10)
     assert page.locator("#attachments li").count() == 2
     page.fill("#prompt", "what is this?")
     page.keyboard.press("Enter")
