@@ -6,8 +6,9 @@ Each step carries every running sequence's decode row plus prefill chunks of at 
 ``prefill_size`` tokens per sequence, within ``token_budget`` tokens per step (decode rows
 first, so running streams are never stalled by a long prompt).  A prompt that one chunk would hold
 is not split at the edge of a step's budget when other prompt chunks are in the step: it waits for
-the next step, whole, and shorter prompts behind it may take the rest of the budget (first chunks of several prompts run as one packed forward; a chunk that
-starts past position 0 runs on its own).
+the next step, whole, and shorter prompts behind it may take the rest of the budget (first chunks of several
+prompts run as one packed forward; a chunk that starts past position 0 runs on its own).  A longer prompt beside
+other chunks takes at least half a chunk, or waits the same way.
 
 When the running sequences outgrow the KV budget, the most recently admitted one is
 preempted: its KV state is dropped (the engine frees it), it goes back to the front of the
@@ -272,10 +273,13 @@ class Scheduler:
             if seq.in_prefill and budget > 0 and seq.seq_id not in starved:
                 target = seq.prefill_target
                 rest = target - seq.num_computed
-                if chunks and budget < rest <= self.prefill_size:
-                    # a prompt that one chunk holds waits for the next step (where it comes first) rather than
-                    # split at the budget's edge (a later chunk starts past position 0: it would run on its own,
-                    # not packed with the others); shorter prompts behind it may still fill the budget
+                # beside other chunks, a prompt that one chunk holds is not split at the budget's edge (its later
+                # chunk would start past position 0 and run on its own, not packed with the others), and a longer
+                # one takes at least half a chunk: a sliver of a long prompt (the few tokens a step's budget has
+                # left) costs a forward of its own each step, and as a first chunk it would keep a compressed
+                # cache from holding the prompt in 16 bits.  Either waits for the next step, where it comes first;
+                # shorter prompts behind it may still fill the budget.
+                if chunks and budget < (rest if rest <= self.prefill_size else max(1, self.prefill_size // 2)):
                     continue
                 n = min(self.prefill_size, budget, rest)
                 media = None

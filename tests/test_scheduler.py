@@ -298,8 +298,8 @@ def test_media_only_on_the_first_chunk():
 def test_a_prompt_one_chunk_holds_is_not_split_at_the_budget_edge():
     """Beside other prompt chunks, a prompt whose rest fits one chunk (<= prefill_size) but not the
     step's remaining budget waits for the next step, whole (where it is scheduled first), while a
-    shorter prompt behind it may fill the budget; a longer prompt is still split, and a step's first
-    chunk always takes what the budget allows (progress)."""
+    shorter prompt behind it may fill the budget; a longer prompt is split when at least half a chunk
+    is left, and a step's first chunk always takes what the budget allows (progress)."""
 
     def step(s, seqs):
         b = s.schedule()
@@ -321,14 +321,47 @@ def test_a_prompt_one_chunk_holds_is_not_split_at_the_budget_edge():
     seqs = {1: _seq(1, 6), 2: _seq(2, 20)}
     for q in seqs.values():
         s.add(q)
-    assert step(s, seqs) == [(1, 0, 6), (2, 0, 4)]  # 20 > prefill_size: split as before
+    assert step(s, seqs) == [(1, 0, 6), (2, 0, 4)]  # 20 > prefill_size: split, 4 left is half a chunk
     assert step(s, seqs) == [(1, 6, 1), (2, 4, 8)]
+
+    s = Scheduler(max_running=4, prefill_size=8, token_budget=10)
+    seqs = {1: _seq(1, 7), 2: _seq(2, 20)}
+    for q in seqs.values():
+        s.add(q)
+    assert step(s, seqs) == [(1, 0, 7)]  # 3 left: less than half a chunk of the long prompt, which waits
+    assert step(s, seqs) == [(1, 7, 1), (2, 0, 8)]
 
     s = Scheduler(max_running=1, prefill_size=8, token_budget=4)
     seqs = {1: _seq(1, 6)}
     s.add(seqs[1])
     assert step(s, seqs) == [(1, 0, 4)]  # the step's first chunk: split at the budget
     assert step(s, seqs) == [(1, 4, 2)]
+
+
+def test_long_prompts_beside_a_prefilling_one_take_no_slivers():
+    """Eight long prompts at the default budget (prefill_size + max_running): the oldest takes a full chunk each
+    step and the others wait, rather than each step also carrying a few-token slice of the next prompt (a forward
+    of its own, and a compressed cache's first chunk too small to hold its prompt in 16 bits).  Every chunk is a
+    full one except a prompt's last, and each prompt prefills in its minimum number of steps, one after another."""
+    P, N = 64, 8
+    s = Scheduler(max_running=N, prefill_size=P)
+    seqs = {i: _seq(i, 10 * P) for i in range(1, N + 1)}
+    for q in seqs.values():
+        s.add(q)
+    finished, steps = [], 0
+    while len(finished) < N:
+        steps += 1
+        b = s.schedule()
+        chunks = [w for w in b.seqs if seqs[w.seq_id].in_prefill]
+        assert len(chunks) == 1 and len(chunks[0].tokens) == P, [(w.seq_id, len(w.tokens)) for w in chunks]
+        for w in b.seqs:
+            q = seqs[w.seq_id]
+            q.num_computed += len(w.tokens)
+            if w.sample:
+                q.output_tokens.append(7)
+                if w.seq_id not in finished and len(q.output_tokens) == 1:
+                    finished.append(w.seq_id)
+    assert finished == list(range(1, N + 1)) and steps == N * 10
 
 
 def test_paged_pool_admission_and_preemption_by_blocks():
