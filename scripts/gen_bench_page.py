@@ -893,9 +893,10 @@ MEASURES = [
         notes="`scripts/bench_kv_formats_serve.py` (`scripts/gpu_kv_formats.sh serve`): a random-weight Llama-3-8B shape "
         "served once per KV format, random-token prompts sent as ids, 128 new tokens (768 with 8 streams), the 16-bit "
         "cache in the same run; ratios are the format's time over 16-bit's (below 1: faster). Prompts are held in 16 "
-        "bits while they prefill and compressed when they end (`--turbo-kv-prompt-memory`, 4GB); with 8 streams of "
-        "32K only one prompt fits it at a time. These are the figures a user sees; the decode-step tables below "
-        "explain them.",
+        "bits while they prefill and compressed when they end (`--turbo-kv-prompt-memory`, 4GB). The 8-stream rows "
+        "are an earlier build, whose scheduler gave each step's leftover budget (8 tokens) to the next prompt: every "
+        "prompt after the first then compressed as it prefilled (the H200 table below has the current figures). "
+        "These are the figures a user sees; the decode-step tables below explain them.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
@@ -913,7 +914,9 @@ MEASURES = [
         "steps are overlapped and GPU-bound (step log: 0.3 ms to launch, ~7 ms waiting on the GPU); a compressed step "
         "reads about a quarter of the 16-bit cache's bytes, but the TurboQuant decode kernel runs well below the "
         "memory bound, so at 128K the step is 9-11% faster rather than the ~1.8x the bytes allow. With 8 streams of "
-        "32K only one prompt fits the staging room at a time, hence their time to first token. The TurboQuant rows "
+        "32K the prompts prefill one after another, a full chunk per step, each staged in 16 bits; the k4v3 figure "
+        "includes 4 s of one-time CUDA graph captures for batches of 2, 3 and 5 compressed rows, met for the first "
+        "time in that run. The TurboQuant rows "
         "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load; "
         "several sequences' rows in one launch: 16 per SM, which took 8 streams from 1.03x of 16-bit's inter-token "
         "latency with 8 per SM to 0.99x, `tq_s31/`); the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, "

@@ -333,17 +333,22 @@ CODE_FORMATS = [
 ]
 
 
-@pytest.mark.parametrize("fmt", CODE_FORMATS, ids=lambda f: f.name)
-# the fast tier runs the smallest shape; the whole suite every shape (slow: ~a minute per shape over every format)
-@pytest.mark.parametrize(
-    "kv_heads,heads,d,compiled",
-    [
-        pytest.param(3, 9, 64, False, marks=pytest.mark.slow),
-        pytest.param(1, 2, 128, False, marks=pytest.mark.slow),
-        (2, 2, 32, True),
-        pytest.param(2, 6, 96, True, marks=pytest.mark.slow),  # Phi-3's head size: its numba kernels too
-    ],
-)
+def _code_attention_cases():
+    """(format, kv heads, query heads, head dim, compiled): every format at three shapes; the head size 96 (Phi-3's)
+    with its numba kernels for one format of each kernel family (the unrolled loops over D are the same code for
+    every code width).  The compiled shapes are ones other tests compile too (each shape and format is a numba
+    specialisation, ~10 s to compile on a fresh checkout); the fast tier runs the compiled 64-wide shape."""
+    slow = pytest.mark.slow
+    for fmt in CODE_FORMATS:
+        yield pytest.param(fmt, 3, 9, 64, False, marks=slow, id=f"{fmt.name}-3-9-64-plain")
+        yield pytest.param(fmt, 1, 2, 128, False, marks=slow, id=f"{fmt.name}-1-2-128-plain")
+        yield pytest.param(fmt, 2, 4, 64, True, id=f"{fmt.name}-2-4-64-compiled")
+    for name in ("k4v3", "k3qjl-v3", "kv_bits=4/g32"):
+        fmt = next(f for f in CODE_FORMATS if f.name == name)
+        yield pytest.param(fmt, 2, 6, 96, True, marks=slow, id=f"{fmt.name}-2-6-96-compiled")
+
+
+@pytest.mark.parametrize("fmt,kv_heads,heads,d,compiled", list(_code_attention_cases()))
 def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads, d, compiled, monkeypatch):
     """The vectorised path over the codes (one table gather per packed byte, scores of every query
     per block, values summed from the probabilities) equals softmax attention over the decoded rows,
@@ -351,15 +356,12 @@ def test_code_attention_random_shapes_and_block_boundaries(fmt, kv_heads, heads,
     shrunk so a few hundred rows cross many blocks and chunks, with decode rows (T = 1) and chunks.
 
     Where numba is installed, decode rows (T = 1) go to its compiled kernel (cpu_kernels.usable) instead of
-    this path.  The smallest shape and the head size 96 keep that (each format's kernel against the same
-    reference: 96 is covered nowhere else); the other shapes set SWIFTLM_NUMBA=0, so their decode rows run the
-    vectorised path with the shrunk DECODE_ROWS and SCORE_BUDGET.  A fresh checkout compiles one numba kernel per shape and format (~4 s each on the 2-core CI
-    machine: 33 of them were ~140 s of the whole suite); the kernels' own checks against float64 at several
-    shapes and row counts are tests/test_cpu_kernels.py's."""
+    this path.  The compiled cases keep that (each format's kernel against the same reference; the head size 96 is
+    covered nowhere else); the others set SWIFTLM_NUMBA=0, so their decode rows run the vectorised path with the
+    shrunk DECODE_ROWS and SCORE_BUDGET.  The kernels' own checks against float64 at several shapes and row
+    counts are tests/test_cpu_kernels.py's."""
     import swiftlm.backends.torch.code_attention as ca
 
-    if fmt.kind == "affine" and d % 32:
-        pytest.skip("affine groups need a head dim divisible by 32")
     if not compiled:
         monkeypatch.setenv("SWIFTLM_NUMBA", "0")
     a = shape(layers=1, kv_heads=kv_heads, heads=heads, d=d)
