@@ -122,8 +122,8 @@ def test_warm_up_compiles_the_default_formats_kernel():
     t = cpu_kernels.warm_up(a, fmt, CompressedCache)
     t.join(120)
     assert not t.is_alive()
-    assert cpu_kernels.turbo_kernel.cache_info().currsize == 1  # built by the warm-up: (64, 3, 3, 2, False)
-    cpu_kernels.turbo_kernel(64, 3, 3, 2, False)
+    assert cpu_kernels.turbo_kernel.cache_info().currsize == 1  # built by the warm-up: (64, 3, 3, 2, False, par)
+    cpu_kernels.turbo_kernel(64, 3, 3, 2, False, cpu_kernels.parallel())
     assert cpu_kernels.turbo_kernel.cache_info().hits == 1
 
 

@@ -290,7 +290,7 @@ def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
     assert len(warmed) == 1 and warmed[0] is not None
     warmed[0].join(120)
     assert real(D, 3, 4, 64) is None  # once per shape
-    kernel = cpu_attention.affine_kernel(D, 3, 4, 64)
+    kernel = cpu_attention.affine_kernel(D, 3, 4, 64, cpu_attention.parallel())
     assert len(kernel.signatures) == 1
     c = _cache(4, 64, 2, 50)
     mx.eval(affine_cpu.attend(c, mx.ones((1, 6, 1, D)), 0.125))

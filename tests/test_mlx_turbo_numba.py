@@ -192,7 +192,7 @@ def test_warm_up_compiles_the_signature_decode_uses(monkeypatch):
     c, rng = _cache("k3qjl-v3", 2, 50)
     key = (D, 4, c.kc.mse_bits, c.vc.mse_bits, True)  # 8 query heads over 2 KV heads
     assert cpu_attention._WARMED == {key} and real(*key) is None  # once per shape
-    kernel = cpu_attention.turbo_kernel(*key)
+    kernel = cpu_attention.turbo_kernel(*key, cpu_attention.parallel())
     assert len(kernel.signatures) == 1
     mx.eval(attention(c, mx.array(rng.standard_normal((1, 8, 1, D)).astype(np.float32)), 0.125))
     assert len(kernel.signatures) == 1

@@ -28,6 +28,7 @@ from swiftlm.turboquant.cpu_attention import (
     enabled,
     merge_window,
     nb,
+    parallel,
     rotate,
     splits,
     turbo_kernel,
@@ -46,6 +47,7 @@ __all__ = [
     "decode_attention",
     "enabled",
     "nb",
+    "parallel",
     "splits",
     "start_pool",
     "turbo_kernel",
@@ -164,6 +166,7 @@ def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
     scaled queries as a C-contiguous numpy array, where the caller has them."""
     import torch
 
+    start_pool()  # before the kernel is chosen: its thread count decides serial or parallel (``parallel``)
     KVH, M, D = qg.shape
     n = L.n_code
     if cache.fmt.kind == "turbo":
@@ -202,10 +205,9 @@ def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
         a_o = np.empty((KVH, S, M, D), np.float32)
         if q is None:
             q = (qg * scale).contiguous().numpy()
-        kernel = affine_kernel(D, M, kc.bits, kc.group)
+        kernel = affine_kernel(D, M, kc.bits, kc.group, parallel())
         # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
         args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
-        start_pool()
         with _LOCK:
             _launch_threads()
             kernel(*args)

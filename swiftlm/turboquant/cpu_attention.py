@@ -20,7 +20,8 @@ coordinate 8k + t), the code tables of ``byte_lut``; norms and residual norms as
 as the fp16 storage itself, ``cpu_affine``).
 
 Each kernel is specialised (head dim, query heads per KV head, code widths) when first used and
-compiled by numba (a few seconds, cached on disk where the package directory is writable); without
+compiled by numba (a few seconds, cached on disk where the package directory is writable; without numba's parallel
+loops where the kernels run on one thread, ``parallel``); without
 numba, or with ``SWIFTLM_NUMBA=0``, ``enabled()`` is False and the backends run their own path.
 """
 
@@ -68,11 +69,28 @@ def use_threads(n: int) -> None:
     _THREADS[0] = max(1, n)
 
 
+def threads() -> int:
+    """Threads the kernels run on: ``use_threads``'s count, else OMP_NUM_THREADS, else numba's whole pool."""
+    if nb is None:
+        return 1
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    want = _THREADS[0] or (int(env) if env.isdigit() and int(env) > 0 else 0) or nb.config.NUMBA_NUM_THREADS
+    return max(1, min(want, nb.config.NUMBA_NUM_THREADS))
+
+
+def parallel() -> bool:
+    """Whether the kernels are compiled with numba's parallel loops: not when they run on one thread (a parallel
+    kernel takes about twice as long to compile, ~10 s against ~4 on the 2-core CI machine, and runs no faster
+    on one thread).  Both compute each task alike; with fastmath LLVM may order a sum differently in each, so
+    their outputs agree to fp32 rounding, not always bit for bit."""
+    return threads() > 1
+
+
 def _launch_threads() -> int:
-    """The thread count for a kernel launched from this thread, set to ``use_threads``'s (numba keeps a count per
+    """The thread count for a kernel launched from this thread, set to ``threads()`` (numba keeps a count per
     calling thread, its full pool by default).  Called under _LOCK before each launch."""
     n = nb.get_num_threads()
-    want = min(_THREADS[0], nb.config.NUMBA_NUM_THREADS) if _THREADS[0] else n
+    want = threads()
     if want != n:
         nb.set_num_threads(want)
     return want
@@ -80,8 +98,8 @@ def _launch_threads() -> int:
 
 def splits(n: int, kv_heads: int) -> int:
     """Tasks per KV head: enough for every thread, no task shorter than MIN_SPAN rows."""
-    threads = max(1, _THREADS[0] or nb.get_num_threads()) if nb is not None else 1
-    want = -(-4 * threads // kv_heads)
+    threads_ = threads()
+    want = -(-4 * threads_ // kv_heads)
     return max(1, min(want, -(-n // MIN_SPAN)))
 
 
@@ -180,8 +198,9 @@ if nb is not None:
 
 
 @functools.cache
-def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
-    """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc).
+def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
+    """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc); ``par``: with
+    numba's parallel loops over the tasks (``parallel()``).
 
     Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
     signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
@@ -241,16 +260,17 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool):
             l_out[h, s] = l
             acc_out[h, s] = acc
 
-    return _compile(kernel, f"turbo_d{D}_m{M}_k{kbits}{'q' if qjl else ''}_v{vbits}")
+    return _compile(kernel, f"turbo_d{D}_m{M}_k{kbits}{'q' if qjl else ''}_v{vbits}", par)
 
 
 @functools.cache
-def affine_kernel(D: int, M: int, bits: int, group: int):
+def affine_kernel(D: int, M: int, bits: int, group: int, par: bool):
     """Split-K attention over affine codes (``kv_bits``): codes [KVH, cap, D*bits/8] (4 bits: code
     2k in the low nibble of byte k), scale / bias [KVH, >=n, D/group] per row and group, fp32 or the uint16 bit
     patterns of fp16 (the torch cache's own storage: converted as read; numba compiles one kernel per type).
     score = Σ_g scale_g (q_g . code_g) + bias_g Σ q_g; values code * scale + bias.  Arguments:
-    q [KVH, M, D] scaled; kp, kscale, kbias, vp, vscale, vbias; n; S; outputs as ``turbo_kernel``."""
+    q [KVH, M, D] scaled; kp, kscale, kbias, vp, vscale, vbias; n; S; outputs as ``turbo_kernel``; ``par`` as
+    there."""
     G = D // group
 
     def kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
@@ -319,15 +339,15 @@ def affine_kernel(D: int, M: int, bits: int, group: int):
             l_out[h, s] = l
             acc_out[h, s] = acc
 
-    return _compile(kernel, f"affine_d{D}_m{M}_b{bits}_g{group}")
+    return _compile(kernel, f"affine_d{D}_m{M}_b{bits}_g{group}", par)
 
 
-def _compile(fn, name: str):
+def _compile(fn, name: str, par: bool):
     """njit ``fn`` (a closure over its specialisation) with an on-disk cache.  numba keys its cache
     index by the function's qualified name, not by the values a closure captured: the name carries
     every captured constant, so each specialisation gets its own cache entry."""
-    fn.__qualname__ = fn.__name__ = f"kernel_{name}"
-    return nb.njit(parallel=True, fastmath=_FM, nogil=True, cache=True)(fn)
+    fn.__qualname__ = fn.__name__ = f"kernel_{name}" + ("" if par else "_serial")
+    return nb.njit(parallel=par, fastmath=_FM, nogil=True, cache=True)(fn)
 
 
 # ------------------------------------------------------------------------------ numpy-level calls
@@ -387,7 +407,7 @@ def turbo_spans(
     qjl = st is not None
     if not qjl:
         st, ks, kr = EMPTY4, EMPTY3, EMPTY2
-    kernel = turbo_kernel(D, M, kbits, vbits, qjl)
+    kernel = turbo_kernel(D, M, kbits, vbits, qjl, parallel())
     kp0, kp1 = planes(kplanes)
     vp0, vp1 = planes(vplanes)
     kw, vw = wide_table(ktab), wide_table(vtab)
@@ -407,7 +427,7 @@ def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, gro
     m_o = np.empty((KVH, S, M), np.float32)
     l_o = np.empty((KVH, S, M), np.float32)
     a_o = np.empty((KVH, S, M, D), np.float32)
-    kernel = affine_kernel(D, M, bits, group)
+    kernel = affine_kernel(D, M, bits, group, parallel())
     with _LOCK:
         _launch_threads()
         kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
