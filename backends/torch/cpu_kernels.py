@@ -137,7 +137,6 @@ def decode_attention(cache, L, qg, scale: float, dk, dv):
     torch ops per layer."""
     import torch
 
-    start_pool()
     q = (qg * scale).contiguous().numpy()
     m_o, l_o, a_o = code_spans(cache, L, qg, scale, q)
     R = _rotation(cache.vc) if cache.fmt.kind == "turbo" else NO_ROTATION

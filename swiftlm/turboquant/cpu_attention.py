@@ -69,19 +69,21 @@ def use_threads(n: int) -> None:
     _THREADS[0] = max(1, n)
 
 
+_OMP = os.environ.get("OMP_NUM_THREADS", "")
+_ENV_THREADS = int(_OMP) if _OMP.isdigit() else 0  # read once: threads() runs before every kernel launch
+
+
 def threads() -> int:
     """Threads the kernels run on: ``use_threads``'s count, else OMP_NUM_THREADS, else numba's whole pool."""
     if nb is None:
         return 1
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    want = _THREADS[0] or (int(env) if env.isdigit() and int(env) > 0 else 0) or nb.config.NUMBA_NUM_THREADS
+    want = _THREADS[0] or _ENV_THREADS or nb.config.NUMBA_NUM_THREADS
     return max(1, min(want, nb.config.NUMBA_NUM_THREADS))
 
 
 def parallel() -> bool:
     """Whether the kernels are compiled with numba's parallel loops: not when they run on one thread (a parallel
-    kernel takes about twice as long to compile, ~10 s against ~4 on the 2-core CI machine, and runs no faster
-    on one thread).  Both compute each task alike; with fastmath LLVM may order a sum differently in each, so
+    k4v3 kernel took ~11 s to compile against ~7 on the 2-core CI machine, and runs no faster on one thread).  Both compute each task alike; with fastmath LLVM may order a sum differently in each, so
     their outputs agree to fp32 rounding, not always bit for bit."""
     return threads() > 1
 
@@ -98,8 +100,7 @@ def _launch_threads() -> int:
 
 def splits(n: int, kv_heads: int) -> int:
     """Tasks per KV head: enough for every thread, no task shorter than MIN_SPAN rows."""
-    threads_ = threads()
-    want = -(-4 * threads_ // kv_heads)
+    want = -(-4 * threads() // kv_heads)
     return max(1, min(want, -(-n // MIN_SPAN)))
 
 
