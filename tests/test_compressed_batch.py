@@ -39,10 +39,16 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     if which == "mixed":  # each row's own kernels
         fmts = [parse_turbo("k4v3", window=8), parse_turbo("k3v2", window=8), affine(8, 32)]
         starts = [45, 30, 20]
+    elif which == "sets":  # three k4v3 caches decoding two at a time, the pair changing every 4 steps
+        fmts = [parse_turbo("k4v3", window=8)] * 3
+        starts = [45, 30, 38]
     else:  # one TurboQuant format: the batched kernels of turbo_batch.py
         fmts = [parse_turbo(which, window=8)] * 2
         starts = [45, 30]
     steps = 16 if which == "mixed" else 12
+    # the rows of each step: every cache in turn, or pairs (0, 1), then (2, 1) (the tables' base, cache 0, not among
+    # them), then (1, 0) (the base second)
+    sets = [[0, 1]] * 4 + [[2, 1]] * 4 + [[1, 0]] * 4 if which == "sets" else [list(range(len(fmts)))] * steps
     toks = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def caches():
@@ -62,25 +68,31 @@ SCRIPT = TINY_FUSED_MODEL + textwrap.dedent("""
     worst, scale, argmax = 0.0, 0.0, True
     pos = list(starts)
     with torch.inference_mode():
-        for step in range(steps):
-            ids = [toks[p] for p in pos]
-            a = gd.run_compressed_batch(batch, ids, pos)
-            b = torch.stack([gd.run_turbo(c, t, p) for c, t, p in zip(solo, ids, pos)])
+        for rows in sets:
+            ids = [toks[pos[r]] for r in rows]
+            at = [pos[r] for r in rows]
+            a = gd.run_compressed_batch([batch[r] for r in rows], ids, at)
+            b = torch.stack([gd.run_turbo(solo[r], t, p) for r, t, p in zip(rows, ids, at)])
             worst = max(worst, float((a - b).abs().max()))
             scale = max(scale, float(b.abs().max()))
             argmax &= bool((a.argmax(-1) == b.argmax(-1)).all())
-            pos = [p + 1 for p in pos]
+            for r in rows:
+                pos[r] += 1
     counts = [[c.counts()[0] for c in batch], [c.counts()[0] for c in solo]]
+    bases = [st.base is batch[0] for st in gd.set_tables.values()]
     print(json.dumps(dict(err=worst, scale=scale, argmax=argmax, counts=counts, starts=starts, steps=steps,
-                          lengths=[c.length for c in batch], batched_calls=turbo_batch.CALLS)))
+                          lengths=[c.length for c in batch], want=pos, batched_calls=turbo_batch.CALLS,
+                          loads=turbo_batch.LOADS, bases=bases)))
 """)
 
 
-@pytest.mark.parametrize("which", ["mixed", "k4v3", "k3qjl-v3"])
+@pytest.mark.parametrize("which", ["mixed", "k4v3", "k3qjl-v3", "sets"])
 def test_compressed_batch_equals_solo_steps(which):
     """``mixed``: a k4v3, a k3v2 and a kv_bits=8 cache (each row's own kernels); ``k4v3`` / ``k3qjl-v3``: two
     caches of one format, decoded by the batched kernels (``turbo_batch``: row offsets into row 0's tensors,
-    one launch per kernel for both rows), which must then have run."""
+    one launch per kernel for both rows), which must then have run.  ``sets``: three k4v3 caches decoding two at
+    a time, the pair changing every 4 steps, through one ``SetTables`` (the step a CUDA graph captures once per
+    batch size) addressed from the first pair's first cache, also while that cache is not in the pair."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT, which], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -90,8 +102,11 @@ def test_compressed_batch_equals_solo_steps(which):
         hidden, heads, head_dim, intermediate, layers, vocab = 128, 4, 32, 256, 2, 512
         moe_intermediate = shared_intermediate = 0
 
-    assert res["lengths"] == [s + res["steps"] for s in res["starts"]]
+    assert res["lengths"] == res["want"], res
     assert (res["batched_calls"] > 0) == (which != "mixed"), res
+    # one SetTables per (format, batch size), based on the first cache; loaded once per change of the pair
+    assert res["bases"] == ([] if which == "mixed" else [True]), res
+    assert res["loads"] == {"mixed": 0, "sets": 3}.get(which, 1), res
     assert res["counts"][0] == res["counts"][1], res  # the same rows compressed both ways
     assert all(n > 0 for n in res["counts"][0]), res  # and every cache holds compressed rows
     assert res["err"] <= transformer_logits_tol(A(), res["scale"], context=128), res

@@ -118,28 +118,42 @@ class CompressedRows:
 
 class CompressedBatchRows:
     """B decode rows, each over its own static compressed cache (TurboQuant or affine, mixed): one format for
-    all rows runs each kernel once for the batch (turbo_batch.py), otherwise each row its cache's kernels."""
+    all rows runs each kernel once for the batch (turbo_batch.py: through ``tables``, a ``SetTables`` loaded with
+    these caches, else tables made for this set), otherwise each row its cache's kernels."""
 
-    def __init__(self, model: Any, kvs: list, pos: Any, n_dense: Any, n_code: Any, arange: torch.Tensor):
+    def __init__(
+        self, model: Any, kvs: list, pos: Any, n_dense: Any, n_code: Any, arange: torch.Tensor, tables: Any = None
+    ):
         self.model, self.kvs, self.pos, self.n_dense, self.n_code = model, kvs, pos, n_dense, n_code
-        self.rows = [
-            CompressedRows(
-                model,
-                kv,
-                pos[b : b + 1],
-                n_dense[b : b + 1],
-                n_code[b : b + 1],
-                arange[: kv.dense_rows] <= n_dense[b] if kv.fmt.kind == "turbo" else None,
-            )
-            for b, kv in enumerate(kvs)
-        ]
+        self.arange, self.tables = arange, tables
+        self._rows: list | None = None
+
+    def rows(self) -> list:
+        """Each row's own ``CompressedRows`` (made on first use: the batched path needs none)."""
+        if self._rows is None:
+            kvs, pos, nd, nc = self.kvs, self.pos, self.n_dense, self.n_code
+            self._rows = [
+                CompressedRows(
+                    self.model,
+                    kv,
+                    pos[b : b + 1],
+                    nd[b : b + 1],
+                    nc[b : b + 1],
+                    self.arange[: kv.dense_rows] <= nd[b] if kv.fmt.kind == "turbo" else None,
+                )
+                for b, kv in enumerate(kvs)
+            ]
+        return self._rows
 
     def attend_qkv(self, i: int, qkv: torch.Tensor, H: int, KVH: int, D: int) -> torch.Tensor:
+        m, pos, nd, nc = self.model, self.pos, self.n_dense, self.n_code
+        if self.tables is not None:  # any set of caches, from the tables' base cache
+            st = self.tables
+            return batch_row_attention(m, st.base, i, qkv, pos, nd, nc, H, KVH, D, st.layers[i])
         tables = batch_tables(self.kvs, i) if BATCHED_TURBO else None
         if tables is not None:  # one format for all rows: each kernel once for the batch (turbo_batch.py)
-            m, pos, nd, nc = self.model, self.pos, self.n_dense, self.n_code
-            return batch_row_attention(m, self.kvs, i, qkv, pos, nd, nc, H, KVH, D, tables)
-        return torch.cat([r.attend_qkv(i, qkv[b : b + 1], H, KVH, D) for b, r in enumerate(self.rows)])
+            return batch_row_attention(m, self.kvs[0], i, qkv, pos, nd, nc, H, KVH, D, tables)
+        return torch.cat([r.attend_qkv(i, qkv[b : b + 1], H, KVH, D) for b, r in enumerate(self.rows())])
 
 
 def decode_static_fused(
@@ -182,12 +196,14 @@ def decode_compressed_batch_static_fused(
     n_dense: torch.Tensor,
     n_code: torch.Tensor,
     arange: torch.Tensor,
+    tables: Any = None,
 ) -> torch.Tensor:
     """B decode rows, each over its own static compressed cache (TurboQuant or affine, mixed), in one
-    pass with fixed shapes (one CUDA graph per set of caches): the matmuls run on [B, hidden] rows, so
-    the weights are read once per step, and each row's attention is its cache's kernels
-    (``CompressedBatchRows``).  tokens, pos, n_dense, n_code: device [B].  Logits [B, V]."""
-    io = CompressedBatchRows(model, kvs, pos, n_dense, n_code, arange)
+    pass with fixed shapes (one CUDA graph per batch size where ``tables``, a ``turbo_batch.SetTables``, addresses
+    the caches; else one per set of caches): the matmuls run on [B, hidden] rows, so the weights are read once per
+    step, and each row's attention is its cache's kernels (``CompressedBatchRows``).  tokens, pos, n_dense, n_code:
+    device [B].  Logits [B, V]."""
+    io = CompressedBatchRows(model, kvs, pos, n_dense, n_code, arange, tables)
     return rows_linear(fused(model, model.embed(tokens).contiguous(), io), head_weight(model))
 
 

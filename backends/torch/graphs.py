@@ -19,6 +19,7 @@ import torch
 from .attend import CompressedStaticAttend, PoolAttend, StaticAttend
 from .forward import GRAPHED, dense, logits_graphed
 from .fused_decode import (
+    BATCHED_TURBO,
     decode_batch_static_fused,
     decode_compressed_batch_static_fused,
     decode_static_fused,
@@ -29,8 +30,10 @@ from .kv_cache import SeqCache
 from .kv_pool import PagedSeqCache, SlotPool
 from .model import MLP, Transformer
 from .staging import stager
+from .turbo_batch import SetTables
 
-COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decoding together
+COMPRESSED_BATCH_GRAPHS = 8  # graphs kept for sets of compressed caches decoding together (formats mixed)
+SET_TABLES = os.environ.get("SWIFTLM_TQ_SET_TABLES", "1") != "0"  # 0: a graph per set of caches (the A/B switch)
 
 BUCKET_MIN = 256
 
@@ -184,6 +187,7 @@ class GraphDecoder:
         self.graphs: dict[Any, tuple[Any, tuple, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captures = 0
+        self.set_tables: dict[tuple, SetTables] = {}  # (format, batch size, paged) -> the tables its graph reads
 
     def precapture(self, pool: SlotPool, rows: int = 0) -> None:
         """Capture the batched decode graphs at start-up, so that no stream waits for a capture while
@@ -364,9 +368,11 @@ class GraphDecoder:
         g.replay()
 
     def run_compressed_batch(self, kvs: list, tokens: Any, positions: list[int]) -> torch.Tensor:
-        """B decode rows over B static compressed caches (``graphable()``; the fused step only): one graph
-        per set of caches (they are pooled and reused across requests, so sets recur; the oldest of more
-        than COMPRESSED_BATCH_GRAPHS is dropped), replayed with the tokens, positions and row counts.
+        """B decode rows over B static compressed caches (``graphable()``; the fused step only), replayed with the
+        tokens, positions and row counts.  Caches of one TurboQuant format go through ``turbo_batch.SetTables``: one
+        graph per (format, batch size) serves every set of caches, its tables pointed at this step's caches before
+        the replay.  Other sets (formats mixed, affine caches) get a graph per set of caches (they are pooled and
+        reused across requests, so sets recur; the oldest of more than COMPRESSED_BATCH_GRAPHS is dropped).
         Logits [B, V]."""
         for kv, p in zip(kvs, positions):
             for L in kv.layers:
@@ -382,20 +388,26 @@ class GraphDecoder:
             ]
         )
         fn = decode_compressed_batch_static_fused
+        tables = self._set_tables(kvs)
         if not self.use_graph:
             t, p, nd, nc = host.to(self.device).unbind(0)
             if on_dev:
                 t = tokens.reshape(B).long()
-            out = fn(self.model, kvs, t, p, nd, nc, self.arange)
+            out = fn(self.model, kvs, t, p, nd, nc, self.arange, tables)
         else:
-            key = ("compressed-batch",) + tuple(id(kv) for kv in kvs)
+            key = (
+                ("compressed-set", kvs[0].fmt, B) if tables is not None else ("compressed-batch",) + tuple(map(id, kvs))
+            )
             entry = self.graphs.get(key)
             if entry is None:
-                olds = [k for k in self.graphs if k[0] == "compressed-batch"]
-                for k in olds[: max(0, len(olds) + 1 - COMPRESSED_BATCH_GRAPHS)]:
-                    del self.graphs[k]
+                if tables is None:
+                    olds = [k for k in self.graphs if k[0] == "compressed-batch"]
+                    for k in olds[: max(0, len(olds) + 1 - COMPRESSED_BATCH_GRAPHS)]:
+                        del self.graphs[k]
                 ins = tuple(x.clone() for x in host.to(self.device).unbind(0))
-                entry = self._capture(key, lambda t, p, nd, nc: fn(self.model, kvs, t, p, nd, nc, self.arange), ins)
+                entry = self._capture(
+                    key, lambda t, p, nd, nc: fn(self.model, kvs, t, p, nd, nc, self.arange, tables), ins
+                )
             g, (t, p, nd, nc), out = entry
             dev = stager(self.device).to_device(host)
             for dst, src in zip((t, p, nd, nc), dev.unbind(0)):
@@ -406,6 +418,18 @@ class GraphDecoder:
         for kv, p_ in zip(kvs, positions):
             kv.after_graph_step(p_, functools.partial(self._compress_turbo, kv) if self.use_graph else None)
         return out
+
+    def _set_tables(self, kvs: list) -> SetTables | None:
+        """The ``SetTables`` of these caches' format and number, loaded with them (made on first use, addressed from
+        the first set's first cache), or None where the batched kernels cannot take the set."""
+        if len(kvs) < 2 or not SET_TABLES or not BATCHED_TURBO or kvs[0].fmt.kind != "turbo":
+            return None
+        key = (kvs[0].fmt, len(kvs), kvs[0].paged)
+        st = self.set_tables.get(key) or SetTables(kvs[0], len(kvs), self.device)
+        if not st.load(kvs, stager(self.device).to_device):
+            return None
+        self.set_tables[key] = st  # (kept once a set loaded: its base can address others)
+        return st
 
     def run(self, kv: SeqCache, token: int, pos: int) -> torch.Tensor:
         if not self.use_graph:

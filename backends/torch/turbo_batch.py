@@ -9,10 +9,16 @@ kept in small device tables made once per set of caches (outside graph capture: 
 them, the capture finds them).  The rope kernel writes row b's K/V into its own 16-bit buffer through
 row 0's buffer seen as a pool whose "slot" b is that offset (keys and values of a layer share one
 allocation per cache, so one offset serves both; the pool's slot stride is one element, so any offset does).
+
+A graph captured over ``batch_tables`` serves only its own set of caches.  ``SetTables`` addresses every row from a
+fixed base cache through one device buffer instead, which a new set's offsets are copied into before a replay: one
+graph per batch size then serves every set (caches come and go with requests, so sets change at almost every
+arrival, and a capture costs ~100 ms for all the streams of a step).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -21,6 +27,8 @@ import torch
 _TABLES: OrderedDict = OrderedDict()
 CALLS = 0  # batched layer calls made (tests check that the batched path ran)
 _MAX_TABLES = 2048  # sets of caches x layers; beyond, the oldest go
+LOADS = 0  # sets loaded into SetTables (tests check that one graph served several sets)
+_PAIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {base cache: _pair_rows}
 
 
 def _offsets(ts: list[torch.Tensor]) -> list[int] | None:
@@ -37,38 +45,31 @@ def _offsets(ts: list[torch.Tensor]) -> list[int] | None:
     return out
 
 
-def batch_tables(kvs: list, i: int) -> tuple | None:
-    """(offs [B, 8] (paged caches: [B, 9], the page tables' offsets last), dense offs [B, 2], slot base [B])
-    int64 device tables for layer ``i`` of these caches,
-    or None where the batched kernels cannot take them (mixed formats, affine caches, a layer kept 16-bit,
-    offsets that do not divide)."""
+def _same_kind(kvs: list) -> bool:
+    """Static TurboQuant caches of one format, buffer size, capacity and code pool: what the batched kernels need
+    for every row to be addressed from the first's tensors."""
     kv0 = kvs[0]
-    if len(kvs) < 2 or kv0.fmt.kind != "turbo" or not kv0.static:
-        return None
-    if any(
-        kv.fmt != kv0.fmt
-        or not kv.static
-        or kv.dense_rows != kv0.dense_rows
-        or kv.code_pages is not kv0.code_pages
-        or kv.capacity != kv0.capacity
-        for kv in kvs
-    ):
-        return None
+    return (
+        kv0.fmt.kind == "turbo"
+        and kv0.static
+        and all(
+            kv.fmt == kv0.fmt
+            and kv.static
+            and kv.dense_rows == kv0.dense_rows
+            and kv.code_pages is kv0.code_pages
+            and kv.capacity == kv0.capacity
+            for kv in kvs
+        )
+    )
+
+
+def _layer_columns(kvs: list, i: int) -> tuple[list[list[int]], list[int]] | None:
+    """Element offsets of layer ``i``'s tensors of each cache from ``kvs[0]``'s: the 8 code columns (paged caches: a
+    9th, the page tables) and the 16-bit buffer's; None where the kernels cannot take them (a layer kept 16-bit,
+    offsets that do not divide or are not 16-element aligned, keys and values apart)."""
     Ls = [kv.layers[i] for kv in kvs]
     if not all(L.compressed and L.kp is not None for L in Ls):
         return None
-    # every tensor the tables address, so that caches freed and made again elsewhere never meet a stale table
-    key = (
-        (kv0.fmt,)
-        + tuple(t.data_ptr() for L in Ls for t in (*L.kp, *L.vp, L.kn, L.vn, L.ks, L.kr, L.dk, L.dv) if t is not None)
-        + tuple(kv.ptab.data_ptr() for kv in kvs if kv.paged)
-    )
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit
-    if Ls[0].dk.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None  # no host-to-device copy inside a capture: this capture takes the per-row path
 
     def col(get) -> list[int] | None:
         return _offsets([get(L) for L in Ls])
@@ -88,21 +89,106 @@ def batch_tables(kvs: list, i: int) -> tuple | None:
         return None
     if any(x % 16 for c in cols + [dk] for x in c):  # the kernels assume it (wide loads); CUDA allocates 512 B aligned
         return None
-    if kv0.paged:  # one pool (offsets 0 above); column 8: each cache's page table from the first's
+    if kvs[0].paged:  # one pool (offsets 0 above); column 8: each cache's page table from the first's
         pt = _offsets([kv.ptab for kv in kvs])
         if pt is None:
             return None
         cols.append(pt)
+    return cols, dk  # type: ignore[return-value]
+
+
+def batch_tables(kvs: list, i: int) -> tuple | None:
+    """(offs [B, 8] (paged caches: [B, 9], the page tables' offsets last), dense offs [B, 2], slot base [B])
+    int64 device tables for layer ``i`` of these caches, from ``kvs[0]``'s tensors,
+    or None where the batched kernels cannot take them (mixed formats, affine caches, a layer kept 16-bit,
+    offsets that do not divide)."""
+    if len(kvs) < 2 or not _same_kind(kvs):
+        return None
+    Ls = [kv.layers[i] for kv in kvs]
+    if not all(L.compressed and L.kp is not None for L in Ls):
+        return None
+    # every tensor the tables address, so that caches freed and made again elsewhere never meet a stale table
+    key = (
+        (kvs[0].fmt,)
+        + tuple(t.data_ptr() for L in Ls for t in (*L.kp, *L.vp, L.kn, L.vn, L.ks, L.kr, L.dk, L.dv) if t is not None)
+        + tuple(kv.ptab.data_ptr() for kv in kvs if kv.paged)
+    )
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    if Ls[0].dk.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # no host-to-device copy inside a capture: this capture takes the per-row path
+    got = _layer_columns(kvs, i)
+    if got is None:
+        return None
+    cols, dk = got
     dev = Ls[0].dk.device
     hit = (
         torch.tensor(cols, dtype=torch.int64).T.contiguous().to(dev),
-        torch.tensor([dk, dv], dtype=torch.int64).T.contiguous().to(dev),
+        torch.tensor([dk, dk], dtype=torch.int64).T.contiguous().to(dev),
         torch.tensor(dk, dtype=torch.int64).to(dev),
     )
     _TABLES[key] = hit
     while len(_TABLES) > _MAX_TABLES:
         _TABLES.popitem(last=False)
     return hit
+
+
+def _pair_rows(base: Any, kv: Any) -> torch.Tensor | None:
+    """[layers, W + 3] int64: every layer's offsets of ``kv``'s tensors from ``base``'s (W = 8 code columns, 9 with
+    the page table), then the 16-bit buffers' offset three times (keys, values, the rope kernel's slot base); None
+    where the two cannot share tables.  Made once per pair: a static cache's storage never moves."""
+    per = _PAIRS.setdefault(kv, weakref.WeakKeyDictionary())
+    if base in per:
+        return per[base]
+    rows = None
+    if _same_kind([base, kv]):
+        cols = [_layer_columns([base, kv], i) for i in range(len(kv.layers))]
+        if all(c is not None for c in cols):
+            rows = torch.tensor([[c[1] for c in cs] + [dk[1]] * 3 for cs, dk in cols], dtype=torch.int64)
+    per[base] = rows
+    return rows
+
+
+class SetTables:
+    """The batched kernels' tables for any set of ``B`` caches compatible with ``base``, addressed from ``base``'s
+    tensors (which need not be in the set) and held in one device buffer of fixed address: a CUDA graph captured
+    over these tables serves every set of B such caches, ``load`` writing a new set's offsets in before a replay.
+    ``layers[i]``: layer i's (offs [B, W], dense offs [B, 2], slot base [B]), views of the buffer."""
+
+    def __init__(self, base: Any, B: int, device: torch.device):
+        n, W = len(base.layers), 9 if base.paged else 8
+        self.base, self.B, self.W = base, B, W
+        self.buf = torch.zeros(n * B * (W + 3), dtype=torch.int64, device=device)
+        offs = self.buf[: n * B * W].view(n, B, W)
+        doffs = self.buf[n * B * W : n * B * (W + 2)].view(n, B, 2)
+        slots = self.buf[n * B * (W + 2) :].view(n, B)
+        self.layers = [(offs[i], doffs[i], slots[i]) for i in range(n)]
+        self.loaded: list = []  # the caches whose offsets the buffer holds, in row order
+
+    def host(self, kvs: list) -> torch.Tensor | None:
+        """The buffer's contents for ``kvs`` (a CPU tensor), or None where one of them cannot share ``base``'s tables."""
+        rows = [_pair_rows(self.base, kv) for kv in kvs]
+        if len(kvs) != self.B or any(r is None for r in rows):
+            return None
+        t = torch.stack(rows, 1)  # [layers, B, W + 3]
+        W = self.W
+        return torch.cat([t[..., :W].reshape(-1), t[..., W : W + 2].reshape(-1), t[..., W + 2].reshape(-1)])
+
+    def load(self, kvs: list, to_device: Any) -> bool:
+        """Point the tables at ``kvs`` (``to_device``: a host -> device copy that does not wait for the device);
+        False where they cannot take this set."""
+        if len(kvs) == len(self.loaded) and all(a is b for a, b in zip(kvs, self.loaded)):
+            return True
+        host = self.host(kvs)
+        if host is None:
+            return False
+        self.buf.copy_(to_device(host))
+        self.loaded = list(kvs)
+        global LOADS
+        LOADS += 1
+        return True
 
 
 def buffer_as_pool(buf: torch.Tensor, slot_stride: int | None = None) -> torch.Tensor:
@@ -161,7 +247,7 @@ def attend_static_batch(
 
 def batch_row_attention(
     model: Any,
-    kvs: list,
+    kv0: Any,
     i: int,
     qkv: torch.Tensor,
     pos: torch.Tensor,
@@ -172,7 +258,8 @@ def batch_row_attention(
     D: int,
     tables: tuple,
 ) -> torch.Tensor:
-    """Layer ``i`` of B decode rows over B static TurboQuant caches of one format (``batch_tables``): rope +
+    """Layer ``i`` of B decode rows over B static TurboQuant caches of one format, addressed from ``kv0``'s tensors
+    by ``tables`` (``batch_tables``, or a ``SetTables`` layer): rope +
     K/V rows written into each cache's buffer at its ``n_dense`` (one kernel), then the caches' attention
     (``attend_static_batch``: three kernels for all rows).  qkv [B, (H+2KVH)*D]; pos,
     n_dense, n_code device [B].  Returns [B, H*D]."""
@@ -181,7 +268,7 @@ def batch_row_attention(
     global CALLS
     CALLS += 1
     offs, doffs, dense_base = tables
-    L0 = kvs[0].layers[i]
+    L0 = kv0.layers[i]
     B = qkv.shape[0]
     # row 0's buffers as a pool whose slot stride is one element: slot dense_base[b] + (n_dense - pos) * D puts
     # row b's rope-rotated K/V row at its own buffer's row n_dense while the rotation uses position pos
@@ -197,4 +284,4 @@ def batch_row_attention(
         KVH,
         D,
     )  # [B, H, D]
-    return attend_static_batch(kvs[0], i, q.reshape(B * H, D), n_code, n_dense, offs, doffs).reshape(B, H * D)
+    return attend_static_batch(kv0, i, q.reshape(B * H, D), n_code, n_dense, offs, doffs).reshape(B, H * D)
