@@ -33,6 +33,7 @@ M=/tmp/m$SHAPE
 if [ ! -d $M ]; then
   case $SHAPE in
     8b) shape="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 14336 --reuse-layers" ;;
+    1b) shape="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --intermediate 8192 --reuse-layers" ;;
     *)  shape="--hidden 128 --layers 2 --heads 4 --kv-heads 2 --head-dim 32 --intermediate 256" ;;
   esac
   env PYTHONPATH=/tmp/site $PY $REPO/scripts/make_checkpoint.py $M --arch llama $shape --ctx 4096 \

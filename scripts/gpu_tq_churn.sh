@@ -2,7 +2,8 @@
 # Compressed decode batches under requests that come and go, on the lent GPU: first the engine check of one CUDA
 # graph per batch size against one per set of caches (scripts/check_set_graphs_cuda.py, 1B Llama shape), then
 # the churn load through `swiftlm serve` (scripts/bench_serve_churn.py, 8B Llama shape, random weights): 16-bit KV,
-# --turbo-kv k4v3, and k4v3 with a graph per set of caches (SWIFTLM_TQ_SET_TABLES=0).
+# --turbo-kv k4v3 (its first run on the machine compiles the Triton kernels: k4v3_first), k4v3 with a graph per set of
+# caches (SWIFTLM_TQ_SET_TABLES=0), and k4v3 again.
 # Carries: .whl/ and .gpu/tok (scripts/gpu_prepare.sh).   bash scripts/gpu_tq_churn.sh check serve
 # Env: STREAMS (8), REQUESTS (48), PROMPT (4000), TIMEOUT (seconds for the serve part, 420).
 # Results: $OUT/set_graphs_check.json, $OUT/serve_churn_<gpu>.json, $OUT/churn_logs.tgz.
@@ -29,8 +30,8 @@ for what in "$@"; do
       timeout ${TIMEOUT:-420} python3 $REPO/scripts/bench_serve_churn.py --model /tmp/m8b --device cuda \
           --streams ${STREAMS:-8} --num-requests ${REQUESTS:-48} --prompt-tokens ${PROMPT:-4000} --prompt-std 1500 \
           --output-tokens 256 --output-std 128 --tag ${gpu}_8b --out $OUT --logs /tmp/churn/logs \
-          --variant "16bit=" --variant "k4v3=--turbo-kv k4v3" \
-          --variant "k4v3_graph_per_set=--turbo-kv k4v3;SWIFTLM_TQ_SET_TABLES=0" \
+          --variant "16bit=" --variant "k4v3_first=--turbo-kv k4v3" \
+          --variant "k4v3_graph_per_set=--turbo-kv k4v3;SWIFTLM_TQ_SET_TABLES=0" --variant "k4v3=--turbo-kv k4v3" \
           --note "8B Llama shape, random weights, bf16; ${STREAMS:-8} concurrent, ${REQUESTS:-48} requests" 2>&1 | tail -12
       tar czf $OUT/churn_logs.tgz -C /tmp/churn logs 2>/dev/null ;;
     *) echo "gpu_tq_churn.sh: unknown part '$what' (check, serve)"; exit 2 ;;

@@ -160,11 +160,16 @@ class SetTables:
     def __init__(self, base: Any, B: int, device: torch.device):
         n, W = len(base.layers), 9 if base.paged else 8
         self.base, self.B, self.W = base, B, W
-        self.buf = torch.zeros(n * B * (W + 3), dtype=torch.int64, device=device)
-        offs = self.buf[: n * B * W].view(n, B, W)
-        doffs = self.buf[n * B * W : n * B * (W + 2)].view(n, B, 2)
-        slots = self.buf[n * B * (W + 2) :].view(n, B)
-        self.layers = [(offs[i], doffs[i], slots[i]) for i in range(n)]
+        # each layer's tables start 16-byte aligned, as tables of their own would: Triton specialises a kernel on
+        # its pointers' alignment, and another specialisation is another compile (seconds) in the serving loop
+        self.sizes = [-(-B * w // 2) * 2 for w in (W, 2, 1)]
+        self.buf = torch.zeros(n * sum(self.sizes), dtype=torch.int64, device=device)
+        parts, at = [], 0
+        for size, w in zip(self.sizes, (W, 2, 1)):
+            part = self.buf[at : at + n * size].view(n, size)[:, : B * w]
+            parts.append([part[i].view(B, w) if w > 1 else part[i] for i in range(n)])
+            at += n * size
+        self.layers = list(zip(*parts))
         self.loaded: list = []  # the caches whose offsets the buffer holds, in row order
 
     def host(self, kvs: list) -> torch.Tensor | None:
@@ -173,8 +178,13 @@ class SetTables:
         if len(kvs) != self.B or any(r is None for r in rows):
             return None
         t = torch.stack(rows, 1)  # [layers, B, W + 3]
-        W = self.W
-        return torch.cat([t[..., :W].reshape(-1), t[..., W : W + 2].reshape(-1), t[..., W + 2].reshape(-1)])
+        n, W = t.shape[0], self.W
+        out = []
+        for size, cols in zip(self.sizes, (t[..., :W], t[..., W : W + 2], t[..., W + 2 :])):
+            part = torch.zeros(n, size, dtype=torch.int64)
+            part[:, : cols.shape[1] * cols.shape[2]] = cols.reshape(n, -1)
+            out.append(part.reshape(-1))
+        return torch.cat(out)
 
     def load(self, kvs: list, to_device: Any) -> bool:
         """Point the tables at ``kvs`` (``to_device``: a host -> device copy that does not wait for the device);
