@@ -79,6 +79,7 @@ def run_variant(args: argparse.Namespace, name: str, flags: list[str], env: dict
     log = tmp / f"serve_{name}.log"
     old = dict(os.environ)
     os.environ.update(env)  # the server's environment (Server copies os.environ)
+    t_start = time.time()
     try:
         srv = Server(args, flags, log)
     finally:
@@ -107,6 +108,7 @@ def run_variant(args: argparse.Namespace, name: str, flags: list[str], env: dict
         "variant": name,
         "flags": flags,
         "env": env,
+        "start_s": t0 - t_start,  # process start to ready: loading, graph captures, the warm-up
         "wall_s": time.time() - t0,
         "requests_ok": res["requests_ok"],
         "requests_failed": res["requests_failed"],
@@ -124,7 +126,7 @@ def run_variant(args: argparse.Namespace, name: str, flags: list[str], env: dict
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["variant", *METRICS, "stalls", "stall_ms_lost"]
+    cols = ["variant", *METRICS, "stalls", "stall_ms_lost", "start_s"]
     print(" | ".join(cols))
     for r in rows:
         cells = []

@@ -66,6 +66,7 @@ OTHER_ENV = {
     "SWIFTLM_TP_SYMM_BYTES": "largest all-reduce sent through symmetric memory (bytes, default 4 MiB)",
     "SWIFTLM_TP_TIMEOUT": "seconds a tensor/pipeline-parallel collective may wait (default 600)",
     "SWIFTLM_TQ_BATCHED": "`0`: each TurboQuant row its own kernel launch instead of one per format",
+    "SWIFTLM_TQ_SET_TABLES": "`0`: a CUDA graph per set of TurboQuant caches decoding together instead of one per batch size",
     "SWIFTLM_TQ_MAXNREG": "`0`: no register cap on the TurboQuant split kernel (A/B)",
     "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=32,num_warps=4` (A/B)",
     "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 4 for one sequence's row, 16 for batched rows, "

@@ -212,6 +212,12 @@ class ModelHooks:
         """Called once when code_page_spec() is not None: the code pages' block manager."""
         raise NotImplementedError("code_page_spec() returned a spec but attach_code_pages is not implemented")
 
+    # -- start-up
+    def warm_up_lengths(self) -> list[int]:
+        """Prompt lengths of scratch requests the engine runs before serving (warm_up.py), where first use of some
+        path compiles kernels or captures CUDA graphs; [] (the default): none needed."""
+        return []
+
     # -- figures
     def kv_stats(self) -> dict[str, int] | None:
         """{"bytes", "fp16_bytes"} the running sequences' KV holds; None: the engine counts tokens."""

@@ -154,6 +154,13 @@ class Settings(BaseSettings):
         0, "Positions a sequence holds before its TurboQuant cache starts compressing.", group="engine"
     )
     turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.", group="engine")
+    warm_up: bool = _f(
+        True,
+        "Before taking requests, run a few scratch ones where the backend asks for it (TurboQuant KV on a GPU), so "
+        "that kernel compiles and CUDA graph captures happen at start-up, not under the first requests; "
+        "--no-warm-up turns it off.",
+        group="engine",
+    )
     turbo_kv_prompt_memory: str = _f(
         "auto",
         "Memory in which prompts of compressed KV caches (TurboQuant, kv_bits; torch backend) are held in 16 bits "

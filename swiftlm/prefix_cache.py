@@ -56,6 +56,12 @@ class PrefixCache:
             while self.bytes > self.max_bytes and self._entries:
                 self._drop(next(iter(self._entries)))
 
+    def clear(self) -> None:
+        """Drop every entry and zero the counters."""
+        with self._lock:
+            self._entries.clear()
+            self.bytes = self.hits = self.misses = self.tokens_reused = 0
+
     def _drop(self, k: int) -> None:
         e = self._entries.pop(k)
         self.bytes -= e.nbytes

@@ -6,7 +6,7 @@ import bisect
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -112,6 +112,12 @@ class EngineStats:
         if self.requests_active == 0 and self.busy_since is not None:
             self.busy_seconds += now - self.busy_since
             self.busy_since = None
+
+    def reset(self) -> None:
+        """Every figure back to its start (after the start-up warm-up's requests, which are not the server's)."""
+        fresh = type(self)()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
     def busy_wall_seconds(self) -> float:
         since = self.busy_since

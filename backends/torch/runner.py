@@ -42,7 +42,7 @@ from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks, packed_hidden_states
 from .prefill_graphs import PackedGraphs
 from .prefix_hooks import PrefixCopies
-from .seq_caches import SeqCaches, adapter_rows, static_turbo
+from .seq_caches import SeqCaches, adapter_rows, static_turbo, warm_up_lengths
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +331,10 @@ class TorchModel(ModelHooks):
     def attach_code_pages(self, blocks: Any) -> None:
         self.seqs.code_blocks = blocks
         self.seqs.code_pages.attach()
+
+    def warm_up_lengths(self) -> list[int]:
+        graphed = self.graphs is not None and self.graphs.use_graph and self.pool is not None
+        return warm_up_lengths(self.kv_default, self.device, self.pool.n) if graphed else []
 
     def kv_stats(self) -> dict[str, int]:
         return self.kv.kv_stats()

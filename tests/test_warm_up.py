@@ -1,0 +1,98 @@
+"""The start-up warm-up (swiftlm/warm_up.py): a model that asks for it (``ModelHooks.warm_up_lengths``) gets its
+scratch requests run through the step loop before the engine is handed out, the batch shrinking one row at a time;
+the engine's figures and prompt cache start empty afterwards; ``warm_up=False`` (``--no-warm-up``) skips it; a
+context shorter than a scratch prompt caps it; a failing warm-up leaves a working engine.  On the fake backend."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import swiftlm_fake_backend as fake
+
+from swiftlm import LLM, SamplingParams
+
+
+@pytest.fixture
+def asking(monkeypatch):
+    """The fake model asks for a warm-up of these prompt lengths."""
+    lengths: list[int] = []
+    monkeypatch.setattr(fake.FakeModel, "warm_up_lengths", lambda self: list(lengths))
+    fake.STEPS.clear()
+    return lengths
+
+
+def test_warm_up_runs_before_serving_and_leaves_no_trace(asking):
+    asking[:] = [40, 30, 20]
+    with LLM(backend="fake", parallel=4, ctx_size=1024, prompt_cache_bytes=1 << 20) as llm:
+        steps = list(fake.STEPS)
+        eng = llm.engine
+        # every scratch prompt token was fed before the engine was handed out
+        assert sum(p for p, _ in steps) == 40 + 30 + 20
+        # request i stops after 8 (i + 1) tokens: decode rows 3 (or fewer while prompts end), then 2, then 1
+        rows = [d for p, d in steps if d and not p]
+        assert rows[-1] == 1 and 2 in rows, rows
+        assert rows == sorted(rows, reverse=True), rows  # the batch only shrinks
+        assert eng.stats.requests_total == 0 and eng.stats.tokens_generated == 0 and eng.stats.steps == 0
+        assert eng.stats.finished == {} and len(eng.stats.ttft) == 0
+        assert len(eng.prefix_cache) == 0 and eng.prefix_cache.misses == 0
+        out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
+        assert len(out.outputs[0].token_ids) == 4
+        assert eng.stats.requests_total == 1
+
+
+def test_no_warm_up_setting_skips_it(asking):
+    asking[:] = [40, 30]
+    with LLM(backend="fake", parallel=4, ctx_size=1024, warm_up=False):
+        assert fake.STEPS == []
+
+
+def test_a_model_that_asks_for_none_gets_none():
+    fake.STEPS.clear()
+    with LLM(backend="fake", parallel=2, ctx_size=1024):
+        assert fake.STEPS == []
+
+
+def test_scratch_prompts_fit_the_context(asking):
+    asking[:] = [1300, 500]
+    with LLM(backend="fake", parallel=2, ctx_size=128) as llm:
+        fed = sum(p for p, _ in fake.STEPS)
+        # each prompt capped so that it and its 8 (i + 1) new tokens fit 128 positions
+        assert fed == (128 - 8 - 1) + (128 - 16 - 1)
+        assert llm.engine.stats.requests_total == 0
+
+
+def test_a_failing_warm_up_leaves_a_working_engine(asking, monkeypatch, caplog):
+    asking[:] = [20]
+
+    def boom(*a, **k):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr("swiftlm.warm_up.warm_up", boom)
+    with caplog.at_level(logging.WARNING, logger="swiftlm.llm"):
+        with LLM(backend="fake", parallel=2, ctx_size=256) as llm:
+            out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0))
+            assert len(out.outputs[0].token_ids) == 3
+    assert any("warm-up failed" in r.getMessage() and "compile failed" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_asks_for_a_warm_up_for_graphed_turboquant_only(monkeypatch):
+    """The torch backend's lengths: a graphed TurboQuant server (static caches, codes in pages) gets one prompt of
+    several chunks and then one per batch size up to 16, each past the 16-bit window plus a compression block (so
+    that it compresses); other formats get none."""
+    torch = pytest.importorskip("torch")
+    from swiftlm.backends.torch import seq_caches
+    from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, affine, parse_turbo
+
+    monkeypatch.setattr(seq_caches, "triton_ok", lambda device: True)  # as on a GPU
+    dev = torch.device("cpu")
+    fmt = parse_turbo("k4v3")
+    got = seq_caches.warm_up_lengths(fmt, dev, 8)
+    assert len(got) == 8 and got[0] > 2 * 512  # several prompt chunks at the default --prefill-size
+    assert all(n > fmt.window + COMPRESS_BLOCK for n in got)
+    assert len(seq_caches.warm_up_lengths(fmt, dev, 64)) == 16
+    assert seq_caches.warm_up_lengths(parse_turbo("k4v3", keep_layers=2), dev, 8) == []
+    assert seq_caches.warm_up_lengths(affine(8, 32), dev, 8) == []
+    assert seq_caches.warm_up_lengths(KVFormat(), dev, 8) == []
+    monkeypatch.setattr(seq_caches, "triton_ok", lambda device: False)  # the CPU: its kernels warm up at load
+    assert seq_caches.warm_up_lengths(fmt, dev, 8) == []
