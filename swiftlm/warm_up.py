@@ -13,13 +13,14 @@ The requests are not counted: the engine's figures and prompt cache start empty 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import Any
 
-from .outputs import SyncSink
 from .sampling import SamplingParams
 
 TOKENS_PER_ROW = 8
+FIRST_ID = 1 << 40  # the scratch requests' sequence ids: beyond any a caller hands out
 
 
 def prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -29,26 +30,41 @@ def prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def warm_up(engine: Any, lengths: list[int], vocab: int, timeout: float = 600.0) -> float:
-    """Run the scratch requests (``lengths`` prompt tokens each, all submitted at once) and wait for them;
-    then reset the engine's figures and prompt cache.  Returns the seconds taken."""
+    """Run the scratch requests (``lengths`` prompt tokens each, all admitted at once) and wait for them; the
+    engine's figures and prompt cache are reset once they have ended.  Returns the seconds taken.
+
+    The requests enter as a request checked by another process does (``Intake.add_checked``, ids no caller
+    hands out), and while they run the engine's step outputs go to this function instead of the output worker or
+    the engine process's connections, which never hear of them."""
     t0 = time.perf_counter()
-    sinks = [SyncSink() for _ in lengths]
     outs = [TOKENS_PER_ROW * (i + 1) for i in range(len(lengths))]
     if engine.ctx_size:  # each request within the context
         lengths = [max(1, min(n, engine.ctx_size - k - 1)) for n, k in zip(lengths, outs)]
-    with engine.together():
-        for toks, k, sink in zip(prompts(lengths, vocab), outs, sinks):
-            engine.submit(toks, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True), sink)
-    for sink in sinks:
-        for ev in sink:
-            if ev.error:
-                raise RuntimeError(f"start-up warm-up request failed: {ev.error}")
-    deadline = time.perf_counter() + timeout
-    while engine.live_requests or engine.stats.requests_active:  # the loop's bookkeeping after the last event
-        if time.perf_counter() > deadline:
+    ids = [FIRST_ID + i for i in range(len(lengths))]
+    ended: set[int] = set()
+    errors: list[str] = []
+    done = threading.Event()
+
+    def collect(step_outs: list, dropped: list[int]) -> None:  # on the engine thread, between steps
+        errors.extend(o.error for o in step_outs if o.error)
+        ended.update(dropped)
+        if ended.issuperset(ids) and not done.is_set():
+            engine.stats.reset()  # (the engine thread is the figures' only writer)
+            if engine.prefix_cache is not None:
+                engine.prefix_cache.clear()
+            done.set()
+
+    saved = engine._publish
+    engine._publish = collect
+    try:
+        with engine.together():
+            for sid, toks, k in zip(ids, prompts(lengths, vocab), outs):
+                params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+                engine.intake.add_checked(sid, toks, params, None, time.perf_counter())
+        if not done.wait(timeout):
             raise RuntimeError("start-up warm-up requests did not end")
-        time.sleep(0.005)
-    engine.stats.reset()
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.clear()
+    finally:
+        engine._publish = saved
+    if errors:
+        raise RuntimeError(f"start-up warm-up request failed: {errors[0]}")
     return time.perf_counter() - t0

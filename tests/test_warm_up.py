@@ -96,3 +96,38 @@ def test_torch_asks_for_a_warm_up_for_graphed_turboquant_only(monkeypatch):
     assert seq_caches.warm_up_lengths(KVFormat(), dev, 8) == []
     monkeypatch.setattr(seq_caches, "triton_ok", lambda device: False)  # the CPU: its kernels warm up at load
     assert seq_caches.warm_up_lengths(fmt, dev, 8) == []
+
+
+def test_warm_up_of_an_engine_process_engine_publishes_nothing():
+    """In the engine process the engine's outputs go to ``publish`` (the parent's connections), and requests come
+    in checked by the parent: the scratch requests' outputs must not reach it, and the parent's next request is
+    published as usual."""
+    import threading
+    import time
+
+    from swiftlm.config import Settings
+    from swiftlm.engine import Engine
+    from swiftlm.registry import resolve
+    from swiftlm.warm_up import FIRST_ID, warm_up
+
+    model = fake.FakeBackend().load(resolve(Settings().model, allow_download=False), None)
+    published: list[tuple[list, list[int]]] = []
+    ended = threading.Event()
+
+    def publish(outs, dropped):
+        published.append((list(outs), list(dropped)))
+        if 1 in dropped:
+            ended.set()
+
+    eng = Engine(model, max_running=4, ctx_size=1024, publish=publish)
+    try:
+        warm_up(eng, [40, 30, 20], model.info.vocab_size)
+        assert eng.stats.requests_total == 0
+        seen = {o.seq_id for outs, _ in published for o in outs} | {s for _, d in published for s in d}
+        assert not any(s >= FIRST_ID for s in seen), seen
+        eng.intake.add_checked(1, [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0), None, time.perf_counter())
+        assert ended.wait(30)
+        tokens = [o.token for outs, _ in published for o in outs if o.seq_id == 1 and o.token is not None]
+        assert len(tokens) == 3 and eng.stats.requests_total == 1
+    finally:
+        eng.shutdown()
