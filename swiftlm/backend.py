@@ -213,9 +213,10 @@ class ModelHooks:
         raise NotImplementedError("code_page_spec() returned a spec but attach_code_pages is not implemented")
 
     # -- start-up
-    def warm_up_lengths(self) -> list[int]:
-        """Prompt lengths of scratch requests the engine runs before serving (warm_up.py), where first use of some
-        path compiles kernels or captures CUDA graphs; [] (the default): none needed."""
+    def warm_up_waves(self) -> list[list[int]]:
+        """Scratch requests the engine runs before serving (warm_up.py), where first use of some path compiles
+        kernels or captures CUDA graphs: waves run one after another, each a list of prompt lengths admitted at
+        once; [] (the default): none needed."""
         return []
 
     # -- figures

@@ -195,13 +195,13 @@ def load_engine(settings: Settings, backend: Any, spec: ModelSpec, **engine_kw: 
     engine.media_policy = MediaPolicy.from_settings(settings, processor.modalities if processor else (), spec.arch)
     if settings.tensor_parallel > 1 or (settings.pipeline_parallel or 1) > 1 or settings.distributed:
         model.on_failure = lambda msg: _rank_failed(engine, msg)
-    lengths = model.warm_up_lengths() if settings.warm_up else []
-    if lengths:
+    waves = model.warm_up_waves() if settings.warm_up else []
+    if waves:
         from .warm_up import warm_up
 
-        log.info("warming up: %d scratch requests (kernel compiles, CUDA graph captures)", len(lengths))
+        log.info("warming up: %d scratch requests (kernel compiles, CUDA graph captures)", sum(map(len, waves)))
         try:
-            log.info("warmed up in %.1f s", warm_up(engine, lengths, model.info.vocab_size))
+            log.info("warmed up in %.1f s", sum(warm_up(engine, w, model.info.vocab_size) for w in waves))
         except Exception as exc:  # a speed-up only: the first requests then pay the compiles
             log.warning("start-up warm-up failed (%s); serving without it", exc)
     return engine

@@ -4,14 +4,15 @@ Some paths compile kernels or capture CUDA graphs the first time they run: with 
 compressed prompt pass, a step that mixes prompt chunks with decode rows, and each batch size of compressed decode
 rows.  Under a first real load that costs seconds, and every stream of the step waits (measured on an H200, 8B
 shape: 6 to 10 s steps on a machine's first run, 3 s with Triton's disk cache).  A model that has such paths says
-so through ``ModelHooks.warm_up_lengths``; the engine then runs one request per length at once, greedy with EOS
-banned, the i-th stopping after ``TOKENS_PER_ROW * (i + 1)`` tokens, so that the batch shrinks one row at a time
-(every batch size is captured) while the long first prompt is still prefilling beside the others' decode rows.
+so through ``ModelHooks.warm_up_waves``; the engine then runs each wave in turn, one request per length, admitted
+at once, greedy with EOS banned, the i-th of a wave stopping after ``TOKENS_PER_ROW * (i + 1)`` tokens, so that the
+batch shrinks one row at a time (every batch size is captured).
 The requests are not counted: the engine's figures and prompt cache start empty afterwards.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -21,6 +22,7 @@ from .sampling import SamplingParams
 
 TOKENS_PER_ROW = 8
 FIRST_ID = 1 << 40  # the scratch requests' sequence ids: beyond any a caller hands out
+_ids = itertools.count(FIRST_ID)
 
 
 def prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -40,7 +42,7 @@ def warm_up(engine: Any, lengths: list[int], vocab: int, timeout: float = 600.0)
     outs = [TOKENS_PER_ROW * (i + 1) for i in range(len(lengths))]
     if engine.ctx_size:  # each request within the context
         lengths = [max(1, min(n, engine.ctx_size - k - 1)) for n, k in zip(lengths, outs)]
-    ids = [FIRST_ID + i for i in range(len(lengths))]
+    ids = [next(_ids) for _ in lengths]
     ended: set[int] = set()
     errors: list[str] = []
     done = threading.Event()

@@ -1,5 +1,6 @@
-"""The start-up warm-up (swiftlm/warm_up.py): a model that asks for it (``ModelHooks.warm_up_lengths``) gets its
-scratch requests run through the step loop before the engine is handed out, the batch shrinking one row at a time;
+"""The start-up warm-up (swiftlm/warm_up.py): a model that asks for it (``ModelHooks.warm_up_waves``) gets its
+scratch requests run through the step loop before the engine is handed out, wave by wave, each wave's batch shrinking
+one row at a time;
 the engine's figures and prompt cache start empty afterwards; ``warm_up=False`` (``--no-warm-up``) skips it; a
 context shorter than a scratch prompt caps it; a failing warm-up leaves a working engine.  On the fake backend."""
 
@@ -15,23 +16,26 @@ from swiftlm import LLM, SamplingParams
 
 @pytest.fixture
 def asking(monkeypatch):
-    """The fake model asks for a warm-up of these prompt lengths."""
-    lengths: list[int] = []
-    monkeypatch.setattr(fake.FakeModel, "warm_up_lengths", lambda self: list(lengths))
+    """The fake model asks for a warm-up of these waves of prompt lengths."""
+    waves: list[list[int]] = []
+    monkeypatch.setattr(fake.FakeModel, "warm_up_waves", lambda self: [list(w) for w in waves])
     fake.STEPS.clear()
-    return lengths
+    return waves
 
 
 def test_warm_up_runs_before_serving_and_leaves_no_trace(asking):
-    asking[:] = [40, 30, 20]
-    with LLM(backend="fake", parallel=4, ctx_size=1024, prompt_cache_bytes=1 << 20) as llm:
+    asking[:] = [[40, 130], [30, 20, 25]]  # the torch backend's shape: short and long (several chunks), then a batch
+    with LLM(backend="fake", parallel=4, ctx_size=1024, prefill_size=64, prompt_cache_bytes=1 << 20) as llm:
         steps = list(fake.STEPS)
         eng = llm.engine
         # every scratch prompt token was fed before the engine was handed out
-        assert sum(p for p, _ in steps) == 40 + 30 + 20
-        # request i stops after 8 (i + 1) tokens: decode rows 3 (or fewer while prompts end), then 2, then 1
-        rows = [d for p, d in steps if d and not p]
-        assert rows[-1] == 1 and 2 in rows, rows
+        assert sum(p for p, _ in steps) == 40 + 130 + 30 + 20 + 25
+        assert (64, 1) in steps, steps  # the first one decodes alone beside a chunk of the long one
+        # the second wave, after its last prompt step: request i stops after 8 (i + 1) tokens, so decode rows 3,
+        # then 2, then 1
+        last_prompt = max(i for i, (p, _) in enumerate(steps) if p)
+        rows = [d for _, d in steps[last_prompt + 1 :]]
+        assert rows[0] == 3 and 2 in rows and rows[-1] == 1, rows
         assert rows == sorted(rows, reverse=True), rows  # the batch only shrinks
         assert eng.stats.requests_total == 0 and eng.stats.tokens_generated == 0 and eng.stats.steps == 0
         assert eng.stats.finished == {} and len(eng.stats.ttft) == 0
@@ -42,7 +46,7 @@ def test_warm_up_runs_before_serving_and_leaves_no_trace(asking):
 
 
 def test_no_warm_up_setting_skips_it(asking):
-    asking[:] = [40, 30]
+    asking[:] = [[40, 30]]
     with LLM(backend="fake", parallel=4, ctx_size=1024, warm_up=False):
         assert fake.STEPS == []
 
@@ -54,7 +58,7 @@ def test_a_model_that_asks_for_none_gets_none():
 
 
 def test_scratch_prompts_fit_the_context(asking):
-    asking[:] = [1300, 500]
+    asking[:] = [[1300, 500]]
     with LLM(backend="fake", parallel=2, ctx_size=128) as llm:
         fed = sum(p for p, _ in fake.STEPS)
         # each prompt capped so that it and its 8 (i + 1) new tokens fit 128 positions
@@ -63,7 +67,7 @@ def test_scratch_prompts_fit_the_context(asking):
 
 
 def test_a_failing_warm_up_leaves_a_working_engine(asking, monkeypatch, caplog):
-    asking[:] = [20]
+    asking[:] = [[20]]
 
     def boom(*a, **k):
         raise RuntimeError("compile failed")
@@ -87,15 +91,16 @@ def test_torch_asks_for_a_warm_up_for_graphed_turboquant_only(monkeypatch):
     monkeypatch.setattr(seq_caches, "triton_ok", lambda device: True)  # as on a GPU
     dev = torch.device("cpu")
     fmt = parse_turbo("k4v3")
-    got = seq_caches.warm_up_lengths(fmt, dev, 8)
-    assert len(got) == 8 and got[0] > 2 * 512  # several prompt chunks at the default --prefill-size
-    assert all(n > fmt.window + COMPRESS_BLOCK for n in got)
-    assert len(seq_caches.warm_up_lengths(fmt, dev, 64)) == 16
-    assert seq_caches.warm_up_lengths(parse_turbo("k4v3", keep_layers=2), dev, 8) == []
-    assert seq_caches.warm_up_lengths(affine(8, 32), dev, 8) == []
-    assert seq_caches.warm_up_lengths(KVFormat(), dev, 8) == []
+    (short, long), batch = seq_caches.warm_up_waves(fmt, dev, 8)
+    assert long > 2 * 512 and short < 512  # one decoding (alone) beside the chunks of a long prompt
+    assert len(batch) == 8  # one per batch size
+    assert all(n > fmt.window + COMPRESS_BLOCK for n in [short, long, *batch])  # each compresses
+    assert len(seq_caches.warm_up_waves(fmt, dev, 64)[1]) == 16
+    assert seq_caches.warm_up_waves(parse_turbo("k4v3", keep_layers=2), dev, 8) == []
+    assert seq_caches.warm_up_waves(affine(8, 32), dev, 8) == []
+    assert seq_caches.warm_up_waves(KVFormat(), dev, 8) == []
     monkeypatch.setattr(seq_caches, "triton_ok", lambda device: False)  # the CPU: its kernels warm up at load
-    assert seq_caches.warm_up_lengths(fmt, dev, 8) == []
+    assert seq_caches.warm_up_waves(fmt, dev, 8) == []
 
 
 def test_warm_up_of_an_engine_process_engine_publishes_nothing():

@@ -42,7 +42,7 @@ from .packed_attention import prefill_attention
 from .packed_steps import PackedSteps, PromptChunks, packed_hidden_states
 from .prefill_graphs import PackedGraphs
 from .prefix_hooks import PrefixCopies
-from .seq_caches import SeqCaches, adapter_rows, static_turbo, warm_up_lengths
+from .seq_caches import SeqCaches, adapter_rows, static_turbo, warm_up_waves
 
 log = logging.getLogger(__name__)
 
@@ -332,9 +332,9 @@ class TorchModel(ModelHooks):
         self.seqs.code_blocks = blocks
         self.seqs.code_pages.attach()
 
-    def warm_up_lengths(self) -> list[int]:
+    def warm_up_waves(self) -> list[list[int]]:
         graphed = self.graphs is not None and self.graphs.use_graph and self.pool is not None
-        return warm_up_lengths(self.kv_default, self.device, self.pool.n) if graphed else []
+        return warm_up_waves(self.kv_default, self.device, self.pool.n) if graphed else []
 
     def kv_stats(self) -> dict[str, int]:
         return self.kv.kv_stats()

@@ -31,15 +31,17 @@ def static_turbo(fmt: KVFormat, device: torch.device) -> bool:
     return fmt.kind == "turbo" and not fmt.keep_layers and triton_ok(device)
 
 
-def warm_up_lengths(fmt: KVFormat, device: torch.device, rows: int) -> list[int]:
-    """The start-up warm-up's prompt lengths (swiftlm/warm_up.py) for a graphed server of KV format ``fmt`` with
-    ``rows`` sequences at most: a TurboQuant format's static caches compile their prompt and decode kernels and
-    capture a CUDA graph per batch size of compressed decode rows on first use.  One prompt of several chunks
-    (prompt chunks beside decode rows, a prompt attending its compressed prefix), then prompts past the window, one
-    per batch size up to 16 (larger batches are captured when they first occur); [] for other formats."""
+def warm_up_waves(fmt: KVFormat, device: torch.device, rows: int) -> list[list[int]]:
+    """The start-up warm-up's requests (swiftlm/warm_up.py) for a graphed server of KV format ``fmt`` with ``rows``
+    sequences at most: a TurboQuant format's static caches compile their prompt and decode kernels and capture a CUDA
+    graph per batch size of compressed decode rows on first use.  First a short prompt, which decodes alone beside
+    the chunks of a prompt of several chunks (that prompt attends its compressed prefix; Triton compiles a kernel
+    apart for one row, so one decode row beside a prompt chunk is a path of its own); then prompts past the window,
+    one per batch size up to 16 (larger batches are captured when they first occur); [] for other formats."""
     if not static_turbo(fmt, device):
         return []
-    return [1300] + [fmt.window + 64 + 24 * i for i in range(1, min(rows, 16))]
+    short = fmt.window + 64
+    return [[short, 1300], [short + 24 * i for i in range(min(rows, 16))]]
 
 
 class SeqCaches:
