@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_paged_cuda import compare  # noqa: E402 (next to this script: copy both to the GPU machine)
+from check_paged_cuda import compare, word_prompts  # noqa: E402 (next to this script: copy both to the GPU machine)
 
 
 def run(model: str, prompts: list[list[int]], max_tokens: int, pages: bool = True, **kw) -> dict:
@@ -64,12 +64,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--json")
     a = ap.parse_args()
-    from swiftlm import LLM
-
-    with LLM(a.model, backend="torch", ctx_size=a.ctx) as tmp:
-        enc = tmp.engine.text_prompt
-        words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-        prompts = [enc(" ".join(words[(i * 3 + j) % len(words)] for j in range(100 + 13 * i))) for i in range(a.n)]
+    prompts = word_prompts(a.model, a.ctx, [100 + 13 * i for i in range(a.n)])
     base = {"ctx_size": a.ctx, "parallel": a.n, "prompt_cache_bytes": 0}
     res: dict = {}
     # alternating engines (whole, pages, whole, pages): the speeds of one configuration vary from run to run

@@ -52,6 +52,18 @@ def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
     return {"equal": sum(same), "of": len(same), "first_difference": [f for f in first if f is not None]}
 
 
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def word_prompts(model: str, ctx: int, lengths: list[int], step: int = 3) -> list[list[int]]:
+    """Token ids of prompts of ``lengths`` words each, prompt i cycling through WORDS from word ``step * i``."""
+    from swiftlm import LLM
+
+    with LLM(model, backend="torch", ctx_size=ctx) as tmp:
+        enc = tmp.engine.text_prompt
+        return [enc(" ".join(WORDS[(i * step + j) % len(WORDS)] for j in range(n))) for i, n in enumerate(lengths)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

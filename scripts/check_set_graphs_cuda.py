@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_paged_cuda import compare  # noqa: E402 (next to this script: copy both to the GPU machine)
+from check_paged_cuda import compare, word_prompts  # noqa: E402 (next to this script: copy both to the GPU machine)
 
 
 def run(model: str, prompts: list[list[int]], max_tokens: int, set_tables: bool, **kw) -> dict:
@@ -70,15 +70,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--json")
     a = ap.parse_args()
-    from swiftlm import LLM
-
-    with LLM(a.model, backend="torch", ctx_size=a.ctx) as tmp:
-        enc = tmp.engine.text_prompt
-        words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-        # lengths that differ by more than a step's prompt budget: sequences start decoding at different steps
-        prompts = [
-            enc(" ".join(words[(i * 5 + j) % len(words)] for j in range(150 + (i * 397) % 1400))) for i in range(a.n)
-        ]
+    # lengths that differ by more than a step's prompt budget: sequences start decoding at different steps
+    prompts = word_prompts(a.model, a.ctx, [150 + (i * 397) % 1400 for i in range(a.n)], step=5)
     kw = {"ctx_size": a.ctx, "parallel": a.parallel, "prompt_cache_bytes": 0}
     res = {"sets": run(a.model, prompts, a.max_tokens, True, **kw)}
     res["per_set"] = run(a.model, prompts, a.max_tokens, False, **kw)
