@@ -280,12 +280,16 @@ PROMPTS = [
 
 
 def test_smollm2_turbo_batched_equals_solo(turbo_llm):
-    """Three sequences decoding together (per-row attention over their own compressed caches) give
-    the tokens each gets alone; 48 tokens past a 16-token window cross several compressions."""
+    """Three sequences decoding together (on the CPU each layer's compressed rows of all three in one kernel call,
+    cpu_code_batch.py) give the tokens each gets alone; 48 tokens past a 16-token window cross several
+    compressions (EOS ignored: two of the prompts end within 12 tokens, before their first)."""
     from swiftlm import SamplingParams
+    from swiftlm.backends.torch import cpu_code_batch, cpu_kernels
 
-    p = SamplingParams(max_tokens=48, temperature=0)
+    p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    calls = cpu_code_batch.CALLS[0]
     together = [o.token_ids for o in turbo_llm.generate(PROMPTS, p)]
+    assert cpu_code_batch.CALLS[0] > calls or not cpu_kernels.enabled()
     alone = [turbo_llm.generate([q], p)[0].token_ids for q in PROMPTS]
     assert together == alone
     assert turbo_llm.engine.kv_stats()["default_format"] == "k4v3"

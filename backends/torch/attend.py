@@ -8,7 +8,8 @@ Eager paths (any device):
   (sliding windows included), or any cache with ``update_attend`` (compressed, paged, staged, forked).
 - ``PackedRows``: several prompts packed in one row block (``PackedAttend``), each from position 0, no KV kept.
 - ``RowsAttend``: B decode rows, each over its own cache (padded batched attention; shared prefixes; the
-  numba CPU kernel; compressed caches row by row).
+  numba CPU kernel; on the CPU TurboQuant caches of one format batched, cpu_code_batch.py; other compressed caches
+  row by row).
 
 Static paths (every shape fixed, no host read: what the CUDA graphs capture):
 - ``StaticAttend``: rows at device positions over a fixed-capacity ``SeqCache`` (decode, verify) or over a
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_batch_attention
+from . import cpu_batch_attention, cpu_code_batch
 from .kv_cache import SeqCache
 from .offload import to_offload
 from .packed_attention import packed_causal
@@ -201,8 +202,8 @@ def _shared_prefix_attention(
 class RowsAttend(Attend):
     """B decode rows, row b at ``positions[b]`` over ``caches[b]``: padded batched attention (one matmul pair
     for all rows, padding masked to -inf), shared prefixes read once (shared_kv.ForkedCache), on the CPU with
-    plain fp32 caches the numba kernel (cpu_batch_attention.py), compressed caches row by row.  ``finish()``
-    after the last layer."""
+    plain fp32 caches the numba kernel (cpu_batch_attention.py), TurboQuant caches of one format their batched
+    kernels (cpu_code_batch.py), other compressed caches row by row.  ``finish()`` after the last layer."""
 
     def __init__(self, model: Any, caches: list[Any], positions: list[int]):
         a, device = model.a, model.cos.device  # (a pipeline stage may hold no embedding)
@@ -223,6 +224,12 @@ class RowsAttend(Attend):
             if self.plain and not self.groups and cpu_batch_attention.usable(model, caches, SeqCache)
             else None
         )
+        # CPU, TurboQuant caches of one format: each layer's code attention for all rows in one call (cpu_code_batch.py)
+        self.codes = (
+            None
+            if self.plain or not cpu_code_batch.usable(model, caches)
+            else cpu_code_batch.CodeRows(model, caches, positions)
+        )
 
     def offload(self, a: Any) -> None:
         (self.pad_mask,) = to_offload(a, self.pad_mask)
@@ -242,6 +249,8 @@ class RowsAttend(Attend):
         B, H, KVH, D = len(positions), a.heads, a.kv_heads, a.head_dim
         if self.fast is not None:
             return cpu_batch_attention.attend(self.fast, layer, q, k, v, self.scale)
+        if self.codes is not None:
+            return self.codes.attend(layer, q, k, v)
         if not self.plain:  # compressed caches (possibly mixed with plain ones): attention per row
             return torch.cat([self._row(caches[b], layer, positions[b], q[b], k[b], v[b]) for b in range(B)])
         ks, vs = [], []

@@ -48,7 +48,9 @@ class CodeLayer:
         self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
         self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
         self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
-        self.np_codes = None  # numpy views of the code storage and the tensors they view (cpu_kernels.encode_into)
+        # the code storage as the CPU kernels take it, with the tensors it was made of: numpy views (affine,
+        # cpu_kernels.encode_into) or the addresses of a TurboQuant layer's (cpu_kernels.turbo_rows)
+        self.np_codes = None
 
 
 def put_rows(L: CodeLayer, idx: torch.Tensor | slice, k: Encoded, v: Encoded) -> None:

@@ -3,14 +3,16 @@
 The kernels themselves (numpy + numba, shared with the MLX backend) live in
 ``swiftlm.turboquant.cpu_attention``: each task owns a span of rows of one KV head, expands codes
 through small per-byte tables and keeps a running softmax (see that module).  Here: when a layer's
-compressed rows go through them (``usable``), handing the cache's tensors over as numpy views
-(``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call) and
-compiling the server's default format at load (``warm_up``).  Without numba, or with
+compressed rows go through them (``usable``), handing the cache's tensors over as numpy views or, for
+TurboQuant, by address (``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call;
+``turbo_rows``: the same for the rows of several caches, cpu_code_batch.py) and compiling the server's default
+format at load (``warm_up``).  Without numba, or with
 ``SWIFTLM_NUMBA=0``, the torch path (``code_attention.code_blocks``) runs instead.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -22,19 +24,21 @@ from swiftlm.turboquant.cpu_attention import (
     _FM,
     _LOCK,
     MIN_SPAN,
+    NORM_TYPES,
     TILE,
     _launch_threads,
     affine_kernel,
     enabled,
-    merge_window,
     nb,
     parallel,
-    rotate,
     splits,
+    threads,
+    turbo_batch,
     turbo_kernel,
-    turbo_spans,
+    turbo_tasks,
     use_threads,
 )
+from swiftlm.turboquant.cpu_merge import merge_kernel, merge_window, rotate
 
 # the kernels and their settings, re-exported (cpu_batch_attention, tests)
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "splits",
     "start_pool",
     "turbo_kernel",
+    "turbo_rows",
     "usable",
     "warm_up",
 ]
@@ -109,7 +114,7 @@ def warm_up(a, fmt, cache_cls: type) -> threading.Thread | None:
             c._store(L, c.kc.encode(rows), c.vc.encode(rows), 0, 1)
             L.n_code = 1
             with torch.inference_mode():
-                none = torch.zeros(a.kv_heads, 0, a.head_dim)
+                none = torch.zeros(a.kv_heads, 0, a.head_dim, dtype=c.dense_dtype)  # the merge's row type
                 decode_attention(c, L, torch.ones(a.kv_heads, a.heads // a.kv_heads, a.head_dim), 1.0, none, none)
                 if fmt.kind == "affine":  # a decode step's compression (``encode_into``), with its argument types
                     from swiftlm.turboquant.presets import COMPRESS_BLOCK
@@ -133,15 +138,16 @@ def usable(cache, L, M: int) -> bool:
 def decode_attention(cache, L, qg, scale: float, dk, dv):
     """One decode row's attention over layer ``L``'s compressed rows and its 16-bit rows dk / dv [KVH, nd, D]:
     qg [KVH, M, D] fp32 -> out [KVH, M, D] fp32, normalised, in natural coordinates.  The code kernel's per-task
-    partials and the 16-bit rows are merged by one compiled call (``merge_window``) instead of a chain of small
-    torch ops per layer."""
+    partials and the 16-bit rows are merged by one compiled call instead of a chain of small torch ops per layer.
+    TurboQuant: ``turbo_rows`` with this one row (the batched decode step's path, cpu_code_batch.py)."""
     import torch
 
+    if cache.fmt.kind == "turbo":
+        return turbo_rows([(cache, L, dk, dv)], qg[None], scale)[0]
     q = (qg * scale).contiguous().numpy()
-    m_o, l_o, a_o = code_spans(cache, L, qg, scale, q)
-    R = _rotation(cache.vc) if cache.fmt.kind == "turbo" else NO_ROTATION
+    m_o, l_o, a_o = affine_spans(cache, L, qg, scale, q)
     out = np.empty(qg.shape, np.float32)
-    merge_window(m_o, l_o, a_o, q, _f32(dk), _f32(dv), R, out)
+    merge_window(m_o, l_o, a_o, q, _f32(dk), _f32(dv), NO_ROTATION, out)
     return torch.from_numpy(out)
 
 
@@ -159,64 +165,130 @@ def _rotation(codec) -> np.ndarray:
     return r
 
 
-def code_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
-    """The code kernel over layer ``L``'s compressed rows for queries qg [KVH, M, D] (fp32): per-task partials
-    (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays, acc in the rotated domain for TurboQuant.  ``q``: the
-    scaled queries as a C-contiguous numpy array, where the caller has them."""
+def _rotation_t(codec) -> np.ndarray:
+    """R^T, C-contiguous (the merge reads its rows)."""
+    r = getattr(codec, "_np_RT", None)
+    if r is None:
+        r = codec._np_RT = np.ascontiguousarray(_rotation(codec).T)
+    return r
+
+
+def turbo_rows(rows, qg, scale: float):
+    """Decode rows of B TurboQuant caches of one format, each over its layer's compressed rows and 16-bit rows, in
+    two compiled calls: the code kernel over every (sequence, KV head, span) task (each cache's storage read where it
+    lies, by address), then the merge with each cache's 16-bit rows.  rows: [(cache, L, dk, dv)] (L a layer holding
+    codes, dk / dv [KVH, nd, D] its 16-bit rows); qg [B, KVH, M, D] fp32 queries.  Returns out [B, KVH, M, D] fp32,
+    normalised, in natural coordinates.  A row's result does not depend on the others: each task and each merge
+    reads its own sequence only."""
     import torch
 
     start_pool()  # before the kernel is chosen: its thread count decides serial or parallel (``parallel``)
+    B, KVH, M, D = qg.shape
+    kc, vc = rows[0][0].kc, rows[0][0].vc
+    q = (qg * scale).contiguous().numpy()
+    qr = np.empty_like(q)
+    rotate(q.reshape(B * KVH, M, D), _rotation(kc), qr.reshape(B * KVH, M, D))
+    # QJL keys: each row's table as one row alone computes it
+    st = np.stack([_qjl_table(kc, qg[b], scale) for b in range(B)]) if kc.qjl else None
+    dtype = rows[0][2].dtype
+    if dtype not in (torch.float16, torch.float32) or any(r[2].dtype != dtype for r in rows):
+        rows, dtype = [(c, L, dk.float(), dv.float()) for c, L, dk, dv in rows], torch.float32
+    keep: list = []  # copies made for the kernels, alive until they return
+    seqs = np.array([_seq_row(kc.qjl, L, keep) for _, L, _, _ in rows], np.int64)
+    dense = np.array([_dense_row(dk, dv, keep) for _, _, dk, dv in rows], np.int64)
+    nd = np.array([r[2].shape[1] for r in rows], np.int64)
+    tasks, first, per = _tasks(tuple(L.n_code for _, L, _, _ in rows), KVH, threads())
+    nt = NORM_TYPES[np.dtype(np.uint16 if rows[0][1].kn.dtype == torch.float16 else np.float32)]
+    m_o, l_o, a_o = turbo_batch(qr, tasks, seqs, nt, kc.mse_bits, vc.mse_bits, _table(kc), _table(vc), st, kc.qjl_scale)
+    out = np.empty((B, KVH, M, D), np.float32)
+    kernel = merge_kernel(parallel())
+    dt = _HALF if dtype == torch.float16 else _FLOAT
+    with _LOCK:
+        _launch_threads()
+        kernel(m_o, l_o, a_o, first, per, q, dense, nd, dt, _rotation_t(vc), out)
+    return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _tasks(ns: tuple, kv_heads: int, n_threads: int) -> tuple:
+    """``turbo_tasks``, made once per row lengths (the layers of a step share them; never written)."""
+    return turbo_tasks(ns, kv_heads)
+
+
+_HALF, _FLOAT = np.zeros(1, np.uint16), np.zeros(1, np.float32)  # ``merge_kernel``'s witnesses of fp16 / fp32 rows
+
+
+def _seq_row(qjl: bool, L, keep: list) -> list[int]:
+    """Layer ``L``'s code storage as a row of the kernel's sequence table (``SEQ_FIELDS``: addresses, then rows;
+    0 for what the format lacks).  Norms fp16 (read as their bits) or fp32, one type for all.  Kept on the layer
+    (``np_codes``) until its storage is reallocated (``CompressedCache._alloc_codes`` replaces every tensor)."""
+    held = L.np_codes
+    if held is not None and held[0] is L.kn and held[1] is L.vn:
+        return held[2]
+    kp, vp = L.kp, L.vp
+    arrays = [kp[0], kp[1] if len(kp) > 1 else None, L.kn, L.ks if qjl else None, L.kr if qjl else None]
+    arrays += [vp[0], vp[1] if len(vp) > 1 else None, L.vn]
+    if len({t.dtype for t in (L.kn, L.vn, L.kr if qjl else L.kn)}) > 1:
+        raise ValueError("TurboQuant norms of several types")
+    copies = len(keep)
+    arrays = [None if t is None else _contiguous(t, keep) for t in arrays]
+    row = [0 if t is None else t.data_ptr() for t in arrays] + [0 if t is None else t.shape[1] for t in arrays]
+    if len(keep) == copies:  # the storage itself, not copies
+        L.np_codes = (L.kn, L.vn, row)
+    return row
+
+
+def _dense_row(dk, dv, keep: list) -> list[int]:
+    """16-bit rows [KVH, nd, D] as a row of the merge's table: both tensors' addresses, then their rows (the
+    capacity of the buffer whose first nd rows they are; a view of another layout is copied first)."""
+    out = []
+    for t in (dk, dv):
+        s0, s1, s2 = t.stride()
+        _, n, D = t.shape
+        if s2 != 1 or s1 != D or s0 % D or s0 < n * D:
+            t = _contiguous(t, keep)
+            s0 = t.stride(0)
+        out.append((t.data_ptr(), s0 // D if t.shape[0] > 1 else n))
+    return [out[0][0], out[1][0], out[0][1], out[1][1]]
+
+
+def _contiguous(t, keep: list):
+    if not t.is_contiguous():
+        t = t.contiguous()
+        keep.append(t)
+    return t
+
+
+def _qjl_table(kc, qg, scale: float) -> np.ndarray:
+    """QJL keys: the kernel's per-byte table [KVH, D/8, 256, M] of one row's queries qg [KVH, M, D]."""
+    import torch
+
+    KVH, M, D = qg.shape
+    sq = ((qg @ kc.S.T) * scale).view(KVH, M, D // 8, 8)
+    return torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy()
+
+
+def affine_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
+    """The affine (``kv_bits``) code kernel over layer ``L``'s compressed rows for queries qg [KVH, M, D] (fp32):
+    per-task partials (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays.  ``q``: the scaled queries as a
+    C-contiguous numpy array, where the caller has them."""
+    start_pool()  # before the kernel is chosen: its thread count decides serial or parallel (``parallel``)
     KVH, M, D = qg.shape
     n = L.n_code
-    if cache.fmt.kind == "turbo":
-        kc, vc = cache.kc, cache.vc
-        if q is None:
-            q = (qg * scale).contiguous().numpy()
-        qr = np.empty_like(q)
-        rotate(q, _rotation(kc), qr)
-        qjl = {}
-        if kc.qjl:
-            sq = ((qg @ kc.S.T) * scale).view(KVH, M, D // 8, 8)
-            qjl = dict(
-                st=torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy(),
-                ks=L.ks.numpy(),
-                kr=_norms(L.kr),
-                qjl_scale=kc.qjl_scale,
-            )
-        m_o, l_o, a_o = turbo_spans(
-            qr,
-            n,
-            kc.mse_bits,
-            vc.mse_bits,
-            _table(kc),
-            _numpy(L.kp),
-            _norms(L.kn),
-            _table(vc),
-            _numpy(L.vp),
-            _norms(L.vn),
-            **qjl,
-        )
-    else:
-        kc = cache.kc
-        S = splits(n, KVH)
-        m_o = np.empty((KVH, S, M), np.float32)
-        l_o = np.empty((KVH, S, M), np.float32)
-        a_o = np.empty((KVH, S, M, D), np.float32)
-        if q is None:
-            q = (qg * scale).contiguous().numpy()
-        kernel = affine_kernel(D, M, kc.bits, kc.group, parallel())
-        # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
-        args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
-        with _LOCK:
-            _launch_threads()
-            kernel(*args)
+    kc = cache.kc
+    S = splits(n, KVH)
+    m_o = np.empty((KVH, S, M), np.float32)
+    l_o = np.empty((KVH, S, M), np.float32)
+    a_o = np.empty((KVH, S, M, D), np.float32)
+    if q is None:
+        q = (qg * scale).contiguous().numpy()
+    kernel = affine_kernel(D, M, kc.bits, kc.group, parallel())
+    # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
+    args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
+    with _LOCK:
+        _launch_threads()
+        kernel(*args)
     return m_o, l_o, a_o
-
-
-def _norms(t) -> np.ndarray:
-    """A layer's norms [KVH, cap] as the TurboQuant kernel reads them, in place: fp16 storage as its uint16 bits."""
-    a = t.numpy()
-    return a.view(np.uint16) if a.dtype == np.float16 else np.ascontiguousarray(a, np.float32)
 
 
 def _sides(L, which: str = "k") -> tuple[np.ndarray, np.ndarray]:
@@ -274,10 +346,6 @@ def _rows(t) -> np.ndarray:
     """16-bit rows as ``affine_encode`` reads them: fp16 as uint16 bits, fp32 as itself."""
     a = t.numpy()
     return a.view(np.uint16) if a.dtype == np.float16 else a
-
-
-def _numpy(planes) -> list[np.ndarray]:
-    return [p.numpy() for p in planes]
 
 
 def _table(codec) -> np.ndarray:

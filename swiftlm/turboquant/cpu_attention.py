@@ -10,14 +10,17 @@ per-byte table into a buffer that stays in L1, take the dot products with the qu
 head, update a running softmax (flash-decoding: each task owns one span of rows of one KV head and
 returns its max, denominator and unnormalised value sum; the exponentials in vectorised loops,
 ``_exp_tile``) and add the rows' weighted values.  TurboQuant values are summed in the
-rotated domain and rotated back once by the caller; affine (``kv_bits``) values in the original
-domain.
+rotated domain and rotated back once by the caller (``cpu_merge``: the partials merged with the 16-bit rows);
+affine (``kv_bits``) values in the original domain.  The TurboQuant kernel takes the tasks of any number of caches
+in one call, each cache's arrays by address (``turbo_tasks``, ``turbo_batch``): a CPU decode step of several
+sequences attends each layer's compressed rows in one call (``backends/torch/cpu_code_batch.py``), and one cache
+alone (``turbo_spans``) is the same call with one sequence.
 
 Layout (``swiftlm.turboquant.packing``; both backends' caches write the same bytes): row-major bit
 planes [KVH, cap, D * width / 8] uint8, QJL sign bytes [KVH, cap, D / 8] (bit t of byte k is
-coordinate 8k + t), the code tables of ``byte_lut``; norms and residual norms as fp32 [KVH, >=n]
-(the caches hold fp16: the glue passes fp32 copies of the first n; affine scales and biases may also come
-as the fp16 storage itself, ``cpu_affine``).
+coordinate 8k + t), the code tables of ``byte_lut``; norms and residual norms [KVH, >=n] as fp32 (MLX's copies of
+the first n) or as the caches' fp16 storage itself, read as its uint16 bits (the torch backend; ``cpu_affine``'s
+``_f32``), affine scales and biases alike.
 
 Each kernel is specialised (head dim, query heads per KV head, code widths) when first used and
 compiled by numba (a few seconds, cached on disk where the package directory is writable; without numba's parallel
@@ -30,12 +33,21 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import threading
 
 import numpy as np
 
 from .cpu_affine import _f32
+from .cpu_threads import (  # noqa: F401 (the kernels' thread settings, used through this module too)
+    _LOCK,
+    MIN_SPAN,
+    _launch_threads,
+    enabled,
+    parallel,
+    splits,
+    threads,
+    use_threads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,58 +62,6 @@ TILE = 64  # rows scored before their softmax update
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693145751953125)  # ln 2 split in two (Cody-Waite): k * _LN2_HI is exact for |k| < 2^9
 _LN2_LO = np.float32(1.428606765330187e-06)
-MIN_SPAN = 512  # rows per task at least
-# one kernel at a time per process: numba's thread pool (workqueue/omp layers) does not take
-# concurrent launches from two threads (two engines, e.g. two models served at once)
-_LOCK = threading.Lock()
-
-
-def enabled() -> bool:
-    return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
-
-
-# numba threads a kernel runs on: numba's own count unless a backend sets one (``use_threads``)
-_THREADS = [0]
-
-
-def use_threads(n: int) -> None:
-    """Run the kernels on ``n`` threads (the torch backend: torch's own count, on the OpenMP pool they share)."""
-    _THREADS[0] = max(1, n)
-
-
-_OMP = os.environ.get("OMP_NUM_THREADS", "")
-_ENV_THREADS = int(_OMP) if _OMP.isdigit() else 0  # read once: threads() runs before every kernel launch
-
-
-def threads() -> int:
-    """Threads the kernels run on: ``use_threads``'s count, else OMP_NUM_THREADS, else numba's whole pool."""
-    if nb is None:
-        return 1
-    want = _THREADS[0] or _ENV_THREADS or nb.config.NUMBA_NUM_THREADS
-    return max(1, min(want, nb.config.NUMBA_NUM_THREADS))
-
-
-def parallel() -> bool:
-    """Whether the kernels are compiled with numba's parallel loops: not when they run on one thread (a parallel
-    k4v3 kernel took ~11 s to compile against ~7 on the 2-core CI machine, and runs no faster on one thread).  Both compute each task alike; with fastmath LLVM may order a sum differently in each, so
-    their outputs agree to fp32 rounding, not always bit for bit."""
-    return threads() > 1
-
-
-def _launch_threads() -> int:
-    """The thread count for a kernel launched from this thread, set to ``threads()`` (numba keeps a count per
-    calling thread, its full pool by default).  Called under _LOCK before each launch."""
-    n = nb.get_num_threads()
-    want = threads()
-    if want != n:
-        nb.set_num_threads(want)
-    return want
-
-
-def splits(n: int, kv_heads: int) -> int:
-    """Tasks per KV head: enough for every thread, no task shorter than MIN_SPAN rows."""
-    want = -(-4 * threads() // kv_heads)
-    return max(1, min(want, -(-n // MIN_SPAN)))
 
 
 def _helpers():
@@ -194,29 +154,75 @@ def _helpers():
                 row[2 * k + 1] = np.float32(b >> 4)
 
 
+def _address():
+    """``_at(addr, like)``: an int64 address as a pointer (for ``nb.carray``) to elements of ``like``'s type: an
+    array (its dtype) or a numpy scalar type.  The batched kernels read each sequence's storage where it lies: the
+    sequences' rows have different counts and capacities, so they are not one array."""
+    global _at
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _at(typingctx, addr, like):
+        if not isinstance(addr, types.Integer):
+            return None
+        if isinstance(like, types.Array):
+            dtype = like.dtype
+        elif isinstance(like, types.NumberClass):
+            dtype = like.instance_type
+        else:
+            return None
+        ptr = types.CPointer(dtype)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(addr, like), codegen
+
+
 if nb is not None:
     _helpers()
+    _address()
+
+
+def plane_widths(D: int, bits: int) -> tuple[int, int]:
+    """Bytes per row of a code's two bit planes (``packing``): 3 bits as a 2-bit and a 1-bit plane, other widths
+    one plane (the second a placeholder, never read)."""
+    return (D // 4, D // 8) if bits == 3 else (D * bits // 8, 1)
 
 
 @functools.cache
 def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
-    """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc); ``par``: with
-    numba's parallel loops over the tasks (``parallel()``).
+    """Split-K attention over TurboQuant codes for M query heads per KV head (see module doc), for the tasks of
+    any number of sequences' caches in one call (``par``: with numba's parallel loops over the tasks,
+    ``parallel()``).  Each task is one span of rows of one KV head of one sequence; what it computes depends on
+    its own rows and queries only, so a sequence gets the same bits alone or beside others.
 
-    Arguments: qr [KVH, M, D] rotated, scaled queries; st [KVH, D/8, 256, M]: Σ over the eight
-    signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL;
-    unused otherwise); qjl_scale; ktab, kp0, kp1 key table (``wide_table``) / planes; kn [KVH, >=n] key norms, fp32
-    or the uint16 bits of fp16 (read through ``_f32``, as kr and vn); ks [KVH, cap, D/8] sign bytes, kr [KVH, >=n]
-    residual norms (QJL); vtab, vp0,
-    vp1, vn the values'; n rows; S tasks per KV head; outputs m, l [KVH, S, M], acc [KVH, S, M, D]."""
+    Arguments: qr [B, KVH, M, D] rotated, scaled queries of each sequence; st [B, KVH, D/8, 256, M]: Σ over the
+    eight signs of a byte of (scaled S q) * sign, per sign byte position, byte value and query head (QJL; a
+    placeholder otherwise); qjl_scale; ktab / vtab the key and value tables (``wide_table``); seqs [B, 16] int64:
+    each sequence's storage by address (``SEQ_FIELDS``: key planes 0 / 1 [KVH, rows, bytes] uint8, key norms
+    [KVH, rows], QJL sign bytes [KVH, rows, D/8] and residual norms [KVH, rows], value planes 0 / 1, value norms),
+    then each array's ``rows``; nt: an array of the norms' type, fp32 or the uint16 bits of fp16 (read through
+    ``_f32``); tasks [T, 4] int64: (sequence, KV head, first row, end row) (``turbo_tasks``); outputs m, l
+    [T, M], acc [T, M, D]."""
     nsb = D // 8
+    kw0, kw1 = plane_widths(D, kbits)
+    vw0, vw1 = plane_widths(D, vbits)
 
-    def kernel(qr, st, qjl_scale, ktab, kp0, kp1, kn, ks, kr, vtab, vp0, vp1, vn, n, S, m_out, l_out, acc_out):
-        KVH = qr.shape[0]
-        span = (n + S - 1) // S
-        for task in nb.prange(KVH * S):
-            h, s = task // S, task % S
-            lo, hi = s * span, min(n, (s + 1) * span)
+    def kernel(qr, st, qjl_scale, ktab, vtab, seqs, nt, tasks, m_out, l_out, acc_out):
+        KVH = qr.shape[1]
+        for task in nb.prange(tasks.shape[0]):
+            b, h, lo, hi = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
+            at = seqs[b]
+            kp0 = nb.carray(_at(at[0], np.uint8), (KVH, at[8], kw0))
+            kp1 = nb.carray(_at(at[1], np.uint8), (KVH, at[9], kw1))
+            kn = nb.carray(_at(at[2], nt), (KVH, at[10]))
+            ks = nb.carray(_at(at[3], np.uint8), (KVH, at[11], nsb))
+            kr = nb.carray(_at(at[4], nt), (KVH, at[12]))
+            vp0 = nb.carray(_at(at[5], np.uint8), (KVH, at[13], vw0))
+            vp1 = nb.carray(_at(at[6], np.uint8), (KVH, at[14], vw1))
+            vn = nb.carray(_at(at[7], nt), (KVH, at[15]))
             m = np.full(M, -np.inf, dtype=np.float32)
             l = np.zeros(M, dtype=np.float32)
             acc = np.zeros((M, D), dtype=np.float32)
@@ -228,7 +234,7 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
             sc = np.empty((M, TILE), dtype=np.float32)
             E = np.zeros(TILE, dtype=np.int32)
             Ef = E.view(np.float32)
-            q, kp0h, kp1h, vp0h, vp1h = qr[h], kp0[h], kp1[h], vp0[h], vp1[h]
+            q, kp0h, kp1h, vp0h, vp1h = qr[b, h], kp0[h], kp1[h], vp0[h], vp1[h]
             for t0 in range(lo, hi, TILE):
                 cnt = min(hi, t0 + TILE) - t0
                 _decode_tile(ktab, kp0h, kp1h, t0, cnt, kt64, kbits, D)
@@ -239,9 +245,9 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
                         for t in range(M):
                             sg[t] = 0.0
                         for k in range(nsb):
-                            b = ks[h, j, k]
+                            byte = ks[h, j, k]
                             for t in range(M):
-                                sg[t] += st[h, k, b, t]
+                                sg[t] += st[b, h, k, byte, t]
                         w = qjl_scale * _f32(kr[h, j])
                     for t in range(M):
                         x = np.float32(0.0)
@@ -257,9 +263,9 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
                         w = sc[t, jj] * nj
                         for d in range(D):
                             acc[t, d] += w * vt[jj, d]
-            m_out[h, s] = m
-            l_out[h, s] = l
-            acc_out[h, s] = acc
+            m_out[task] = m
+            l_out[task] = l
+            acc_out[task] = acc
 
     return _compile(kernel, f"turbo_d{D}_m{M}_k{kbits}{'q' if qjl else ''}_v{vbits}", par)
 
@@ -353,9 +359,7 @@ def _compile(fn, name: str, par: bool):
 
 # ------------------------------------------------------------------------------ numpy-level calls
 # placeholders of the right types where an input is unused (numba compiles one signature)
-EMPTY2 = np.zeros((1, 1), np.float32)
-EMPTY3 = np.zeros((1, 1, 1), np.uint8)
-EMPTY4 = np.zeros((1, 1, 1, 1), np.float32)
+EMPTY5 = np.zeros((1, 1, 1, 1, 1), np.float32)
 NO_PLANE = np.zeros((1, 1, 1), np.uint8)
 # [256, 8] ±1: bit t of byte b (QJL signs are packed little-end first, one bit per coordinate)
 SIGNS = (((np.arange(256)[:, None] >> np.arange(8)) & 1) * 2 - 1).astype(np.float32)
@@ -380,6 +384,46 @@ def qjl_table(sq: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(t.transpose(0, 2, 3, 1))
 
 
+# the columns of a ``turbo_kernel`` sequence table: each array's address, then (from column 8) its rows
+SEQ_FIELDS = ("kp0", "kp1", "kn", "ks", "kr", "vp0", "vp1", "vn")
+# arrays of the norms' types, handed to the kernels as the type of what they read by address (numba compiles one
+# kernel per type)
+NORM_TYPES = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.uint16): np.zeros(1, np.uint16)}
+
+
+def turbo_tasks(ns, kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``turbo_kernel`` tasks of sequences holding ns[b] compressed rows: each sequence's KV heads split into
+    ``splits`` spans (head-major, spans of (n + S - 1) // S rows).  Returns tasks [T, 4] (sequence, KV head, first
+    row, end row), first [B] (each sequence's first task) and S [B] (its tasks per KV head)."""
+    rows: list[tuple[int, int, int, int]] = []
+    first, per = [], []
+    for b, n in enumerate(ns):
+        S = splits(n, kv_heads)
+        span = (n + S - 1) // S
+        first.append(len(rows))
+        per.append(S)
+        rows += [(b, h, s * span, min(n, (s + 1) * span)) for h in range(kv_heads) for s in range(S)]
+    return np.array(rows, np.int64).reshape(-1, 4), np.array(first, np.int64), np.array(per, np.int64)
+
+
+def turbo_batch(qr, tasks, seqs, nt, kbits: int, vbits: int, ktab, vtab, st=None, qjl_scale: float = 0.0):
+    """Run ``turbo_kernel`` once over ``tasks`` (``turbo_tasks``) of B sequences: qr [B, KVH, M, D] rotated,
+    scaled queries; seqs [B, 16] their storage (``SEQ_FIELDS``: addresses, then rows); nt ``NORM_TYPES``' array of
+    their norms' type; k/v tables (``byte_lut``); QJL keys: st [B, KVH, D/8, 256, M] (``qjl_table`` per sequence).
+    Returns the per-task (m, l [T, M], acc [T, M, D])."""
+    B, KVH, M, D = qr.shape
+    T = tasks.shape[0]
+    m_o = np.empty((T, M), np.float32)
+    l_o = np.empty((T, M), np.float32)
+    a_o = np.empty((T, M, D), np.float32)
+    kernel = turbo_kernel(D, M, kbits, vbits, st is not None, parallel())
+    kw, vw = wide_table(ktab), wide_table(vtab)
+    with _LOCK:
+        _launch_threads()
+        kernel(qr, EMPTY5 if st is None else st, np.float32(qjl_scale), kw, vw, seqs, nt, tasks, m_o, l_o, a_o)
+    return m_o, l_o, a_o
+
+
 def turbo_spans(
     qr,
     n: int,
@@ -396,26 +440,30 @@ def turbo_spans(
     kr=None,
     qjl_scale: float = 0.0,
 ):
-    """Run ``turbo_kernel`` over compressed rows [0, n): qr [KVH, M, D] rotated, scaled queries;
-    k/v tables, plane lists [KVH, cap, bytes] and fp32 norms [KVH, >=n]; QJL keys: st
-    (``qjl_table``), ks sign bytes, kr fp32 residual norms.  All C-contiguous numpy arrays (views
-    of the caller's storage).  Returns the per-task (m, l, acc) [KVH, S, M], [KVH, S, M, D]."""
+    """Run ``turbo_kernel`` over one cache's compressed rows [0, n): qr [KVH, M, D] rotated, scaled queries;
+    k/v tables, plane lists [KVH, cap, bytes] and norms [KVH, >=n] (fp32, or fp16 as uint16 bits); QJL keys: st
+    (``qjl_table``), ks sign bytes, kr residual norms.  numpy arrays (views of the caller's storage; one that is not
+    C-contiguous is copied).  Returns the per-task (m, l, acc) [KVH, S, M], [KVH, S, M, D]."""
     KVH, M, D = qr.shape
-    S = splits(n, KVH)
-    m_o = np.empty((KVH, S, M), np.float32)
-    l_o = np.empty((KVH, S, M), np.float32)
-    a_o = np.empty((KVH, S, M, D), np.float32)
     qjl = st is not None
-    if not qjl:
-        st, ks, kr = EMPTY4, EMPTY3, EMPTY2
-    kernel = turbo_kernel(D, M, kbits, vbits, qjl, parallel())
-    kp0, kp1 = planes(kplanes)
-    vp0, vp1 = planes(vplanes)
-    kw, vw = wide_table(ktab), wide_table(vtab)
-    with _LOCK:
-        _launch_threads()
-        kernel(qr, st, np.float32(qjl_scale), kw, kp0, kp1, kn, ks, kr, vw, vp0, vp1, vn, n, S, m_o, l_o, a_o)
-    return m_o, l_o, a_o
+    norms = [kn, vn, kr] if qjl else [kn, vn]
+    if len({a.dtype for a in norms}) > 1 or norms[0].dtype not in NORM_TYPES:
+        norms = [np.asarray(a, np.float32) for a in norms]
+    kn, vn = norms[0], norms[1]
+    kr = norms[2] if qjl else None
+    ks = ks if qjl else None
+    arrays = [*planes(kplanes), kn, ks, kr, *planes(vplanes), vn]
+    arrays = [None if a is None else np.ascontiguousarray(a) for a in arrays]  # held until the kernel returns
+    seqs = np.array(
+        [[0 if a is None else a.ctypes.data for a in arrays] + [0 if a is None else a.shape[1] for a in arrays]],
+        np.int64,
+    )
+    tasks, _, per = turbo_tasks([n], KVH)
+    qr = np.ascontiguousarray(qr, np.float32)[None]
+    st = np.ascontiguousarray(st, np.float32)[None] if qjl else None
+    m_o, l_o, a_o = turbo_batch(qr, tasks, seqs, NORM_TYPES[kn.dtype], kbits, vbits, ktab, vtab, st, qjl_scale)
+    S = int(per[0])
+    return m_o.reshape(KVH, S, M), l_o.reshape(KVH, S, M), a_o.reshape(KVH, S, M, D)
 
 
 def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, group: int):
@@ -433,76 +481,6 @@ def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, gro
         _launch_threads()
         kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
     return m_o, l_o, a_o
-
-
-def _merge_window(m_o, l_o, a_o, q, dk, dv, R, out):
-    """One decode row's attention from the code kernel's per-task partials and the 16-bit rows, in one pass:
-    m_o / l_o [KVH, S, M], a_o [KVH, S, M, D] (``turbo_spans`` / ``affine_spans``); q [KVH, M, D] the scaled
-    queries in natural coordinates; dk / dv [KVH, nd, D] fp32 (the window and the step's own rows); R [D, D] the
-    values' rotation when a_o is in the rotated domain (TurboQuant), else [0, 0].  out [KVH, M, D] = (a @ R +
-    Σ p v) / Σ p over every row, codes and 16-bit alike, against one max."""
-    KVH, S, M = m_o.shape
-    D = a_o.shape[3]
-    nd = dk.shape[1]
-    rot = R.shape[0] == D
-    sc = np.empty(nd, np.float32)
-    ar = np.empty(D, np.float32)
-    ad = np.empty(D, np.float32)
-    for h in range(KVH):
-        for t in range(M):
-            mx = -np.inf
-            for s in range(S):
-                if m_o[h, s, t] > mx:
-                    mx = m_o[h, s, t]
-            for j in range(nd):
-                x = np.float32(0.0)
-                for d in range(D):
-                    x += q[h, t, d] * dk[h, j, d]
-                sc[j] = x
-                if x > mx:
-                    mx = x
-            l = np.float32(0.0)
-            for d in range(D):
-                ar[d] = 0.0
-                ad[d] = 0.0
-            for s in range(S):
-                if m_o[h, s, t] > -np.inf:  # a task with no rows holds -inf
-                    w = math.exp(m_o[h, s, t] - mx)
-                    l += l_o[h, s, t] * w
-                    for d in range(D):
-                        ar[d] += a_o[h, s, t, d] * w
-            for j in range(nd):
-                p = math.exp(sc[j] - mx)
-                l += p
-                for d in range(D):
-                    ad[d] += p * dv[h, j, d]
-            for d in range(D):
-                y = ad[d]
-                if rot:
-                    for e in range(D):
-                        y += ar[e] * R[e, d]
-                else:
-                    y += ar[d]
-                out[h, t, d] = y / l
-
-
-merge_window = nb.njit(fastmath=_FM, nogil=True, cache=True)(_merge_window) if nb is not None else _merge_window
-
-
-def _rotate(q, R, out):
-    """out [KVH, M, D] = q [KVH, M, D] @ R^T: queries into the keys' rotated domain (one call per layer, rather
-    than a torch matmul of a few rows)."""
-    KVH, M, D = q.shape
-    for h in range(KVH):
-        for t in range(M):
-            for e in range(D):
-                x = np.float32(0.0)
-                for d in range(D):
-                    x += q[h, t, d] * R[e, d]
-                out[h, t, e] = x
-
-
-rotate = nb.njit(fastmath=_FM, nogil=True, cache=True)(_rotate) if nb is not None else _rotate
 
 
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):
