@@ -15,8 +15,9 @@ A variant is ``NAME=SERVE_FLAGS[;VAR=VALUE...]`` (flags separated by spaces; ``1
         --variant "k4v3_graph_per_set=--turbo-kv k4v3;SWIFTLM_TQ_SET_TABLES=0"
 
 Per variant: time to first token (p50, p99), inter-token latency (p50, p99, max), output tok/s, and from the
-server's step log the decode-only steps that took over ``--stall-ms`` (count, and the time they took beyond the
-median decode step).  Ratios are to the first variant, run in the same invocation.
+server's step log the steps with decode rows that took over ``--stall-ms`` (75 ms: over a step with a full prompt
+chunk; count, and the time they took beyond the median decode-only step).  ``--resummarize JSON LOGS`` recomputes
+those step figures of an earlier run's JSON from its kept logs.  Ratios are to the first variant, run in the same invocation.
 JSON: ``docs/results/serve_churn_<tag>.json``.
 """
 
@@ -47,8 +48,9 @@ def parse_variant(s: str) -> tuple[str, list[str], dict[str, str]]:
 
 
 def steps_summary(paths: list[Path], stall_ms: float) -> dict:
-    """Decode-only steps of the step logs: their median duration (to the next step's start) and those over
-    ``stall_ms`` (count, and the time they took beyond the median)."""
+    """The steps with decode rows in the step logs (their duration: to the next step's start): the median of the
+    decode-only ones, and those over ``stall_ms`` (count, and the time they took beyond that median).  A gap after
+    which no row decodes and that lasts over a second is the engine waiting for requests, not a step."""
     rows = []
     for p in paths:
         for line in p.read_text().splitlines():
@@ -57,21 +59,22 @@ def steps_summary(paths: list[Path], stall_ms: float) -> dict:
             except ValueError:
                 continue  # a line cut by the process's exit
     rows.sort(key=lambda r: r["t"])
-    dur = [
-        (b["t"] - a["t"]) * 1e3
+    steps = [
+        ((b["t"] - a["t"]) * 1e3, bool(a["prefill_seqs"]))
         for a, b in zip(rows, rows[1:])
-        if a["decode"] and not a["prefill_seqs"] and (b["t"] - a["t"]) < 5.0  # (an idle gap is no step)
+        if a["decode"] and (b["decode"] or b["t"] - a["t"] < 1.0)
     ]
-    if not dur:
+    decode_only = [d for d, mixed in steps if not mixed]
+    if not decode_only:
         return {"decode_steps": 0}
-    med = statistics.median(dur)
-    slow = [d for d in dur if d > stall_ms]
+    med = statistics.median(decode_only)
+    slow = [d for d, _ in steps if d > stall_ms]
     return {
-        "decode_steps": len(dur),
+        "decode_steps": len(decode_only),
         "decode_step_ms_p50": med,
         "stalls": len(slow),
         "stall_ms_lost": sum(d - med for d in slow),
-        "worst_step_ms": max(dur),
+        "worst_step_ms": max(d for d, _ in steps),
     }
 
 
@@ -155,7 +158,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--warmup-prompt-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stall-ms", type=float, default=50.0, help="a decode-only step longer than this is a stall")
+    ap.add_argument("--stall-ms", type=float, default=75.0, help="a step with decode rows longer than this is a stall")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra serve flag for every variant")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--load-timeout", type=float, default=600)
@@ -165,7 +168,18 @@ def main() -> int:
         "--logs", default=None, help="keep the servers' logs and step logs here (default: a temporary folder)"
     )
     ap.add_argument("--note", default="")
+    ap.add_argument("--resummarize", nargs=2, metavar=("JSON", "LOGS"), help="recompute the step figures and exit")
     args = ap.parse_args()
+    if args.resummarize:
+        doc_path, logs = Path(args.resummarize[0]), Path(args.resummarize[1])
+        doc = json.loads(doc_path.read_text())
+        for r in doc["rows"]:
+            steps = sorted(logs.glob(f"serve_{r['variant']}_steps_*.jsonl"))
+            r.update(steps_summary(steps, args.stall_ms) if steps else {})
+        doc["config"]["stall_ms"] = args.stall_ms
+        doc_path.write_text(json.dumps(doc, indent=1))
+        print_table(doc["rows"])
+        return 0
     # what Server reads: the longest prompt and output to make room for (--ctx-size), and the step log switch
     args.prompt_mean, args.output_mean = args.prompt_tokens, args.output_tokens
     args.prompt_tokens = [args.prompt_mean + 4 * args.prompt_std]
