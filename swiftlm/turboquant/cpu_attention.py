@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 
 import numpy as np
@@ -42,7 +43,6 @@ from .cpu_threads import (  # noqa: F401 (the kernels' thread settings, used thr
     _LOCK,
     MIN_SPAN,
     _launch_threads,
-    enabled,
     parallel,
     splits,
     threads,
@@ -55,6 +55,11 @@ try:  # optional (the torch extra installs it): without it the backends run thei
     import numba as nb
 except ImportError:  # pragma: no cover - exercised where numba is absent
     nb = None
+
+
+def enabled() -> bool:
+    return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
+
 
 # no NaN/Inf assumptions: the running max starts at -inf
 _FM = {"reassoc", "contract", "arcp", "nsz", "afn"}

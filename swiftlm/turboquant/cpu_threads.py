@@ -17,10 +17,6 @@ MIN_SPAN = 512  # rows per task at least
 _LOCK = threading.Lock()
 
 
-def enabled() -> bool:
-    return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
-
-
 # numba threads a kernel runs on: numba's own count unless a backend sets one (``use_threads``)
 _THREADS = [0]
 
