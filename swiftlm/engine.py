@@ -170,6 +170,21 @@ class Engine(PromptFront):
     def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> Future[list[Any]]:
         return self.intake.embed(prompts, dimensions)
 
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread between steps, after every figure of the steps before is recorded."""
+        self._inbox.put(("call", fn))
+
+    @contextlib.contextmanager
+    def outputs_to(self, publish: Callable[[list[Out], list[int]], None]) -> Iterator[None]:
+        """Inside the block every step's outputs go to ``publish`` (outputs, ids of the sequences ended), not to the
+        output worker or the engine process's connections (warm_up.py's scratch requests)."""
+        saved = self._publish
+        self._publish = publish
+        try:
+            yield
+        finally:
+            self._publish = saved
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def live_requests(self) -> int:
@@ -304,6 +319,8 @@ class Engine(PromptFront):
                         fut.set_result(self.model.hidden_states(prompts))
                     except Exception as exc:  # the request's error, not the engine's
                         fut.set_exception(exc)
+            elif cmd == "call":  # a function of the engine's state, run between steps (warm_up.py)
+                arg()
             elif cmd == "stop":
                 for live in list(self._live.values()):
                     self._finish(live, "cancelled")

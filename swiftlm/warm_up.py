@@ -7,7 +7,7 @@ shape: 6 to 10 s steps on a machine's first run, 3 s with Triton's disk cache). 
 so through ``ModelHooks.warm_up_waves``; the engine then runs each wave in turn, one request per length, admitted
 at once, greedy with EOS banned, the i-th of a wave stopping after ``TOKENS_PER_ROW * (i + 1)`` tokens, so that the
 batch shrinks one row at a time (every batch size is captured).
-The requests are not counted: the engine's figures and prompt cache start empty afterwards.
+The requests are not counted: the engine's figures, step timers and prompt cache start empty afterwards.
 """
 
 from __future__ import annotations
@@ -45,28 +45,31 @@ def warm_up(engine: Any, lengths: list[int], vocab: int, timeout: float = 600.0)
     ids = [next(_ids) for _ in lengths]
     ended: set[int] = set()
     errors: list[str] = []
-    done = threading.Event()
+    done, was_reset = threading.Event(), threading.Event()
 
     def collect(step_outs: list, dropped: list[int]) -> None:  # on the engine thread, between steps
         errors.extend(o.error for o in step_outs if o.error)
         ended.update(dropped)
-        if ended.issuperset(ids) and not done.is_set():
-            engine.stats.reset()  # (the engine thread is the figures' only writer)
-            if engine.prefix_cache is not None:
-                engine.prefix_cache.clear()
+        if ended.issuperset(ids):
             done.set()
 
-    saved = engine._publish
-    engine._publish = collect
-    try:
+    def reset() -> None:  # on the engine thread, after the last step's figures (the engine's only writer)
+        engine.stats.reset()
+        engine.timers.reset()
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.clear()
+        was_reset.set()
+
+    with engine.outputs_to(collect):
         with engine.together():
             for sid, toks, k in zip(ids, prompts(lengths, vocab), outs):
                 params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
                 engine.intake.add_checked(sid, toks, params, None, time.perf_counter())
         if not done.wait(timeout):
             raise RuntimeError("start-up warm-up requests did not end")
-    finally:
-        engine._publish = saved
+        engine.call_between_steps(reset)
+        if not was_reset.wait(timeout):
+            raise RuntimeError("the engine did not reset its figures after the start-up warm-up")
     if errors:
         raise RuntimeError(f"start-up warm-up request failed: {errors[0]}")
     return time.perf_counter() - t0

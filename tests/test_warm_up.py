@@ -39,6 +39,7 @@ def test_warm_up_runs_before_serving_and_leaves_no_trace(asking):
         assert rows == sorted(rows, reverse=True), rows  # the batch only shrinks
         assert eng.stats.requests_total == 0 and eng.stats.tokens_generated == 0 and eng.stats.steps == 0
         assert eng.stats.finished == {} and len(eng.stats.ttft) == 0
+        assert all(v["count"] == 0 for v in eng.timers.snapshot().values())  # the step phases too
         assert len(eng.prefix_cache) == 0 and eng.prefix_cache.misses == 0
         out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
         assert len(out.outputs[0].token_ids) == 4
