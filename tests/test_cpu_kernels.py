@@ -81,7 +81,7 @@ CASES = [
 @pytest.mark.parametrize("n,dense", [(1, 1), (37, 1), (1000, 1), (3001, 1), (1000, 40)])
 def test_kernel_matches_float64_as_well_as_the_torch_path(monkeypatch, fmt, kvh, rep, d, n, dense):
     """The kernel's partials and the 16-bit rows (the decode row alone, or 40 rows not yet compressed) merged
-    by ``merge_window``."""
+    by ``merge_kernel`` (``code_rows`` with one row)."""
     cache, L = _filled(fmt, n, kvh, d, seed=n, dense=dense)
     assert L.n_code == n and L.n_dense == dense
     q = torch.randn(kvh * rep, 1, d, generator=torch.Generator().manual_seed(n + 1))

@@ -8,8 +8,8 @@ Eager paths (any device):
   (sliding windows included), or any cache with ``update_attend`` (compressed, paged, staged, forked).
 - ``PackedRows``: several prompts packed in one row block (``PackedAttend``), each from position 0, no KV kept.
 - ``RowsAttend``: B decode rows, each over its own cache (padded batched attention; shared prefixes; the
-  numba CPU kernel; on the CPU TurboQuant caches of one format batched, cpu_code_batch.py; other compressed caches
-  row by row).
+  numba CPU kernel; on the CPU compressed caches of one format, TurboQuant or kv_bits, batched, cpu_code_batch.py;
+  other compressed caches row by row).
 
 Static paths (every shape fixed, no host read: what the CUDA graphs capture):
 - ``StaticAttend``: rows at device positions over a fixed-capacity ``SeqCache`` (decode, verify) or over a
@@ -202,8 +202,8 @@ def _shared_prefix_attention(
 class RowsAttend(Attend):
     """B decode rows, row b at ``positions[b]`` over ``caches[b]``: padded batched attention (one matmul pair
     for all rows, padding masked to -inf), shared prefixes read once (shared_kv.ForkedCache), on the CPU with
-    plain fp32 caches the numba kernel (cpu_batch_attention.py), TurboQuant caches of one format their batched
-    kernels (cpu_code_batch.py), other compressed caches row by row.  ``finish()`` after the last layer."""
+    plain fp32 caches the numba kernel (cpu_batch_attention.py), compressed caches of one format (TurboQuant or
+    kv_bits) their batched kernels (cpu_code_batch.py), other compressed caches row by row.  ``finish()`` after the last layer."""
 
     def __init__(self, model: Any, caches: list[Any], positions: list[int]):
         a, device = model.a, model.cos.device  # (a pipeline stage may hold no embedding)
@@ -224,7 +224,7 @@ class RowsAttend(Attend):
             if self.plain and not self.groups and cpu_batch_attention.usable(model, caches, SeqCache)
             else None
         )
-        # CPU, TurboQuant caches of one format: each layer's code attention for all rows in one call (cpu_code_batch.py)
+        # CPU, compressed caches of one format: each layer's code attention for all rows in one call (cpu_code_batch.py)
         self.codes = (
             None
             if self.plain or not cpu_code_batch.usable(model, caches)

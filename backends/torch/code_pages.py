@@ -48,8 +48,8 @@ class CodeLayer:
         self.pending = None  # static caches: this step's 16-bit rows when they overflow the buffer
         self.stage = None  # static caches: (keys, values) [KVH, cap, D] holding a prompt's 16-bit rows (staging)
         self.staging = False  # the layer's rows so far are a prompt held in 16 bits, compressed at ``settle``
-        # the code storage as the CPU kernels take it, with the tensors it was made of: numpy views (affine,
-        # cpu_kernels.encode_into) or the addresses of a TurboQuant layer's (cpu_kernels.turbo_rows)
+        # the code storage as the CPU kernels take it, with the tensors it was made of: an affine layer's numpy views
+        # (cpu_kernels.encode_into) and addresses, or a TurboQuant layer's addresses (cpu_kernels.code_rows)
         self.np_codes = None
 
 

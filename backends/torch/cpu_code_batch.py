@@ -1,17 +1,19 @@
-"""Batched decode attention over TurboQuant-compressed per-sequence caches on the CPU.
+"""Batched decode attention over compressed per-sequence caches on the CPU (TurboQuant and affine ``kv_bits``).
 
-A CPU decode step of B sequences whose caches are ``CompressedCache`` of one TurboQuant format attends each layer
-for all rows at once (``CodeRows``, reached from ``attend.RowsAttend``): each row's new K/V is written as
-``CompressedCache.update_attend`` writes it (``_write``: the 16-bit buffer), then one call of the code kernel covers
-every (sequence, KV head, span) task over each cache's codes where they lie and one call merges them with each
-cache's 16-bit rows (``cpu_kernels.turbo_rows``), then rows that left the window are compressed (``_compress``), as
-``update_attend`` does.  Row by row, that was one kernel call, one merge call and their Python glue per sequence and
-layer.  A cache's own single-row decode goes through the same ``turbo_rows`` with one row, and each task and each
-merge reads its own sequence only, so a row gets the same bits batched or alone.  A layer of a row that holds no
-codes yet (a prompt shorter than the window, a layer kept 16-bit) attends through the cache's own path (``_attend``).
+A CPU decode step of B sequences whose caches are ``CompressedCache`` of one format attends each layer for all rows
+at once (``CodeRows``, reached from ``attend.RowsAttend``): each row's new K/V is written as
+``CompressedCache.update_attend`` writes it (``_write``: the 16-bit buffer), then one call of the format's code
+kernel covers every (sequence, KV head, span) task over each cache's codes where they lie and one call merges them
+with each cache's 16-bit rows (``cpu_kernels.code_rows``), then rows that left the window are compressed
+(``_compress``; ``kv_bits``: the step's own row, straight into the codes), as ``update_attend`` does.  Row by row,
+that was one kernel call, one merge call and their Python glue per sequence and layer.  A cache's own single-row
+decode goes through the same ``code_rows`` with one row, and each task and each merge reads its own sequence only,
+so a row gets the same bits batched or alone.  A layer of a row that holds no codes yet (a prompt shorter than the
+window, a layer kept 16-bit) attends through the cache's own path (``_attend``).
 
-Used when every row's cache is a dynamic (not static, not paged) TurboQuant ``CompressedCache`` on the CPU, of one
-format and one 16-bit type, and numba is enabled (``usable``); otherwise ``RowsAttend`` goes row by row.
+Used when every row's cache is a dynamic (not static, not paged) ``CompressedCache`` on the CPU, of one format
+(TurboQuant, or affine of one width and group) and one 16-bit type, and numba is enabled (``usable``); otherwise
+``RowsAttend`` goes row by row.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ CALLS = [0]  # layers attended through the batched path (tests read it)
 
 
 def usable(model: Any, caches: list[Any]) -> bool:
-    """Every row a dynamic TurboQuant ``CompressedCache`` on the CPU, all of one format and 16-bit type, in a model
-    without sliding windows or offloaded layers, numba enabled."""
+    """Every row a dynamic ``CompressedCache`` (TurboQuant or affine) on the CPU, all of one format and 16-bit type,
+    in a model without sliding windows or offloaded layers, numba enabled."""
     a = model.a
     if not caches or not cpu_kernels.enabled() or a.windows or a.offload is not None or a.heads // a.kv_heads > 32:
         return False
     c0 = caches[0]
     for c in caches:
         fmt = getattr(c, "fmt", None)
-        if fmt is None or fmt.kind != "turbo" or c.device.type != "cpu" or c.static or c.use_triton:
+        if fmt is None or fmt.kind not in ("turbo", "affine") or c.device.type != "cpu" or c.static or c.use_triton:
             return False
         if fmt != c0.fmt or c.dense_dtype != c0.dense_dtype or c.kc.d % 8:
             return False
@@ -65,7 +67,7 @@ class CodeRows:
         if fast:
             CALLS[0] += 1
             qg = q if len(fast) == B else q[fast]
-            got = cpu_kernels.turbo_rows(rows, qg.float().reshape(len(fast), self.kv_heads, self.rep, D), self.scale)
+            got = cpu_kernels.code_rows(rows, qg.float().reshape(len(fast), self.kv_heads, self.rep, D), self.scale)
             got = got.view(len(fast), H * D).to(q.dtype)
             if len(fast) == B:
                 outs = [got]

@@ -3,11 +3,12 @@
 The kernels themselves (numpy + numba, shared with the MLX backend) live in
 ``swiftlm.turboquant.cpu_attention``: each task owns a span of rows of one KV head, expands codes
 through small per-byte tables and keeps a running softmax (see that module).  Here: when a layer's
-compressed rows go through them (``usable``), handing the cache's tensors over as numpy views or, for
-TurboQuant, by address (``decode_attention``: the kernel, then its partials and the 16-bit rows merged in one call;
-``turbo_rows``: the same for the rows of several caches, cpu_code_batch.py) and compiling the server's default
-format at load (``warm_up``).  Without numba, or with
-``SWIFTLM_NUMBA=0``, the torch path (``code_attention.code_blocks``) runs instead.
+compressed rows go through them (``usable``), handing each cache's storage over by address (``code_rows``: the
+code kernel of the format, TurboQuant or affine ``kv_bits``, over the tasks of one or several caches, then their
+partials and 16-bit rows merged in one call; ``decode_attention``: one cache's row; cpu_code_batch.py: the rows of
+a decode step), compressing a ``kv_bits`` decode row straight into the codes (``encode_into``) and compiling the
+server's default format at load (``warm_up``).  Without numba, or with ``SWIFTLM_NUMBA=0``, the torch path
+(``code_attention.code_blocks``) runs instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from swiftlm.turboquant.cpu_attention import (
     NORM_TYPES,
     TILE,
     _launch_threads,
+    affine_batch,
     affine_kernel,
     enabled,
     nb,
@@ -38,7 +40,7 @@ from swiftlm.turboquant.cpu_attention import (
     turbo_tasks,
     use_threads,
 )
-from swiftlm.turboquant.cpu_merge import merge_kernel, merge_window, rotate
+from swiftlm.turboquant.cpu_merge import merge_kernel, rotate
 
 # the kernels and their settings, re-exported (cpu_batch_attention, tests)
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "_LOCK",
     "_launch_threads",
     "affine_kernel",
+    "code_rows",
     "decode_attention",
     "enabled",
     "nb",
@@ -55,7 +58,6 @@ __all__ = [
     "splits",
     "start_pool",
     "turbo_kernel",
-    "turbo_rows",
     "usable",
     "warm_up",
 ]
@@ -137,22 +139,9 @@ def usable(cache, L, M: int) -> bool:
 
 def decode_attention(cache, L, qg, scale: float, dk, dv):
     """One decode row's attention over layer ``L``'s compressed rows and its 16-bit rows dk / dv [KVH, nd, D]:
-    qg [KVH, M, D] fp32 -> out [KVH, M, D] fp32, normalised, in natural coordinates.  The code kernel's per-task
-    partials and the 16-bit rows are merged by one compiled call instead of a chain of small torch ops per layer.
-    TurboQuant: ``turbo_rows`` with this one row (the batched decode step's path, cpu_code_batch.py)."""
-    import torch
-
-    if cache.fmt.kind == "turbo":
-        return turbo_rows([(cache, L, dk, dv)], qg[None], scale)[0]
-    q = (qg * scale).contiguous().numpy()
-    m_o, l_o, a_o = affine_spans(cache, L, qg, scale, q)
-    out = np.empty(qg.shape, np.float32)
-    merge_window(m_o, l_o, a_o, q, _f32(dk), _f32(dv), NO_ROTATION, out)
-    return torch.from_numpy(out)
-
-
-def _f32(t) -> np.ndarray:
-    return np.ascontiguousarray(t.float().numpy())
+    qg [KVH, M, D] fp32 -> out [KVH, M, D] fp32, normalised, in natural coordinates: ``code_rows`` with this one
+    row (the batched decode step's path, cpu_code_batch.py)."""
+    return code_rows([(cache, L, dk, dv)], qg[None], scale)[0]
 
 
 NO_ROTATION = np.zeros((0, 0), np.float32)
@@ -173,40 +162,55 @@ def _rotation_t(codec) -> np.ndarray:
     return r
 
 
-def turbo_rows(rows, qg, scale: float):
-    """Decode rows of B TurboQuant caches of one format, each over its layer's compressed rows and 16-bit rows, in
-    two compiled calls: the code kernel over every (sequence, KV head, span) task (each cache's storage read where it
-    lies, by address), then the merge with each cache's 16-bit rows.  rows: [(cache, L, dk, dv)] (L a layer holding
-    codes, dk / dv [KVH, nd, D] its 16-bit rows); qg [B, KVH, M, D] fp32 queries.  Returns out [B, KVH, M, D] fp32,
-    normalised, in natural coordinates.  A row's result does not depend on the others: each task and each merge
-    reads its own sequence only."""
+def code_rows(rows, qg, scale: float):
+    """Decode rows of B caches of one compressed format (TurboQuant or affine ``kv_bits``), each over its layer's
+    compressed rows and 16-bit rows, in two compiled calls: the code kernel over every (sequence, KV head, span)
+    task (each cache's storage read where it lies, by address), then the merge with each cache's 16-bit rows.
+    rows: [(cache, L, dk, dv)] (L a layer holding codes, dk / dv [KVH, nd, D] its 16-bit rows); qg [B, KVH, M, D]
+    fp32 queries.  Returns out [B, KVH, M, D] fp32, normalised, in natural coordinates.  A row's result does not
+    depend on the others: each task and each merge reads its own sequence only."""
     import torch
 
     start_pool()  # before the kernel is chosen: its thread count decides serial or parallel (``parallel``)
     B, KVH, M, D = qg.shape
-    kc, vc = rows[0][0].kc, rows[0][0].vc
+    c0 = rows[0][0]
     q = (qg * scale).contiguous().numpy()
-    qr = np.empty_like(q)
-    rotate(q.reshape(B * KVH, M, D), _rotation(kc), qr.reshape(B * KVH, M, D))
-    # QJL keys: each row's table as one row alone computes it
-    st = np.stack([_qjl_table(kc, qg[b], scale) for b in range(B)]) if kc.qjl else None
     dtype = rows[0][2].dtype
     if dtype not in (torch.float16, torch.float32) or any(r[2].dtype != dtype for r in rows):
         rows, dtype = [(c, L, dk.float(), dv.float()) for c, L, dk, dv in rows], torch.float32
     keep: list = []  # copies made for the kernels, alive until they return
-    seqs = np.array([_seq_row(kc.qjl, L, keep) for _, L, _, _ in rows], np.int64)
+    tasks, first, per = _tasks(tuple(L.n_code for _, L, _, _ in rows), KVH, threads())
+    if c0.fmt.kind == "turbo":
+        m_o, l_o, a_o = _turbo_partials(rows, qg, q, scale, tasks, keep)
+        RT = _rotation_t(c0.vc)
+    else:  # affine: values in natural coordinates
+        seqs = np.array([_affine_seq_row(c, L, keep) for c, L, _, _ in rows], np.int64)
+        m_o, l_o, a_o = affine_batch(q, tasks, seqs, _side_type(rows), c0.kc.bits, c0.kc.group)
+        RT = NO_ROTATION
     dense = np.array([_dense_row(dk, dv, keep) for _, _, dk, dv in rows], np.int64)
     nd = np.array([r[2].shape[1] for r in rows], np.int64)
-    tasks, first, per = _tasks(tuple(L.n_code for _, L, _, _ in rows), KVH, threads())
-    nt = NORM_TYPES[np.dtype(np.uint16 if rows[0][1].kn.dtype == torch.float16 else np.float32)]
-    m_o, l_o, a_o = turbo_batch(qr, tasks, seqs, nt, kc.mse_bits, vc.mse_bits, _table(kc), _table(vc), st, kc.qjl_scale)
     out = np.empty((B, KVH, M, D), np.float32)
     kernel = merge_kernel(parallel())
     dt = _HALF if dtype == torch.float16 else _FLOAT
     with _LOCK:
         _launch_threads()
-        kernel(m_o, l_o, a_o, first, per, q, dense, nd, dt, _rotation_t(vc), out)
+        kernel(m_o, l_o, a_o, first, per, q, dense, nd, dt, RT, out)
     return torch.from_numpy(out)
+
+
+def _turbo_partials(rows, qg, q: np.ndarray, scale: float, tasks: np.ndarray, keep: list):
+    """The TurboQuant code kernel's per-task partials of ``code_rows``: queries rotated into the keys' domain."""
+    import torch
+
+    B, KVH, M, D = qg.shape
+    kc, vc = rows[0][0].kc, rows[0][0].vc
+    qr = np.empty_like(q)
+    rotate(q.reshape(B * KVH, M, D), _rotation(kc), qr.reshape(B * KVH, M, D))
+    # QJL keys: each row's table as one row alone computes it
+    st = np.stack([_qjl_table(kc, qg[b], scale) for b in range(B)]) if kc.qjl else None
+    seqs = np.array([_seq_row(kc.qjl, L, keep) for _, L, _, _ in rows], np.int64)
+    nt = NORM_TYPES[np.dtype(np.uint16 if rows[0][1].kn.dtype == torch.float16 else np.float32)]
+    return turbo_batch(qr, tasks, seqs, nt, kc.mse_bits, vc.mse_bits, _table(kc), _table(vc), st, kc.qjl_scale)
 
 
 @functools.lru_cache(maxsize=256)
@@ -268,37 +272,39 @@ def _qjl_table(kc, qg, scale: float) -> np.ndarray:
     return torch.einsum("hmkt,bt->hkbm", sq, _sign_table(kc)).contiguous().numpy()
 
 
-def affine_spans(cache, L, qg, scale: float, q: np.ndarray | None = None):
-    """The affine (``kv_bits``) code kernel over layer ``L``'s compressed rows for queries qg [KVH, M, D] (fp32):
-    per-task partials (m, l [KVH, S, M], acc [KVH, S, M, D]) as numpy arrays.  ``q``: the scaled queries as a
-    C-contiguous numpy array, where the caller has them."""
-    start_pool()  # before the kernel is chosen: its thread count decides serial or parallel (``parallel``)
-    KVH, M, D = qg.shape
-    n = L.n_code
-    kc = cache.kc
-    S = splits(n, KVH)
-    m_o = np.empty((KVH, S, M), np.float32)
-    l_o = np.empty((KVH, S, M), np.float32)
-    a_o = np.empty((KVH, S, M, D), np.float32)
-    if q is None:
-        q = (qg * scale).contiguous().numpy()
-    kernel = affine_kernel(D, M, kc.bits, kc.group, parallel())
-    # scales and biases: the cache's fp16 storage itself (uint16 bits, converted in the kernel), no fp32 copy
-    args = (q, L.kp[0].numpy(), *_sides(L), L.vp[0].numpy(), *_sides(L, "v"), n, S, m_o, l_o, a_o)
-    with _LOCK:
-        _launch_threads()
-        kernel(*args)
-    return m_o, l_o, a_o
+def _side_type(rows) -> np.ndarray:
+    """``NORM_TYPES``' array of the affine layers' scales and biases (one type for all): fp16 (read as its uint16
+    bits) or fp32."""
+    import torch
+
+    types = {t.dtype for _, L, _, _ in rows for t in (L.kn, L.ks, L.vn, L.vb)}
+    if len(types) > 1 or not types <= {torch.float16, torch.float32}:
+        raise ValueError("affine scales and biases of several types, or neither fp16 nor fp32")
+    return NORM_TYPES[np.dtype(np.uint16 if torch.float16 in types else np.float32)]
 
 
-def _sides(L, which: str = "k") -> tuple[np.ndarray, np.ndarray]:
-    """A layer's affine scales and biases [KVH, cap, G] as the kernel reads them: fp16 storage as its uint16
-    bits, fp32 as itself."""
-    out = []
-    for t in (L.kn, L.ks) if which == "k" else (L.vn, L.vb):
-        a = t.numpy()
-        out.append(a.view(np.uint16) if a.dtype == np.float16 else np.asarray(a, np.float32))
-    return out[0], out[1]
+def _affine_seq_row(cache, L, keep: list) -> list[int]:
+    """Layer ``L``'s affine storage as a row of ``affine_kernel``'s sequence table (``AFFINE_FIELDS``: codes,
+    scales and biases of keys, then of values, by address; then their rows), kept on the layer with its numpy views
+    (``_held``); a tensor that is not contiguous is copied into ``keep``."""
+    row = _held(cache, L)[2]
+    if row is None:
+        ts = [_contiguous(t, keep) for t in _code_tensors(L)]
+        row = [t.data_ptr() for t in ts] + [t.shape[1] for t in ts]
+    return row
+
+
+def _held(cache, L) -> tuple:
+    """An affine layer's ``np_codes``: (its storage tensors, their numpy views for ``affine_encode`` or None
+    (``_code_views``), their addresses and rows for ``affine_kernel`` or None where one is not contiguous), made
+    again when the storage is reallocated (``CompressedCache._alloc_codes`` replaces every tensor)."""
+    held, ts = L.np_codes, _code_tensors(L)
+    if held is None or any(a is not b for a, b in zip(held[0], ts)):
+        row = None
+        if all(t.is_contiguous() for t in ts):
+            row = [t.data_ptr() for t in ts] + [t.shape[1] for t in ts]
+        held = L.np_codes = (ts, _code_views(cache, L), row)
+    return held
 
 
 def encode_into(cache, L, dk, dv, at: int) -> bool:
@@ -310,10 +316,7 @@ def encode_into(cache, L, dk, dv, at: int) -> bool:
 
     if cache.fmt.kind != "affine" or L.kn is None or at + dk.shape[1] > L.kn.shape[1] or not enabled():
         return False
-    views = L.np_codes
-    if views is None or any(a is not b for a, b in zip(views[0], _code_tensors(L))):
-        views = L.np_codes = (_code_tensors(L), _code_views(cache, L))
-    arrays = views[1]
+    arrays = _held(cache, L)[1]
     if arrays is None or dk.dtype != dv.dtype or dk.dtype not in (torch.float16, torch.float32):
         return False
     kp, kn, ks, vp, vn, vb = arrays

@@ -10,6 +10,7 @@ attention.py  the numpy reference attention over compressed history
 cpu_attention.py  numba kernels for decode rows over compressed history on a CPU (numpy + numba, optional):
               the torch backend's CPU path (``backends/torch/cpu_kernels.py``) and MLX on a CPU use them
 cpu_merge.py  their partials merged with the 16-bit rows (one cache, or the rows of B caches in one call)
+cpu_tiles.py  their building blocks (tile decode, exponential, softmax update, addresses), inlined
 
 The caches live in the backends (``backends/torch/compressed_cache.py``, ``backends/mlx/turbo_cache.py``),
 the kernels in ``cuda_ext/turboquant_kernels.py`` / ``cuda_ext/tq_codes.py`` (Triton) and

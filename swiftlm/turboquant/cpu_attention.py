@@ -11,10 +11,11 @@ head, update a running softmax (flash-decoding: each task owns one span of rows 
 returns its max, denominator and unnormalised value sum; the exponentials in vectorised loops,
 ``_exp_tile``) and add the rows' weighted values.  TurboQuant values are summed in the
 rotated domain and rotated back once by the caller (``cpu_merge``: the partials merged with the 16-bit rows);
-affine (``kv_bits``) values in the original domain.  The TurboQuant kernel takes the tasks of any number of caches
-in one call, each cache's arrays by address (``turbo_tasks``, ``turbo_batch``): a CPU decode step of several
-sequences attends each layer's compressed rows in one call (``backends/torch/cpu_code_batch.py``), and one cache
-alone (``turbo_spans``) is the same call with one sequence.
+affine (``kv_bits``) values in the original domain.  Both kernels take the tasks of any number of caches in one
+call, each cache's arrays by address (``turbo_tasks``; ``turbo_batch``, ``affine_batch``): a CPU decode step of
+several sequences attends each layer's compressed rows in one call (``backends/torch/cpu_code_batch.py``), and one
+cache alone (``turbo_spans``, ``affine_spans``) is the same call with one sequence.  The building blocks they inline
+(tile decode, exponential, softmax update, addresses) are ``cpu_tiles``'.
 
 Layout (``swiftlm.turboquant.packing``; both backends' caches write the same bytes): row-major bit
 planes [KVH, cap, D * width / 8] uint8, QJL sign bytes [KVH, cap, D / 8] (bit t of byte k is
@@ -48,6 +49,16 @@ from .cpu_threads import (  # noqa: F401 (the kernels' thread settings, used thr
     threads,
     use_threads,
 )
+from .cpu_tiles import (  # noqa: F401 (the building blocks, used through this module too)
+    _FM,
+    TILE,
+    _affine_row,
+    _at,
+    _compile,
+    _decode_tile,
+    _exp_tile,
+    _softmax_tile,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,135 +70,6 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 def enabled() -> bool:
     return nb is not None and os.environ.get("SWIFTLM_NUMBA", "1") != "0"
-
-
-# no NaN/Inf assumptions: the running max starts at -inf
-_FM = {"reassoc", "contract", "arcp", "nsz", "afn"}
-TILE = 64  # rows scored before their softmax update
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693145751953125)  # ln 2 split in two (Cody-Waite): k * _LN2_HI is exact for |k| < 2^9
-_LN2_LO = np.float32(1.428606765330187e-06)
-
-
-def _helpers():
-    """The kernels' building blocks, generic in their size arguments: inlined into each
-    specialised kernel, where those arguments are constants.  (Module-level rather than closures:
-    numba's disk cache keys a kernel by what its closure captures, which must pickle the same in
-    every process.)"""
-    global _decode_tile, _exp_tile, _softmax_tile, _affine_row
-
-    @nb.njit(inline="always", fastmath=_FM)
-    def _decode_tile(tab, p0, p1, t0, cnt, T, bits, D):
-        """Rows t0 .. t0 + cnt of packed planes into rows 0 .. cnt of the tile ``T`` [TILE, D / 2] (an int64
-        view of the fp32 tile), through ``tab``, the int64 view of a code table (``wide_table``): an entry's
-        values move as 8-byte words.  1/2/4 bits: one entry of 8/bits values per byte of plane 0; 3 bits: an
-        entry of 4 values indexed by plane-0 byte * 16 + the nibble of plane 1 covering the same four codes
-        (``kv_quant.byte_lut``).  A whole tile is decoded before the dot products read it: a row decoded and
-        read at once would stall on the 8-byte stores under the wide loads."""
-        if bits == 3:
-            for jj in range(cnt):
-                j = t0 + jj
-                for k in range(D // 8):
-                    hb = p1[j, k]
-                    i0 = np.int64(p0[j, 2 * k]) * 16 + (hb & 15)
-                    i1 = np.int64(p0[j, 2 * k + 1]) * 16 + (hb >> 4)
-                    T[jj, 4 * k] = tab[i0, 0]
-                    T[jj, 4 * k + 1] = tab[i0, 1]
-                    T[jj, 4 * k + 2] = tab[i1, 0]
-                    T[jj, 4 * k + 3] = tab[i1, 1]
-        else:
-            w = 4 // bits  # words per byte's entry
-            for jj in range(cnt):
-                j = t0 + jj
-                for k in range(D * bits // 8):
-                    i = p0[j, k]
-                    for u in range(w):
-                        T[jj, k * w + u] = tab[i, u]
-
-    @nb.njit(inline="always", fastmath=_FM)
-    def _exp_tile(x, cnt, E, Ef):
-        """x[:cnt] (<= 0) -> exp(x) in place, in loops LLVM vectorises (numba's math.exp is a scalar call):
-        exp(x) = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 in [-ln2/2, ln2/2], e^r by its degree-6
-        Taylor polynomial (truncation < 1.2e-7 relative), 2^k written as exponent bits into E (int32; Ef is its
-        float32 view).  x below -87 is taken as -87 (e^-87 ~ 1.6e-38: nothing next to the tile's max of 1)."""
-        for i in range(cnt):
-            v = max(x[i], np.float32(-87.0))
-            k = np.floor(v * _LOG2E + np.float32(0.5))
-            E[i] = (np.int32(k) + 127) << 23
-            r = v - k * _LN2_HI - k * _LN2_LO
-            y = np.float32(1.0 / 720)
-            y = y * r + np.float32(1.0 / 120)
-            y = y * r + np.float32(1.0 / 24)
-            y = y * r + np.float32(1.0 / 6)
-            y = y * r + np.float32(0.5)
-            y = y * r + np.float32(1.0)
-            x[i] = y * r + np.float32(1.0)
-        for i in range(cnt):
-            x[i] *= Ef[i]
-
-    @nb.njit(inline="always", fastmath=_FM)
-    def _softmax_tile(sc, cnt, m, l, acc, M, D, E, Ef):
-        """Scores sc [M, TILE] (first ``cnt``) -> probabilities against the running max m, with
-        l and acc rescaled to the new max (E, Ef: ``_exp_tile``'s scratch)."""
-        for t in range(M):
-            bm = m[t]
-            for jj in range(cnt):
-                bm = max(bm, sc[t, jj])
-            alpha = math.exp(m[t] - bm) if m[t] > -np.inf else np.float32(0.0)
-            l[t] *= alpha
-            for d in range(D):
-                acc[t, d] *= alpha
-            m[t] = bm
-            row = sc[t]
-            for jj in range(cnt):
-                row[jj] -= bm
-            _exp_tile(row, cnt, E, Ef)
-            s = np.float32(0.0)
-            for jj in range(cnt):
-                s += row[jj]
-            l[t] += s
-
-    @nb.njit(inline="always", fastmath=_FM)
-    def _affine_row(p, j, row, bits, D):
-        if bits == 8:
-            for d in range(D):
-                row[d] = np.float32(p[j, d])
-        else:
-            for k in range(D // 2):
-                b = p[j, k]
-                row[2 * k] = np.float32(b & 15)
-                row[2 * k + 1] = np.float32(b >> 4)
-
-
-def _address():
-    """``_at(addr, like)``: an int64 address as a pointer (for ``nb.carray``) to elements of ``like``'s type: an
-    array (its dtype) or a numpy scalar type.  The batched kernels read each sequence's storage where it lies: the
-    sequences' rows have different counts and capacities, so they are not one array."""
-    global _at
-    from numba.core import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def _at(typingctx, addr, like):
-        if not isinstance(addr, types.Integer):
-            return None
-        if isinstance(like, types.Array):
-            dtype = like.dtype
-        elif isinstance(like, types.NumberClass):
-            dtype = like.instance_type
-        else:
-            return None
-        ptr = types.CPointer(dtype)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(addr, like), codegen
-
-
-if nb is not None:
-    _helpers()
-    _address()
 
 
 def plane_widths(D: int, bits: int) -> tuple[int, int]:
@@ -277,20 +159,27 @@ def turbo_kernel(D: int, M: int, kbits: int, vbits: int, qjl: bool, par: bool):
 
 @functools.cache
 def affine_kernel(D: int, M: int, bits: int, group: int, par: bool):
-    """Split-K attention over affine codes (``kv_bits``): codes [KVH, cap, D*bits/8] (4 bits: code
-    2k in the low nibble of byte k), scale / bias [KVH, >=n, D/group] per row and group, fp32 or the uint16 bit
-    patterns of fp16 (the torch cache's own storage: converted as read; numba compiles one kernel per type).
-    score = Σ_g scale_g (q_g . code_g) + bias_g Σ q_g; values code * scale + bias.  Arguments:
-    q [KVH, M, D] scaled; kp, kscale, kbias, vp, vscale, vbias; n; S; outputs as ``turbo_kernel``; ``par`` as
-    there."""
+    """Split-K attention over affine codes (``kv_bits``) for the tasks of any number of sequences' caches in one
+    call, as ``turbo_kernel`` (a sequence gets the same bits alone or beside others).  Each sequence's storage by
+    address (``AFFINE_FIELDS``): codes [KVH, rows, D*bits/8] uint8 (4 bits: code 2k in the low nibble of byte k),
+    scale / bias [KVH, rows, D/group] per row and group, fp32 or the uint16 bit patterns of fp16 (the torch cache's
+    own storage: converted as read; ``nt`` an array of their type, numba compiles one kernel per type).
+    score = Σ_g scale_g (q_g . code_g) + bias_g Σ q_g; values code * scale + bias.  Arguments: q [B, KVH, M, D]
+    scaled; seqs [B, 12] int64; nt; tasks [T, 4] (``turbo_tasks``); outputs m, l [T, M], acc [T, M, D]."""
     G = D // group
+    cw = D * bits // 8  # code bytes per row
 
-    def kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_out, l_out, acc_out):
-        KVH = q.shape[0]
-        span = (n + S - 1) // S
-        for task in nb.prange(KVH * S):
-            h, s = task // S, task % S
-            lo, hi = s * span, min(n, (s + 1) * span)
+    def kernel(q, seqs, nt, tasks, m_out, l_out, acc_out):
+        KVH = q.shape[1]
+        for task in nb.prange(tasks.shape[0]):
+            b, h, lo, hi = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
+            at = seqs[b]
+            kp = nb.carray(_at(at[0], np.uint8), (KVH, at[6], cw))
+            kscale = nb.carray(_at(at[1], nt), (KVH, at[7], G))
+            kbias = nb.carray(_at(at[2], nt), (KVH, at[8], G))
+            vp = nb.carray(_at(at[3], np.uint8), (KVH, at[9], cw))
+            vscale = nb.carray(_at(at[4], nt), (KVH, at[10], G))
+            vbias = nb.carray(_at(at[5], nt), (KVH, at[11], G))
             m = np.full(M, -np.inf, dtype=np.float32)
             l = np.zeros(M, dtype=np.float32)
             acc = np.zeros((M, D), dtype=np.float32)
@@ -300,7 +189,7 @@ def affine_kernel(D: int, M: int, bits: int, group: int, par: bool):
             sc = np.empty((M, TILE), dtype=np.float32)
             E = np.zeros(TILE, dtype=np.int32)
             Ef = E.view(np.float32)
-            qh, kph, vph = q[h], kp[h], vp[h]
+            qh, kph, vph = q[b, h], kp[h], vp[h]
             for t in range(M):
                 for g in range(G):
                     y = np.float32(0.0)
@@ -347,19 +236,11 @@ def affine_kernel(D: int, M: int, bits: int, group: int, par: bool):
                 for g in range(G):
                     for d in range(g * group, (g + 1) * group):
                         acc[t, d] += bsum[t, g]
-            m_out[h, s] = m
-            l_out[h, s] = l
-            acc_out[h, s] = acc
+            m_out[task] = m
+            l_out[task] = l
+            acc_out[task] = acc
 
     return _compile(kernel, f"affine_d{D}_m{M}_b{bits}_g{group}", par)
-
-
-def _compile(fn, name: str, par: bool):
-    """njit ``fn`` (a closure over its specialisation) with an on-disk cache.  numba keys its cache
-    index by the function's qualified name, not by the values a closure captured: the name carries
-    every captured constant, so each specialisation gets its own cache entry."""
-    fn.__qualname__ = fn.__name__ = f"kernel_{name}" + ("" if par else "_serial")
-    return nb.njit(parallel=par, fastmath=_FM, nogil=True, cache=True)(fn)
 
 
 # ------------------------------------------------------------------------------ numpy-level calls
@@ -391,15 +272,18 @@ def qjl_table(sq: np.ndarray) -> np.ndarray:
 
 # the columns of a ``turbo_kernel`` sequence table: each array's address, then (from column 8) its rows
 SEQ_FIELDS = ("kp0", "kp1", "kn", "ks", "kr", "vp0", "vp1", "vn")
+# ... and of an ``affine_kernel`` one (from column 6: the rows)
+AFFINE_FIELDS = ("kp", "kscale", "kbias", "vp", "vscale", "vbias")
 # arrays of the norms' types, handed to the kernels as the type of what they read by address (numba compiles one
 # kernel per type)
 NORM_TYPES = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.uint16): np.zeros(1, np.uint16)}
 
 
 def turbo_tasks(ns, kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The ``turbo_kernel`` tasks of sequences holding ns[b] compressed rows: each sequence's KV heads split into
-    ``splits`` spans (head-major, spans of (n + S - 1) // S rows).  Returns tasks [T, 4] (sequence, KV head, first
-    row, end row), first [B] (each sequence's first task) and S [B] (its tasks per KV head)."""
+    """The ``turbo_kernel`` and ``affine_kernel`` tasks of sequences holding ns[b] compressed rows: each sequence's
+    KV heads split into ``splits`` spans (head-major, spans of (n + S - 1) // S rows).  Returns tasks [T, 4]
+    (sequence, KV head, first row, end row), first [B] (each sequence's first task) and S [B] (its tasks per KV
+    head)."""
     rows: list[tuple[int, int, int, int]] = []
     first, per = [], []
     for b, n in enumerate(ns):
@@ -471,21 +355,38 @@ def turbo_spans(
     return m_o.reshape(KVH, S, M), l_o.reshape(KVH, S, M), a_o.reshape(KVH, S, M, D)
 
 
-def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, group: int):
-    """Run ``affine_kernel`` over rows [0, n): q [KVH, M, D] fp32 scaled queries; kp / vp codes
-    [KVH, cap, D*bits/8] uint8; scales and biases [KVH, >=n, D/group], fp32 or fp16 as uint16 bits.  All
-    C-contiguous numpy arrays (views of the caller's storage).  Returns the per-task (m, l, acc) like
-    ``turbo_spans``."""
-    KVH, M, D = q.shape
-    S = splits(n, KVH)
-    m_o = np.empty((KVH, S, M), np.float32)
-    l_o = np.empty((KVH, S, M), np.float32)
-    a_o = np.empty((KVH, S, M, D), np.float32)
+def affine_batch(q, tasks, seqs, nt, bits: int, group: int):
+    """Run ``affine_kernel`` once over ``tasks`` (``turbo_tasks``) of B sequences: q [B, KVH, M, D] scaled queries;
+    seqs [B, 12] their storage (``AFFINE_FIELDS``: addresses, then rows); nt ``NORM_TYPES``' array of their scales'
+    and biases' type.  Returns the per-task (m, l [T, M], acc [T, M, D])."""
+    B, KVH, M, D = q.shape
+    T = tasks.shape[0]
+    m_o = np.empty((T, M), np.float32)
+    l_o = np.empty((T, M), np.float32)
+    a_o = np.empty((T, M, D), np.float32)
     kernel = affine_kernel(D, M, bits, group, parallel())
     with _LOCK:
         _launch_threads()
-        kernel(q, kp, kscale, kbias, vp, vscale, vbias, n, S, m_o, l_o, a_o)
+        kernel(q, seqs, nt, tasks, m_o, l_o, a_o)
     return m_o, l_o, a_o
+
+
+def affine_spans(q, kp, kscale, kbias, vp, vscale, vbias, n: int, bits: int, group: int):
+    """Run ``affine_kernel`` over one cache's rows [0, n) (``affine_batch`` with one sequence): q [KVH, M, D] fp32
+    scaled queries; kp / vp codes [KVH, cap, D*bits/8] uint8; scales and biases [KVH, >=n, D/group], fp32 or fp16
+    as uint16 bits (one type for the four; else fp32 copies).  numpy arrays (views of the caller's storage; one
+    that is not C-contiguous is copied).  Returns the per-task (m, l, acc) like ``turbo_spans``."""
+    KVH, M, D = q.shape
+    sides = [kscale, kbias, vscale, vbias]
+    if len({a.dtype for a in sides}) > 1 or sides[0].dtype not in NORM_TYPES:
+        sides = [np.asarray(a, np.float32) for a in sides]
+    arrays = [np.ascontiguousarray(a) for a in (kp, *sides[:2], vp, *sides[2:])]  # held until the kernel returns
+    seqs = np.array([[a.ctypes.data for a in arrays] + [a.shape[1] for a in arrays]], np.int64)
+    tasks, _, per = turbo_tasks([n], KVH)
+    q = np.ascontiguousarray(q, np.float32)[None]
+    m_o, l_o, a_o = affine_batch(q, tasks, seqs, NORM_TYPES[sides[0].dtype], bits, group)
+    S = int(per[0])
+    return m_o.reshape(KVH, S, M), l_o.reshape(KVH, S, M), a_o.reshape(KVH, S, M, D)
 
 
 def merge_spans(m_o: np.ndarray, l_o: np.ndarray, a_o: np.ndarray):

@@ -1,10 +1,9 @@
 """The last step of a CPU decode row over a compressed cache (numpy + numba): the code kernels' per-task partials
 (``cpu_attention``: each task's max, denominator and unnormalised value sum over its span of compressed rows) merged
 with the row's 16-bit rows (the window and rows not yet compressed) into the attention output, in one compiled pass
-per KV head (``_merge_head``: one max over every row, codes and 16-bit alike).  ``merge_window`` merges one cache's
-partials with fp32 copies of its rows; ``merge_kernel`` merges the partials of B sequences' caches in one call,
-reading each cache's 16-bit rows where they lie (by address, fp32 or the bits of fp16), one task per (sequence, KV
-head).  ``rotate`` turns queries into the keys' rotated domain (TurboQuant).
+per KV head (``_merge_head``: one max over every row, codes and 16-bit alike).  ``merge_kernel`` merges the partials
+of B sequences' caches (one cache: B = 1) in one call, reading each cache's 16-bit rows where they lie (by address,
+fp32 or the bits of fp16), one task per (sequence, KV head).  ``rotate`` turns queries into the keys' rotated domain (TurboQuant).
 """
 
 from __future__ import annotations
@@ -66,28 +65,11 @@ if nb is not None:
                 out[t, d] = y / l
 
 
-def _merge_window(m_o, l_o, a_o, q, dk, dv, RT, out):
-    """One cache's decode row: m_o / l_o [KVH, S, M], a_o [KVH, S, M, D] (``turbo_spans`` / ``affine_spans``);
-    q [KVH, M, D] the scaled queries; dk / dv [KVH, nd, D] fp32; RT as ``_merge_head``'s.  out [KVH, M, D]."""
-    KVH, S, M = m_o.shape
-    D = a_o.shape[3]
-    nd = dk.shape[1]
-    m2, l2, a2 = m_o.reshape(KVH * S, M), l_o.reshape(KVH * S, M), a_o.reshape(KVH * S, M, D)
-    sc = np.empty(max(nd, 1), np.float32)
-    ar = np.empty(D, np.float32)
-    ad = np.empty(D, np.float32)
-    for h in range(KVH):
-        _merge_head(m2, l2, a2, h * S, S, q[h], dk[h], dv[h], nd, RT, out[h], sc, ar, ad)
-
-
-merge_window = nb.njit(fastmath=_FM, nogil=True, cache=True)(_merge_window) if nb is not None else None
-
-
 @functools.cache
 def merge_kernel(par: bool):
     """The decode rows of B sequences' caches in one call, one task per (sequence, KV head) (``par``: numba's
     parallel loops, ``cpu_attention.parallel``).  Arguments: m_o / l_o [T, M], a_o [T, M, D] the tasks' partials
-    (``cpu_attention.turbo_batch``); first / S [B] (``turbo_tasks``); q [B, KVH, M, D] the scaled queries; dense
+    (``cpu_attention.turbo_batch`` / ``affine_batch``); first / S [B] (``turbo_tasks``); q [B, KVH, M, D] the scaled queries; dense
     [B, 4] int64: each sequence's 16-bit keys and values by address ([KVH, rows, D], C-contiguous) and their rows;
     nd [B] the 16-bit rows attended; dt an array of their type (fp32, or uint16: fp16 bits); RT; out [B, KVH, M, D]."""
 
