@@ -404,11 +404,16 @@ class CompressedCache:
         to each query's position, compress what left the window.  Returns [T, H*D]."""
         L = self._write(layer, start, k, v)
         out = self._attend(L, q, start)
+        self.after_attend(L)
+        return out
+
+    def after_attend(self, L: CodeLayer) -> None:
+        """What follows a step's attention in layer ``L``: compress what left the window (not while a prompt is
+        staged); a static cache's rows must have fit its buffer."""
         if not L.staging:
             self._compress(L)
         if L.pending is not None:
             raise RuntimeError("static TurboQuant cache: 16-bit rows overflow the buffer")
-        return out
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write (and compress) without attending: filling a cache for memory measurements."""

@@ -75,9 +75,5 @@ class CodeRows:
                 for i, b in enumerate(fast):
                     outs[b] = got[i : i + 1]
         for c in caches:
-            L = c.layers[layer]
-            if not L.staging:
-                c._compress(L)
-            if L.pending is not None:
-                raise RuntimeError("static TurboQuant cache: 16-bit rows overflow the buffer")
+            c.after_attend(c.layers[layer])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
