@@ -243,7 +243,7 @@ def _affine_combine_kernel(
     e = c0 + tl.arange(0, DS)
     mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, e, D, BS, True)  # acc [DS]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    acc, l = dense_rows_online(
+    acc, l, _ = dense_rows_online(
         acc,
         l,
         mc,

@@ -54,7 +54,7 @@ def dense_rows_online(
     """A combine kernel's 16-bit rows: continue the online softmax (running value sum ``acc`` [DS] for
     coordinates ``e``, denominator ``l``, max ``m``) over the R rows dk/dv [KVH, R, D] of KV head ``g``,
     scores q . k over all D coordinates ``d`` times ``scale`` (``valid`` [R] masks rows when VALID; EXP2:
-    scores already in the exp2 domain).  Returns (acc, l), not normalised."""
+    scores already in the exp2 domain).  Returns (acc, l, m), not normalised."""
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         ok = rr < R
@@ -75,7 +75,7 @@ def dense_rows_online(
         acc = acc * alpha + tl.sum(p[:, None] * vd.to(tl.float32), axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
-    return acc, l
+    return acc, l, m
 
 
 @triton.jit
@@ -128,6 +128,7 @@ def _tq_combine_kernel(
     BATCH_H: tl.constexpr = 0,
     doffs_ptr=None,
     nd_ptr=None,
+    PRE: tl.constexpr = 1,
 ):
     """One program per (query head, DS output coordinates): merge the head's S split partials
     ([BS, D] at once, or SB splits at a time when SB > 0), rotate the code part back for its
@@ -135,11 +136,19 @@ def _tq_combine_kernel(
     ``valid`` masks a static buffer's rows; scores over all D, values for the slice) and write the
     normalised slice in the output's dtype.  BATCH_H (> 0: query heads per sequence): rows of several
     sequences, b = h // BATCH_H; its 16-bit buffers at ``doffs`` [B, 2] elements from the given ones and
-    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``)."""
+    its first ``nd`` [B] + 1 buffer rows valid (instead of ``valid``).  PRE (PDL builds): the 16-bit rows are
+    attended before the wait for the split pass (PRE=0: after it, an A/B knob)."""
     h = tl.program_id(0)
     c0 = tl.program_id(1) * DS
     if GDC:
-        tl.extra.cuda.gdc_wait()
+        if PRE == 0:
+            tl.extra.cuda.gdc_wait()
+    d = tl.arange(0, D)
+    e = c0 + tl.arange(0, DS)
+    # Before the wait: everything but the split partials.  The split pass lets this kernel launch only after its
+    # own wait, so every kernel before it (the query's RoPE, the 16-bit rows' writes, the step's inputs) has
+    # completed; only the partials may still be in flight.  The 16-bit rows' part of the softmax (original
+    # domain) is computed here, off the path that follows the split pass's last program.
     if BATCH_H > 0:
         b = h // BATCH_H
         g = (h % BATCH_H) // REP
@@ -148,19 +157,12 @@ def _tq_combine_kernel(
         R = tl.load(nd_ptr + b) + 1
     else:
         g = h // REP
-    d = tl.arange(0, D)
-    e = c0 + tl.arange(0, DS)
-    if SB > 0:
-        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
-    else:
-        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
-    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
-    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    code, l = dense_rows_online(
-        code,
-        l,
-        mc,
+    lw = tl.sum(tl.zeros((DS,), tl.float32), axis=0)
+    accw, lw, mw = dense_rows_online(
+        tl.zeros((DS,), tl.float32),
+        lw,
+        lw - float("inf"),
         q,
         dk_ptr,
         dv_ptr,
@@ -178,6 +180,20 @@ def _tq_combine_kernel(
         VALID,
         False,
     )
+    rot = tl.load(rot_ptr + d[:, None] * D + e[None, :])  # R[:, slice] [D, DS]
     if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+        if PRE != 0:
+            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel (a GEMV) may load its first weights meanwhile
+    if SB > 0:
+        mc, l, acc = merge_splits_chunked(m_ptr, l_ptr, acc_ptr, h, S, d, D, SB)
+    else:
+        mc, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, h, S, d, D, BS, False)  # acc [D], rotated domain
+    code = tl.sum(acc[:, None] * rot, axis=0)  # (acc @ R)[slice]
+    mx = tl.maximum(mc, mw)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    a = tl.exp(mc - mx)
+    bw = tl.exp(mw - mx)
+    code = code * a + accw * bw
+    l = l * a + lw * bw
     tl.store(out_ptr + h * D + e, (code / l).to(out_ptr.dtype.element_ty))

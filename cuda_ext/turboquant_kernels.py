@@ -162,6 +162,7 @@ def _tq_attn_kernel(
     DIAG: tl.constexpr = 0,
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
+    EARLY: tl.constexpr = 1,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -177,12 +178,16 @@ def _tq_attn_kernel(
     residual norms) from the given ones (sequence 0's), its row count at ``n_ptr`` + b.
     PAGE (> 0): the planes, norms and QJL tensors are a page pool (``_page_of``) and ``pt_ptr`` the
     sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
+    EARLY (PDL builds): the dependent combine pass may launch as soon as every program has passed its wait (it
+    attends the 16-bit rows before its own wait for these partials); EARLY=0: once each program's loop is done.
     """
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
     S = tl.num_programs(1)
     if GDC:
         tl.extra.cuda.gdc_wait()
+        if EARLY != 0:
+            tl.extra.cuda.gdc_launch_dependents()
     hg = g  # query heads g * REP .. of the [B * H, D] query rows
     if BATCH > 0:
         b = g // BATCH
@@ -263,7 +268,8 @@ def _tq_attn_kernel(
             PAGE,
         )
         if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+            if EARLY == 0:
+                tl.extra.cuda.gdc_launch_dependents()
         tl.store(m_out + h * S + sp, m, mask=rv)
         tl.store(l_out + h * S + sp, l, mask=rv)
         tl.store(acc_out + (h[None, :] * S + sp) * D + col[:, None], accT, mask=rv[None, :])
@@ -324,7 +330,8 @@ def _tq_attn_kernel(
         m = m_new
     l = l + tl.sum(lv, axis=1)
     if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY == 0:
+            tl.extra.cuda.gdc_launch_dependents()
     tl.store(m_out + h * S + sp, m, mask=rv)
     tl.store(l_out + h * S + sp, l, mask=rv)
     tl.store(acc_out + (h[:, None] * S + sp) * D + vcoord[None, :], acc, mask=rv[:, None])
@@ -345,6 +352,9 @@ _REGS: dict[tuple, tuple] = {}  # _split_pass's variant key -> the split kernel'
 # no spills (scripts/bench_tq_kernel.py --maxnreg times the caps).
 MAXNREG = int(os.environ.get("SWIFTLM_TQ_MAXNREG", "128") or 0)
 TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_TQ_TRANS") else None
+# the split pass lets its combine pass launch right after its wait (the combine attends the 16-bit rows meanwhile);
+# SWIFTLM_TQ_EARLY=0: only once its loop is done (an A/B knob)
+EARLY = int(os.environ.get("SWIFTLM_TQ_EARLY", "1") or 0)
 
 
 # split programs per SM: 4 for one sequence's row (its 16-bit window and merge then wait on fewer, longer splits),
@@ -483,6 +493,7 @@ def _split_pass(
         BATCH=kvh,
         pt_ptr=pages[0] if pages is not None else m,
         PAGE=int(pages[1]) if pages is not None else 0,
+        EARLY=tune.pop("EARLY", EARLY),
         **tune,
     )
     key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)
@@ -651,10 +662,10 @@ def _rotate_rows_kernel(x_ptr, m_ptr, out_ptr, D: tl.constexpr, DS: tl.constexpr
     h = tl.program_id(0)
     e = tl.program_id(1) * DS + tl.arange(0, DS)
     d = tl.arange(0, D)
+    mat = tl.load(m_ptr + d[:, None] * D + e[None, :])  # constant during a step: before the wait
     if GDC:
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + h * D + d).to(tl.float32)
-    mat = tl.load(m_ptr + d[:, None] * D + e[None, :])
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + h * D + e, tl.sum(x[:, None] * mat, axis=0))
