@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Where a decode step's GPU time goes for each KV format, at a long context: the CUDA kernels of the engine's
 decode steps (graph replays included) over a window of one streamed request, summed per kernel name and divided by
-the steps in the window.  Diagnostic for the inter-token latency that `swiftlm bench serve` measures.
+the steps in the window; "on the path": how much each kernel's end moved the latest end of the kernels before it
+(with programmatic dependent launch a kernel starts before the one before it ends, so its own duration overstates
+what it adds to the step).  Diagnostic for the inter-token latency that `swiftlm bench serve` measures.
 
     python scripts/profile_kv_step.py --model /tmp/m8b --prompt-tokens 32000 --formats 16bit,k4v3 [--json out.json]
 
@@ -78,12 +80,19 @@ def main() -> None:
         for _ in it:
             pass
         steps = n - n0
-        kern: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                k = kern[ev.name[:90]]
-                k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-                k[1] += 1
+        kern: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+        cuda = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        last_end = None
+        for ev in sorted(cuda, key=lambda e: e.time_range.start):
+            k = kern[ev.name[:90]]
+            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            k[1] += 1
+            # critical path: how far this kernel's end moved the latest end so far (overlapped launches, as with
+            # programmatic dependent launch, count only past the kernel before them)
+            end = ev.time_range.end
+            if last_end is not None:
+                k[2] += max(0.0, end - last_end)
+            last_end = end if last_end is None else max(last_end, end)
         total = sum(v[0] for v in kern.values())
         itl = [b - a_ for a_, b in zip(stamps[a.skip :], stamps[a.skip + 1 :])]
         row = {
@@ -92,7 +101,7 @@ def main() -> None:
             "itl_ms_p50": statistics.median(itl) * 1e3 if itl else None,
             "gpu_ms_per_step": total / steps / 1e3,
             "kernels": {
-                k: {"us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
+                k: {"us_per_step": v[0] / steps, "calls_per_step": v[1] / steps, "critical_us_per_step": v[2] / steps}
                 for k, v in sorted(kern.items(), key=lambda kv: -kv[1][0])
             },
         }
@@ -103,7 +112,11 @@ def main() -> None:
             flush=True,
         )
         for k, v in list(row["kernels"].items())[: a.top]:
-            print(f"   {v['us_per_step']:9.1f} us  {v['calls_per_step']:6.1f}x  {k}", flush=True)
+            print(
+                f"   {v['us_per_step']:9.1f} us  {v['critical_us_per_step']:9.1f} us on the path  "
+                f"{v['calls_per_step']:6.1f}x  {k}",
+                flush=True,
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
