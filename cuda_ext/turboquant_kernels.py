@@ -620,10 +620,12 @@ def tq_decode_attention_full(
     assert dk.stride(2) == 1 and dv.stride(2) == 1
     R = dk.shape[1]
     # 64 rows of the 16-bit buffer at a time: a static cache's 160-row buffer in 3 steps, not 10.  One sequence's
-    # row: its splits (66 for 8 KV heads on 132 SMs) merged in one load by 8 warps (measured with PROGRAMS_PER_SM)
+    # row: its splits (66 for 8 KV heads on 132 SMs) merged in one load.  4 warps: with the 16-bit rows attended
+    # before the wait, the merge after it is the critical part; on an H200 at 131K (8B shape, k4v3) it added 4.1 us
+    # per layer to the step with 4 warps, 6.5 with 8 (scripts/gpu_kv_step_ab.sh)
     kw = {"SB": 32, "BLOCK_R": 64, "num_warps": 4, "DS": min(D, 32)}
     if batch is None and S <= 128:
-        kw.update(SB=0, num_warps=8)
+        kw.update(SB=0)
     kw.update(_COMBINE)
     ds = kw["DS"]
     if "GDC" not in kw:
