@@ -134,6 +134,49 @@ def _stable_kv_step(parts: list[str]) -> dict:
     }
 
 
+TQ_128K_SERVE = [  # (build, file): serve runs at 131,072 tokens, each with 16-bit in the same run
+    ("combine after its wait, 8 warps (before)", "tq_s32/kv_formats_serve_ab_old.json"),
+    ("16-bit rows before the wait, 8 warps", "tq_s32/kv_formats_serve_ab_new.json"),
+    ("16-bit rows before the wait, 8 warps", "tq_s32/kv_formats_serve_ab_k3.json"),
+    ("16-bit rows before the wait, 4 warps", "tq_s32/kv_formats_serve_ab_nw4.json"),
+    ("16-bit rows before the wait, 4 warps", "kv_formats_serve_h200_131k_early.json"),
+]
+TQ_128K_STEP = [  # (variant, file): in-process step profiles at 131,000 tokens
+    ("16-bit", "tq_s32/kv_step_early_131000.json"),
+    ("k4v3, combine 8 warps", "tq_s32/kv_step_ab_base.json"),
+    ("k4v3, combine 4 warps", "tq_s32/kv_step_ab_nw4.json"),
+    ("k4v3, combine 4 warps, 16 coordinates each", "tq_s32/kv_step_ab_ds16.json"),
+    ("k4v3, combine 8 warps, 64 coordinates each", "tq_s32/kv_step_ab_ds64.json"),
+]
+
+
+def _stable_tq_128k() -> dict:
+    serve = []
+    for build, rel in TQ_128K_SERVE:
+        j = _load(rel)
+        base = j["rows"]["16bit"][0]["itl_ms_p50"]
+        for fmt, rs in j["rows"].items():
+            if fmt != "16bit":
+                serve.append({"build": build, "format": fmt, "itl_ms_p50": rs[0]["itl_ms_p50"], "itl_16bit_ms_p50": base,
+                              "ttft_ms": rs[0]["ttft_ms_p50"], "source": rel})  # fmt: skip
+    step = []
+    for variant, rel in TQ_128K_STEP:
+        j = _load(rel)
+        fmt = "16bit" if variant == "16-bit" else "k4v3"
+        r = j["formats"][fmt]
+        step.append({"variant": variant, "itl_ms_p50": r["itl_ms_p50"], "layers": j.get("layers", 32),
+                     "kernels": r["kernels"], "source": rel})  # fmt: skip
+    return {
+        "what": "TurboQuant decode at a 131K context on one H200 (8B shape): the combine pass's order and warps, "
+        "through swiftlm serve (16-bit in each run) and in process (each kernel's share of the step's critical path)",
+        "date": "2026-11-29",
+        "device": H200,
+        "command": "scripts/gpu_tq_ab.sh, scripts/gpu_kv_step_ab.sh, scripts/gpu_kv_formats.sh serve",
+        "serve": serve,
+        "step": step,
+    }
+
+
 def _stable_mlx_tq() -> dict:
     a = _load("bench_turboquant_cpu_mlx_numba.json")["runs"]["smollm2_numba1_r2"]  # the undisturbed run
     b = _load("bench_turboquant_cpu_mlx_kvbits_numba.json")["runs"]["smollm2_numba1"]
@@ -179,6 +222,7 @@ STABLE: dict[str, Callable[[], dict] | str] = {
         device=H100,
         command="scripts/bench_turboquant.py --shape 8b (presets with @paged: pages of the shared pool)",
     ),
+    "h200_tq_128k_decode.json": _stable_tq_128k,
     "h200_kv_decode_step.json": lambda: _stable_kv_step(
         ["tq_s29/kv_step_with16bit_32000.json", "tq_s29/kv_step_with16bit_131000.json"]
     ),
@@ -562,6 +606,49 @@ def m_kv_step(docs: list) -> str:
     return table(head, rows)
 
 
+def m_tq_128k_serve(docs: list) -> str:
+    """Each build's inter-token latency at 131K against 16-bit's in the same run."""
+    (j,) = docs
+    rows = [
+        [
+            r["build"],
+            r["format"],
+            f"{r['itl_16bit_ms_p50']:.2f} ms",
+            f"{r['itl_ms_p50']:.2f} ms",
+            f"**{x2(r['itl_16bit_ms_p50'] / r['itl_ms_p50'])}**",
+        ]  # fmt: skip
+        for r in j["serve"]
+    ]
+    return table(["build", "format", "16-bit inter-token p50", "inter-token p50", "decode speed-up"], rows)
+
+
+def m_tq_128k_path(docs: list) -> str:
+    """Per variant: how much each attention kernel adds to the step's critical path, per layer."""
+    (j,) = docs
+    rows = []
+    for r in j["step"]:
+        k, L = r["kernels"], r["layers"]
+        split = next(v for n, v in k.items() if KV_STEP_ATTENTION.get(n) == "split")
+        per_token = L / split["calls_per_step"]
+        path: dict = {}
+        for n, v in k.items():
+            if n in KV_STEP_ATTENTION:
+                col = KV_STEP_ATTENTION[n]
+                path[col] = path.get(col, 0.0) + v["critical_us_per_step"] * per_token / L
+        rows.append(
+            [
+                r["variant"],
+                f"{r['itl_ms_p50']:.3f} ms",
+                f"{path['split']:.1f} us",
+                f"{path.get('combine', 0):.1f} us",
+                f"{path.get('query rotation', 0):.1f} us",
+            ]  # fmt: skip
+        )
+    return table(
+        ["variant", "inter-token p50", "split pass / layer", "combine / layer", "query rotation / layer"], rows
+    )
+
+
 def m_fp8_kernel(docs: list) -> str:
     """The paged decode kernel over e4m3 against 16-bit, before and after the float16 dots."""
     (j,) = docs
@@ -924,7 +1011,7 @@ MEASURES = [
         "32K and 128K prompts through `swiftlm serve` (H200)",
         [
             "kv_formats_serve_h200_32k_8streams.json",
-            "kv_formats_serve_h200_131k.json",
+            "kv_formats_serve_h200_131k_early.json",
             "kv_formats_serve_h200_32k_kvbits.json",
         ],
         H200,
@@ -934,11 +1021,12 @@ MEASURES = [
         "bits (`--turbo-kv-prompt-memory auto`: one context, 17 GB here) and compresses it when it ends. The decode "
         "steps are overlapped and GPU-bound (step log: 0.3 ms to launch, ~7 ms waiting on the GPU); a compressed step "
         "reads about a quarter of the 16-bit cache's bytes, but the TurboQuant decode kernel runs well below the "
-        "memory bound, so at 128K the step is 9-11% faster rather than the ~1.8x the bytes allow. With 8 streams of "
+        "memory bound, so at 128K the step is 14-17% faster rather than the ~1.8x the bytes allow. With 8 streams of "
         "32K the prompts prefill one after another, a full chunk per step, each staged in 16 bits; the k4v3 figure "
         "includes 4 s of one-time CUDA graph captures for batches of 2, 3 and 5 compressed rows, met for the first "
         "time in that run. The TurboQuant rows "
-        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load; "
+        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load, "
+        "the 128K rows with the combine pass off the critical path as in the next table but one; "
         "several sequences' rows in one launch: 16 per SM, which took 8 streams from 1.03x of 16-bit's inter-token "
         "latency with 8 per SM to 0.99x, `tq_s31/`); the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, "
         "staging 4 GiB) are an earlier build with 8 split programs per SM for every row.",
@@ -963,13 +1051,39 @@ MEASURES = [
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
+        "TurboQuant decode at 128K: the combine pass off the critical path (H200)",
+        ["h200_tq_128k_decode.json"],
+        H200,
+        m_tq_128k_serve,
+        notes="Through `swiftlm serve` (`scripts/gpu_tq_ab.sh`, `scripts/gpu_kv_formats.sh serve`): the 8B shape, one "
+        "stream, a 131,072-token prompt, 128 new tokens, 16-bit served in the same run. The TurboQuant decode row is "
+        "two kernels per layer, a split pass over the codes and a combine pass that merges the splits, rotates the sum "
+        "back and attends the 16-bit window. Before: the combine waited for the split pass to finish, then did all of "
+        "that (`SWIFTLM_TQ_EARLY=0 SWIFTLM_TQ_COMBINE=PRE=0`). Now the split pass lets it launch right after its own "
+        "wait, and the combine attends the 16-bit window and loads the rotation before waiting for the partials; "
+        "after the wait only the merge is left, which 4 warps do faster than 8.",
+    ),
+    Measure(
+        "Long context: TurboQuant and kv_bits",
+        "The attention kernels on a 128K decode step's critical path (H200)",
+        ["h200_tq_128k_decode.json"],
+        H200,
+        m_tq_128k_path,
+        notes="`scripts/gpu_kv_step_ab.sh` (`scripts/profile_kv_step.py` in process, one request at 131,000 tokens, "
+        "60 decode steps under the profiler, one process per variant): per layer, how far each kernel's end moved "
+        "the latest end of the kernels before it. Kernels launched with programmatic dependent launch start before "
+        "the one before them ends, so their own durations (the table below) overstate what they add.",
+    ),
+    Measure(
+        "Long context: TurboQuant and kv_bits",
         "Where a long-context decode step's time goes (H200)",
         ["h200_kv_decode_step.json"],
         H200,
         m_kv_step,
         notes="`scripts/gpu_kv_step_profile.sh` (`scripts/profile_kv_step.py`): the same 8B shape through the Python "
         "API (the server's engine), one request per format on a 16-bit engine, the CUDA kernels of 60 decode steps "
-        "summed per kernel (graph replays included). Kernel times overlap a little (programmatic dependent launch), "
+        "summed per kernel (graph replays included), on the build before the combine pass moved off the critical "
+        "path (two tables up). Kernel times overlap a little (programmatic dependent launch), "
         "so their sum exceeds the inter-token latency. The TurboQuant split pass is faster than the 16-bit one at both "
         "lengths, but its combine pass (merging 132 splits per head, rotating the sum back, attending the 16-bit "
         "window) and the query's rotation cost ~12 us per layer more than 16-bit's combine; at 32K that outweighs "
