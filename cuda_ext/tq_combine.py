@@ -1,7 +1,7 @@
-"""The TurboQuant decode row's second pass and the helpers that attend 16-bit rows (Triton): the split pass's
-partials (max, denominator, value sum per split, ``turboquant_kernels._tq_attn_kernel``) merged per query head,
-rotated back, continued over the 16-bit window rows and normalised.  The affine ``kv_bits`` kernels
-(``affine_kv_kernels.py``) share the merge and the 16-bit rows.
+"""The TurboQuant decode row's second pass and the helpers that attend 16-bit rows (Triton): the 16-bit window rows
+attended while the split pass still runs, then the split pass's partials (max, denominator, value sum per split,
+``turboquant_kernels._tq_attn_kernel``) merged per query head, rotated back, joined with the window's part and
+normalised.  The affine ``kv_bits`` kernels (``affine_kv_kernels.py``) share the merge and the 16-bit rows.
 """
 
 from __future__ import annotations
