@@ -158,7 +158,7 @@ def _tq_combine_kernel(
     else:
         g = h // REP
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    lw = tl.sum(tl.zeros((DS,), tl.float32), axis=0)
+    lw = tl.sum(tl.zeros((DS,), tl.float32), axis=0)  # a 0-d fp32 zero (the form compiled on the H200's Triton)
     accw, lw, mw = dense_rows_online(
         tl.zeros((DS,), tl.float32),
         lw,

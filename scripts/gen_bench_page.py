@@ -562,6 +562,20 @@ KV_STEP_ATTENTION = {  # kernel name -> column: the decode attention's kernels p
 }
 
 
+def kv_step_per_layer(kernels: dict, L: int, field: str) -> tuple[dict, float]:
+    """A profile_kv_step.py format's attention kernels per layer (column -> us of ``field``), and the steps per
+    token: one split launch per layer and decode step (the profiled window's token count, from streamed deltas,
+    need not match the steps whose kernels it caught)."""
+    split = next(v for n, v in kernels.items() if KV_STEP_ATTENTION.get(n) == "split")
+    per_token = L / split["calls_per_step"]
+    layer: dict = {}
+    for n, v in kernels.items():
+        if n in KV_STEP_ATTENTION:
+            col = KV_STEP_ATTENTION[n]
+            layer[col] = layer.get(col, 0.0) + v[field] * per_token / L
+    return layer, per_token
+
+
 def m_kv_step(docs: list) -> str:
     """Per context and format: inter-token latency, the attention kernels per layer, the rest per token."""
     (j,) = docs
@@ -569,16 +583,8 @@ def m_kv_step(docs: list) -> str:
     for run in j["runs"]:
         for fmt, r in run["formats"].items():
             k = r["kernels"]
-            split = next(v for n, v in k.items() if KV_STEP_ATTENTION.get(n) == "split")
-            # per token: one split launch per layer and decode step (the profiled window's token count, from
-            # streamed deltas, need not match the steps whose kernels it caught); the runs before the field: 8B, 32
-            L = run.get("layers", 32)
-            per_token = L / split["calls_per_step"]
-            layer = {}
-            for n, v in k.items():
-                if n in KV_STEP_ATTENTION:
-                    col = KV_STEP_ATTENTION[n]
-                    layer[col] = layer.get(col, 0.0) + v["us_per_step"] * per_token / L
+            L = run.get("layers", 32)  # the runs before the field: 8B, 32
+            layer, per_token = kv_step_per_layer(k, L, "us_per_step")
             total = sum(v["us_per_step"] for v in k.values()) * per_token / 1e3
             attn = sum(layer.values()) * L / 1e3
             rows.append(
@@ -627,14 +633,7 @@ def m_tq_128k_path(docs: list) -> str:
     (j,) = docs
     rows = []
     for r in j["step"]:
-        k, L = r["kernels"], r["layers"]
-        split = next(v for n, v in k.items() if KV_STEP_ATTENTION.get(n) == "split")
-        per_token = L / split["calls_per_step"]
-        path: dict = {}
-        for n, v in k.items():
-            if n in KV_STEP_ATTENTION:
-                col = KV_STEP_ATTENTION[n]
-                path[col] = path.get(col, 0.0) + v["critical_us_per_step"] * per_token / L
+        path, _ = kv_step_per_layer(r["kernels"], r["layers"], "critical_us_per_step")
         rows.append(
             [
                 r["variant"],
