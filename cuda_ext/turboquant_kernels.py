@@ -163,6 +163,7 @@ def _tq_attn_kernel(
     pt_ptr=None,
     PAGE: tl.constexpr = 0,
     EARLY: tl.constexpr = 1,
+    BAL: tl.constexpr = 1,
 ):
     """One program per (KV head, split): the REP query heads sharing that KV head are scored
     together (rows of an [RP, D] tile, RP >= 16 for tl.dot), so each packed code is unpacked and
@@ -180,6 +181,8 @@ def _tq_attn_kernel(
     sequence's page table (BATCH: ``offs`` is [B, 9], sequence b's table at ``offs[b, 8]`` elements from it).
     EARLY (PDL builds): the dependent combine pass may launch as soon as every program has passed its wait (it
     attends the 16-bit rows before its own wait for these partials); EARLY=0: once each program's loop is done.
+    BAL: split ``sp`` owns tiles [sp * tiles // S, (sp + 1) * tiles // S), so the splits differ by at most one tile and
+    none is empty while there are at least S tiles; BAL=0: ceil(tiles / S) tiles each, the last splits short or empty.
     """
     g = tl.program_id(0)  # KV head
     sp = tl.program_id(1)  # split
@@ -227,8 +230,13 @@ def _tq_attn_kernel(
         sq = tl.load(sq_ptr + h[:, None] * D + kcoord[None, :], mask=rv[:, None], other=0.0)
         sq = sq.to(tl.float16) if F16 else sq.to(tl.float32)
     tiles = tl.cdiv(N, BLOCK_N)
-    per = tl.cdiv(tiles, S)
-    lo = sp * per * BLOCK_N
+    if BAL:
+        t0 = sp * tiles // S
+        per = (sp + 1) * tiles // S - t0
+        lo = t0 * BLOCK_N
+    else:
+        per = tl.cdiv(tiles, S)
+        lo = sp * per * BLOCK_N
     m = tl.full((RP,), float("-inf"), tl.float32)
     l = tl.zeros((RP,), tl.float32)
     if TRANS:
@@ -355,6 +363,8 @@ TRANS_DEFAULT = int(os.environ["SWIFTLM_TQ_TRANS"]) if os.environ.get("SWIFTLM_T
 # the split pass lets its combine pass launch right after its wait (the combine attends the 16-bit rows meanwhile);
 # SWIFTLM_TQ_EARLY=0: only once its loop is done (an A/B knob)
 EARLY = int(os.environ.get("SWIFTLM_TQ_EARLY", "1") or 0)
+# the splits' tile ranges differ by at most one tile (SM loads even); SWIFTLM_TQ_BALANCE=0: ceil-sized ranges (A/B)
+BALANCE = int(os.environ.get("SWIFTLM_TQ_BALANCE", "1") or 0)
 
 
 # split programs per SM: 4 for one sequence's row (its 16-bit window and merge then wait on fewer, longer splits),
@@ -494,6 +504,7 @@ def _split_pass(
         pt_ptr=pages[0] if pages is not None else m,
         PAGE=int(pages[1]) if pages is not None else 0,
         EARLY=tune.pop("EARLY", EARLY),
+        BAL=tune.pop("BAL", BALANCE),
         **tune,
     )
     key = (k_bits, v_bits, int(bool(trans)), n_rows is not None, kvh, pages is not None)

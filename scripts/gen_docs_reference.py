@@ -70,6 +70,7 @@ OTHER_ENV = {
     "SWIFTLM_TQ_MAXNREG": "`0`: no register cap on the TurboQuant split kernel (A/B)",
     "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=32,num_warps=4`; `PRE=0`: its 16-bit rows after the wait for the split pass (A/B)",
     "SWIFTLM_TQ_EARLY": "`0`: the TurboQuant split pass lets its combine pass launch only once its loop is done (A/B)",
+    "SWIFTLM_TQ_BALANCE": "`0`: the TurboQuant split pass's ranges are ceil(tiles / splits) tiles each, the last splits short or empty (A/B)",
     "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 4 for one sequence's row, 16 for batched rows, "
     "8 for the `kv_bits` kernels; `8` sets all, `4,16` one-sequence and batched; A/B)",
     "SWIFTLM_TQ_PRMT": "`0`: no inline-PTX codebook lookup in the TurboQuant kernels (A/B)",

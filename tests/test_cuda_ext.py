@@ -288,8 +288,10 @@ out = []
 # a multiple of the tile, planes that are views of a larger store (row stride > N)
 # 4-bit keys: an odd-symmetric codebook (as Lloyd-Max ones are: the 32-bit word path, prmt_asm4s on CUDA) and
 # a random one (CUDA falls back to the byte path; the interpreter takes the word path either way)
+# 4 splits: 330 rows are 6 tiles of 64, ranges of 1-2 tiles (BAL) or 2, 2, 2 and an empty one (BAL=0); 77 rows
+# leave empty splits either way
 for D, N, kb, vb, rep, sym in [(128, 77, 3, 2, 4, 0), (64, 100, 4, 3, 1, 1), (128, 130, 2, 3, 4, 0),
-                               (64, 33, 4, 2, 2, 0), (128, 70, 4, 3, 4, 1)]:
+                               (64, 33, 4, 2, 2, 0), (128, 330, 4, 3, 4, 1)]:
     KVH = 2
     pl = lambda b: [torch.randint(0, 256, (KVH, N + 5, D * w // 8), generator=g, dtype=torch.uint8)[:, :N].to(dev)
                     for w in _PLANES[b] if w]
@@ -301,17 +303,23 @@ for D, N, kb, vb, rep, sym in [(128, 77, 3, 2, 4, 0), (64, 100, 4, 3, 1, 1), (12
         kc = torch.cat([-half.flip(0), half]).to(dev)
     q = (torch.randn(KVH * rep, D, generator=g) * 0.3).to(dev)
     res = {{}}
-    for name, swar, tune in [("byte", "0", {{"TRANS": 0}}), ("swar", "1", {{"TRANS": 0}}), ("swar_trans", "1", {{"TRANS": 1}})]:
+    for name, swar, tune in [("byte", "0", {{"TRANS": 0}}), ("swar", "1", {{"TRANS": 0}}), ("swar_trans", "1", {{"TRANS": 1}}),
+                             ("ceil", "1", {{"TRANS": 1, "BAL": 0}})]:
         os.environ["SWIFTLM_TQ_SWAR"] = swar
         tk._TUNE.clear(); tk._TUNE.update(tune)
-        m, l, a = tq_decode_attention(q, kp, kn, kc, kb, vp, vn, vc, vb, rep=rep, f16=True, splits=3)
+        m, l, a = tq_decode_attention(q, kp, kn, kc, kb, vp, vn, vc, vb, rep=rep, f16=True, splits=4)
         res[name] = (a / l[:, None]).double()
+        if name in ("swar_trans", "ceil"):  # the splits that held no row
+            ls = tk._split_pass(q, kp, kn, kc, kb, vp, vn, vc, vb, None, rep, None, None, True, 4)[1]
+            res[name + "_empty"] = int((ls == 0).all(0).sum())
     tk._TUNE.clear()
     mr, lr, ar = tq_decode_attention_ref(q, kp, kn, kc, kb, vp, vn, vc, vb, rep=rep)
     ref = (ar / lr[:, None]).double()
     out.append(dict(case=[D, N, kb, vb, rep], ref_max=float(ref.abs().max()),
                     swar_vs_byte=float((res["swar"] - res["byte"]).abs().max()),
                     trans_vs_ref=float((res["swar_trans"] - ref).abs().max() / ref.abs().max()),
+                    ceil_vs_ref=float((res["ceil"] - ref).abs().max() / ref.abs().max()),
+                    empty=[res["swar_trans_empty"], res["ceil_empty"]],
                     byte_vs_ref=float((res["byte"] - ref).abs().max() / ref.abs().max())))
 print(json.dumps(out))
 """
@@ -346,14 +354,16 @@ def _check_tq_swar(device: str, interpret: bool) -> None:
         bound = 0.0 if interpret else fp32_matmul_tol(max(D, N), c["ref_max"], 2)
         assert c["swar_vs_byte"] <= bound, (c, bound)
         # fp16 dot operands with fp32 accumulation, as the f16/ cases of _check_tq: 8 u of fp16
-        assert c["trans_vs_ref"] < 4e-3 and c["byte_vs_ref"] < 4e-3, c
+        assert c["trans_vs_ref"] < 4e-3 and c["byte_vs_ref"] < 4e-3 and c["ceil_vs_ref"] < 4e-3, c
+        if N == 330:  # 6 tiles over 4 splits: 1-2 tiles each, or 2, 2, 2, 0
+            assert c["empty"] == [0, 1], c
 
 
 @triton_missing
 def test_turboquant_selector_words_equal_byte_path_interpreted():
     """2- and 3-bit codes read as whole 32/16-bit words and spread into selector nibbles (``_sel_words``)
-    decode to exactly what the byte-tile path decodes; the transposed-operand variant (TRANS) agrees with
-    the reference to fp16-operand rounding."""
+    decode to exactly what the byte-tile path decodes; the transposed-operand variant (TRANS), with even or
+    ceil-sized split ranges, agrees with the reference to fp16-operand rounding."""
     _check_tq_swar("cpu", interpret=True)
 
 
