@@ -17,6 +17,11 @@ import os
 log = logging.getLogger(__name__)
 _STATE: dict[str, bool] = {}
 
+if os.environ.get("SWIFTLM_LOG_COMPILES", "0") not in ("", "0"):  # a log line per kernel compiled (compile_log.py)
+    from .compile_log import install
+
+    install()
+
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

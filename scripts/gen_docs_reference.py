@@ -69,6 +69,7 @@ OTHER_ENV = {
     "SWIFTLM_TQ_SET_TABLES": "`0`: a CUDA graph per set of TurboQuant caches decoding together instead of one per batch size",
     "SWIFTLM_TQ_MAXNREG": "`0`: no register cap on the TurboQuant split kernel (A/B)",
     "SWIFTLM_TQ_COMBINE": "launch knobs of the TurboQuant combine pass, e.g. `SB=32,num_warps=4`; `PRE=0`: its 16-bit rows after the wait for the split pass (A/B)",
+    "SWIFTLM_LOG_COMPILES": "`1`: log each Triton kernel compiled (or loaded from Triton's cache) with its time and specialisation: a compile after the start-up warm-up stalls that step",
     "SWIFTLM_TQ_EARLY": "`0`: the TurboQuant split pass lets its combine pass launch only once its loop is done (A/B)",
     "SWIFTLM_TQ_BALANCE": "`0`: the TurboQuant split pass's ranges are ceil(tiles / splits) tiles each, the last splits short or empty (A/B)",
     "SWIFTLM_TQ_PROGRAMS_PER_SM": "split programs per SM the TurboQuant split pass aims at (default 4 for one sequence's row, 16 for batched rows, "
