@@ -434,7 +434,11 @@ def _swar_ok(planes: list[torch.Tensor], w0: int, w1: int, D: int, centroids: to
 
 
 # ------------------------------------------------------------------------------------ encode
-@triton.jit
+# R (rows x KV heads) only bounds the mask and is not specialised: Triton would compile a kernel apart for R % 16 == 0,
+# and whether the rows compressed at once are even or odd depends on the load.  Under a churn load on an H200 this
+# kernel compiled twice after the start-up warm-up (2.5 and 3.6 s, the step waiting); R is the argument of it that
+# varies with the load (the pointers are fresh or whole-row allocations)
+@triton.jit(do_not_specialize=["R"])
 def _tq_encode_kernel(
     x_ptr,
     rt_ptr,

@@ -16,8 +16,9 @@ A variant is ``NAME=SERVE_FLAGS[;VAR=VALUE...]`` (flags separated by spaces; ``1
 
 Per variant: time to first token (p50, p99), inter-token latency (p50, p99, max), output tok/s, and from the
 server's step log the steps with decode rows that took over ``--stall-ms`` (75 ms: over a step with a full prompt
-chunk; count, and the time they took beyond the median decode-only step).  ``--resummarize JSON LOGS`` recomputes
-those step figures of an earlier run's JSON from its kept logs.  Ratios are to the first variant, run in the same invocation.
+chunk; count, and the time they took beyond the median decode-only step), counted from the moment the server was
+ready (the steps of its start-up warm-up are left out: ``steps_before_ready``).  ``--resummarize JSON LOGS``
+recomputes those step figures of an earlier run's JSON from its kept logs.  Ratios are to the first variant, run in the same invocation.
 JSON: ``docs/results/serve_churn_<tag>.json``.
 """
 
@@ -47,10 +48,12 @@ def parse_variant(s: str) -> tuple[str, list[str], dict[str, str]]:
     return name, flags.split(), env
 
 
-def steps_summary(paths: list[Path], stall_ms: float) -> dict:
+def steps_summary(paths: list[Path], stall_ms: float, since: float | None = None) -> dict:
     """The steps with decode rows in the step logs (their duration: to the next step's start): the median of the
     decode-only ones, and those over ``stall_ms`` (count, and the time they took beyond that median).  A gap after
-    which no row decodes and that lasts over a second is the engine waiting for requests, not a step."""
+    which no row decodes and that lasts over a second is the engine waiting for requests, not a step.  ``since``
+    (the step log's clock, ``time.perf_counter``: CLOCK_MONOTONIC, one clock for every process of the machine): the
+    steps before it are left out, those of the server's start-up warm-up, which no request waits on."""
     rows = []
     for p in paths:
         for line in p.read_text().splitlines():
@@ -58,7 +61,8 @@ def steps_summary(paths: list[Path], stall_ms: float) -> dict:
                 rows.append(json.loads(line))
             except ValueError:
                 continue  # a line cut by the process's exit
-    rows.sort(key=lambda r: r["t"])
+    before = [r for r in rows if since is not None and r["t"] < since]
+    rows = sorted((r for r in rows if since is None or r["t"] >= since), key=lambda r: r["t"])
     steps = [
         ((b["t"] - a["t"]) * 1e3, bool(a["prefill_seqs"]))
         for a, b in zip(rows, rows[1:])
@@ -70,6 +74,7 @@ def steps_summary(paths: list[Path], stall_ms: float) -> dict:
     med = statistics.median(decode_only)
     slow = [d for d, _ in steps if d > stall_ms]
     return {
+        "steps_before_ready": len(before),
         "decode_steps": len(decode_only),
         "decode_step_ms_p50": med,
         "stalls": len(slow),
@@ -85,6 +90,7 @@ def run_variant(args: argparse.Namespace, name: str, flags: list[str], env: dict
     t_start = time.time()
     try:
         srv = Server(args, flags, log)
+        ready_t = time.perf_counter()  # the step log's clock: its steps before this are the start-up warm-up's
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -122,9 +128,10 @@ def run_variant(args: argparse.Namespace, name: str, flags: list[str], env: dict
         "itl_ms_p50": res["itl_ms"]["p50"],
         "itl_ms_p99": res["itl_ms"]["p99"],
         "itl_ms_max": res["itl_ms"]["max"],
+        "ready_t": ready_t,
     }
     steps = sorted(tmp.glob(f"serve_{name}_steps_*.jsonl"))
-    row.update(steps_summary(steps, args.stall_ms) if steps else {})
+    row.update(steps_summary(steps, args.stall_ms, ready_t) if steps else {})
     return row
 
 
@@ -148,7 +155,7 @@ def main() -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--variant", action="append", required=True, help="NAME=SERVE_FLAGS[;VAR=VALUE...]")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SERVE_FLAGS[;VAR=VALUE...]")
     ap.add_argument("--streams", type=int, default=8, help="concurrency and the server's --parallel")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=4000, help="mean prompt length")
@@ -169,17 +176,30 @@ def main() -> int:
     )
     ap.add_argument("--note", default="")
     ap.add_argument("--resummarize", nargs=2, metavar=("JSON", "LOGS"), help="recompute the step figures and exit")
+    ap.add_argument(
+        "--ready",
+        action="append",
+        default=[],
+        metavar="VARIANT=T",
+        help="with --resummarize: the step-log time at which that variant's server was ready (runs without ready_t)",
+    )
     args = ap.parse_args()
     if args.resummarize:
         doc_path, logs = Path(args.resummarize[0]), Path(args.resummarize[1])
         doc = json.loads(doc_path.read_text())
+        for name, t in (kv.split("=") for kv in args.ready):  # runs from before ready_t was recorded
+            for r in doc["rows"]:
+                if r["variant"] == name:
+                    r["ready_t"], r["ready_t_from"] = float(t), "--ready (read off the step log)"
         for r in doc["rows"]:
             steps = sorted(logs.glob(f"serve_{r['variant']}_steps_*.jsonl"))
-            r.update(steps_summary(steps, args.stall_ms) if steps else {})
+            r.update(steps_summary(steps, args.stall_ms, r.get("ready_t")) if steps else {})
         doc["config"]["stall_ms"] = args.stall_ms
         doc_path.write_text(json.dumps(doc, indent=1))
         print_table(doc["rows"])
         return 0
+    if not args.variant:
+        ap.error("--variant is required (one per server to run)")
     # what Server reads: the longest prompt and output to make room for (--ctx-size), and the step log switch
     args.prompt_mean, args.output_mean = args.prompt_tokens, args.output_tokens
     args.prompt_tokens = [args.prompt_mean + 4 * args.prompt_std]

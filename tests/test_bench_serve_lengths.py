@@ -229,3 +229,27 @@ def test_kv_formats_script_main(tmp_path, monkeypatch, capsys):
     assert started == [([], 1)]
     assert sent == [{}, {"turbo_kv": "k4v3"}, {"kv_bits": 8}] * 2
     assert json.loads((tmp_path / "kv_formats_serve_u.json").read_text())["config"]["one_server"] is True
+
+
+def test_churn_steps_summary_leaves_out_the_warm_up(tmp_path):
+    """bench_serve_churn's step figures: durations to the next step, the median decode-only step, stalls over the
+    bound counted beyond that median; the steps before the server was ready (its start-up warm-up) left out."""
+    spec = importlib.util.spec_from_file_location("bench_serve_churn", ROOT / "scripts" / "bench_serve_churn.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+
+    def step(t, decode, pre=0):
+        return json.dumps({"t": t, "decode": decode, "prefill_seqs": int(pre > 0), "prefill_tokens": pre})
+
+    # warm-up: a mixed step of 5 s (a compile); then decode steps of 10 ms, one mixed step of 200 ms, one of 100 ms
+    lines = [step(0.0, 1, 512), step(5.0, 1), step(5.01, 1), step(5.02, 1, 512), step(5.22, 1), step(5.23, 1, 300),
+             step(5.33, 1), step(5.34, 1), step(5.35, 0)]  # fmt: skip
+    log = tmp_path / "serve_x_steps_1.jsonl"
+    log.write_text("\n".join(lines) + "\n{cut")
+    everything = m.steps_summary([log], 75.0)
+    assert everything["stalls"] == 3 and everything["worst_step_ms"] == pytest.approx(5000.0)
+    ready = m.steps_summary([log], 75.0, since=5.0)
+    assert ready["steps_before_ready"] == 1 and ready["decode_steps"] == 5
+    assert ready["decode_step_ms_p50"] == pytest.approx(10.0)
+    assert ready["stalls"] == 2 and ready["worst_step_ms"] == pytest.approx(200.0)
+    assert ready["stall_ms_lost"] == pytest.approx(190.0 + 90.0)

@@ -81,10 +81,10 @@ def test_a_failing_warm_up_leaves_a_working_engine(asking, monkeypatch, caplog):
     assert any("warm-up failed" in r.getMessage() and "compile failed" in r.getMessage() for r in caplog.records)
 
 
-def test_torch_asks_for_a_warm_up_for_graphed_turboquant_only(monkeypatch):
+def test_torch_warm_up_lengths(monkeypatch):
     """The torch backend's lengths: a graphed TurboQuant server (static caches, codes in pages) gets one prompt of
     several chunks and then one per batch size up to 16, each past the 16-bit window plus a compression block (so
-    that it compresses); other formats get none."""
+    that it compresses); other formats on CUDA the prompt of several chunks only; none on the CPU."""
     torch = pytest.importorskip("torch")
     from swiftlm.backends.torch import seq_caches
     from swiftlm.turboquant.presets import COMPRESS_BLOCK, KVFormat, affine, parse_turbo
@@ -97,9 +97,11 @@ def test_torch_asks_for_a_warm_up_for_graphed_turboquant_only(monkeypatch):
     assert len(batch) == 8  # one per batch size
     assert all(n > fmt.window + COMPRESS_BLOCK for n in [short, long, *batch])  # each compresses
     assert len(seq_caches.warm_up_waves(fmt, dev, 64)[1]) == 16
-    assert seq_caches.warm_up_waves(parse_turbo("k4v3", keep_layers=2), dev, 8) == []
-    assert seq_caches.warm_up_waves(affine(8, 32), dev, 8) == []
-    assert seq_caches.warm_up_waves(KVFormat(), dev, 8) == []
+    cuda = torch.device("cuda")
+    for other in (parse_turbo("k4v3", keep_layers=2), affine(8, 32), KVFormat()):
+        assert seq_caches.warm_up_waves(other, dev, 8) == []
+        ((short16, long16),) = seq_caches.warm_up_waves(other, cuda, 8)
+        assert long16 > 2 * 512 and short16 < 512
     monkeypatch.setattr(seq_caches, "triton_ok", lambda device: False)  # the CPU: its kernels warm up at load
     assert seq_caches.warm_up_waves(fmt, dev, 8) == []
 

@@ -37,9 +37,12 @@ def warm_up_waves(fmt: KVFormat, device: torch.device, rows: int) -> list[list[i
     graph per batch size of compressed decode rows on first use.  First a short prompt, which decodes alone beside
     the chunks of a prompt of several chunks (that prompt attends its compressed prefix; Triton compiles a kernel
     apart for one row, so one decode row beside a prompt chunk is a path of its own); then prompts past the window,
-    one per batch size up to 16 (larger batches are captured when they first occur); [] for other formats."""
+    one per batch size up to 16 (larger batches are captured when they first occur).  Other formats on CUDA: the first
+    wave only.  A prompt longer than a chunk runs its chunks eagerly (prompt graphs replay single-chunk prompts), and
+    the first such step of a server took 3.4-3.9 s on an H200 whether or not Triton's cache was warm (8B shape; a
+    16-bit server's first 4,000-token prompt, a TurboQuant server's warm-up); [] on the CPU."""
     if not static_turbo(fmt, device):
-        return []
+        return [[192, 1300]] if device.type == "cuda" else []
     short = fmt.window + 64
     return [[short, 1300], [short + 24 * i for i in range(min(rows, 16))]]
 
