@@ -140,6 +140,8 @@ TQ_128K_SERVE = [  # (build, file): serve runs at 131,072 tokens, each with 16-b
     ("16-bit rows before the wait, 8 warps", "tq_s32/kv_formats_serve_ab_k3.json"),
     ("16-bit rows before the wait, 4 warps", "tq_s32/kv_formats_serve_ab_nw4.json"),
     ("16-bit rows before the wait, 4 warps", "kv_formats_serve_h200_131k_early.json"),
+    ("+ even split ranges", "tq_s33/kv_formats_serve_131k_balanced.json"),
+    ("+ even split ranges", "tq_s33/kv_formats_serve_131k_balanced_repeat.json"),
 ]
 TQ_128K_STEP = [  # (variant, file): in-process step profiles at 131,000 tokens
     ("16-bit", "tq_s32/kv_step_early_131000.json"),
@@ -147,6 +149,8 @@ TQ_128K_STEP = [  # (variant, file): in-process step profiles at 131,000 tokens
     ("k4v3, combine 4 warps", "tq_s32/kv_step_ab_nw4.json"),
     ("k4v3, combine 4 warps, 16 coordinates each", "tq_s32/kv_step_ab_ds16.json"),
     ("k4v3, combine 8 warps, 64 coordinates each", "tq_s32/kv_step_ab_ds64.json"),
+    ("k4v3, 131,100 tokens: ceil-sized split ranges", "tq_s33/kv_step_ab_ceil_131100.json"),
+    ("k4v3, 131,100 tokens: even split ranges", "tq_s33/kv_step_ab_bal_131100.json"),
 ]
 
 
@@ -167,8 +171,9 @@ def _stable_tq_128k() -> dict:
         step.append({"variant": variant, "itl_ms_p50": r["itl_ms_p50"], "layers": j.get("layers", 32),
                      "kernels": r["kernels"], "source": rel})  # fmt: skip
     return {
-        "what": "TurboQuant decode at a 131K context on one H200 (8B shape): the combine pass's order and warps, "
-        "through swiftlm serve (16-bit in each run) and in process (each kernel's share of the step's critical path)",
+        "what": "TurboQuant decode at a 131K context on one H200 (8B shape): the combine pass's order and warps and "
+        "the split pass's ranges, through swiftlm serve (16-bit in each run) and in process (each kernel's share of "
+        "the step's critical path)",
         "date": "2026-11-29",
         "device": H200,
         "command": "scripts/gpu_tq_ab.sh, scripts/gpu_kv_step_ab.sh, scripts/gpu_kv_formats.sh serve",
@@ -223,6 +228,9 @@ STABLE: dict[str, Callable[[], dict] | str] = {
         command="scripts/bench_turboquant.py --shape 8b (presets with @paged: pages of the shared pool)",
     ),
     "h200_tq_128k_decode.json": _stable_tq_128k,
+    "h200_kv_formats_serve_32k.json": "tq_s33/kv_formats_serve_32k_balanced.json",
+    "h200_kv_formats_serve_128k.json": "tq_s33/kv_formats_serve_131k_balanced.json",
+    "h200_serve_churn_8b.json": "tq_s33/serve_churn_h200_8b.json",
     "h200_kv_decode_step.json": lambda: _stable_kv_step(
         ["tq_s29/kv_step_with16bit_32000.json", "tq_s29/kv_step_with16bit_131000.json"]
     ),
@@ -1009,26 +1017,24 @@ MEASURES = [
         "Long context: TurboQuant and kv_bits",
         "32K and 128K prompts through `swiftlm serve` (H200)",
         [
-            "kv_formats_serve_h200_32k_8streams.json",
-            "kv_formats_serve_h200_131k_early.json",
+            "h200_kv_formats_serve_32k.json",
+            "h200_kv_formats_serve_128k.json",
             "kv_formats_serve_h200_32k_kvbits.json",
         ],
         H200,
         lambda docs: m_kv_serve(docs, every_run=True),
-        notes="`scripts/gpu_kv_formats.sh serve` with `CTX=140000`: the same 8B shape and method as the H100 table, "
+        notes="`scripts/gpu_kv_formats.sh serve` with `CTX=135168`: the same 8B shape and method as the H100 table, "
         "128 new tokens (768 with 8 streams). At 131,072 tokens a `--turbo-kv` server stages the whole prompt in 16 "
         "bits (`--turbo-kv-prompt-memory auto`: one context, 17 GB here) and compresses it when it ends. The decode "
         "steps are overlapped and GPU-bound (step log: 0.3 ms to launch, ~7 ms waiting on the GPU); a compressed step "
         "reads about a quarter of the 16-bit cache's bytes, but the TurboQuant decode kernel runs well below the "
-        "memory bound, so at 128K the step is 14-17% faster rather than the ~1.8x the bytes allow. With 8 streams of "
-        "32K the prompts prefill one after another, a full chunk per step, each staged in 16 bits; the k4v3 figure "
-        "includes 4 s of one-time CUDA graph captures for batches of 2, 3 and 5 compressed rows, met for the first "
-        "time in that run. The TurboQuant rows "
-        "are the current build (one sequence's decode row: 4 split programs per SM, its splits merged in one load, "
-        "the 128K rows with the combine pass off the critical path as in the next table but one; "
-        "several sequences' rows in one launch: 16 per SM, which took 8 streams from 1.03x of 16-bit's inter-token "
-        "latency with 8 per SM to 0.99x, `tq_s31/`); the `kv_bits` rows (requests with `kv_bits` on a 16-bit server, "
-        "staging 4 GiB) are an earlier build with 8 split programs per SM for every row.",
+        "memory bound, so at 128K the step is 15-18% faster rather than the ~1.8x "
+        "the bytes allow. With 8 streams of 32K the prompts prefill one after another, a full chunk per step, each "
+        "staged in 16 bits. The 32K and 128K rows are the current build: one sequence's decode row with 4 split "
+        "programs per SM, even split ranges and the combine pass off the critical path (the next tables); several "
+        "sequences' rows in one launch with 16 per SM (which took 8 streams from 1.03x of 16-bit's inter-token latency "
+        "with 8 per SM to 0.99x, `tq_s31/`). The `kv_bits` rows (requests with `kv_bits` on a 16-bit server, staging "
+        "4 GiB) are an earlier build with 8 split programs per SM for every row.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
@@ -1050,7 +1056,27 @@ MEASURES = [
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
-        "TurboQuant decode at 128K: the combine pass off the critical path (H200)",
+        "Requests that come and go, with the start-up warm-up (H200)",
+        ["h200_serve_churn_8b.json"],
+        H200,
+        m_churn,
+        notes="The same load and script as the table above, on the build with the two-wave start-up warm-up (a short "
+        "prompt decoding beside the chunks of a long one, then one prompt per batch size). Steps are counted from the "
+        "moment each server was ready: the warm-up's steps are left out (`bench_serve_churn.py --ready`, read off "
+        "the step logs for these runs). `k4v3_first` is the first k4v3 server of this run, on a machine whose Triton "
+        "cache held the kernels of earlier k4v3 servers; its one long step (5.5 s, one decode row beside a 512-token "
+        "prompt chunk) is a kernel compiled under the load. On a fresh machine with `SWIFTLM_LOG_COMPILES=1` "
+        "(`tq_s33/compile_log_fresh_k4v3.txt`, `tq_s33/serve_churn_h200_8b_fresh_compile_log.json`) the warm-up "
+        "compiled every TurboQuant kernel, and after it only the encode kernel compiled again, twice (2.5 and 3.6 s, "
+        "one 6.1 s step), besides the sampler's two kernels at the first request (0.5 s); the encode kernel's row "
+        "count has since stopped being a specialised argument, which this run predates. 16-bit's time to first token "
+        "p99 comes from its first long prompt: that prompt's first step took 3.95 s. A TurboQuant server takes "
+        "such a step (3.4-3.9 s) in its warm-up, and graphed CUDA servers of every format now run a prompt of "
+        "several chunks at start-up, also after this run.",
+    ),
+    Measure(
+        "Long context: TurboQuant and kv_bits",
+        "TurboQuant decode at 128K: the combine pass off the critical path, even split ranges (H200)",
         ["h200_tq_128k_decode.json"],
         H200,
         m_tq_128k_serve,
@@ -1060,7 +1086,11 @@ MEASURES = [
         "back and attends the 16-bit window. Before: the combine waited for the split pass to finish, then did all of "
         "that (`SWIFTLM_TQ_EARLY=0 SWIFTLM_TQ_COMBINE=PRE=0`). Now the split pass lets it launch right after its own "
         "wait, and the combine attends the 16-bit window and loads the rotation before waiting for the partials; "
-        "after the wait only the merge is left, which 4 warps do faster than 8.",
+        "after the wait only the merge is left, which 4 warps do faster than 8. The split pass gives each KV head's "
+        "66 splits whole tiles of 64 rows. With ceil-sized ranges (`SWIFTLM_TQ_BALANCE=0`), from 2,047 tiles on every "
+        "split but the last ones ran 32 tiles (the last two short or empty), so the SMs holding four full splits "
+        "set the pass's end; even ranges give 31 or 32 tiles to every split. During this run the codes grow from "
+        "2,046 to 2,048 tiles.",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
@@ -1068,9 +1098,11 @@ MEASURES = [
         ["h200_tq_128k_decode.json"],
         H200,
         m_tq_128k_path,
-        notes="`scripts/gpu_kv_step_ab.sh` (`scripts/profile_kv_step.py` in process, one request at 131,000 tokens, "
-        "60 decode steps under the profiler, one process per variant): per layer, how far each kernel's end moved "
-        "the latest end of the kernels before it. Kernels launched with programmatic dependent launch start before "
+        notes="`scripts/gpu_kv_step_ab.sh` (`scripts/profile_kv_step.py` in process, one request at 131,000 tokens "
+        "unless the row says otherwise, 60 decode steps under the profiler, one process per variant): per layer, how "
+        "far each kernel's end moved the latest end of the kernels before it. At 131,000 tokens the codes are 2,045 "
+        "tiles, 31 per split with either range layout (3,366 and 3,370 us per step, `tq_s33/`); at 131,100 they "
+        "are 2,047-2,048, where the two layouts differ. Kernels launched with programmatic dependent launch start before "
         "the one before them ends, so their own durations (the table below) overstate what they add.",
     ),
     Measure(
