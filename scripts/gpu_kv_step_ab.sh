@@ -4,6 +4,8 @@
 # environment; then, with SERVE=1, the fastest variant and 16-bit through `swiftlm serve` (scripts/gpu_kv_formats.sh).
 #   VARIANTS="base nw4:SWIFTLM_TQ_COMBINE=num_warps=4" FORMATS=k4v3 bash scripts/gpu_kv_step_ab.sh   (carry .whl .gpu)
 # A variant is NAME[:VAR=VALUE...].  Results: $OUT/kv_step_ab_<NAME>.json, $OUT/kv_step_ab.log.
+# LENGTH (131,100): the codes then span the tiles a 131,072-token serve run decodes over (2,047-2,048 of 64 rows;
+# at 131,000 they are 2,045, which 66 splits share evenly whatever the range layout).
 set -uo pipefail
 REPO=$(pwd)
 source scripts/gpu_site.sh
@@ -14,7 +16,7 @@ for v in ${VARIANTS:-base}; do
   name=${v%%:*}; envs=(); [ "$v" != "$name" ] && IFS=: read -ra envs <<< "${v#*:}"
   echo "=== variant $name: ${envs[*]:-defaults}" | tee -a $OUT/kv_step_ab.log
   env "${envs[@]}" timeout ${TIMEOUT:-200} python3 $REPO/scripts/profile_kv_step.py --model /tmp/m8b \
-      --prompt-tokens ${LENGTH:-131000} --formats ${FORMATS:-k4v3} --top 8 --json $OUT/kv_step_ab_$name.json 2>&1 \
+      --prompt-tokens ${LENGTH:-131100} --formats ${FORMATS:-k4v3} --top 8 --json $OUT/kv_step_ab_$name.json 2>&1 \
       | grep -v "^USDT\|profiler_st\|Warn\|warn" | tee -a $OUT/kv_step_ab.log
 done
 best=$(python3 - "$OUT" ${VARIANTS:-base} <<'PY'
