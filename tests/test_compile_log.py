@@ -22,8 +22,14 @@ def test_compile_hooks_log_and_chain(caplog, monkeypatch):
         name = "_tq_attn_kernel"
 
     # the keyword arguments Triton's JITFunction._call_hook passes
-    kw = dict(key=("sig", 7), repr="_tq_attn_kernel[num_warps=4](N: i32)", fn=Fn(), compile={}, is_manual_warmup=False,
-              already_compiled=False)
+    kw = dict(
+        key=("sig", 7),
+        repr="_tq_attn_kernel[num_warps=4](N: i32)",
+        fn=Fn(),
+        compile={},
+        is_manual_warmup=False,
+        already_compiled=False,
+    )
     with caplog.at_level(logging.WARNING, logger="swiftlm.compile"):
         assert not knobs.runtime.jit_cache_hook(**kw)  # a true value would make Triton skip the compile
         knobs.runtime.jit_post_compile_hook(**kw)
