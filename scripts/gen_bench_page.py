@@ -231,6 +231,7 @@ STABLE: dict[str, Callable[[], dict] | str] = {
     "h200_kv_formats_serve_32k.json": "tq_s33/kv_formats_serve_32k_balanced.json",
     "h200_kv_formats_serve_128k.json": "tq_s33/kv_formats_serve_131k_balanced.json",
     "h200_serve_churn_8b.json": "tq_s33/serve_churn_h200_8b.json",
+    "cpu_kv_formats_serve_4k.json": "tq_s33/kv_formats_serve_cpu_4k_s33.json",
     "h200_kv_decode_step.json": lambda: _stable_kv_step(
         ["tq_s29/kv_step_with16bit_32000.json", "tq_s29/kv_step_with16bit_131000.json"]
     ),
@@ -1123,13 +1124,15 @@ MEASURES = [
     Measure(
         "Long context: TurboQuant and kv_bits",
         "Time to first token and inter-token latency through `swiftlm serve` (CPU)",
-        ["kv_formats_serve_cpu_4k.json"],
+        ["cpu_kv_formats_serve_4k.json"],
         CPU,
         m_kv_serve,
         notes="`scripts/bench_kv_formats_serve.py --prompt-tokens 4000 --rounds 3 --one-server`: the bundled "
         "SmolLM2-135M in fp32 on torch, a 4,000-token random-token prompt, 128 new tokens, one 16-bit server with the "
         "format chosen per request, the formats in turn three times (medians of each round's ratio). The 16-bit "
-        "inter-token latency was 47-54 ms in this run. The same code with one server per format (2 rounds, "
+        "inter-token latency was 48-60 ms and its time to first token 14.5-15.8 s in this run (an earlier build on a "
+        "quieter machine: 47-54 ms; `kv_formats_serve_cpu_4k.json`: 1.25x / 1.10x / 1.07x / 1.27x time to first "
+        "token, 0.99x / 0.98x / 1.11x / 1.12x decode). The same code with one server per format (2 rounds, "
         "`kv_formats_serve_cpu_4k_servers.json`, each format at its own minutes) measured decode at 0.92x (k4v3), "
         "0.87x (k3v2), 1.04x (kv8) and 1.01x (kv4), with 16-bit's own inter-token latency 43.7 ms in one round and "
         "51.4 ms in the other: ratios within ~10% of each other are not told apart on this shared VM.",
