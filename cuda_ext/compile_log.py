@@ -48,8 +48,12 @@ def install() -> bool:
             COUNT[0] += 1
         now = time.perf_counter()
         ms = (now - t0) * 1e3 if t0 is not None else float("nan")
-        # t: perf_counter seconds, the clock of the engine's step log (--step-log)
-        log.warning("triton compile %s: %.0f ms at t=%.3f (%s)", ident[0], ms, now, kw.get("repr", ""))
+        # t: perf_counter seconds, the clock of the engine's step log (--step-log); key: the argument types and
+        # specialisations (divisible by 16, equal to 1) and constexprs, which tell two compiles of a kernel apart
+        # (some Triton versions' repr names the first argument only)
+        log.warning(
+            "triton compile %s: %.0f ms at t=%.3f (%s) key=%.600s", ident[0], ms, now, kw.get("repr", ""), ident[1]
+        )
         return prev_done(**kw) if prev_done else None
 
     rt.jit_cache_hook, rt.jit_post_compile_hook = started, done

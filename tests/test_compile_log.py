@@ -38,3 +38,4 @@ def test_compile_hooks_log_and_chain(caplog, monkeypatch):
     (rec,) = [r for r in caplog.records if r.name == "swiftlm.compile"]
     assert "_tq_attn_kernel" in rec.getMessage() and "N: i32" in rec.getMessage()
     assert " ms " in rec.getMessage() and "nan" not in rec.getMessage()
+    assert "key=('sig', 7)" in rec.getMessage()
