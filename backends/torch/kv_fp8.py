@@ -78,11 +78,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale).to(dtype)
 
 
-def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What an FP8 cache gives back for ``x``: ``dequantize(quantize(x))`` in x's dtype (the reference)."""
-    return dequantize(quantize(x, scale), scale, x.dtype)
-
-
 _NAMES = (
     (re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v)_scale$"), "self_attn.{}_scale"),
     (re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v)_proj\.output_scale$"), "self_attn.{}_proj.output_scale"),
