@@ -156,7 +156,7 @@ class Settings(BaseSettings):
     turbo_kv_keep_layers: int = _f(0, "First and last N layers keep a 16-bit cache under TurboQuant.", group="engine")
     warm_up: bool = _f(
         True,
-        "Before taking requests, run a few scratch ones where the backend asks for it (TurboQuant KV on a GPU), so "
+        "Before taking requests, run a few scratch ones where the backend asks for it (the torch backend on CUDA), so "
         "that kernel compiles and CUDA graph captures happen at start-up, not under the first requests; "
         "--no-warm-up turns it off.",
         group="engine",

@@ -1,8 +1,8 @@
 """Scratch requests through the step loop before a server takes its first request.
 
-Some paths compile kernels or capture CUDA graphs the first time they run: with TurboQuant KV on a GPU, the
-compressed prompt pass, a step that mixes prompt chunks with decode rows, and each batch size of compressed decode
-rows.  Under a first real load that costs seconds, and every stream of the step waits (measured on an H200, 8B
+Some paths compile kernels or capture CUDA graphs the first time they run: on a GPU, a prompt's chunks after its
+first (run eagerly) and a step that mixes prompt chunks with decode rows; with TurboQuant KV also the compressed
+prompt pass and each batch size of compressed decode rows.  Under a first real load that costs seconds, and every stream of the step waits (measured on an H200, 8B
 shape: 6 to 10 s steps on a machine's first run, 3 s with Triton's disk cache).  A model that has such paths says
 so through ``ModelHooks.warm_up_waves``; the engine then runs each wave in turn, one request per length, admitted
 at once, greedy with EOS banned, the i-th of a wave stopping after ``TOKENS_PER_ROW * (i + 1)`` tokens, so that the

@@ -41,10 +41,11 @@ def warm_up_waves(fmt: KVFormat, device: torch.device, rows: int) -> list[list[i
     wave only.  A prompt longer than a chunk runs its chunks eagerly (prompt graphs replay single-chunk prompts), and
     the first such step of a server took 3.4-3.9 s on an H200 whether or not Triton's cache was warm (8B shape; a
     16-bit server's first 4,000-token prompt, a TurboQuant server's warm-up); [] on the CPU."""
+    long = 1300  # a prompt of several chunks
     if not static_turbo(fmt, device):
-        return [[192, 1300]] if device.type == "cuda" else []
+        return [[192, long]] if device.type == "cuda" else []
     short = fmt.window + 64
-    return [[short, 1300], [short + 24 * i for i in range(min(rows, 16))]]
+    return [[short, long], [short + 24 * i for i in range(min(rows, 16))]]
 
 
 class SeqCaches:
