@@ -5,8 +5,11 @@ first (run eagerly) and a step that mixes prompt chunks with decode rows; with T
 prompt pass and each batch size of compressed decode rows.  Under a first real load that costs seconds, and every stream of the step waits (measured on an H200, 8B
 shape: 6 to 10 s steps on a machine's first run, 3 s with Triton's disk cache).  A model that has such paths says
 so through ``ModelHooks.warm_up_waves``; the engine then runs each wave in turn, one request per length, admitted
-at once, greedy with EOS banned, the i-th of a wave stopping after ``TOKENS_PER_ROW * (i + 1)`` tokens, so that the
-batch shrinks one row at a time (every batch size is captured).
+at once, sampled (temperature 1, a fixed seed) with EOS ignored, the i-th of a wave stopping after
+``TOKENS_PER_ROW * (i + 1)`` tokens, so that the batch shrinks one row at a time (every batch size is captured).
+Sampled, not greedy: a greedy request takes the argmax and never reaches the sampler's Triton kernels, which then
+compiled at a server's first sampled request (1.4 s on a fresh H200: bf16 rows of decode steps, float32 rows of
+steps that mix prompt chunks with decode rows).
 The requests are not counted: the engine's figures, step timers and prompt cache start empty afterwards.
 """
 
@@ -63,7 +66,7 @@ def warm_up(engine: Any, lengths: list[int], vocab: int, timeout: float = 600.0)
     with engine.outputs_to(collect):
         with engine.together():
             for sid, toks, k in zip(ids, prompts(lengths, vocab), outs):
-                params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+                params = SamplingParams(max_tokens=k, temperature=1.0, seed=0, ignore_eos=True)
                 engine.intake.add_checked(sid, toks, params, None, time.perf_counter())
         if not done.wait(timeout):
             raise RuntimeError("start-up warm-up requests did not end")

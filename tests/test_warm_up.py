@@ -46,6 +46,25 @@ def test_warm_up_runs_before_serving_and_leaves_no_trace(asking):
         assert eng.stats.requests_total == 1
 
 
+def test_scratch_requests_sample(asking, monkeypatch):
+    """The scratch requests are sampled, not greedy: a greedy row takes the argmax and leaves the sampler's kernels
+    (Triton on CUDA) to compile at the first sampled request a client sends."""
+    import swiftlm.sampler as sampler
+
+    asking[:] = [[40, 130]]
+    kinds: list[bool] = []
+    real = sampler.plain_greedy
+
+    def spy(p, s):
+        kinds.append(p.greedy)
+        return real(p, s)
+
+    monkeypatch.setattr(sampler, "plain_greedy", spy)
+    with LLM(backend="fake", parallel=4, ctx_size=1024, prefill_size=64):
+        pass
+    assert kinds and not any(kinds), kinds
+
+
 def test_no_warm_up_setting_skips_it(asking):
     asking[:] = [[40, 30]]
     with LLM(backend="fake", parallel=4, ctx_size=1024, warm_up=False):
