@@ -159,12 +159,14 @@ def test_stage_split_and_units():
 def test_each_stage_reads_only_its_tensors(untied5):
     """Stage 0: the embedding and layers 0-1; stage 1: layers 2-4 (renumbered 0-2), the final norm
     and the LM head -- nothing else is read from the safetensors files."""
-    from swiftlm.backends.torch.pipeline import load_stage_state
+    from swiftlm.backends.torch.loader import read_tensors
+    from swiftlm.backends.torch.pipeline import make_stage
     from swiftlm.registry import resolve
 
     spec = resolve(str(untied5))
-    s0 = load_stage_state(spec, spec.config, 0, 2, True, False)
-    s1 = load_stage_state(spec, spec.config, 2, 5, False, True)
+    st0, st1 = make_stage(spec, spec.config, 0, 2), make_stage(spec, spec.config, 1, 2)
+    assert (st0.l0, st0.l1, st1.l0, st1.l1) == (0, 2, 2, 5)
+    s0, s1 = read_tensors(spec, st0.pick), read_tensors(spec, st1.pick)
     layers = lambda st: sorted({int(k.split(".")[2]) for k in st if ".layers." in k})  # noqa: E731
     assert layers(s0) == [0, 1] and layers(s1) == [0, 1, 2]
     assert {k for k in s0 if ".layers." not in k} == {"model.embed_tokens.weight"}
@@ -360,7 +362,10 @@ def test_stage_args_slice_the_layer_windows():
     """A stage's layers are renumbered from 0, so its per-layer sliding windows must be the model's
     windows of [l0, l1) (the stage used the model's first layers' windows before)."""
     from swiftlm.backends.torch.model_config import Args
-    from swiftlm.backends.torch.pipeline import stage_args
+    from swiftlm.backends.torch.pipeline import Stage
+
+    def stage_args(a, l0, l1):
+        return Stage(l0, l1, l0 == 0, False, False).args(a)
 
     base = {
         "model_type": "qwen2",

@@ -61,25 +61,21 @@ class TorchBackend:
 
     def check_tensor_parallel(self, spec: ModelSpec, world: int) -> None:
         """--tensor-parallel ``world``: ConfigError (one sentence) if this model cannot be split so."""
-        from swiftlm.convert import hf_config
-
-        from .loader import check_arch
+        from .loader import check_arch, checkpoint_config
         from .parallel import make_plan
 
         check_arch(spec)
-        config = hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+        config = checkpoint_config(spec)
         for r in range(world):
             make_plan(config, r, world)
 
     def check_pipeline_parallel(self, spec: ModelSpec, world: int) -> None:
         """--pipeline-parallel ``world``: ConfigError (one sentence) if this model cannot be split so."""
-        from swiftlm.convert import hf_config
-
-        from .loader import check_arch
+        from .loader import check_arch, checkpoint_config
         from .pipeline import check_split
 
         check_arch(spec)
-        check_split(hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config), world)
+        check_split(checkpoint_config(spec), world)
 
 
 __all__ = ["TorchBackend"]

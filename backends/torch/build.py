@@ -1,18 +1,24 @@
 """The load of a native torch model: checkpoint names to ours (``hf_state_to_ours``), the model built
 on the meta device and filled (``build``: model.py's ``Transformer``, archs.py's / archs_moe.py's
-subclasses, streamed_moe.py's experts), and the steps every load ends with (``finish_load``)."""
+subclasses, streamed_moe.py's experts; or the ``Part`` of it one process of a group holds), and the steps
+every load ends with (``finish_load``, ``tokenizer_and_info``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from swiftlm.backend import ModelInfo
 from swiftlm.errors import UnsupportedArchitecture
+from swiftlm.registry import ModelSpec
+from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 from . import archs, archs_moe
 from .archs_config import refuse_flag
+from .devices import CUDA_DEFAULT_CTX
+from .loader import Cut
 from .model import MLP, Transformer
 from .model_config import MOE_ARCHS, Args
 from .offload import place
@@ -48,6 +54,18 @@ def hf_state_to_ours(a: Args, sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+class Part(Protocol):
+    """The piece of the model that one process of a group holds (parallel.Plan: a tensor-parallel rank's slices;
+    pipeline.Stage: a pipeline stage's layers): what it reads of the checkpoint (``pick``, loader.read_tensors'
+    policy), its ``Args``, and how its module tree differs from the whole model's (``shape``, on the meta device)."""
+
+    def pick(self, name: str) -> tuple[str, Cut | None] | None: ...
+
+    def args(self, a: Args) -> Args: ...
+
+    def shape(self, model: Transformer) -> None: ...
+
+
 def build(
     config: dict,
     state: dict[str, torch.Tensor],
@@ -56,17 +74,23 @@ def build(
     expert_reader: Any = None,
     first_cpu_layer: int | None = None,
     offload_dtype: torch.dtype = torch.float32,
+    part: Part | None = None,
 ) -> Transformer:
-    """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts."""
+    """``expert_reader`` (a swiftlm.experts.ExpertReader): MoE layers stream their experts.  ``part``: the model
+    of one tensor-parallel rank or pipeline stage (llama-family layers only: make_plan / check_split refuse the
+    others), which has no eager path on CUDA (``finish_load`` without ``eager``: ``check_device``)."""
     a = Args.from_config(config)
     if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
-        a.tie = True  # an embedding-only checkpoint (e.g. Qwen3Model): no head; logits are never asked for
+        a.tie = True  # an embedding-only checkpoint (e.g. Qwen3Model) or a stage without the head: no head
+    a = part.args(a) if part is not None else a
     with torch.device("meta"):
         model = Transformer(a) if a.ext is None else ext_model(a, first_cpu_layer, expert_reader)
         if expert_reader is not None:
             for i, layer in enumerate(model.layers):
                 if i in expert_reader.layout.slabs:
                     layer.mlp = StreamedMoE(a, expert_reader, i, device, dtype)
+        if part is not None:
+            part.shape(model)
     if a.arch in MOE_ARCHS:  # GPT-OSS's fused experts, DeepSeek's interleaved rope rows
         sd = archs_moe.convert_state(a, state)
     else:
@@ -93,7 +117,7 @@ def build(
     for layer in model.layers:
         if hasattr(layer.mlp, "to_device"):
             layer.mlp.to_device()
-    return finish_load(model, dtype, eager=True)  # one process: runner.TorchModel picks the path
+    return finish_load(model, dtype, eager=part is None)  # one process: runner.TorchModel picks the path
 
 
 def install_quantized(
@@ -164,3 +188,35 @@ def param_bytes(model: Any) -> int:
             n += weight_bytes(layer.mlp.gate_up)
     n += sum(weight_bytes(m.weight) for m in model.modules() if isinstance(m, QuantProj))
     return n
+
+
+def tokenizer_and_info(
+    spec: ModelSpec,
+    cfg: Any,
+    module: Any,
+    whole: Args,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_store: torch.dtype | None = None,
+    **fields: Any,
+) -> tuple[Any, ModelInfo]:
+    """The tokenizer and ``ModelInfo`` of a loaded model (one process, a tensor-parallel rank, a pipeline stage).
+    Served context: --ctx-size, else the model's, on CUDA at most ``CUDA_DEFAULT_CTX`` (the default KV pool holds
+    every --parallel sequence at the full context, devices.kv_pool_size; with --kv-cache-memory the pool's size no
+    longer follows the context).  Layers and vocabulary are the whole model's (``whole``); weight and KV bytes this
+    process's ``module``'s (its layers, its KV heads; KV rows in ``kv_store``, default ``dtype``)."""
+    gguf = spec.format == "gguf"
+    tokenizer = load_gguf_tokenizer(spec.gguf_meta or {}) if gguf else load_hf_tokenizer(spec.path, spec.config)
+    cap = whole.ctx if device.type == "cpu" else min(whole.ctx, CUDA_DEFAULT_CTX)
+    m = module.a
+    return tokenizer, ModelInfo(
+        arch=spec.arch,
+        num_layers=whole.layers,
+        context_length=min(int(getattr(cfg, "ctx_size", None) or cap), whole.ctx),
+        vocab_size=whole.vocab,
+        num_params=spec.num_params,
+        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+        weight_bytes=param_bytes(module),
+        kv_bytes_per_token=2 * m.layers * m.kv_heads * m.head_dim * torch.finfo(kv_store or dtype).bits // 8,
+        **fields,
+    )

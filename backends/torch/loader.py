@@ -1,17 +1,22 @@
 """Weights for the torch backend: HF safetensors directories (16-bit, or quantized FP8 / AWQ / GPTQ /
-compressed-tensors layouts), and GGUF (dequantized).  A quantized checkpoint's layers stay quantized on CUDA
-(``<module>.weight`` -> quant_linear.QuantLinear, which build.build installs where its kernels run) and are
-dequantised on the CPU (quant_weights.py).  ``--quantize fp8`` quantises a 16-bit checkpoint's projections at
-load (per-output-channel e4m3 scales): kept as FP8 on CUDA, the FP8-rounded weights in float on the CPU."""
+compressed-tensors layouts), and GGUF (dequantized), all read by one walk over the checkpoint (``read_tensors``)
+that takes the load's policy per tensor: the whole model (``load_state``), a tensor-parallel rank's slices, a
+pipeline stage's layers.  A quantized checkpoint's layers stay quantized on CUDA (``<module>.weight`` ->
+quant_linear.QuantLinear, which build.build installs where its kernels run) and are dequantised on the CPU
+(quant_weights.py).  ``--quantize fp8`` quantises a 16-bit checkpoint's projections at load (per-output-channel
+e4m3 scales): kept as FP8 on CUDA, the FP8-rounded weights in float on the CPU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from swiftlm.convert import GGUF_ARCHS, iter_dequantized
+from swiftlm.convert import GGUF_ARCHS, hf_config, hf_name, iter_dequantized
 from swiftlm.errors import CorruptModel, UnsupportedArchitecture
+from swiftlm.gguf_file import read_gguf_header
 from swiftlm.quant_config import QuantScheme, parse
 from swiftlm.registry import ModelSpec
 
@@ -40,39 +45,70 @@ def refuse_quantized(spec: ModelSpec, what: str) -> None:
         )
 
 
-def load_hf_state(
-    spec: ModelSpec,
-    skip: set[str] | frozenset[str] = frozenset(),
-    dtype: torch.dtype = torch.float32,
-    keep_quantized: bool = False,
-) -> dict[str, Any]:
-    """Every tensor of the checkpoint but those named in ``skip`` (streamed experts: never read); the
-    layers of a quantized checkpoint dequantised to ``dtype``, or (``keep_quantized``) as QuantLinear."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+Cut = tuple[int, int, int]  # (dim, start, stop): the rows (dim 0) or columns (dim 1) of a tensor a process reads
+# HF name -> (the name this process keeps the tensor under, the part of it it reads; None: all), or None: not read
+Pick = Callable[[str], "tuple[str, Cut | None] | None"]
 
+
+def checkpoint_config(spec: ModelSpec) -> dict:
+    """The HF config the torch backend builds from: config.json's, or the one a GGUF's metadata gives."""
+    return hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
+
+
+def checkpoint_names(spec: ModelSpec) -> list[str]:
+    """The HF names of a checkpoint's tensors, from the file headers alone (no tensor is read)."""
+    if spec.format == "gguf":
+        return [hf_name(t.name) for t in read_gguf_header(spec.path)[1]]
+    names: list[str] = []
+    for f in spec.weight_files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                names += fh.keys()
+        except Exception as exc:
+            raise CorruptModel(f"{f} could not be read: {exc}") from exc
+    return names
+
+
+def _cut(x: Any, cut: Cut) -> Any:
+    """``x`` (a numpy array, or a safetensors ``get_slice``: only the cut's bytes are read) cut."""
+    dim, start, stop = cut
+    return x[start:stop] if dim == 0 else x[:, start:stop]
+
+
+def read_tensors(spec: ModelSpec, pick: Pick | None = None, flag: str | None = None) -> dict[str, torch.Tensor]:
+    """The one walk over a checkpoint's tensors (the shards of an HF directory, or a GGUF file) that every load
+    makes: ``pick`` (None: every tensor, whole) is the load's policy, per HF name: keep it or not, under which
+    name, whole or a cut (a tensor-parallel rank's slices: parallel.Plan; a pipeline stage's layers, renumbered:
+    pipeline.Stage).  Safetensors read only what is kept, and of a cut tensor only its slice; a GGUF file is
+    dequantized (gguf-py, fp32, Q/K rows in HF order) tensor by tensor, each dropped or cut at once, so one whole
+    tensor at a time is in memory besides what is kept.  KV-cache scales are never kept (kv_fp8.checkpoint_scales
+    reads them).  ``flag`` (an option that does not read quantized weights): refused for a quantized checkpoint."""
+    state: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> tuple[str, Cut | None] | None:
+        return None if scale_names(name) else pick(name) if pick else (name, None)
+
+    if spec.format == "gguf":
+        for name, arr in iter_dequantized(spec):
+            if (got := keep(name)) is not None:
+                state[got[0]] = torch.from_numpy(arr if got[1] is None else _cut(arr, got[1]).copy())
+        return state
     if (spec.config.get("quantization") or {}).get("bits"):
         raise UnsupportedArchitecture(
             f"{spec.path} holds MLX-quantized weights, which the torch backend does "
             "not read; use the mlx backend or a 16-bit checkpoint"
         )
-    state: dict[str, torch.Tensor] = {}
+    if flag:
+        refuse_quantized(spec, flag)
     for f in spec.weight_files:
         try:
-            if skip:
-                with safe_open(str(f), framework="pt") as fh:
-                    state.update({k: fh.get_tensor(k) for k in fh.keys() if k not in skip})
-            else:
-                state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if (got := keep(name)) is not None:
+                        ours, cut = got
+                        state[ours] = fh.get_tensor(name) if cut is None else _cut(fh.get_slice(name), cut)
         except Exception as exc:
             raise CorruptModel(f"{f} could not be read: {exc}") from exc
-    for k in [k for k in state if scale_names(k)]:  # KV-cache scales: kv_fp8.checkpoint_scales reads them
-        del state[k]
-    scheme = quant_scheme(spec)
-    if scheme is not None and keep_quantized:
-        quantized_state(state, scheme)
-    elif scheme is not None:
-        dequantize_state(state, scheme, dtype)
     return state
 
 
@@ -92,11 +128,6 @@ def quantize_state(state: dict[str, Any], method: str, device: torch.device | No
         q = quantize_fp8(w.to(device) if cuda else w)
         state[k] = q if cuda else q.dequantized(torch.float32)
     return state
-
-
-def load_gguf_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to fp32 (gguf-py), Q/K rows back in HF order (llama only)."""
-    return {name: torch.from_numpy(arr) for name, arr in iter_dequantized(spec)}
 
 
 GGUF_ARCHITECTURES = tuple(GGUF_ARCHS)  # llama (as the mlx backend), qwen2, qwen3: swiftlm.convert.GGUF_ARCHS
@@ -168,20 +199,19 @@ def load_state(
     device: torch.device | None = None,
     quantize: str | None = None,
 ) -> tuple[dict, dict[str, Any]]:
-    """(config, tensors).  A quantized checkpoint's layers come as QuantLinear when ``device`` is CUDA, else
-    dequantised to ``dtype``; its config without ``quantization_config``.  ``quantize``: ``--quantize``."""
+    """(config, tensors) of the whole model, but the tensors named in ``skip`` (streamed experts: never read).
+    A quantized checkpoint's layers come as QuantLinear when ``device`` is CUDA, else dequantised to ``dtype``; its
+    config without ``quantization_config``.  ``quantize``: ``--quantize``."""
     check_arch(spec)
     if quantize:
         refuse_quantized(spec, f"--quantize {quantize}")
-    if spec.format == "gguf":
-        from swiftlm.convert import hf_config
-
-        state = load_gguf_state(spec)
-        return hf_config(spec, "float32"), quantize_state(state, quantize, device) if quantize else state
-    if skip:
-        refuse_quantized(spec, "--stream-experts")
-    config = dict(spec.config)
+    pick = (lambda name: None if name in skip else (name, None)) if skip else None
+    state: dict[str, Any] = read_tensors(spec, pick, "--stream-experts" if skip else None)
+    scheme = quant_scheme(spec)
+    if scheme is not None and device is not None and device.type == "cuda":
+        quantized_state(state, scheme)
+    elif scheme is not None:
+        dequantize_state(state, scheme, dtype)
+    config = checkpoint_config(spec)
     config.pop("quantization_config", None)
-    cuda = device is not None and device.type == "cuda"
-    state = load_hf_state(spec, skip, dtype, keep_quantized=cuda)
     return config, quantize_state(state, quantize, device) if quantize else state

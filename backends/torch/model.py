@@ -153,7 +153,8 @@ class Transformer(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def init_rope(self) -> None:
-        self.cos, self.sin = rope_tables(self.a, self.embed_tokens.weight.device)
+        # where the weights are (the embedding's, or a later pipeline stage's first layer's)
+        self.cos, self.sin = rope_tables(self.a, next(self.parameters()).device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)

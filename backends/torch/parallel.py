@@ -33,16 +33,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from swiftlm.backend import Forward, ModelInfo, StepBatch
-from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
+from swiftlm.backend import Forward, StepBatch
+from swiftlm.errors import ConfigError
 from swiftlm.registry import ModelSpec
 
 from .archs_config import refuse_flag
-from .build import finish_load, hf_state_to_ours, param_bytes
-from .devices import CUDA_DEFAULT_CTX, _apply_mem_limit, pick_device
+from .build import build, tokenizer_and_info
+from .devices import _apply_mem_limit, pick_device
+from .loader import Cut, check_arch, checkpoint_config, read_tensors
 from .model import Transformer
 from .model_config import Args
 from .tp_allreduce import all_reduce
+from .tp_allreduce import setup as setup_all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 class Plan:
     """What rank ``rank`` of ``world`` holds: query heads [q0, q1), KV heads [kv0, kv1), MLP
     columns [i0, i1), vocabulary rows [v0, v0 + vocab_rows) (the last rank's slice is padded with
-    zero rows past the real vocabulary, so that every rank's logits have the same width)."""
+    zero rows past the real vocabulary, so that every rank's logits have the same width).  A
+    ``build.Part``: the policy loader.read_tensors reads the rank's slices with, and its model."""
 
     rank: int
     world: int
@@ -65,6 +68,48 @@ class Plan:
     v0: int
     vocab_rows: int
     vocab: int  # the full vocabulary
+    head_dim: int
+
+    def pick(self, name: str) -> tuple[str, Cut | None]:
+        """Every tensor, under its HF name: this rank's rows / columns of it (``cut``), or all of it."""
+        return name, self.cut(name)
+
+    def cut(self, name: str) -> Cut | None:
+        """(dim, start, stop) of an HF tensor name this rank keeps a slice of; None: kept whole."""
+        D = self.head_dim
+        if ".self_attn.q_proj." in name:
+            return 0, self.q0 * D, self.q1 * D
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            return 0, self.kv0 * D, self.kv1 * D
+        if name.endswith(".self_attn.o_proj.weight"):
+            return 1, self.q0 * D, self.q1 * D
+        if name.endswith(".mlp.gate_proj.weight") or name.endswith(".mlp.up_proj.weight"):
+            return 0, self.i0, self.i1
+        if name.endswith(".mlp.down_proj.weight"):
+            return 1, self.i0, self.i1
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            return 0, self.v0, min(self.v0 + self.vocab_rows, self.vocab)
+        return None
+
+    def pad(self, state: dict[str, torch.Tensor]) -> None:
+        """The last rank's vocabulary slices (embedding, LM head) padded in place with zero rows to ``vocab_rows``."""
+        for name, t in state.items():
+            if (name.endswith("embed_tokens.weight") or name == "lm_head.weight") and t.shape[0] < self.vocab_rows:
+                state[name] = torch.cat([t, t.new_zeros(self.vocab_rows - t.shape[0], *t.shape[1:])])
+
+    def args(self, a: Args) -> Args:
+        q, kv, i = self.q1 - self.q0, self.kv1 - self.kv0, self.i1 - self.i0
+        return replace(a, heads=q, kv_heads=kv, intermediate=i, vocab=self.vocab_rows)
+
+    def shape(self, model: Transformer) -> None:
+        """The single-process module tree with this rank's head, column and vocabulary counts (``args``), and
+        the sharded layers where a collective is needed."""
+        la = model.a
+        model.embed_tokens = VocabParallelEmbedding(la.vocab, la.hidden, self.v0)
+        for blk in model.layers:
+            blk.self_attn.o_proj = RowParallelLinear(la.heads * la.head_dim, la.hidden, bias=False)
+            blk.mlp.down_proj = RowParallelLinear(la.intermediate, la.hidden, bias=False)
+        model.plan = self
 
 
 def make_plan(c: dict, rank: int, world: int) -> Plan:
@@ -96,77 +141,8 @@ def make_plan(c: dict, rank: int, world: int) -> Plan:
     if inter < world or H < world:
         raise ConfigError(f"--tensor-parallel {world} is more ranks than the model's {H} heads / {inter} MLP columns")
     rows = -(-a.vocab // world)
-    return Plan(
-        rank, world, q0, q1, kv0, kv1, rank * inter // world, (rank + 1) * inter // world, rank * rows, rows, a.vocab
-    )
-
-
-def local_args(a: Args, p: Plan) -> Args:
-    return replace(a, heads=p.q1 - p.q0, kv_heads=p.kv1 - p.kv0, intermediate=p.i1 - p.i0, vocab=p.vocab_rows)
-
-
-def slice_rule(name: str, a: Args, p: Plan) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of an HF tensor name this rank keeps a slice of; None: kept whole."""
-    D = a.head_dim
-    if ".self_attn.q_proj." in name:
-        return 0, p.q0 * D, p.q1 * D
-    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-        return 0, p.kv0 * D, p.kv1 * D
-    if name.endswith(".self_attn.o_proj.weight"):
-        return 1, p.q0 * D, p.q1 * D
-    if name.endswith(".mlp.gate_proj.weight") or name.endswith(".mlp.up_proj.weight"):
-        return 0, p.i0, p.i1
-    if name.endswith(".mlp.down_proj.weight"):
-        return 1, p.i0, p.i1
-    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        return 0, p.v0, min(p.v0 + p.vocab_rows, p.vocab)
-    return None
-
-
-def _pad_vocab(name: str, t: torch.Tensor, p: Plan) -> torch.Tensor:
-    if (name.endswith("embed_tokens.weight") or name == "lm_head.weight") and t.shape[0] < p.vocab_rows:
-        t = torch.cat([t, t.new_zeros(p.vocab_rows - t.shape[0], *t.shape[1:])])
-    return t
-
-
-def load_shard(spec: ModelSpec, config: dict, p: Plan) -> dict[str, torch.Tensor]:
-    """This rank's tensors (HF names): slices read with ``get_slice`` (safetensors) or cut from
-    each dequantized GGUF tensor as it is produced."""
-    a = Args.from_config(config)
-    state: dict[str, torch.Tensor] = {}
-    if spec.format == "gguf":
-        from swiftlm.convert import iter_dequantized
-
-        for name, arr in iter_dequantized(spec):
-            r = slice_rule(name, a, p)
-            if r is not None:
-                arr = arr[r[1] : r[2]] if r[0] == 0 else arr[:, r[1] : r[2]]
-            state[name] = _pad_vocab(name, torch.from_numpy(arr.copy()), p)
-        return state
-    from safetensors import safe_open
-
-    if (spec.config.get("quantization") or {}).get("bits"):
-        raise UnsupportedArchitecture(
-            f"{spec.path} holds MLX-quantized weights, which the torch backend does "
-            "not read; use the mlx backend or a 16-bit checkpoint"
-        )
-    from .loader import refuse_quantized
-
-    refuse_quantized(spec, "--tensor-parallel")
-    for f in spec.weight_files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    r = slice_rule(name, a, p)
-                    if r is None:
-                        t = fh.get_tensor(name)
-                    else:
-                        s = fh.get_slice(name)
-                        t = s[r[1] : r[2]] if r[0] == 0 else s[:, r[1] : r[2]]
-                    state[name] = _pad_vocab(name, t, p)
-        except Exception as exc:
-            raise CorruptModel(f"{f} could not be read: {exc}") from exc
-    return state
+    i0, i1 = rank * inter // world, (rank + 1) * inter // world
+    return Plan(rank, world, q0, q1, kv0, kv1, i0, i1, rank * rows, rows, a.vocab, a.head_dim)
 
 
 # ---------------------------------------------------------------------------- the layers
@@ -208,32 +184,6 @@ def gather_vocab(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, logits)
     return torch.cat(parts, dim=-1)[..., :vocab]
-
-
-def build_sharded(
-    config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, p: Plan
-) -> Transformer:
-    """``build.build`` for one rank's slices: the same module tree with this rank's head, column
-    and vocabulary counts, and the sharded layers where a collective is needed."""
-    a = Args.from_config(config)
-    if not a.tie and not any(k.endswith("lm_head.weight") for k in state):
-        a.tie = True
-    la = local_args(a, p)
-    with torch.device("meta"):
-        model = Transformer(la)
-        model.embed_tokens = VocabParallelEmbedding(la.vocab, la.hidden, p.v0)
-        for blk in model.layers:
-            blk.self_attn.o_proj = RowParallelLinear(la.heads * la.head_dim, la.hidden, bias=False)
-            blk.mlp.down_proj = RowParallelLinear(la.intermediate, la.hidden, bias=False)
-    sd = hf_state_to_ours(la, state)
-    if a.gemma:
-        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
-    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
-    model.init_rope()
-    model.to(device)
-    finish_load(model, dtype)
-    model.plan = p
-    return model
 
 
 # ---------------------------------------------------------------------------- the Model
@@ -319,10 +269,7 @@ def join_group(spec: ModelSpec, cfg: Any, stage: bool) -> tuple[Any, torch.devic
     does first: its GPU selected, device and dtype picked (a stage's GPU named by its index), the memory limit
     applied, the host's cores split among the ranks (a stage's: among this host's), the group joined, the
     architecture checked.  Returns (launch.current_rank(), device, dtype, rank, world, the HF config)."""
-    from swiftlm.convert import hf_config
     from swiftlm.distributed.launch import current_rank
-
-    from .loader import check_arch
 
     info = current_rank()
     if torch.cuda.is_available() and info is not None:
@@ -336,33 +283,21 @@ def join_group(spec: ModelSpec, cfg: Any, stage: bool) -> tuple[Any, torch.devic
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     rank, world = init_distributed(device.type)
     check_arch(spec)
-    return info, device, dtype, rank, world, hf_config(spec, "float32") if spec.format == "gguf" else dict(spec.config)
-
-
-def tokenizer_and_ctx(spec: ModelSpec, cfg: Any, model_ctx: int, device: torch.device) -> tuple[Any, int]:
-    """A rank's tokenizer and served context (as runner.load_model: --ctx-size, else the model's, at most
-    ``CUDA_DEFAULT_CTX`` on CUDA)."""
-    from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-
-    gguf = spec.format == "gguf"
-    tokenizer = load_gguf_tokenizer(spec.gguf_meta or {}) if gguf else load_hf_tokenizer(spec.path, spec.config)
-    ctx_cfg = getattr(cfg, "ctx_size", None)
-    cap = model_ctx if device.type == "cpu" else min(model_ctx, CUDA_DEFAULT_CTX)
-    return tokenizer, min(int(ctx_cfg or cap), model_ctx)
+    return info, device, dtype, rank, world, checkpoint_config(spec)
 
 
 def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
     """This rank's model (``runner.load_model`` with --tensor-parallel; ``base``: runner.TorchModel): join
-    the group, read this rank's slices, build, wrap."""
+    the group, read this rank's slices (``get_slice`` from safetensors; cut from each dequantized GGUF tensor as
+    it is produced), build, wrap."""
     from swiftlm.turboquant.presets import settings_format
 
     info, device, dtype, rank, world, config = join_group(spec, cfg, stage=False)
     plan = make_plan(config, rank, world)
-    state = load_shard(spec, config, plan)
-    module = build_sharded(config, state, dtype, device, plan)
+    state = read_tensors(spec, plan.pick, "--tensor-parallel")
+    plan.pad(state)
+    module = build(config, state, dtype, device, part=plan)
     del state
-    from .tp_allreduce import setup as setup_all_reduce
-
     # every rank, same point: peer-store sums (two ranks of one host) or NCCL on CUDA
     setup_all_reduce(device, dtype, one_host=info is None or info.local_world in (0, info.world))
     log.info(
@@ -379,19 +314,8 @@ def load_sharded(spec: ModelSpec, cfg: Any, base: type) -> Any:
         plan.v0,
         plan.v0 + plan.vocab_rows,
     )
-    a = module.a
-    tokenizer, ctx = tokenizer_and_ctx(spec, cfg, a.ctx, device)
     # weights and KV bytes are this rank's (each rank holds its heads' cache); the vocabulary is the full one
-    minfo = ModelInfo(
-        arch=spec.arch,
-        num_layers=a.layers,
-        context_length=ctx,
-        vocab_size=plan.vocab,
-        num_params=spec.num_params,
-        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-        weight_bytes=param_bytes(module),
-        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(dtype).bits // 8,
-    )
+    tokenizer, minfo = tokenizer_and_info(spec, cfg, module, Args.from_config(config), device, dtype)
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1))
     cls = sharded_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, slots=slots, kv_default=settings_format(cfg))

@@ -47,27 +47,27 @@ import logging
 import os
 import re
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from swiftlm.backend import Forward, ModelInfo, StepBatch
-from swiftlm.errors import ConfigError, CorruptModel, UnsupportedArchitecture
+from swiftlm.errors import ConfigError
 from swiftlm.registry import ModelSpec
 
 from .archs_config import refuse_flag
 from .attend import CacheAttend
-from .build import finish_load, hf_state_to_ours, param_bytes
+from .build import build, tokenizer_and_info
 from .cpu_packed import pack
 from .decode_rows import decode_batch
 from .devices import bind_thread
 from .forward import dense
+from .loader import checkpoint_names, read_tensors
 from .model import Transformer
 from .model_config import Args
-from .parallel import join_group, tokenizer_and_ctx
-from .rope import rope_tables
+from .parallel import join_group
 
 log = logging.getLogger(__name__)
 
@@ -98,118 +98,51 @@ def check_split(config: dict, world: int) -> None:
         raise ConfigError(f"--pipeline-parallel {world} is more stages than the model's {a.layers} layers")
 
 
-def _wanted(name: str, l0: int, l1: int, first: bool, last: bool, embed_on_last: bool) -> str | None:
-    """This stage's name for an HF tensor (layers renumbered from 0), or None: not this stage's."""
-    m = _LAYER.match(name)
-    if m:
-        i = int(m.group(2))
-        if not l0 <= i < l1:
-            return None
-        return f"{m.group(1) or ''}layers.{i - l0}.{name[m.end() :]}"
-    if name.endswith("embed_tokens.weight"):
-        return name if first or (last and embed_on_last) else None
-    if name == "lm_head.weight" or name.endswith("model.norm.weight") or name == "norm.weight":
-        return name if last else None
-    return None
+@dataclass(frozen=True)
+class Stage:
+    """Layers [l0, l1) of the model, renumbered from 0; the embedding on the first stage (and on the last when
+    its head reads it: ``embed_on_last``), the final norm and the LM head on the last.  A ``build.Part``: the
+    policy loader.read_tensors reads only the stage's tensors with, and its model."""
 
+    l0: int
+    l1: int
+    first: bool
+    last: bool
+    embed_on_last: bool  # the head is the embedding (tied, or no lm_head.weight in the checkpoint)
 
-def load_stage_state(spec: ModelSpec, config: dict, l0: int, l1: int, first: bool, last: bool) -> dict[str, Any]:
-    """This stage's tensors only: safetensors reads just those (``safe_open(...).get_tensor``); a
-    GGUF file is dequantized tensor by tensor and the other stages' tensors are dropped at once."""
-    a = Args.from_config(config)
-    if spec.format == "gguf":
-        from swiftlm.convert import iter_dequantized
+    def pick(self, name: str) -> tuple[str, None] | None:
+        """This stage's name for an HF tensor (layers renumbered from 0), or None: not this stage's."""
+        m = _LAYER.match(name)
+        if m:
+            i = int(m.group(2))
+            keep, name = self.l0 <= i < self.l1, f"{m.group(1) or ''}layers.{i - self.l0}.{name[m.end() :]}"
+        elif name.endswith("embed_tokens.weight"):
+            keep = self.first or (self.last and self.embed_on_last)
+        else:
+            keep = self.last and (
+                name == "lm_head.weight" or name.endswith("model.norm.weight") or name == "norm.weight"
+            )
+        return (name, None) if keep else None
 
-        items = list(_gguf_names(spec))
-        embed_on_last = a.tie or "lm_head.weight" not in items
-        state: dict[str, Any] = {}
-        for name, arr in iter_dequantized(spec):
-            ours = _wanted(name, l0, l1, first, last, embed_on_last)
-            if ours is not None:
-                state[ours] = torch.from_numpy(arr.copy())
-        return state
-    from safetensors import safe_open
+    def args(self, a: Args) -> Args:
+        """The layer count and the per-layer sliding windows (layer i of the stage is layer l0 + i of the model)."""
+        return replace(a, layers=self.l1 - self.l0, windows=tuple(a.windows[self.l0 : self.l1]) if a.windows else ())
 
-    if (spec.config.get("quantization") or {}).get("bits"):
-        raise UnsupportedArchitecture(
-            f"{spec.path} holds MLX-quantized weights, which the torch backend does "
-            "not read; use the mlx backend or a 16-bit checkpoint"
-        )
-    from .loader import refuse_quantized
-
-    refuse_quantized(spec, "--pipeline-parallel")
-    names: dict[str, Any] = {}
-    try:
-        for f in spec.weight_files:
-            with safe_open(str(f), framework="pt") as fh:
-                for n in fh.keys():
-                    names[n] = f
-    except Exception as exc:
-        raise CorruptModel(f"{spec.path} could not be read: {exc}") from exc
-    embed_on_last = a.tie or "lm_head.weight" not in names
-    state = {}
-    by_file: dict[Any, list[tuple[str, str]]] = {}
-    for n, f in names.items():
-        ours = _wanted(n, l0, l1, first, last, embed_on_last)
-        if ours is not None:
-            by_file.setdefault(f, []).append((n, ours))
-    for f, pairs in by_file.items():
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for n, ours in pairs:
-                    state[ours] = fh.get_tensor(n)
-        except Exception as exc:
-            raise CorruptModel(f"{f} could not be read: {exc}") from exc
-    return state
-
-
-def _gguf_names(spec: ModelSpec) -> list[str]:
-    from swiftlm.convert import hf_name
-    from swiftlm.gguf_file import read_gguf_header
-
-    _, tensors = read_gguf_header(spec.path)
-    return [hf_name(t.name) for t in tensors]
-
-
-def stage_args(a: Args, l0: int, l1: int) -> Args:
-    """The ``Args`` of a stage holding layers [l0, l1), renumbered from 0: the layer count and the
-    per-layer sliding windows (layer i of the stage is layer l0 + i of the model)."""
-    return replace(a, layers=l1 - l0, windows=tuple(a.windows[l0:l1]) if a.windows else ())
-
-
-def build_stage(
-    config: dict,
-    state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    device: torch.device,
-    l0: int,
-    l1: int,
-    first: bool,
-    last: bool,
-) -> Transformer:
-    """A ``Transformer`` of this stage's layers only (numbered from 0): the embedding on the first
-    stage (and on the last when the head is tied), the final norm and head on the last."""
-    a = Args.from_config(config)
-    if not a.tie and not any(k.endswith("lm_head.weight") for k in state) and last:
-        a.tie = True
-    la = stage_args(a, l0, l1)
-    with torch.device("meta"):
-        model = Transformer(la)
-        if not first and not (last and la.tie):
+    def shape(self, model: Transformer) -> None:
+        if not self.first and not (self.last and model.a.tie):
             model.embed_tokens = None
-        if not last:
+        if not self.last:
             model.norm = None
             model.lm_head = None
-    sd = hf_state_to_ours(la, state)
-    if a.gemma:
-        sd = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in sd.items()}
-    model.load_state_dict({k: sd.pop(k).to(dtype) for k in list(sd)}, strict=True, assign=True)
-    model.cos, model.sin = rope_tables(la, device)
-    model.to(device)
-    finish_load(model, dtype)
-    if device.type == "cpu":  # the single-process model's oneDNN-packed matrices: its speed and its bits
-        pack(model)
-    return model
+
+
+def make_stage(spec: ModelSpec, config: dict, stage: int, stages: int) -> Stage:
+    """Stage ``stage`` of ``stages`` (``stage_layers``); the last one reads the checkpoint's tensor names (headers
+    only) to know whether its head is the embedding."""
+    a = Args.from_config(config)
+    last = stage == stages - 1
+    embed_on_last = last and (a.tie or "lm_head.weight" not in checkpoint_names(spec))
+    return Stage(*stage_layers(a.layers, stage, stages), stage == 0, last, embed_on_last)
 
 
 def units_of(batch: StepBatch, micro: int, min_rows: int = 1) -> tuple[list[list[int]], bool]:
@@ -371,40 +304,30 @@ def pipeline_model_class(base: type) -> type:
 
 def load_stage(spec: ModelSpec, cfg: Any, base: type) -> Any:
     """This rank's stage (``runner.load_model`` with --pipeline-parallel; ``base``: runner.TorchModel): join
-    the group, read this stage's tensors, build, wrap."""
+    the group, read this stage's tensors (safetensors: those alone; GGUF: the others dropped as dequantized),
+    build, wrap."""
     from swiftlm.turboquant.presets import settings_format
 
     _, device, dtype, rank, world, config = join_group(spec, cfg, stage=True)
     check_split(config, world)
-    a = Args.from_config(config)
     stage = stage_of(rank, world)
-    l0, l1 = stage_layers(a.layers, stage, world)
-    first, last = stage == 0, stage == world - 1
-    state = load_stage_state(spec, config, l0, l1, first, last)
-    module = build_stage(config, state, dtype, device, l0, l1, first, last)
+    st = make_stage(spec, config, stage, world)
+    state = read_tensors(spec, st.pick, "--pipeline-parallel")
+    module = build(config, state, dtype, device, part=st)
     del state
+    if device.type == "cpu":  # the single-process model's oneDNN-packed matrices: its speed and its bits
+        pack(module)
     log.info(
         "pipeline-parallel rank %d/%d: stage %d, layers [%d, %d)%s%s",
         rank,
         world,
         stage,
-        l0,
-        l1,
-        ", embedding" if first else "",
-        ", norm + LM head" if last else "",
+        st.l0,
+        st.l1,
+        ", embedding" if st.first else "",
+        ", norm + LM head" if st.last else "",
     )
-    tokenizer, ctx = tokenizer_and_ctx(spec, cfg, a.ctx, device)
-    la = module.a
     # weights and KV bytes are this stage's
-    minfo = ModelInfo(
-        arch=spec.arch,
-        num_layers=a.layers,
-        context_length=ctx,
-        vocab_size=a.vocab,
-        num_params=spec.num_params,
-        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
-        weight_bytes=param_bytes(module),
-        kv_bytes_per_token=2 * la.layers * la.kv_heads * la.head_dim * torch.finfo(dtype).bits // 8,
-    )
+    tokenizer, minfo = tokenizer_and_info(spec, cfg, module, Args.from_config(config), device, dtype)
     cls = pipeline_model_class(base)
     return cls(module, tokenizer, minfo, device, dtype, stage, world, kv_default=settings_format(cfg))

@@ -14,11 +14,10 @@ import torch
 from swiftlm.backend import Forward, ModelHooks, ModelInfo, StepBatch
 from swiftlm.errors import UnsupportedArchitecture
 from swiftlm.registry import ModelSpec
-from swiftlm.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from swiftlm.turboquant.presets import KVFormat, settings_format
 
 from . import cpu_kernels
-from .build import build, param_bytes
+from .build import build, tokenizer_and_info
 from .code_pages import CodePages
 from .compressed_cache import CompressedCache, StageBudget
 from .decode_rows import decode_batch
@@ -419,34 +418,24 @@ def load_model(spec: ModelSpec, cfg: Any) -> TorchModel:
         from swiftlm.experts import clamp_top_k
 
         module.a.top_k = clamp_top_k(int(getattr(cfg, "expert_top_k", 0) or 0), module.a.top_k)
-    tokenizer = (
-        load_gguf_tokenizer(spec.gguf_meta or {})
-        if spec.format == "gguf"
-        else load_hf_tokenizer(spec.path, spec.config)
-    )
     a = module.a
-    ctx_cfg = getattr(cfg, "ctx_size", None) if cfg is not None else None
-    # On CUDA the default KV pool holds every --parallel sequence at the full context (devices.kv_pool_size),
-    # so the default context there is capped at CUDA_DEFAULT_CTX unless --ctx-size asks for more (with
-    # --kv-cache-memory the pool's size no longer follows the context).
-    ctx = min(int(ctx_cfg or (a.ctx if device.type == "cpu" else min(a.ctx, CUDA_DEFAULT_CTX))), a.ctx)
     kv_store = kv_storage_dtype(kv_name, dtype)  # what the KV rows are stored in (e4m3 with --kv-cache-dtype fp8)
     kv_scales = checkpoint_scales(spec.path, a.layers, a.kv_heads).to(device) if kv_store == FP8 else None
     log.info("KV cache: %s", describe(kv_scales) or str(kv_store)[6:])
-    info = ModelInfo(
-        arch=spec.arch,
-        num_layers=a.layers,
-        context_length=ctx,
-        vocab_size=a.vocab,
-        num_params=spec.num_params,
-        quantization=f"{spec.quantization} -> {str(dtype)[6:]}",
+    tokenizer, info = tokenizer_and_info(
+        spec,
+        cfg,
+        module,
+        a,
+        device,
+        dtype,
+        kv_store,
         is_moe=bool(a.experts),
-        weight_bytes=param_bytes(module),
-        kv_bytes_per_token=2 * a.layers * a.kv_heads * a.head_dim * torch.finfo(kv_store).bits // 8,
         kv_dtype=describe(kv_scales) or str(dtype)[6:],
         streamed_expert_bytes=reader.layout.expert_bytes_total if reader else 0,
         experts_per_token=a.top_k,
     )
+    ctx = info.context_length
     slots = max(1, int(getattr(cfg, "parallel", 1) or 1)) if cfg is not None else 1
     if module.a.offload is not None and kv_scales is None:  # CPU layers keep their KV rows in --offload-dtype
         from .offload import kv_bytes_per_token
