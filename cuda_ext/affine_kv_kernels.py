@@ -29,6 +29,8 @@ biases of ``AffineCodec.encode`` on the same device (see ``_recip``).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import triton
@@ -362,7 +364,11 @@ def _affine_encode_kernel(
 
 
 # ------------------------------------------------------------------------------------ host side
-_TUNE: dict = {}  # launch knobs of the split pass (num_warps, num_stages) for sweeps
+# launch knobs of the split pass (num_warps, num_stages, BLOCK_N) for sweeps; SWIFTLM_AFFINE_TUNE="num_warps=8,BLOCK_N=128"
+# sets them for a whole process (a diagnostic knob for end-to-end runs)
+_TUNE: dict = {
+    k: int(v) for k, v in (kv.split("=") for kv in filter(None, os.environ.get("SWIFTLM_AFFINE_TUNE", "").split(",")))
+}
 
 
 def _splits(device: torch.device, groups: int, rows: int, block_n: int) -> int:
@@ -404,7 +410,9 @@ def affine_split_pass(
     assert k_bias.stride() == k_scale.stride() and v_bias.stride() == v_scale.stride()
     if f16 is None:
         f16 = q.dtype in (torch.float16, torch.bfloat16)
-    block_n = block_n or _block_n(f16, D)
+    tune = dict(_TUNE)
+    block_n = block_n or tune.pop("BLOCK_N", 0) or _block_n(f16, D)
+    tune.pop("BLOCK_N", None)
     S = splits or _splits(q.device, KVH, N, block_n)
     m = torch.empty(H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -440,7 +448,7 @@ def affine_split_pass(
         N_PTR=n_rows is not None,
         F16=bool(f16),
         **launch_kw(q),
-        **_TUNE,
+        **tune,
     )
     return m, l, acc
 
