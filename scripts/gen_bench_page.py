@@ -232,6 +232,8 @@ STABLE: dict[str, Callable[[], dict] | str] = {
     "h200_kv_formats_serve_128k.json": "tq_s33/kv_formats_serve_131k_balanced.json",
     "h200_serve_churn_8b.json": "tq_s33/serve_churn_h200_8b.json",
     "cpu_kv_formats_serve_4k.json": "tq_s33/kv_formats_serve_cpu_4k_s33.json",
+    "h200_kv_bits_serve_128k.json": "tq_s34/kv_formats_serve_h200_131k_kvbits.json",
+    "h200_serve_churn_8b_fresh.json": "tq_s34/serve_churn_h200_8b_fresh_s34.json",
     "h200_kv_decode_step.json": lambda: _stable_kv_step(
         ["tq_s29/kv_step_with16bit_32000.json", "tq_s29/kv_step_with16bit_131000.json"]
     ),
@@ -1021,6 +1023,7 @@ MEASURES = [
             "h200_kv_formats_serve_32k.json",
             "h200_kv_formats_serve_128k.json",
             "kv_formats_serve_h200_32k_kvbits.json",
+            "h200_kv_bits_serve_128k.json",
         ],
         H200,
         lambda docs: m_kv_serve(docs, every_run=True),
@@ -1034,8 +1037,14 @@ MEASURES = [
         "staged in 16 bits. The 32K and 128K rows are the current build: one sequence's decode row with 4 split "
         "programs per SM, even split ranges and the combine pass off the critical path (the next tables); several "
         "sequences' rows in one launch with 16 per SM (which took 8 streams from 1.03x of 16-bit's inter-token latency "
-        "with 8 per SM to 0.99x, `tq_s31/`). The `kv_bits` rows (requests with `kv_bits` on a 16-bit server, staging "
-        "4 GiB) are an earlier build with 8 split programs per SM for every row.",
+        "with 8 per SM to 0.99x, `tq_s31/`). The `kv_bits` rows are requests with `kv_bits` on a 16-bit server, which "
+        "stages 4 GiB of prompt in 16 bits: a 131,072-token prompt (17 GB) does not fit, so it is compressed as it "
+        "prefills; the 32K rows are an earlier build, the 128K rows the current one. At 128K kv8's decode is 1.06x "
+        "16-bit's inter-token latency although it reads about half the bytes: its split pass takes 5.0 ms of the "
+        "step (~9.7 GB of codes, scales and biases: ~1.9 TB/s) where 16-bit's takes 4.6 ms (17.2 GB: ~3.75 TB/s), "
+        "so it is bound by dequantizing, not by memory (`tq_s34/kv_step_profile_131100_16bit_kv8_kv4.json`). Its "
+        "launch knobs (4, 16 or 32 programs per SM instead of 8, 8 warps, 2 or 4 stages, 32- or 128-row tiles; "
+        "`SWIFTLM_TQ_PROGRAMS_PER_SM`, `SWIFTLM_AFFINE_TUNE`) were all slower (`tq_s34/affine_kv_step_ab.log`).",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
@@ -1058,7 +1067,7 @@ MEASURES = [
     Measure(
         "Long context: TurboQuant and kv_bits",
         "Requests that come and go, with the start-up warm-up (H200)",
-        ["h200_serve_churn_8b.json"],
+        ["h200_serve_churn_8b.json", "h200_serve_churn_8b_fresh.json"],
         H200,
         m_churn,
         notes="The same load and script as the table above, on the build with the two-wave start-up warm-up (a short "
@@ -1073,7 +1082,14 @@ MEASURES = [
         "count has since stopped being a specialised argument, which this run predates. 16-bit's time to first token "
         "p99 comes from its first long prompt: that prompt's first step took 3.95 s. A TurboQuant server takes "
         "such a step (3.4-3.9 s) in its warm-up, and graphed CUDA servers of every format now run a prompt of "
-        "several chunks at start-up, also after this run.",
+        "several chunks at start-up, also after this run. The last two rows are a fresh machine (empty Triton cache) "
+        "on the build with both changes and `SWIFTLM_LOG_COMPILES=1`: no TurboQuant kernel compiled after the "
+        "warm-up, `k4v3_first`'s longest step is 161 ms (6.2 s before) and 16-bit's time to first token p99 2.1 s "
+        "(5.9 s). What still compiled after ready was the sampler's two Triton kernels, at the first sampled "
+        "request (1.4 s over 16-bit's first two steps: the warm-up's requests were greedy, which takes the argmax). "
+        "The warm-up's requests now sample; on another fresh machine the 16-bit server then compiled nothing after "
+        "ready, its longest step was 77 ms and its time to first token p99 2.36 s "
+        "(`tq_s34/serve_churn_h200_8b_fresh_sampled_warmup.json`).",
     ),
     Measure(
         "Long context: TurboQuant and kv_bits",
