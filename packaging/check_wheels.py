@@ -2,7 +2,10 @@
 
 For each target and CPython version, pip resolves swiftlm's requirements (markers evaluated for the target by
 packaging/reqs.py) with --only-binary=:all: --platform ... --dry-run: it fails if any package in the tree has no
-wheel for that target.  It reads metadata only (no wheel is downloaded where the index serves PEP 658 metadata).
+wheel for that target.  It reads metadata only: the index's PEP 658 metadata files where it serves them, else
+each wheel's METADATA read with HTTP range requests (pip's ``--use-feature=fast-deps``; a server that refuses ranges
+gets the whole wheel, as without the option).  Without either, pip downloaded every wheel of the tree in full to read
+its metadata: ~3.5 GB for linux-x86_64 (PyPI's CUDA torch and its nvidia-* wheels), ~25 s of CPU per target.
 Only PyPI is asked (this machine's pip configuration is ignored), so on Linux torch==2.13.0 resolves to PyPI's
 build (CUDA, on x86_64) rather than the CPU index's; both are wheels.
 Limitation: markers deeper in the tree are evaluated by pip for the machine running this (pip's rule).
@@ -28,6 +31,17 @@ from reqs import BUNDLED_MODEL_PIN, platform_args, requirements  # noqa: E402
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
 
 
+def lazy_wheels() -> list[str]:
+    """pip's option to read a remote wheel's metadata by range requests, where this pip has it (an experimental
+    feature in pip 20.3-26.x: it may go, and without it the check is the same, only slower)."""
+    try:
+        from pip._internal.cli.cmdoptions import use_new_feature
+
+        return ["--use-feature=fast-deps"] if "fast-deps" in use_new_feature().choices else []
+    except Exception:  # pragma: no cover - another pip's internals
+        return []
+
+
 def check(target: str, python: str, extras: str | None = None) -> dict:
     reqs = requirements(target, python, extras)
     t0 = time.time()
@@ -51,6 +65,7 @@ def check(target: str, python: str, extras: str | None = None) -> dict:
             "-q",
             "--index-url",
             "https://pypi.org/simple",
+            *lazy_wheels(),
         ]
         r = subprocess.run([*base, "--report", str(report), *reqs], capture_output=True, text=True, env=ENV)
         r2 = subprocess.run([*base, "--no-deps", BUNDLED_MODEL_PIN], capture_output=True, text=True, env=ENV)

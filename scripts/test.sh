@@ -38,6 +38,11 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two xdist workers on two cores, each starting servers and engines: one OpenMP thread per process.  With more,
 # OpenMP's spinning threads of one process take the cores another is waiting for, and every token slows down.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Bytecode is written and reused (Python's default; __pycache__/ is ignored by git).  Where the environment sets
+# PYTHONDONTWRITEBYTECODE, each of the suite's several hundred Python subprocesses (servers, the CLI, scripts,
+# engine and rank processes) compiled every swiftlm module it imports again, ~0.3 s a start: ~10% of the time of
+# the subprocess-heavy files.  (scripts/mutation.sh keeps it set: it rewrites sources within the same second.)
+unset PYTHONDONTWRITEBYTECODE
 if [ "$fast" = 1 ]; then
   fast_expr="$(cd tests && ../.venv/bin/python -c 'import tiers; print(tiers.FAST_EXPR)')"
   exec .venv/bin/python -m pytest -q -ra -n 2 --durations=25 -m "$fast_expr" "$@"

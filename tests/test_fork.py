@@ -1,10 +1,10 @@
 """``n`` / ``best_of``: one prefill per request, the prompt's KV forked into every choice.
 
-- Engine: n=8 on a ~600-token prompt (two prefill chunks of 512) prefills the prompt once (counted by
-  ``fork_stats``), its KV is shared (``kv_stats`` bytes vs 8 separate requests: 7 prompts' worth less,
-  from the arithmetic), and greedy choices equal each other and a single greedy request token for token.  Seeded choices
-  equal separate requests with the per-choice seeds.  Cancelling the leader before its prompt ran
-  hands the group on; cancelling one choice leaves the others.  The same through the engine process,
+- Engine: n=8 on a ~170-token prompt (two prefill chunks: the module's engine runs with ``prefill_size=128``)
+  prefills the prompt once (counted by ``fork_stats``), its KV is shared (``kv_stats`` bytes vs 8 separate requests:
+  7 prompts' worth less, from the arithmetic), and greedy choices equal each other and a single greedy request token
+  for token.  Seeded choices equal separate requests with the per-choice seeds.  Cancelling the leader before its
+  prompt ran hands the group on; cancelling one choice leaves the others.  The same through the engine process,
   and on MLX (where the KV is copied into each fork, not shared).
 - Server (the real app): best_of ranks its candidates, the validation errors, and streamed n > 1
   keeps each choice's index and finish_reason (completions and chat).
@@ -54,12 +54,19 @@ def _run(engine, submit, timeout: float = 300) -> tuple[dict[int, list[int]], di
     return {i: toks[i] for i in ids}, reasons, kv_max
 
 
+# Prompt tokens per sequence per step of the module's engine.  A quarter of the default (512): the n=8 test needs a
+# prompt longer than one chunk, and its 8 separate requests prefill that prompt 8 times over, so every prompt token
+# it needs costs ten; with 128 the test holds all it held at 512 (two chunks, all 8 running together, the KV
+# arithmetic) on a quarter of the tokens.  The other tests' prompts fit one chunk either way.
+PREFILL = 128
+
+
 @pytest.fixture(scope="module")
 def llm():
     pytest.importorskip("torch")
     from swiftlm import LLM
 
-    m = LLM(backend="torch", device="cpu", parallel=8, prompt_cache_bytes=0)
+    m = LLM(backend="torch", device="cpu", parallel=8, prompt_cache_bytes=0, prefill_size=PREFILL)
     yield m
     m.close()
 
@@ -67,8 +74,10 @@ def llm():
 @needs_torch
 def test_n8_prefills_once_shares_kv_and_greedy_equals_single(llm):
     eng = llm.engine
-    prompt = _prompt(eng, 600)  # > prefill_size (512): the group's prompt prefills in two chunks before the fork
-    # 16 > the <= 11 steps (512 prompt tokens each) that 8 separate prompts take to prefill: all 8 overlap
+    prompt = _prompt(eng, 150)  # > prefill_size (128): the group's prompt prefills in two chunks before the fork
+    assert PREFILL < len(prompt) <= 2 * PREFILL and eng.scheduler.prefill_size == PREFILL
+    # 16 > the <= 11 steps (~128 prompt tokens each: the step's token budget, prefill_size + parallel) that 8
+    # separate prompts take to prefill: all 8 overlap
     P, T = len(prompt), 16
     p = SamplingParams(max_tokens=T, temperature=0, ignore_eos=True)
     single = llm.generate(prompt, p).token_ids

@@ -35,7 +35,9 @@ LAUNCH = str(Path(PY).parent / "mlx.launch")
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "def fibonacci(n):"]
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-# Run by every rank (the ranks > 0 never return from LLM(): they follow rank 0 and exit when it closes).
+# Run by every rank (the ranks > 0 never return from LLM(): they follow rank 0 and exit when it closes), and by
+# the test process itself for the single-process side (``run``; a subprocess of its own spent ~4 s of its ~5 s
+# starting Python and importing mlx-lm).
 SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
@@ -43,23 +45,25 @@ SCRIPT = textwrap.dedent("""
     from swiftlm.backend import SeqWork, StepBatch
     from swiftlm.sampling import SamplerState
 
-    model, out, dist, sharding = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[5]
-    prompts = json.loads(sys.argv[4])
-    llm = LLM(model, backend="mlx", parallel=4, distributed=dist, distributed_sharding=sharding)
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    one = [llm.generate(p, greedy).token_ids for p in prompts]
-    together = [o.token_ids for o in llm.generate(prompts, greedy)]  # prefill + batched decode rows
-    m = llm.engine.model
-    logits = []
-    for i, p in enumerate(prompts):  # the first step's full-vocabulary logits (the engine is idle)
-        sid = 10**6 + i
-        fwd = m.forward(StepBatch([SeqWork(sid, llm.engine.text_prompt(p), 0, True, SamplingParams(),
-                                           SamplerState())]))
-        logits.append(np.array(fwd.logits[0]).tolist())
-        m.free([sid])
-    llm.close()
-    with open(out, "w") as f:
-        json.dump({"one": one, "together": together, "logits": logits}, f)
+    def run(model, out, dist, prompts, sharding):
+        llm = LLM(model, backend="mlx", parallel=4, distributed=dist, distributed_sharding=sharding)
+        greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        one = [llm.generate(p, greedy).token_ids for p in prompts]
+        together = [o.token_ids for o in llm.generate(prompts, greedy)]  # prefill + batched decode rows
+        m = llm.engine.model
+        logits = []
+        for i, p in enumerate(prompts):  # the first step's full-vocabulary logits (the engine is idle)
+            sid = 10**6 + i
+            fwd = m.forward(StepBatch([SeqWork(sid, llm.engine.text_prompt(p), 0, True, SamplingParams(),
+                                               SamplerState())]))
+            logits.append(np.array(fwd.logits[0]).tolist())
+            m.free([sid])
+        llm.close()
+        with open(out, "w") as f:
+            json.dump({"one": one, "together": together, "logits": logits}, f)
+
+    if __name__ == "__main__":
+        run(sys.argv[1], sys.argv[2], sys.argv[3] == "1", json.loads(sys.argv[4]), sys.argv[5])
 """)
 
 
@@ -110,9 +114,13 @@ def _run_script(tmp_path: Path, model: Path, distributed: bool, sharding: str = 
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
     out = tmp_path / ("two.json" if distributed else "one.json")
-    args = [str(script), str(model), str(out), "1" if distributed else "0", json.dumps(PROMPTS), sharding]
-    cmd = launch(*args) if distributed else [PY, *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    if not distributed:  # the same code in this process: the model, the engine and the kernels are the same
+        ns: dict = {"__name__": "ranks"}
+        exec(compile(SCRIPT, str(script), "exec"), ns)
+        ns["run"](str(model), str(out), False, PROMPTS, sharding)
+        return json.loads(out.read_text())
+    args = [str(script), str(model), str(out), "1", json.dumps(PROMPTS), sharding]
+    r = subprocess.run(launch(*args), capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     # mlx.launch exits 0 whatever its ranks do; it warns for each rank that failed or was killed
     assert "Node with rank" not in r.stderr, r.stderr[-4000:]

@@ -108,13 +108,13 @@ def cluster(bundled_gguf):
         print(f"\nRay Serve with two replicas and the reference server up in {time.monotonic() - t0:.1f} s")
         yield f"http://127.0.0.1:{port}", ref.base, args
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            starting.join()
-            for ref in refs:
-                assert ref.stop() == 0, ref.stderr_tail()
+        # ray.shutdown() alone: it stops the local cluster's processes, replicas included, and each replica's
+        # `swiftlm serve` dies with it (PR_SET_PDEATHSIG).  serve.shutdown() first drained the replicas one by
+        # one (~5 s), which no test looks at.
+        ray.shutdown()
+        starting.join()
+        for ref in refs:
+            assert ref.stop() == 0, ref.stderr_tail()
 
 
 def _references(ref: str, bodies: list[dict]) -> list[str]:

@@ -239,6 +239,9 @@ def test_disconnect_cancels_generation(tiny_server):
 
 
 def test_health_and_metrics(tiny_server):
+    # a server started without --cors sends no CORS headers (test_auth_cors_and_loading has the one with --cors)
+    r = httpx.get(tiny_server.base + "/health", headers={"Origin": "http://example.test"}, timeout=10)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     h = _health(tiny_server)
     assert h["status"] == "ok" and h["backend"] == tiny_server.backend
     assert {"active", "peak", "cache", "total_system"} <= set(h["memory"]) and h["memory"]["total_system"] > 0
@@ -349,13 +352,7 @@ def test_auth_cors_and_loading(tiny_llama):
         assert pre.headers["access-control-allow-origin"] == "http://example.test"
     finally:
         s.stop()
-    # without --cors: no CORS headers
-    s2 = ServerProc("--model", str(tiny_llama), "--backend", backend)
-    try:
-        r = httpx.get(s2.base + "/health", headers={"Origin": "http://example.test"})
-        assert "access-control-allow-origin" not in r.headers
-    finally:
-        s2.stop()
+    # without --cors, no CORS headers: test_health_and_metrics, on the shared servers
 
 
 def test_health_is_503_while_loading(tiny_llama, backend):
@@ -480,6 +477,8 @@ def test_response_format_json_object_and_bad_schema(client, tiny_server):
 
 
 def test_queue_full_is_429(tiny_llama, backend):
+    """Queue full is a 429 (``queue_full``, with Retry-After), the others are served, and the server exits 0 after.
+    (test_shutdown.py had the same test on torch with its own server: merged here.)"""
     import concurrent.futures as cf
 
     s = ServerProc("--model", str(tiny_llama), "--backend", backend, "--parallel", "1", "--max-queue", "1")
@@ -496,6 +495,8 @@ def test_queue_full_is_429(tiny_llama, backend):
         assert 429 in statuses and 200 in statuses, statuses
         r429 = next(r for r in codes if r.status_code == 429)
         assert r429.json()["error"]["type"] == "rate_limit_error"
+        assert r429.json()["error"]["code"] == "queue_full"
+        assert all(r.headers.get("retry-after") == "1" for r in codes if r.status_code == 429)
         assert set(statuses) <= {200, 429}
     finally:
-        s.stop()
+        assert s.stop() == 0, s.stderr_tail()
