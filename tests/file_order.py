@@ -9,7 +9,10 @@ other (longest-processing-time first).  xdist's own order (most tests first) put
 SECONDS is each file's time in a whole run from a fresh clone on the 2-core CI machine (junit times, setup + call +
 teardown, summed per file; files of 10 s or more in that run), test_kv_compressed.py's less what its numba cut saved
 since, and the files of interpreted Triton kernels scaled by what skipping the self-check and the interpreter's
-redundant patching saved (tests/conftest.py: their tests alone took 0.6-0.8 of their earlier time).  A fresh clone
+redundant patching saved (tests/conftest.py: their tests alone took 0.6-0.8 of their earlier time).  The entries of
+test_install, test_server, test_ray_serve, test_speculative, test_reference_torch, test_mlx_distributed,
+test_code_pages, test_fork and test_shutdown are from a later whole run from a fresh clone (2026-11-30, with the
+changes that shortened them and scripts/test.sh writing bytecode), the others from the earlier run.  A fresh clone
 pays first-use costs in the file that meets them first (numba compiles its CPU attention kernels once per shape and
 format, ~4 s each; the checkpoint cache fills).  A file not listed counts 0.21 s per test (the mean of the unlisted
 ones).  The figures only order the files: a stale or missing entry changes no test, only when its file
@@ -23,22 +26,22 @@ from __future__ import annotations
 UNLISTED_PER_TEST = 0.21
 
 SECONDS = {
-    "test_install.py": 225,
-    "test_speculative.py": 179,
+    "test_install.py": 223,
     "test_cuda_ext.py": 158,
-    "test_server.py": 156,
-    "test_ray_serve.py": 130,
+    "test_server.py": 147,
+    "test_ray_serve.py": 137,
+    "test_speculative.py": 133,
     "test_kv_compressed.py": 101,
-    "test_reference_torch.py": 76,
-    "test_mlx_distributed.py": 66,
+    "test_reference_torch.py": 67,
     "test_tensor_parallel.py": 64,
+    "test_mlx_distributed.py": 59,
     "test_cli_convert.py": 57,
-    "test_code_pages.py": 53,
-    "test_fork.py": 47,
     "test_engine_process.py": 47,
     "test_lora_mlx.py": 46,
     "test_pipeline_parallel.py": 46,
     "test_compressed_batch.py": 41,
+    "test_code_pages.py": 40,
+    "test_fork.py": 39,
     "test_batching.py": 37,
     "test_quant_formats.py": 36,
     "test_cli_first_contact.py": 36,
@@ -65,7 +68,6 @@ SECONDS = {
     "test_responses_api.py": 16,
     "test_engine_exact.py": 16,
     "test_anthropic_api.py": 16,
-    "test_shutdown.py": 15,
     "test_bench_serve.py": 15,
     "test_tq_paged.py": 13,
     "test_structured.py": 13,
@@ -74,6 +76,7 @@ SECONDS = {
     "test_paged_attention.py": 11,
     "test_lora.py": 11,
     "test_registry.py": 11,
+    "test_shutdown.py": 10,
     "test_fused_decode.py": 9,
 }
 

@@ -173,14 +173,14 @@ def _dist_params(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
 
 
-def _samples(model, **kw) -> tuple[list[list[int]], object]:
+def _samples(model, n: int = DIST_N, **kw) -> tuple[list[list[int]], object]:
     llm = _llm(model, "torch", num_draft_tokens=3, **kw)
     if kw.get("speculative") == "ngram":
         # 1-gram matches too: on a random model's output, 2-grams rarely repeat, and the test
         # needs drafts (accepted and rejected) at every step to exercise the rule
         llm.engine.speculator.drafter = NgramDrafter(min_ngram=1)
     try:
-        got = [llm.generate(DIST_PROMPT, _dist_params(s)).token_ids for s in range(DIST_N)]
+        got = [llm.generate(DIST_PROMPT, _dist_params(s)).token_ids for s in range(n)]
         return got, (llm.engine.speculator.stats if llm.engine.speculator else None)
     finally:
         llm.close()
@@ -222,7 +222,10 @@ def test_sampled_distribution_matches_plain(tiny_llama, tiny_draft, plain_sample
 
 @needs_torch
 def test_broken_rule_is_detected(tiny_llama, plain_samples, monkeypatch):
-    """The chi-square test has teeth: keeping every n-gram draft changes the distribution."""
+    """The chi-square test has teeth: keeping every n-gram draft changes the distribution.  150 broken samples (seeds
+    0-149, one at a time like every speculative run) against the 600 plain ones: the third token's statistic is ~730
+    against the critical 32.9 (~1150 with 600 samples, when this was written).  A smaller sample only weakens the
+    test, so the 600-sample comparison of test_sampled_distribution_matches_plain catches the broken rule too."""
     from swiftlm import speculative
 
     monkeypatch.setattr(
@@ -232,7 +235,7 @@ def test_broken_rule_is_detected(tiny_llama, plain_samples, monkeypatch):
             lambda ops, row, params, state, drafts, qs, i: (drafts[i], True) if i < len(drafts) else (0, False)
         ),
     )
-    spec, _ = _samples(tiny_llama, speculative="ngram")
+    spec, _ = _samples(tiny_llama, n=150, speculative="ngram")
     stats = [
         _chi2_two_sample(
             Counter(t[pos] for t in plain_samples if len(t) > pos), Counter(t[pos] for t in spec if len(t) > pos)
