@@ -411,8 +411,8 @@ def affine_split_pass(
     if f16 is None:
         f16 = q.dtype in (torch.float16, torch.bfloat16)
     tune = dict(_TUNE)
-    block_n = block_n or tune.pop("BLOCK_N", 0) or _block_n(f16, D)
-    tune.pop("BLOCK_N", None)
+    tuned_n = tune.pop("BLOCK_N", 0)
+    block_n = block_n or tuned_n or _block_n(f16, D)
     S = splits or _splits(q.device, KVH, N, block_n)
     m = torch.empty(H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)

@@ -25,18 +25,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _signature(bits: int, group: int, block_n: int, D: int, rep: int) -> tuple[dict, dict]:
-    names = [
-        "q_ptr", "kc_ptr", "ks_ptr", "kb_ptr", "vc_ptr", "vs_ptr", "vb_ptr", "m_out", "l_out", "acc_out", "N",
-        "n_ptr", "qk_scale", "kc_head", "kc_row", "ks_head", "ks_row", "vc_head", "vc_row", "vs_head", "vs_row",
-    ]  # fmt: skip
-    types = ["*bf16", "*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*fp32", "*fp32", "*fp32", "i32", "*i64"]
-    types += ["fp32"] + ["i32"] * 8
+# the split pass's non-constexpr arguments as a bf16 model's graphed decode step passes them (by name, so that a
+# renamed or added argument fails here instead of compiling another kernel)
+_TYPES = {
+    "q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*fp16", "kb_ptr": "*fp16", "vc_ptr": "*u8", "vs_ptr": "*fp16",
+    "vb_ptr": "*fp16", "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32", "N": "i32", "n_ptr": "*i64",
+    "qk_scale": "fp32", "kc_head": "i32", "kc_row": "i32", "ks_head": "i32", "ks_row": "i32", "vc_head": "i32",
+    "vc_row": "i32", "vs_head": "i32", "vs_row": "i32",
+}  # fmt: skip
+
+
+def _signature(kernel, bits: int, group: int, block_n: int, D: int, rep: int) -> tuple[dict, dict]:
     consts = dict(
         D=D, GS=group, BITS=bits, BLOCK_N=block_n, REP=rep, RP=max(16, 1 << (rep - 1).bit_length()), N_PTR=True,
         F16=True, GDC=False,
     )  # fmt: skip
-    sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+    sig = {n: "constexpr" if n in consts else _TYPES[n] for n in kernel.arg_names}
     return sig, consts
 
 
@@ -48,7 +52,7 @@ def kernel_regs(bits: int, group: int, block_n: int, num_warps: int, arch: int, 
 
     from swiftlm.cuda_ext.affine_kv_kernels import _affine_attn_kernel
 
-    sig, consts = _signature(bits, group, block_n, D, rep)
+    sig, consts = _signature(_affine_attn_kernel, bits, group, block_n, D, rep)
     keys = list(sig)
     src = ASTSource(fn=_affine_attn_kernel, signature=sig, constexprs={(keys.index(k),): v for k, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
